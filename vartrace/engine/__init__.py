@@ -1,0 +1,40 @@
+"""The tracing engine: the path language, method patching and frame capture.
+
+It knows nothing of torch, so it runs (and is tested) on every supported
+Python, with or without torch installed:
+
+* :mod:`~vartrace.engine.paths` parses patterns and matches segments;
+* :mod:`~vartrace.engine.code` reads methods, arguments and locals from classes;
+* :mod:`~vartrace.engine.structures` splits captured values into leaves;
+* :mod:`~vartrace.engine.frames` reads a running method's locals
+  (``sys.monitoring`` on Python >= 3.12, ``sys.settrace`` before);
+* :mod:`~vartrace.engine.patching` patches methods of single objects.
+"""
+
+from vartrace.engine.code import MethodInfo, methods_of
+from vartrace.engine.frames import FrameCore, MonitoringCore, SettraceCore, default_core
+from vartrace.engine.patching import Hook, Probe, Selector, attach, core, detach, set_core
+from vartrace.engine.paths import Pattern, parse
+from vartrace.engine.structures import children, leaves, register_container, select
+
+__all__ = [
+    "FrameCore",
+    "Hook",
+    "MethodInfo",
+    "MonitoringCore",
+    "Pattern",
+    "Probe",
+    "Selector",
+    "SettraceCore",
+    "attach",
+    "children",
+    "core",
+    "default_core",
+    "detach",
+    "leaves",
+    "methods_of",
+    "parse",
+    "register_container",
+    "select",
+    "set_core",
+]

@@ -1,0 +1,277 @@
+"""Frame capture: reading a running method's locals, with one interface and two cores.
+
+A patched method that needs locals at return (or every value a variable
+takes) calls the method through :meth:`FrameCore.run`, which returns the
+method's result and a snapshot of the requested variables as they were
+when it returned.  How the frame is observed depends on the Python:
+
+* :class:`MonitoringCore` (Python >= 3.12) enables ``sys.monitoring``
+  *local* events (``PY_RETURN``, and ``LINE`` for ``@every``) on exactly
+  the code objects being traced.  Other code runs at full speed, and the
+  ``sys.settrace`` / ``sys.monitoring`` use of other tools is untouched.
+* :class:`SettraceCore` (older Pythons) arms ``sys.settrace`` only for the
+  duration of a traced call and chains to any trace function already
+  installed (a debugger, coverage.py), restoring it afterwards.
+
+A frame is recognised as the traced call when its code object is the
+method's and its caller chain reaches the :meth:`~FrameCore.run` frame
+(through at most a few decorator frames, never through another frame of
+the same code): calls of the same code on untraced instances, or nested
+recursive calls, are not mistaken for it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any
+
+__all__ = ["FrameCore", "MonitoringCore", "SettraceCore", "default_core"]
+
+LineCallback = Callable[[str, Any], None]
+_MISSING = object()
+_MAX_DECORATOR_FRAMES = 8
+
+
+def _called_from(frame: FrameType, caller: FrameType) -> bool:
+    code = frame.f_code
+    back = frame.f_back
+    for _ in range(_MAX_DECORATOR_FRAMES):
+        if back is None or back.f_code is code:
+            return False
+        if back is caller:
+            return True
+        back = back.f_back
+    return False
+
+
+def _identity(value: Any) -> tuple[int, Any]:
+    # A tensor changed in place keeps its identity but bumps ``_version``.
+    return id(value), getattr(value, "_version", None)
+
+
+class _Watch:
+    """The state of one traced call: what to read and what was read."""
+
+    __slots__ = ("caller", "code", "done", "every", "last", "names", "on_line", "snapshot")
+
+    def __init__(
+        self,
+        code: CodeType,
+        caller: FrameType,
+        names: tuple[str, ...],
+        every: tuple[str, ...],
+        on_line: LineCallback | None,
+    ) -> None:
+        self.code = code
+        self.caller = caller
+        self.names = names
+        self.every = every
+        self.on_line = on_line
+        self.last: dict[str, tuple[int, Any]] = {}
+        self.snapshot: dict[str, Any] | None = None
+        self.done = False
+
+    def line(self, frame: FrameType) -> None:
+        f_locals = frame.f_locals
+        for name in self.every:
+            value = f_locals.get(name, _MISSING)
+            if value is _MISSING:
+                continue
+            key = _identity(value)
+            if self.last.get(name) != key:
+                self.last[name] = key
+                self.on_line(name, value)  # type: ignore[misc]
+
+    def returned(self, frame: FrameType) -> None:
+        if self.every:
+            self.line(frame)
+        f_locals = frame.f_locals
+        self.snapshot = {n: f_locals[n] for n in self.names if n in f_locals}
+        self.done = True
+
+
+class FrameCore:
+    """The interface both cores implement.
+
+    ``arm(code, lines)`` / ``disarm(code, lines)`` are reference counted and
+    bracket the time a code object may be traced; ``run`` calls ``function``
+    and returns ``(result, snapshot)``, where ``snapshot`` maps each name in
+    ``names`` still bound at return to its value (``None`` if the call was
+    not observed, which cannot happen for a plain Python method).
+    """
+
+    name = "abstract"
+
+    def arm(self, code: CodeType, lines: bool) -> None:
+        """Start observing ``code`` (with line events if ``lines``)."""
+
+    def disarm(self, code: CodeType, lines: bool) -> None:
+        """Stop observing ``code`` once no armed user is left."""
+
+    def run(
+        self,
+        code: CodeType,
+        names: tuple[str, ...],
+        every: tuple[str, ...],
+        on_line: LineCallback | None,
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, dict[str, Any] | None]:
+        raise NotImplementedError
+
+
+class SettraceCore(FrameCore):
+    """``sys.settrace`` armed only while a traced method runs (Python < 3.12)."""
+
+    name = "settrace"
+
+    def run(self, code, names, every, on_line, function, args, kwargs):  # type: ignore[no-untyped-def]
+        watch = _Watch(code, sys._getframe(), names, every, on_line)
+        previous = sys.gettrace()
+        tracer = _ChainedTracer(watch, previous)
+        sys.settrace(tracer.global_trace)
+        try:
+            result = function(*args, **kwargs)
+        finally:
+            sys.settrace(previous)
+        return result, watch.snapshot
+
+
+class _ChainedTracer:
+    """A global trace function that watches one frame and defers to ``previous``."""
+
+    __slots__ = ("previous", "previous_local", "target", "watch")
+
+    def __init__(self, watch: _Watch, previous: Any) -> None:
+        self.watch = watch
+        self.previous = previous
+        self.previous_local: Any = None
+        self.target: FrameType | None = None
+
+    def global_trace(self, frame: FrameType, event: str, arg: Any) -> Any:
+        watch = self.watch
+        if self.target is None and frame.f_code is watch.code and _called_from(frame, watch.caller):
+            self.target = frame
+            if self.previous is not None:
+                self.previous_local = self.previous(frame, event, arg)
+            else:
+                frame.f_trace_lines = bool(watch.every)
+            return self.local_trace
+        if self.previous is not None:
+            return self.previous(frame, event, arg)
+        return None
+
+    def local_trace(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if self.previous_local is not None:
+            self.previous_local = self.previous_local(frame, event, arg)
+        watch = self.watch
+        if event == "line" and watch.every:
+            watch.line(frame)
+        elif event == "return":
+            # Also fires when an exception unwinds the frame; the caller then
+            # discards the snapshot because ``function`` raised.
+            watch.returned(frame)
+        return self.local_trace
+
+
+class MonitoringCore(FrameCore):
+    """``sys.monitoring`` local events on exactly the traced code objects (Python >= 3.12)."""
+
+    name = "monitoring"
+    _TOOL_IDS = (2, 3, 4, 5)  # PROFILER_ID first; DEBUGGER_ID and COVERAGE_ID stay free
+
+    def __init__(self) -> None:
+        self._tool: int | None = None
+        self._armed: dict[CodeType, list[int]] = {}  # code -> [users, users wanting lines]
+        self._pending: dict[FrameType, _Watch] = {}
+        self._lock = threading.Lock()
+
+    def _acquire_tool(self) -> int:
+        monitoring = sys.monitoring  # type: ignore[attr-defined]
+        for tool in self._TOOL_IDS:
+            if monitoring.get_tool(tool) is None:
+                monitoring.use_tool_id(tool, "vartrace")
+                events = monitoring.events
+                monitoring.register_callback(tool, events.PY_RETURN, self._on_return)
+                monitoring.register_callback(tool, events.LINE, self._on_line)
+                return tool
+        raise RuntimeError(
+            "vartrace: every sys.monitoring tool id it can use (2-5) is taken by other tools"
+        )
+
+    def _apply(self, code: CodeType) -> None:
+        monitoring = sys.monitoring  # type: ignore[attr-defined]
+        users, line_users = self._armed.get(code, (0, 0))
+        events = monitoring.events.PY_RETURN if users else monitoring.events.NO_EVENTS
+        if line_users:
+            events |= monitoring.events.LINE
+        monitoring.set_local_events(self._tool, code, events)
+
+    def arm(self, code: CodeType, lines: bool) -> None:
+        with self._lock:
+            if self._tool is None:
+                self._tool = self._acquire_tool()
+            counts = self._armed.setdefault(code, [0, 0])
+            counts[0] += 1
+            counts[1] += lines
+            self._apply(code)
+
+    def disarm(self, code: CodeType, lines: bool) -> None:
+        with self._lock:
+            counts = self._armed[code]
+            counts[0] -= 1
+            counts[1] -= lines
+            self._apply(code)
+            if not counts[0]:
+                del self._armed[code]
+            if not self._armed and self._tool is not None:
+                monitoring = sys.monitoring  # type: ignore[attr-defined]
+                events = monitoring.events
+                monitoring.register_callback(self._tool, events.PY_RETURN, None)
+                monitoring.register_callback(self._tool, events.LINE, None)
+                monitoring.free_tool_id(self._tool)
+                self._tool = None
+
+    def _find(self, frame: FrameType) -> _Watch | None:
+        code = frame.f_code
+        back = frame.f_back
+        pending = self._pending
+        for _ in range(_MAX_DECORATOR_FRAMES):
+            if back is None or back.f_code is code:
+                return None
+            watch = pending.get(back)
+            if watch is not None:
+                return None if watch.done or watch.code is not code else watch
+            back = back.f_back
+        return None
+
+    def _on_return(self, code: CodeType, offset: int, retval: Any) -> None:
+        frame = sys._getframe(1)
+        watch = self._find(frame)
+        if watch is not None:
+            watch.returned(frame)
+
+    def _on_line(self, code: CodeType, line: int) -> None:
+        frame = sys._getframe(1)
+        watch = self._find(frame)
+        if watch is not None and watch.every:
+            watch.line(frame)
+
+    def run(self, code, names, every, on_line, function, args, kwargs):  # type: ignore[no-untyped-def]
+        caller = sys._getframe()
+        watch = _Watch(code, caller, names, every, on_line)
+        self._pending[caller] = watch
+        try:
+            result = function(*args, **kwargs)
+        finally:
+            del self._pending[caller]
+        return result, watch.snapshot
+
+
+def default_core() -> FrameCore:
+    """The best core for this Python: ``sys.monitoring`` where it exists."""
+    return MonitoringCore() if hasattr(sys, "monitoring") else SettraceCore()

@@ -1,0 +1,290 @@
+"""Patching methods of individual objects, and capturing values from their calls.
+
+A :class:`Probe` says what to read from one method of one object: which
+arguments at entry, which variables at return, which variables on every
+line, and which parts of the return value, each as a :class:`Selector`.
+A :class:`Hook` pairs a probe with the *sink* that receives the captured
+leaves, plus optional enter/exit observers (a tracer counts iterations
+with those).  :func:`attach` installs a hook; the first hook on an
+``(object, method)`` pair replaces the bound method in the object's
+``__dict__`` with a ``wrapt`` wrapper, the last :func:`detach` restores
+exactly what was there.  Several hooks (several tracers) share one patch,
+so tracers may start and stop in any order.
+
+Only the patched object is affected: other instances of the class run the
+original method untouched.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import CodeType
+from typing import Any
+
+import wrapt
+
+from vartrace.engine.frames import FrameCore, default_core
+from vartrace.engine.paths import Pattern, States
+from vartrace.engine.structures import select
+
+__all__ = [
+    "Hook",
+    "Probe",
+    "Selector",
+    "Sink",
+    "attach",
+    "core",
+    "detach",
+    "set_core",
+]
+
+Sink = Callable[[str, Any, bool], None]
+"""``sink(site, leaf, grad)``: receives every captured leaf."""
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Selector:
+    """One variable (or the return value) of a method, and the pattern state that selected it.
+
+    ``site`` is the concrete name of the selected object
+    (``layers.0.attn.forward.scores``, or ``encoder.1.forward`` for a return
+    value); ``states`` is the pattern's automaton state after that name, used
+    to follow keys into the runtime value.
+    """
+
+    variable: str | None
+    site: str
+    pattern: Pattern
+    states: States
+    grad: bool = False
+
+    def emit(self, value: Any, sink: Sink, seen: set[str]) -> None:
+        """Send every selected leaf of ``value`` to ``sink`` once per call."""
+        suffix = "@grad" if self.grad else ""
+        for site, leaf in select(value, self.pattern, self.states, self.site):
+            name = site + suffix
+            if name not in seen:
+                seen.add(name)
+                sink(name, leaf, self.grad)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What to capture from one method of one object."""
+
+    entry: tuple[Selector, ...] = ()
+    exit: tuple[Selector, ...] = ()
+    every: tuple[Selector, ...] = ()
+    returns: tuple[Selector, ...] = ()
+    frame_names: tuple[str, ...] = field(init=False)
+    every_names: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        names = {s.variable for s in self.exit} | {s.variable for s in self.every}
+        object.__setattr__(self, "frame_names", tuple(sorted(n for n in names if n)))
+        every = {s.variable for s in self.every}
+        object.__setattr__(self, "every_names", tuple(sorted(n for n in every if n)))
+
+    def __bool__(self) -> bool:
+        return bool(self.entry or self.exit or self.every or self.returns)
+
+
+class Hook:
+    """A subscriber to one patched method.
+
+    ``enabled`` may be flipped at any time (a tracer turns capture off
+    between traced iterations); ``on_enter()`` and ``on_exit(failed)`` run
+    around every call whether enabled or not.
+    """
+
+    __slots__ = ("enabled", "on_enter", "on_exit", "probe", "sink")
+
+    def __init__(
+        self,
+        probe: Probe,
+        sink: Sink,
+        on_enter: Callable[[], None] | None = None,
+        on_exit: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.probe = probe
+        self.sink = sink
+        self.on_enter = on_enter
+        self.on_exit = on_exit
+        self.enabled = True
+
+
+class _Binder:
+    """Maps a call's arguments to parameter names, with a fast positional path."""
+
+    __slots__ = ("_defaults", "_positional", "_signature")
+
+    def __init__(self, bound_method: Callable[..., Any]) -> None:
+        self._signature = inspect.signature(bound_method)
+        params = list(self._signature.parameters.values())
+        simple = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+        self._positional = tuple(p.name for p in params) if simple else None
+        self._defaults = {p.name: p.default for p in params if p.default is not p.empty}
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        names = self._positional
+        if names is not None and not kwargs and len(args) == len(names):
+            return dict(zip(names, args, strict=True))
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+
+class _Patch:
+    """The wrapper installed on one ``(object, method)`` pair."""
+
+    def __init__(self, instance: Any, name: str, code: CodeType) -> None:
+        self.instance = instance
+        self.name = name
+        self.code = code
+        self.hooks: tuple[Hook, ...] = ()
+        self.original = vars(instance).get(name, _MISSING)
+        bound = getattr(instance, name)
+        self.binder = _Binder(bound)
+        self.frame_names: tuple[str, ...] = ()
+        self.every_names: tuple[str, ...] = ()
+        self.armed: tuple[bool, bool] = (False, False)
+        vars(instance)[name] = wrapt.FunctionWrapper(bound, self._call)
+
+    def set_hooks(self, hooks: tuple[Hook, ...]) -> None:
+        self.hooks = hooks
+        frame: set[str] = set()
+        every: set[str] = set()
+        for hook in hooks:
+            frame.update(hook.probe.frame_names)
+            every.update(hook.probe.every_names)
+        self.frame_names = tuple(sorted(frame))
+        self.every_names = tuple(sorted(every))
+        armed = (bool(frame), bool(every))
+        if armed != self.armed:
+            if armed[0]:
+                _core.arm(self.code, armed[1])
+            if self.armed[0]:
+                _core.disarm(self.code, self.armed[1])
+            self.armed = armed
+
+    def restore(self) -> None:
+        self.set_hooks(())
+        if self.original is _MISSING:
+            del vars(self.instance)[self.name]
+        else:
+            vars(self.instance)[self.name] = self.original
+
+    def _call(self, wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        hooks = self.hooks
+        for hook in hooks:
+            if hook.on_enter is not None:
+                hook.on_enter()
+        failed = True
+        try:
+            active = [h for h in hooks if h.enabled and h.probe]
+            result = (
+                self._capture(active, wrapped, args, kwargs) if active else wrapped(*args, **kwargs)
+            )
+            failed = False
+            return result
+        finally:
+            for hook in reversed(hooks):
+                if hook.on_exit is not None:
+                    hook.on_exit(failed)
+
+    def _capture(
+        self, active: list[Hook], wrapped: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        seen: list[set[str]] = [set() for _ in active]
+        arguments: dict[str, Any] | None = None
+        for hook, hook_seen in zip(active, seen, strict=True):
+            for selector in hook.probe.entry:
+                if selector.variable == "self":
+                    selector.emit(self.instance, hook.sink, hook_seen)
+                    continue
+                if arguments is None:
+                    arguments = self.binder.bind(args, kwargs)
+                if selector.variable in arguments:
+                    selector.emit(arguments[selector.variable], hook.sink, hook_seen)
+
+        if not self.frame_names:
+            result = wrapped(*args, **kwargs)
+            snapshot: dict[str, Any] = {}
+        else:
+            on_line = None
+            if self.every_names:
+
+                def on_line(variable: str, value: Any) -> None:
+                    for hook, hook_seen in zip(active, seen, strict=True):
+                        for selector in hook.probe.every:
+                            if selector.variable == variable:
+                                hook_seen.clear()
+                                selector.emit(value, hook.sink, hook_seen)
+
+            result, snap = _core.run(
+                self.code, self.frame_names, self.every_names, on_line, wrapped, args, kwargs
+            )
+            snapshot = snap or {}
+
+        for hook, hook_seen in zip(active, seen, strict=True):
+            for selector in hook.probe.exit:
+                value = snapshot.get(selector.variable, _MISSING)  # type: ignore[arg-type]
+                if value is not _MISSING:
+                    selector.emit(value, hook.sink, hook_seen)
+            for selector in hook.probe.returns:
+                selector.emit(result, hook.sink, hook_seen)
+        return result
+
+
+_core: FrameCore = default_core()
+_patches: dict[tuple[int, str], _Patch] = {}
+
+
+def core() -> FrameCore:
+    """The frame-capture core in use."""
+    return _core
+
+
+def set_core(new: FrameCore) -> None:
+    """Choose the frame-capture core (only while nothing is attached).
+
+    Example::
+
+        from vartrace.engine.frames import SettraceCore
+        set_core(SettraceCore())   # compare the cores on Python >= 3.12
+    """
+    global _core
+    if _patches:
+        raise RuntimeError("cannot change the frame core while methods are patched")
+    _core = new
+
+
+def attach(instance: Any, name: str, code: CodeType, hook: Hook) -> None:
+    """Subscribe ``hook`` to calls of ``instance.<name>`` (whose frames run ``code``)."""
+    key = (id(instance), name)
+    patch = _patches.get(key)
+    if patch is None:
+        if not hasattr(instance, "__dict__"):
+            raise TypeError(
+                f"cannot trace {type(instance).__name__}.{name}: the object has no __dict__"
+            )
+        patch = _patches[key] = _Patch(instance, name, code)
+    patch.set_hooks((*patch.hooks, hook))
+
+
+def detach(instance: Any, name: str, hook: Hook) -> None:
+    """Unsubscribe ``hook``; the last one out restores the original method."""
+    key = (id(instance), name)
+    patch = _patches.get(key)
+    if patch is None or hook not in patch.hooks:
+        return
+    remaining = tuple(h for h in patch.hooks if h is not hook)
+    if remaining:
+        patch.set_hooks(remaining)
+    else:
+        patch.restore()
+        del _patches[key]

@@ -1,0 +1,159 @@
+"""The path language: parsing patterns and matching them one segment at a time.
+
+A pattern is a dot-separated sequence of segments, each an fnmatch glob
+(``*``, ``?``, ``[0-3]``) over one segment, or ``**`` for zero or more
+segments, optionally followed by a timing suffix::
+
+    layers.*.attn.forward.scores
+    **.scores@every
+    head.forward.self.weight@grad
+
+Matching is incremental: a :class:`Pattern` is a small non-deterministic
+automaton whose state is a frozenset of positions in the segment list.
+The static part of a site (module path, method, variable) is matched once
+when a tracer starts; the dynamic part (keys inside runtime values) is
+matched while walking a captured value.  Wildcards never match the segment
+``self``: only a literal ``self`` does.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from fnmatch import translate
+from typing import Literal
+
+__all__ = [
+    "GLOB_CHARS",
+    "WHENS",
+    "Pattern",
+    "States",
+    "When",
+    "parse",
+]
+
+When = Literal["entry", "return", "every", "grad"]
+WHENS: tuple[When, ...] = ("entry", "return", "every", "grad")
+GLOB_CHARS = frozenset("*?[")
+
+States = frozenset[int]
+
+
+def _is_glob(segment: str) -> bool:
+    return not GLOB_CHARS.isdisjoint(segment)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """A parsed pattern.
+
+    Example::
+
+        >>> p = parse("layers.*.attn.forward.scores@every")
+        >>> p.segments, p.when
+        (('layers', '*', 'attn', 'forward', 'scores'), 'every')
+        >>> p.matches("layers.3.attn.forward.scores".split("."))
+        True
+    """
+
+    text: str
+    segments: tuple[str, ...]
+    when: When | None = None
+    _regexes: tuple[re.Pattern[str] | None, ...] = field(
+        default=(), repr=False, compare=False, hash=False
+    )
+
+    @property
+    def start(self) -> States:
+        """The automaton's initial state set."""
+        return self._closure(frozenset((0,)))
+
+    def _closure(self, states: States) -> States:
+        # ``**`` may match zero segments: a position on ``**`` also stands past it.
+        out = set(states)
+        for i in states:
+            j = i
+            while j < len(self.segments) and self.segments[j] == "**":
+                j += 1
+                out.add(j)
+        return frozenset(out)
+
+    def step(self, states: States, segment: str) -> States:
+        """The states after consuming ``segment`` (empty when the pattern cannot match)."""
+        nxt: set[int] = set()
+        is_self = segment == "self"
+        for i in states:
+            if i >= len(self.segments):
+                continue
+            seg = self.segments[i]
+            if seg == "**":
+                if not is_self:
+                    nxt.add(i)
+                continue
+            regex = self._regexes[i]
+            if regex is None:
+                if seg == segment:
+                    nxt.add(i + 1)
+            elif not is_self and regex.match(segment):
+                nxt.add(i + 1)
+        return self._closure(frozenset(nxt)) if nxt else frozenset()
+
+    def accepts(self, states: States) -> bool:
+        """Whether the segments consumed so far form a complete match."""
+        return len(self.segments) in states
+
+    def alive(self, states: States) -> bool:
+        """Whether consuming more segments could still lead to a match."""
+        return any(i < len(self.segments) for i in states)
+
+    def literal_next(self, states: States) -> set[str]:
+        """The literal segments that may come next (for attribute look-ups)."""
+        return {
+            self.segments[i]
+            for i in states
+            if i < len(self.segments) and self._regexes[i] is None and self.segments[i] != "**"
+        }
+
+    def matches(self, segments: list[str] | tuple[str, ...]) -> bool:
+        """Whether the whole sequence ``segments`` matches."""
+        states = self.start
+        for segment in segments:
+            states = self.step(states, segment)
+            if not states:
+                return False
+        return self.accepts(states)
+
+
+def parse(text: str) -> Pattern:
+    """Parse a pattern, raising ``ValueError`` that quotes it when it is malformed.
+
+    Example::
+
+        >>> parse("encoder.1").segments
+        ('encoder', '1')
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"a pattern must be a str, not {type(text).__name__}: {text!r}")
+    body, at, when = text.partition("@")
+    if at:
+        if when not in WHENS:
+            raise ValueError(
+                f"pattern {text!r}: unknown timing '@{when}'; use one of "
+                + ", ".join(f"@{w}" for w in WHENS)
+            )
+    if not body:
+        raise ValueError(f"pattern {text!r} is empty")
+    segments = tuple(body.split("."))
+    for position, segment in enumerate(segments, 1):
+        if not segment:
+            raise ValueError(f"pattern {text!r}: segment {position} is empty")
+        if "**" in segment and segment != "**":
+            raise ValueError(
+                f"pattern {text!r}: '**' must be a whole segment, not part of {segment!r}"
+            )
+        if segment.count("[") != segment.count("]"):
+            raise ValueError(f"pattern {text!r}: unbalanced brackets in segment {segment!r}")
+    regexes = tuple(
+        re.compile(translate(s)) if _is_glob(s) and s != "**" else None for s in segments
+    )
+    return Pattern(text, segments, when if at else None, regexes)  # type: ignore[arg-type]

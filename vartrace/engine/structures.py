@@ -1,0 +1,146 @@
+"""Walking captured values: splitting structures into leaves and following keys.
+
+A captured value is either a *container* — a mapping, list, tuple,
+namedtuple, dataclass, or a type registered with
+:func:`register_container` (the torch edge registers ``nn.Module``, whose
+children are its parameters, buffers and submodules) — or a *leaf*.  A
+container is split into leaf sites named by its keys (``forward.0``,
+``forward.logits``).  Keys are matched one segment at a time against the
+rest of a :class:`~vartrace.engine.paths.Pattern`.
+
+Plain attributes of non-container objects (``forward.self.step_count``)
+are reachable by writing their name literally; wildcards only expand over
+container keys.
+
+Example::
+
+    >>> from vartrace.engine.paths import parse
+    >>> p = parse("out.*.b")
+    >>> states = p.step(p.start, "out")
+    >>> sorted(select({"x": {"b": 1}, "y": {"b": 2, "c": 3}}, p, states, "f.out"))
+    [('f.out.x.b', 1), ('f.out.y.b', 2)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from vartrace.engine.paths import Pattern, States
+
+__all__ = ["children", "leaves", "register_container", "select"]
+
+Children = Callable[[Any], Iterable[tuple[str, Any]]]
+
+_MAX_DEPTH = 32
+_ATOMIC: frozenset[type] = frozenset(
+    {int, float, bool, complex, str, bytes, bytearray, type(None), type(Ellipsis)}
+)
+_registered: dict[type, Children] = {}
+# type -> how to list its children, or None for leaves; filled lazily per type.
+_kind_cache: dict[type, Children | None] = {}
+
+
+def register_container(cls: type, children_of: Children) -> None:
+    """Treat instances of ``cls`` (and subclasses) as containers.
+
+    ``children_of(obj)`` yields ``(key, child)`` pairs.  Example::
+
+        register_container(nn.Module, lambda m: m._parameters.items())
+    """
+    _registered[cls] = children_of
+    _kind_cache.clear()
+
+
+def _mapping_items(value: Mapping[Any, Any]) -> Iterable[tuple[str, Any]]:
+    return ((str(k), v) for k, v in value.items())
+
+
+def _sequence_items(value: Iterable[Any]) -> Iterable[tuple[str, Any]]:
+    return ((str(i), v) for i, v in enumerate(value))
+
+
+def _namedtuple_items(value: Any) -> Iterable[tuple[str, Any]]:
+    return zip(value._fields, value, strict=True)
+
+
+def _dataclass_items(value: Any) -> Iterable[tuple[str, Any]]:
+    return ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+
+
+def _classify(cls: type) -> Children | None:
+    if cls in _ATOMIC:
+        return None
+    for base in cls.__mro__:
+        if base in _registered:
+            return _registered[base]
+    if issubclass(cls, Mapping):
+        return _mapping_items
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        return _namedtuple_items
+    if issubclass(cls, (list, tuple)):
+        return _sequence_items
+    if dataclasses.is_dataclass(cls):
+        return _dataclass_items
+    return None
+
+
+def children(value: Any) -> Iterable[tuple[str, Any]] | None:
+    """The ``(key, child)`` pairs of a container, or ``None`` for a leaf."""
+    cls = type(value)
+    try:
+        kind = _kind_cache[cls]
+    except KeyError:
+        kind = _kind_cache[cls] = _classify(cls)
+    return None if kind is None else kind(value)
+
+
+def leaves(value: Any, path: str, _depth: int = 0) -> Iterator[tuple[str, Any]]:
+    """Yield ``(site, leaf)`` for every leaf below ``value``, named from ``path``."""
+    kids = children(value) if _depth < _MAX_DEPTH else None
+    if kids is None:
+        yield path, value
+        return
+    for key, child in kids:
+        yield from leaves(child, f"{path}.{key}", _depth + 1)
+
+
+def _attribute(value: Any, name: str) -> Any:
+    """A plain, non-callable attribute of ``value``, or raise AttributeError."""
+    attr = getattr(value, name)
+    if callable(attr) and children(attr) is None:
+        raise AttributeError(name)
+    return attr
+
+
+def select(
+    value: Any, pattern: Pattern, states: States, path: str, _depth: int = 0
+) -> Iterator[tuple[str, Any]]:
+    """Yield ``(site, leaf)`` for the parts of ``value`` the rest of ``pattern`` selects.
+
+    ``states`` is the pattern's state after the segments that led to
+    ``value`` (named ``path``).  A node that completes the pattern
+    contributes all its leaves.
+    """
+    if pattern.accepts(states):
+        yield from leaves(value, path, _depth)
+        return
+    if _depth >= _MAX_DEPTH or not pattern.alive(states):
+        return
+    kids = children(value)
+    seen: set[str] = set()
+    if kids is not None:
+        for key, child in kids:
+            seen.add(key)
+            after = pattern.step(states, key)
+            if after:
+                yield from select(child, pattern, after, f"{path}.{key}", _depth + 1)
+        if isinstance(value, (Mapping, list, tuple)):
+            return
+    for name in pattern.literal_next(states) - seen:
+        try:
+            child = _attribute(value, name)
+        except AttributeError:
+            continue
+        yield from select(child, pattern, pattern.step(states, name), f"{path}.{name}", _depth + 1)

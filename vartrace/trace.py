@@ -1,0 +1,117 @@
+"""The record container that flows through the callback pipeline.
+
+A :class:`Trace` holds the records of one site: parallel sequences
+``values``, ``iterations``, ``ranks`` and ``order`` (the global capture
+order), one entry per record.  While the tracer buffers a chunk these are
+plain lists; stacking callbacks turn ``values`` into one tensor with a
+leading record dimension and the tags into 1-D integer tensors.
+
+This module imports no torch: it only needs ``len()`` and slicing of its
+sequences, so the same class serves in-memory results and chunks read
+back from a file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["RunContext", "Trace", "TraceLengthError"]
+
+
+class TraceLengthError(ValueError):
+    """A callback left ``values``, ``iterations``, ``ranks`` and ``order`` unequal in length."""
+
+
+class Trace:
+    """The records of one site.
+
+    Example::
+
+        trace = tracer.results["layers.0.attn.forward.scores"]
+        for value, it, rank in zip(trace.values, trace.iterations, trace.ranks):
+            ...
+
+    Attributes:
+        values: the recorded values (a list, or a tensor after stacking).
+        iterations: the iteration of each record.
+        ranks: the ``torch.distributed`` rank that captured each record.
+        order: the global capture order of each record (monotonic per rank).
+        shapes: the true shape of each record when ``values`` was padded by
+            :func:`~vartrace.stack_padded_tensors`, else ``None``.
+    """
+
+    __slots__ = ("iterations", "order", "ranks", "shapes", "values")
+
+    def __init__(
+        self,
+        values: Sequence[Any] | None = None,
+        iterations: Sequence[int] | None = None,
+        ranks: Sequence[int] | None = None,
+        order: Sequence[int] | None = None,
+        shapes: Sequence[tuple[int, ...]] | None = None,
+    ) -> None:
+        self.values: Any = [] if values is None else values
+        self.iterations: Any = [] if iterations is None else iterations
+        self.ranks: Any = [] if ranks is None else ranks
+        self.order: Any = [] if order is None else order
+        self.shapes: Any = shapes
+
+    def __len__(self) -> int:
+        return len(self.iterations)
+
+    def __repr__(self) -> str:
+        kind = type(self.values).__name__
+        return f"<Trace records={len(self)} values={kind}>"
+
+    def append(self, value: Any, iteration: int, rank: int, order: int) -> None:
+        """Append one record (only while the fields are lists)."""
+        self.values.append(value)
+        self.iterations.append(iteration)
+        self.ranks.append(rank)
+        self.order.append(order)
+
+    def clear(self) -> None:
+        """Drop every record: what a callback that consumed the chunk does."""
+        self.values = []
+        self.iterations = []
+        self.ranks = []
+        self.order = []
+        self.shapes = None
+
+    def check_lengths(self, culprit: str = "") -> None:
+        """Raise :class:`TraceLengthError` unless all fields have one entry per record.
+
+        ``culprit`` names the callback that last touched the trace, for the message.
+        """
+        lengths = {
+            "values": len(self.values),
+            "iterations": len(self.iterations),
+            "ranks": len(self.ranks),
+            "order": len(self.order),
+        }
+        if self.shapes is not None:
+            lengths["shapes"] = len(self.shapes)
+        if len(set(lengths.values())) > 1:
+            where = f" after callback {culprit}" if culprit else ""
+            detail = ", ".join(f"{k}={v}" for k, v in lengths.items())
+            raise TraceLengthError(
+                f"trace fields differ in length{where}: {detail}; a callback that changes "
+                "the number of records must keep values, iterations, ranks and order equal"
+            )
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a callback learns about the run when tracing starts.
+
+    The tracer calls ``callback.on_start(context)`` on every callback that
+    defines it, before the first record; a saver uses it to name per-rank
+    shard files (``sharded=True`` when ``ModelTracer(gather=False)`` and more
+    than one rank).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    sharded: bool = False
