@@ -135,12 +135,11 @@ def parse(text: str) -> Pattern:
     if not isinstance(text, str):
         raise TypeError(f"a pattern must be a str, not {type(text).__name__}: {text!r}")
     body, at, when = text.partition("@")
-    if at:
-        if when not in WHENS:
-            raise ValueError(
-                f"pattern {text!r}: unknown timing '@{when}'; use one of "
-                + ", ".join(f"@{w}" for w in WHENS)
-            )
+    if at and when not in WHENS:
+        raise ValueError(
+            f"pattern {text!r}: unknown timing '@{when}'; use one of "
+            + ", ".join(f"@{w}" for w in WHENS)
+        )
     if not body:
         raise ValueError(f"pattern {text!r} is empty")
     segments = tuple(body.split("."))
