@@ -1,0 +1,66 @@
+"""vartrace: record the values a PyTorch model's code holds while it trains.
+
+Example::
+
+    from vartrace import ModelTracer, H5PYSaverCallback
+
+    with H5PYSaverCallback("run.h5") as saver, \\
+            ModelTracer(model, ["layers.*.attn.forward.scores"],
+                        post_gather_callbacks=[saver], gathering_interval=8):
+        train(model)
+
+    run = vartrace.open("run.h5")
+    run["layers.0.attn.forward.scores"].values
+
+Torch-backed names are imported lazily (PEP 562), so ``import vartrace`` and
+``import vartrace.engine`` do not load torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from vartrace.record import DROP, record
+from vartrace.trace import RunContext, Trace
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ModelTracer": "vartrace.tracer",
+    "Results": "vartrace.results",
+    "list_sites": "vartrace.sites",
+    "sites_of_type": "vartrace.sites",
+    "stack_tensors": "vartrace.callbacks",
+    "stack_padded_tensors": "vartrace.callbacks",
+    "reduce_chunk": "vartrace.callbacks",
+    "H5PYSaverCallback": "vartrace.storage.writer",
+    "open": "vartrace.storage.reader:open_run",
+    "compare": "vartrace.compare",
+    "Comparison": "vartrace.compare",
+}
+
+__all__ = ["DROP", "RunContext", "Trace", "__version__", "record", *_LAZY]
+
+if TYPE_CHECKING:
+    from vartrace.callbacks import reduce_chunk, stack_padded_tensors, stack_tensors
+    from vartrace.compare import Comparison, compare
+    from vartrace.results import Results
+    from vartrace.sites import list_sites, sites_of_type
+    from vartrace.storage.reader import open_run as open
+    from vartrace.storage.writer import H5PYSaverCallback
+    from vartrace.tracer import ModelTracer
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'vartrace' has no attribute {name!r}")
+    module_name, _, attribute = target.partition(":")
+    value = getattr(importlib.import_module(module_name), attribute or name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
