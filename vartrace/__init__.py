@@ -40,7 +40,24 @@ _LAZY = {
     "Comparison": "vartrace.compare",
 }
 
-__all__ = ["DROP", "RunContext", "Trace", "__version__", "record", *_LAZY]
+__all__ = [
+    "DROP",
+    "Comparison",
+    "H5PYSaverCallback",
+    "ModelTracer",
+    "Results",
+    "RunContext",
+    "Trace",
+    "__version__",
+    "compare",
+    "list_sites",
+    "open",
+    "record",
+    "reduce_chunk",
+    "sites_of_type",
+    "stack_padded_tensors",
+    "stack_tensors",
+]
 
 if TYPE_CHECKING:
     from vartrace.callbacks import reduce_chunk, stack_padded_tensors, stack_tensors
