@@ -1,0 +1,367 @@
+"""Worker functions for ``tests/test_distributed.py``, importable by spawned ranks.
+
+Each spawned process runs :func:`entry`, which joins a gloo process group over
+127.0.0.1, runs one named scenario and pickles what the scenario returns to
+``<out_dir>/result<rank>.pt`` (``torch.save``) (or the traceback to ``error<rank>.txt``), so
+the parent test can assert on it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vartrace import distributed
+from vartrace.trace import Trace
+
+
+def entry(rank: int, world: int, port: int, out_dir: str, scenario: str, pg_timeout: float) -> None:
+    """Join the group, run ``scenario`` and write its result (spawned process target)."""
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    try:
+        _wait_for_files(out, [f"ready{r}" for r in range(world)], create=f"ready{rank}")
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+        result = SCENARIOS[scenario](rank, world, out)
+        torch.save(result, out / f"result{rank}.pt")
+    except BaseException:
+        (out / f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _wait_for_files(out: Path, names: list[str], *, create: str = "", limit: float = 60.0) -> None:
+    """Wait (bounded) until every file in ``names`` exists under ``out``, after creating one.
+
+    Used as a start line before ``init_process_group``, so that a short process
+    group timeout cannot expire while a slow rank is still importing torch.
+    """
+    if create:
+        (out / create).touch()
+    end = time.monotonic() + limit
+    while not all((out / name).exists() for name in names):
+        if time.monotonic() > end:
+            raise TimeoutError(f"waited {limit}s for {names} in {out}")
+        time.sleep(0.02)
+
+
+def _write_outcome(out: Path, rank: int, exc: BaseException, start: float) -> None:
+    """Record how this rank ended: exception type, whether a RuntimeError, message, seconds."""
+    outcome = {
+        "type": type(exc).__name__,
+        "runtime_error": isinstance(exc, RuntimeError),
+        "message": str(exc),
+        "seconds": time.monotonic() - start,
+    }
+    (out / f"outcome{rank}.json").write_text(json.dumps(outcome))
+
+
+# --- hand-built chunks for gather_chunk ------------------------------------------------
+
+
+class Opaque:
+    """A non-leaf object: it travels pickled in the header."""
+
+    def __init__(self, payload: Any) -> None:
+        self.payload = payload
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque) and other.payload == self.payload
+
+    def __hash__(self) -> int:
+        return hash(repr(self.payload))
+
+
+def _mixed_records(rank: int) -> list[Any]:
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * rank
+    return [
+        base.to(torch.bfloat16),
+        base.to(torch.float16),
+        base > 105,
+        torch.complex(base, -base),
+        torch.complex(base, base).to(torch.complex128).conj(),
+        base.to(torch.int8),
+        base.to(torch.uint8),
+        base.to(torch.int64) * 1_000_000_007,
+        base.to(torch.float64) / 3,
+        base.t(),
+        torch.tensor(rank + 0.5),
+        torch.zeros(0, 5, dtype=torch.float32),
+        torch.arange(3 + rank, dtype=torch.float32) * (rank + 1),
+        base.to(torch.float8_e4m3fn),
+        np.arange(6, dtype=np.int16).reshape(2, 3) - rank,
+        np.asarray(["a", "bc", f"rank{rank}"]),
+        np.float32(rank + 0.25),
+        rank,
+        rank + 0.75,
+        complex(rank, 1),
+        True,
+        f"text from {rank}",
+        bytes([rank, 255, 0]),
+        None,
+        Opaque({"rank": rank, "items": (1, 2)}),
+    ]
+
+
+def build_chunk(rank: int, world: int, round_: int) -> dict[str, Trace]:
+    """The deterministic chunk rank ``rank`` feeds to gather round ``round_``.
+
+    Record counts differ by rank, the last rank of a 4-rank world has nothing
+    at all in round 0, ``odd`` exists on odd ranks only (so never on rank 0),
+    ``empty`` has no records anywhere, ``stacked`` was stacked by a pre-gather
+    callback with rank-dependent shapes, ``half`` is stacked on even ranks and
+    a list on odd ones.
+    """
+    if world == 4 and rank == 3 and round_ == 0:
+        return {}
+    order = iter(range(1000 * round_ + 100 * rank, 1000 * round_ + 100 * rank + 100))
+    chunk: dict[str, Trace] = {}
+
+    counts = Trace()
+    for i in range(rank + 1 + round_):
+        value = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100 * rank + 10 * i
+        counts.append(value, 1 + round_ * 4 + i, rank, next(order))
+    chunk["layers.0.attn.forward.scores"] = counts
+
+    mixed = Trace()
+    for i, value in enumerate(_mixed_records(rank + round_)):
+        mixed.append(value, 7 + i, rank, next(order))
+    chunk["forward.mixed/key with spaces"] = mixed
+
+    if rank % 2 == 1:
+        odd = Trace()
+        odd.append(torch.full((rank,), float(rank)), 3, rank, next(order))
+        chunk["odd.forward"] = odd
+
+    chunk["empty.forward"] = Trace()
+
+    n = rank + 1
+    stacked = Trace(
+        torch.arange(n * 2 * (rank + 2), dtype=torch.float64).reshape(n, 2, rank + 2) + rank,
+        torch.arange(n, dtype=torch.int64) + 10,
+        torch.full((n,), rank, dtype=torch.int64),
+        torch.tensor([next(order) for _ in range(n)], dtype=torch.int64),
+    )
+    chunk["stacked.forward"] = stacked
+
+    if rank % 2 == 0:
+        half = Trace(
+            torch.zeros(2, 4, dtype=torch.int32) + rank,
+            torch.tensor([1, 2]),
+            torch.tensor([rank, rank]),
+            torch.tensor([next(order), next(order)]),
+            [(2,), (4,)],
+        )
+    else:
+        half = Trace()
+        half.append(torch.ones(3, dtype=torch.int32) * rank, 5, rank, next(order))
+    chunk["half.forward"] = half
+    return chunk
+
+
+def _gather_direct(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Three gather rounds of hand-built chunks, a multi-round transfer, then failures."""
+    rounds = [distributed.gather_chunk(build_chunk(rank, world, r)) for r in range(3)]
+
+    distributed._ROUND_BYTES = 1 << 18
+    distributed._MIN_ROUND_BYTES = 1 << 14
+    big = Trace()
+    big.append(torch.arange(300_000, dtype=torch.float32) * (rank + 1), 1, rank, 0)
+    chunked = distributed.gather_chunk({"big": big})
+
+    errors = []
+    for culprit, bad in ((1, Trace([lambda: 0], [1], [1], [0])), (0, Trace([1, 2], [1], [0], [0]))):
+        chunk = {"bad": bad} if rank == culprit else {"fine": Trace([rank], [1], [rank], [0])}
+        try:
+            distributed.gather_chunk(chunk)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    after = distributed.gather_chunk({"after": Trace([rank * 2], [9], [rank], [0])})
+    return {"rounds": rounds, "chunked": chunked, "errors": errors, "after": after}
+
+
+# --- failure of one rank ---------------------------------------------------------------
+
+
+def _rank1_raises(rank: int, world: int, out: Path, *, linger: bool) -> None:
+    """Rank 1 raises instead of reaching the second gather; the others gather.
+
+    With ``linger`` rank 1 stays alive (as if a handler caught the error) until
+    every other rank has recorded how it ended, so only the process group's
+    timeout can release them.
+    """
+    start = time.monotonic()
+    trace = Trace([torch.ones(2) * rank], [1], [rank], [0])
+    distributed.gather_chunk({"x": trace})
+    try:
+        if rank == 1:
+            raise ValueError("rank 1 failed inside the traced step")
+        distributed.gather_chunk({"x": trace})
+    except BaseException as exc:
+        _write_outcome(out, rank, exc, start)
+        if rank == 1 and linger:
+            others = [f"outcome{r}.json" for r in range(world) if r != 1]
+            _wait_for_files(out, others, limit=90.0)
+        raise
+
+
+def _rank1_raises_and_exits(rank: int, world: int, out: Path) -> None:
+    _rank1_raises(rank, world, out, linger=False)
+
+
+def _rank1_raises_and_lingers(rank: int, world: int, out: Path) -> None:
+    _rank1_raises(rank, world, out, linger=True)
+
+
+# --- tracer end to end -----------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """A layer with a helper method that rank 1 calls more often than the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, repeats: int) -> torch.Tensor:
+        for _ in range(repeats):
+            x = self.helper(x)
+        return self.lin(x)
+
+    def helper(self, x: torch.Tensor) -> torch.Tensor:
+        doubled = x * 2
+        return doubled
+
+
+class Net(nn.Module):
+    """A tiny model whose traced values are exact functions of its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        repeats = 2 if x[0, 0].item() >= 1000 else 1
+        hidden = self.block(x, repeats)
+        return self.head(hidden)
+
+
+def rank_input(rank: int, step: int) -> torch.Tensor:
+    """The known input rank ``rank`` feeds at 1-based iteration ``step``."""
+    base = 1000.0 if rank == 1 else 0.0
+    return torch.arange(8, dtype=torch.float32).reshape(2, 4) + base + 100 * rank + step
+
+
+PATHS = ["forward.x", "block.helper.doubled", "block.forward.repeats"]
+STEPS = 5
+
+
+def _wrap(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    ddp = nn.parallel.DistributedDataParallel(model)
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+
+def _train(
+    ddp: nn.Module, opt: torch.optim.Optimizer, rank: int, *, fail_at: int | None = None
+) -> None:
+    for step in range(1, STEPS + 1):
+        if fail_at is not None and step == fail_at and rank == 1:
+            raise ValueError("rank 1 failed inside the traced step")
+        opt.zero_grad()
+        ddp(rank_input(rank, step)).sum().backward()
+        opt.step()
+
+
+def _new_model() -> nn.Module:
+    torch.manual_seed(0)
+    return Net()
+
+
+class _ContextSpy:
+    """A post-gather callback that only remembers the RunContext it was started with."""
+
+    def __init__(self) -> None:
+        self.context: Any = None
+
+    def on_start(self, context: Any) -> None:
+        self.context = context
+
+    def __call__(self, name: str, trace: Trace) -> None:
+        return None
+
+
+def _tracer_runs(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Three traced DDP trainings: in memory, into one HDF5 file, and into per-rank shards."""
+    from vartrace.storage import H5PYSaverCallback
+    from vartrace.tracer import ModelTracer
+
+    model = _new_model()
+    ddp, opt = _wrap(model)
+    with ModelTracer(ddp, PATHS, gathering_interval=2) as tracer:
+        _train(ddp, opt, rank)
+    results = {name: tracer.results[name] for name in tracer.results}
+
+    (out / "gather").mkdir(exist_ok=True)
+    saver = H5PYSaverCallback(out / "gather" / "run.h5", metadata=False)
+    with ModelTracer(ddp, PATHS, post_gather_callbacks=[saver], gathering_interval=3):
+        _train(ddp, opt, rank)
+    saver.close()
+
+    (out / "shards").mkdir(exist_ok=True)
+    spy = _ContextSpy()
+    saver = H5PYSaverCallback(out / "shards" / "run.h5", metadata=False)
+    with ModelTracer(
+        ddp, PATHS, post_gather_callbacks=[spy, saver], gathering_interval=2, gather=False
+    ) as tracer:
+        _train(ddp, opt, rank)
+    saver.close()
+    shard_left = {name: len(tracer.results[name]) for name in tracer.results}
+    ctx = spy.context
+    return {
+        "results": results,
+        "context": (ctx.rank, ctx.world_size, ctx.sharded),
+        "shard_left": shard_left,
+    }
+
+
+def _tracer_rank1_raises(rank: int, world: int, out: Path) -> None:
+    """Rank 1 raises in its third step while the others train on."""
+    from vartrace.tracer import ModelTracer
+
+    model = _new_model()
+    ddp, opt = _wrap(model)
+    start = time.monotonic()
+    try:
+        with ModelTracer(ddp, PATHS, gathering_interval=1):
+            _train(ddp, opt, rank, fail_at=3)
+    except BaseException as exc:
+        _write_outcome(out, rank, exc, start)
+        raise
+
+
+SCENARIOS: dict[str, Callable[[int, int, Path], Any]] = {
+    "gather_direct": _gather_direct,
+    "rank1_raises_and_exits": _rank1_raises_and_exits,
+    "rank1_raises_and_lingers": _rank1_raises_and_lingers,
+    "tracer_runs": _tracer_runs,
+    "tracer_rank1_raises": _tracer_rank1_raises,
+}

@@ -1,0 +1,228 @@
+"""Multi-process tests of vartrace's distributed gathering on real gloo process groups.
+
+Every test spawns 2 or 4 ranks (``spawn`` start method, gloo over 127.0.0.1 on
+a free port) running a scenario from ``_dist_workers.py``; the ranks pickle
+what they saw and the assertions run here.  Each launch has a hard deadline:
+a rank still running after it is killed and the test fails, so nothing can
+hang CI.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from vartrace.trace import Trace
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+workers = importlib.import_module("_dist_workers")
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(
+    scenario: str, world: int, out: Path, *, pg_timeout: float = 60.0, deadline: float = DEADLINE_S
+) -> list[int | None]:
+    """Run ``scenario`` on ``world`` spawned ranks; return their exit codes.
+
+    Fails the test (after killing every rank) when any rank is still running
+    at the deadline.
+    """
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=workers.entry,
+            args=(r, world, port, str(out), scenario, pg_timeout),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    end = time.monotonic() + deadline
+    for proc in procs:
+        proc.join(max(0.0, end - time.monotonic()))
+    hung = [r for r, proc in enumerate(procs) if proc.is_alive()]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if hung:
+        pytest.fail(f"{scenario}: ranks {hung} still running after {deadline:.0f}s; killed")
+    return [proc.exitcode for proc in procs]
+
+
+def _run_ok(scenario: str, world: int, out: Path) -> list[Any]:
+    """Launch ``scenario``, require every rank to succeed, return each rank's result."""
+    codes = _launch(scenario, world, out)
+    errors = {r: (out / f"error{r}.txt") for r in range(world)}
+    details = "\n".join(f"rank {r}:\n{p.read_text()}" for r, p in errors.items() if p.exists())
+    assert codes == [0] * world, f"exit codes {codes}\n{details}"
+    results = []
+    for r in range(world):
+        results.append(torch.load(out / f"result{r}.pt", weights_only=False))
+    return results
+
+
+def _bits(value: torch.Tensor) -> torch.Tensor:
+    """The exact bytes of a tensor's elements (so -0.0 != 0.0 and float8 compares)."""
+    return value.resolve_conj().resolve_neg().reshape(-1).view(torch.uint8)
+
+
+def _assert_same_value(got: Any, want: Any, where: str) -> None:
+    assert type(got) is type(want), f"{where}: type {type(got)} != {type(want)}"
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype, f"{where}: dtype {got.dtype} != {want.dtype}"
+        assert got.shape == want.shape, f"{where}: shape {got.shape} != {want.shape}"
+        assert torch.equal(_bits(got), _bits(want)), f"{where}: {got} != {want}"
+    elif isinstance(want, np.ndarray):
+        assert got.dtype == want.dtype and got.shape == want.shape, where
+        assert np.array_equal(got, want), f"{where}: {got} != {want}"
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def _as_records(trace: Trace) -> list[tuple[Any, int, int, int]]:
+    """(value, iteration, rank, order) per record, stacked values cut to their true shapes."""
+    values = trace.values
+    if isinstance(values, torch.Tensor):
+        rows = list(values.unbind(0))
+        if trace.shapes is not None:
+            pairs = zip(rows, trace.shapes, strict=True)
+            rows = [row[tuple(slice(0, n) for n in shape)] for row, shape in pairs]
+        values = rows
+    tags = [
+        t.tolist() if isinstance(t, torch.Tensor) else list(t)
+        for t in (trace.iterations, trace.ranks, trace.order)
+    ]
+    return list(zip(values, *tags, strict=True))
+
+
+def _expected_merge(world: int, round_: int) -> dict[str, list[tuple[Any, int, int, int]]]:
+    """Every rank's records per site, rank 0 first, in the order the ranks built them."""
+    merged: dict[str, list[tuple[Any, int, int, int]]] = {}
+    for r in range(world):
+        for name, trace in workers.build_chunk(r, world, round_).items():
+            merged.setdefault(name, []).extend(_as_records(trace))
+    return merged
+
+
+def _check_round(got: dict[str, Trace], world: int, round_: int) -> None:
+    want = _expected_merge(world, round_)
+    assert list(got) == list(want)
+    for name, records in want.items():
+        trace = got[name]
+        trace.check_lengths()
+        got_records = _as_records(trace)
+        assert len(got_records) == len(records), name
+        for i, (g, w) in enumerate(zip(got_records, records, strict=True)):
+            _assert_same_value(g[0], w[0], f"{name}[{i}] value")
+            assert g[1:] == w[1:], f"{name}[{i}] tags {g[1:]} != {w[1:]}"
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def direct(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One launch of the ``gather_direct`` scenario per world size, shared by its tests."""
+    world = request.param
+    out = tmp_path_factory.mktemp(f"direct{world}")
+    return world, _run_ok("gather_direct", world, out)
+
+
+def test_gather_chunk_merges_every_rank_on_rank0(direct: Any) -> None:
+    world, results = direct
+    for r in range(1, world):
+        assert results[r]["rounds"] == [None, None, None]
+        assert results[r]["chunked"] is None and results[r]["after"] is None
+    rank0 = results[0]
+    for round_, got in enumerate(rank0["rounds"]):
+        _check_round(got, world, round_)
+
+    first = rank0["rounds"][1]
+    stacked = first["stacked.forward"]
+    assert isinstance(stacked.values, torch.Tensor)
+    assert stacked.values.shape == (sum(r + 1 for r in range(world)), 2, world + 1)
+    assert stacked.shapes == [(2, r + 2) for r in range(world) for _ in range(r + 1)]
+    assert stacked.ranks.dtype == torch.int64
+    assert stacked.ranks.tolist() == [r for r in range(world) for _ in range(r + 1)]
+    half = first["half.forward"]
+    assert isinstance(half.values, list)
+    assert half.ranks == [r for r in range(world) for _ in range(2 if r % 2 == 0 else 1)]
+    assert first["odd.forward"].ranks == list(range(1, world, 2))
+    assert len(first["empty.forward"]) == 0
+    scores = first["layers.0.attn.forward.scores"]
+    for value, r in zip(scores.values, scores.ranks, strict=True):
+        if r:
+            assert value.untyped_storage().nbytes() == value.nbytes, "record shares a buffer"
+
+
+def test_gather_chunk_in_several_rounds_and_errors_raise_everywhere(direct: Any) -> None:
+    world, results = direct
+    big = results[0]["chunked"]["big"]
+    assert big.ranks == list(range(world))
+    for value, r in zip(big.values, big.ranks, strict=True):
+        assert torch.equal(value, torch.arange(300_000, dtype=torch.float32) * (r + 1))
+
+    for r, result in enumerate(results):
+        unpicklable, bad_lengths = result["errors"]
+        if r == 1:
+            assert unpicklable.startswith("vartrace: rank 1 could not pack its chunk")
+        else:
+            assert "rank(s) [1] could not pack" in unpicklable
+        if r == 0:
+            assert "trace fields differ in length" in bad_lengths
+        else:
+            assert "rank(s) [0] could not pack" in bad_lengths
+    after = results[0]["after"]["after"]
+    assert after.values == [2 * r for r in range(world)] and after.ranks == list(range(world))
+
+
+def _outcomes(out: Path, world: int) -> list[dict[str, Any]]:
+    return [json.loads((out / f"outcome{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize(
+    ("scenario", "world", "pg_timeout"),
+    [("rank1_raises_and_exits", 4, 60.0), ("rank1_raises_and_lingers", 2, 3.0)],
+    ids=["failed-rank-exits", "failed-rank-lingers"],
+)
+def test_a_rank_that_raises_leaves_no_rank_hanging(
+    tmp_path: Path, scenario: str, world: int, pg_timeout: float
+) -> None:
+    """Rank 1 raises before a gather the others are in: every process ends with an error.
+
+    When rank 1's process exits, gloo reports the closed connection to the
+    others; when it stays alive, the process group timeout releases them.
+    Either way ``_launch`` would fail the test if any process were still
+    running at the deadline.
+    """
+    codes = _launch(scenario, world, tmp_path, pg_timeout=pg_timeout, deadline=DEADLINE_S)
+    assert all(code not in (0, None) for code in codes), codes
+    outcomes = _outcomes(tmp_path, world)
+    assert outcomes[1]["type"] == "ValueError"
+    assert outcomes[1]["message"] == "rank 1 failed inside the traced step"
+    for r, outcome in enumerate(outcomes):
+        if r != 1:
+            assert outcome["runtime_error"], (r, outcome)
+    if scenario.endswith("lingers"):
+        assert all("timed out" in o["message"].lower() for r, o in enumerate(outcomes) if r != 1)
