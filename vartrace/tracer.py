@@ -19,6 +19,7 @@ from vartrace import distributed
 from vartrace.engine.code import MethodInfo
 from vartrace.engine.patching import Hook, Probe, attach, detach
 from vartrace.engine.structures import leaves
+from vartrace.gradients import GradientWatcher
 from vartrace.record import DROP, subscribe, unsubscribe
 from vartrace.results import Results
 from vartrace.sites import Target, module_methods, resolve, unwrap
@@ -131,6 +132,7 @@ class ModelTracer:
         self._rank = 0
         self._started = False
         self._finished = False
+        self._gradients = GradientWatcher(self._store)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -181,6 +183,7 @@ class ModelTracer:
         self._finished = True
         unsubscribe(self._record_manual)
         self._detach()
+        self._gradients.close()
         if flush:
             self._flush()
             for name in list(self.results):
@@ -267,7 +270,14 @@ class ModelTracer:
     # -- the record path ----------------------------------------------------------------------
 
     def _capture(self, site: str, value: Any, grad: bool) -> None:
-        iteration = self._iteration
+        if torch._C._current_graph_task_id() != -1:
+            return  # a forward recomputed during backward (activation checkpointing)
+        if grad:
+            self._gradients.watch(site, value, self._iteration)
+        else:
+            self._store(site, value, self._iteration)
+
+    def _store(self, site: str, value: Any, iteration: int) -> None:
         for callback in self.pre_save_callbacks:
             value = callback(site, value, iteration)
             if value is DROP:
@@ -287,7 +297,7 @@ class ModelTracer:
     def _record_manual(self, name: str, value: Any) -> None:
         if self._recording and (self._depth == 0 or self._in_mode):
             for site, leaf in leaves(value, name):
-                self._capture(site, leaf, False)
+                self._store(site, leaf, self._iteration)
 
     def _flush(self) -> None:
         chunk, self._chunk = self._chunk, {}
