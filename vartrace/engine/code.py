@@ -92,7 +92,7 @@ def methods_of(cls: type, stop: type | None = None) -> dict[str, MethodInfo]:
         for name, attr in vars(klass).items():
             if name in found or (name.startswith("__") and name.endswith("__")):
                 continue
-            if not isinstance(attr, FunctionType):
+            if not isinstance(attr, FunctionType) and not hasattr(attr, "__wrapped__"):
                 continue
             code = method_code(attr)
             if code is None or code.co_argcount == 0:

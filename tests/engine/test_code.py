@@ -1,0 +1,55 @@
+"""Static facts read from classes and code objects (torch-free)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from vartrace.engine.code import methods_of
+
+
+class Base:
+    def helper(self, a, *args, key=1, **kwargs):  # type: ignore[no-untyped-def]
+        inner = a + key
+
+        def closure() -> int:
+            return inner
+
+        return {"value": closure(), "other": inner}
+
+    def __repr__(self) -> str:
+        return "Base"
+
+    @staticmethod
+    def static() -> int:
+        return 1
+
+    @property
+    def prop(self) -> int:
+        return 1
+
+
+class Child(Base):
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        y = x * 2
+        return y
+
+
+def test_methods_and_variables() -> None:
+    methods = methods_of(Child)
+    assert set(methods) == {"forward", "helper"}
+    helper = methods["helper"]
+    assert helper.arguments == ("self", "a", "key", "args", "kwargs")
+    assert set(helper.locals) == {"inner", "closure"}
+    assert {"value", "other", "0"} <= helper.return_keys
+    assert methods["forward"].variables == ("self", "x", "y")
+
+
+def test_stop_class_is_excluded() -> None:
+    assert set(methods_of(Child, Base)) == {"forward"}
+
+
+def test_engine_imports_no_torch() -> None:
+    code = "import sys, vartrace, vartrace.engine; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,314 @@
+"""Patching methods of single objects and capturing their values, under every core."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from typing import Any
+
+import pytest
+
+from vartrace.engine import Hook, Probe, Selector, attach, detach, methods_of, parse
+from vartrace.engine.frames import FrameCore
+
+
+def _logged(function: Any) -> Any:
+    """A decorator adding a Python frame between the caller and the method."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = function(*args, **kwargs)
+        return result
+
+    return wrapper
+
+
+class Calc:
+    def __init__(self, offset: int = 0) -> None:
+        self.offset = offset
+
+    def run(self, x: int, y: int = 2, *rest: int, scale: int = 1, **extra: int) -> tuple:
+        total = (x + y + sum(rest) + self.offset) * scale
+        parts = {"total": total, "rest": list(rest)}
+        total = total + 1
+        return total, parts
+
+    def loop(self, n: int) -> int:
+        acc = 0
+        for i in range(n):
+            acc = acc + i
+        return acc
+
+    def fact(self, n: int) -> int:
+        result = 1 if n <= 1 else n * self.fact(n - 1)
+        return result
+
+    def boom(self, x: int) -> int:
+        local = x * 2
+        raise KeyError(local)
+
+    @_logged
+    def cached(self, x: int) -> int:
+        doubled = x * 2
+        return doubled
+
+
+def _probe(method: str, *specs: str) -> Probe:
+    """Build a probe from 'variable:timing' specs; variable '' is the return value."""
+    groups: dict[str, list[Selector]] = {"entry": [], "exit": [], "every": [], "returns": []}
+    for spec in specs:
+        variable, timing = spec.split(":")
+        text = f"{method}.{variable}" if variable else method
+        pattern = parse(text)
+        states = pattern.step(pattern.start, method)
+        if variable:
+            states = pattern.step(states, variable)
+        groups[timing].append(Selector(variable or None, text, pattern, states))
+    return Probe(**{k: tuple(v) for k, v in groups.items()})
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.records: list[tuple[str, Any]] = []
+
+    def __call__(self, site: str, value: Any, grad: bool) -> None:
+        self.records.append((site, value))
+
+    def sites(self) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {}
+        for site, value in self.records:
+            out.setdefault(site, []).append(value)
+        return out
+
+
+def _attach(obj: Any, method: str, probe: Probe, **hooks: Any) -> tuple[Hook, Recorder]:
+    recorder = Recorder()
+    hook = Hook(probe, recorder, **hooks)
+    attach(obj, method, methods_of(type(obj))[method].code, hook)
+    return hook, recorder
+
+
+def test_entry_exit_and_return(core: FrameCore) -> None:
+    calc = Calc(offset=10)
+    probe = _probe(
+        "run", "x:entry", "y:entry", "scale:entry", "total:exit", "parts:exit", ":returns"
+    )
+    hook, rec = _attach(calc, "run", probe)
+    try:
+        assert calc.run(1, 2, 3, scale=2) == (33, {"total": 32, "rest": [3]})
+    finally:
+        detach(calc, "run", hook)
+    assert rec.sites() == {
+        "run.x": [1],
+        "run.y": [2],
+        "run.scale": [2],
+        "run.total": [33],
+        "run.parts.total": [32],
+        "run.parts.rest.0": [3],
+        "run.0": [33],
+        "run.1.total": [32],
+        "run.1.rest.0": [3],
+    }
+
+
+def test_defaults_varargs_and_kwargs_are_bound(core: FrameCore) -> None:
+    calc = Calc()
+    probe = _probe("run", "y:entry", "rest:entry", "extra:entry")
+    hook, rec = _attach(calc, "run", probe)
+    calc.run(1)
+    calc.run(1, 5, 6, 7, flag=1)
+    detach(calc, "run", hook)
+    assert rec.sites() == {
+        "run.y": [2, 5],
+        "run.rest.0": [6],
+        "run.rest.1": [7],
+        "run.extra.flag": [1],
+    }
+
+
+def test_every_records_each_new_value(core: FrameCore) -> None:
+    calc = Calc()
+    hook, rec = _attach(calc, "loop", _probe("loop", "acc:every", "i:every"))
+    calc.loop(4)
+    detach(calc, "loop", hook)
+    sites = rec.sites()
+    assert sites["loop.acc"] == [0, 1, 3, 6]
+    assert sites["loop.i"] == [0, 1, 2, 3]
+
+
+def test_only_the_patched_instance_is_traced(core: FrameCore) -> None:
+    traced, other = Calc(), Calc(offset=100)
+    hook, rec = _attach(traced, "run", _probe("run", "total:exit"))
+    other.run(1)
+    traced.run(1)
+    other.run(2)
+    detach(traced, "run", hook)
+    assert rec.sites() == {"run.total": [4]}
+    assert "run" not in vars(other)
+
+
+def test_recursion_records_each_call(core: FrameCore) -> None:
+    calc = Calc()
+    hook, rec = _attach(calc, "fact", _probe("fact", "n:entry", "result:exit"))
+    assert calc.fact(4) == 24
+    detach(calc, "fact", hook)
+    sites = rec.sites()
+    assert sites["fact.n"] == [4, 3, 2, 1]
+    assert sites["fact.result"] == [1, 2, 6, 24]
+
+
+def test_decorated_method_frames_are_found(core: FrameCore) -> None:
+    calc = Calc()
+    hook, rec = _attach(calc, "cached", _probe("cached", "doubled:exit"))
+    assert calc.cached(21) == 42
+    detach(calc, "cached", hook)
+    assert rec.sites() == {"cached.doubled": [42]}
+
+
+def test_exception_propagates_unchanged_and_records_no_exit(core: FrameCore) -> None:
+    calc = Calc()
+    exits: list[bool] = []
+    hook, rec = _attach(calc, "boom", _probe("boom", "x:entry", "local:exit"), on_exit=exits.append)
+    with pytest.raises(KeyError) as error:
+        calc.boom(3)
+    detach(calc, "boom", hook)
+    assert error.value.args == (6,)
+    assert rec.sites() == {"boom.x": [3]}
+    assert exits == [True]
+
+
+def test_restores_exactly(core: FrameCore) -> None:
+    calc = Calc()
+    marker = calc.loop
+    vars(calc)["loop"] = marker  # an instance attribute that was there before
+    hook, _ = _attach(calc, "loop", _probe("loop", "acc:exit"))
+    assert vars(calc)["loop"] is not marker
+    detach(calc, "loop", hook)
+    assert vars(calc)["loop"] is marker
+    plain = Calc()
+    hook, _ = _attach(plain, "loop", _probe("loop", "acc:exit"))
+    detach(plain, "loop", hook)
+    assert "loop" not in vars(plain)
+
+
+def test_two_hooks_stop_in_any_order(core: FrameCore) -> None:
+    calc = Calc()
+    first, rec1 = _attach(calc, "loop", _probe("loop", "acc:exit"))
+    second, rec2 = _attach(calc, "loop", _probe("loop", "n:entry"))
+    calc.loop(3)
+    detach(calc, "loop", first)
+    calc.loop(5)
+    detach(calc, "loop", second)
+    calc.loop(7)
+    assert rec1.sites() == {"loop.acc": [3]}
+    assert rec2.sites() == {"loop.n": [3, 5]}
+    assert "loop" not in vars(calc)
+
+
+def test_disabled_hook_records_nothing_but_observes(core: FrameCore) -> None:
+    calc = Calc()
+    calls: list[str] = []
+    hook, rec = _attach(
+        calc,
+        "loop",
+        _probe("loop", "acc:exit"),
+        on_enter=lambda: calls.append("enter"),
+        on_exit=lambda failed: calls.append(f"exit:{failed}"),
+    )
+    hook.enabled = False
+    calc.loop(3)
+    hook.enabled = True
+    calc.loop(3)
+    detach(calc, "loop", hook)
+    assert rec.sites() == {"loop.acc": [3]}
+    assert calls == ["enter", "exit:False", "enter", "exit:False"]
+
+
+def test_threads_are_traced_independently(core: FrameCore) -> None:
+    calcs = [Calc(offset=i) for i in range(4)]
+    recorders = []
+    hooks = []
+    for calc in calcs:
+        hook, rec = _attach(calc, "run", _probe("run", "total:exit"))
+        hooks.append(hook)
+        recorders.append(rec)
+
+    def work(calc: Calc) -> None:
+        for _ in range(50):
+            calc.run(1)
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in calcs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for calc, hook in zip(calcs, hooks, strict=True):
+        detach(calc, "run", hook)
+    for i, rec in enumerate(recorders):
+        assert rec.sites() == {"run.total": [4 + i] * 50}
+
+
+def test_object_without_dict_is_refused() -> None:
+    class Slotted:
+        __slots__ = ()
+
+        def f(self) -> int:
+            return 1
+
+    with pytest.raises(TypeError, match="no __dict__"):
+        attach(Slotted(), "f", Slotted.f.__code__, Hook(Probe(), Recorder()))
+
+
+def test_other_tools_trace_function_keeps_working(core: FrameCore) -> None:
+    """A debugger-style sys.settrace function sees calls during and after tracing."""
+    seen: list[str] = []
+
+    def other_tool(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call":
+            seen.append(frame.f_code.co_name)
+        return None
+
+    calc = Calc()
+    previous = sys.gettrace()
+    sys.settrace(other_tool)
+    try:
+        hook, rec = _attach(calc, "loop", _probe("loop", "acc:exit"))
+        calc.loop(3)
+        detach(calc, "loop", hook)
+        assert sys.gettrace() is other_tool
+        calc.loop(2)
+    finally:
+        sys.settrace(previous)
+    assert rec.sites() == {"loop.acc": [3]}
+    assert seen.count("loop") == 2
+
+
+@pytest.mark.skipif(not hasattr(sys, "monitoring"), reason="sys.monitoring needs Python >= 3.12")
+def test_monitoring_tool_id_is_released() -> None:
+    from vartrace.engine import patching
+    from vartrace.engine.frames import MonitoringCore
+
+    previous = patching.core()
+    patching.set_core(MonitoringCore())
+    try:
+        tools_before = [sys.monitoring.get_tool(i) for i in range(6)]
+        calc = Calc()
+        hook, rec = _attach(calc, "loop", _probe("loop", "acc:exit"))
+        assert "vartrace" in [sys.monitoring.get_tool(i) for i in range(6)]
+        calc.loop(3)
+        detach(calc, "loop", hook)
+        assert [sys.monitoring.get_tool(i) for i in range(6)] == tools_before
+    finally:
+        patching.set_core(previous)
+    assert rec.sites() == {"loop.acc": [3]}
+
+
+def test_set_core_refused_while_patched(core: FrameCore) -> None:
+    from vartrace.engine import patching
+
+    calc = Calc()
+    hook, _ = _attach(calc, "loop", _probe("loop", "acc:exit"))
+    with pytest.raises(RuntimeError, match="while methods are patched"):
+        patching.set_core(core)
+    detach(calc, "loop", hook)
