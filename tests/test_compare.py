@@ -1,0 +1,311 @@
+"""vartrace.compare on in-memory results, tracers and real HDF5 files."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from vartrace.compare import Comparison, Divergence, compare
+from vartrace.frames import results_frame
+from vartrace.trace import Trace
+
+SITES = ("embed", "layers.0.out", "layers.1.out", "loss")
+
+
+def make_results(
+    iterations: int = 3,
+    *,
+    perturb: dict[tuple[str, int], float] | None = None,
+    seed: int = 0,
+) -> dict[str, Trace]:
+    """Records of four sites per iteration, in execution order ``SITES``."""
+    generator = torch.Generator().manual_seed(seed)
+    results: dict[str, Trace] = {name: Trace() for name in SITES}
+    order = 0
+    for iteration in range(1, iterations + 1):
+        for name in SITES:
+            shape = () if name == "loss" else (4, 6)
+            value = torch.randn(shape, generator=generator)
+            if perturb and (name, iteration) in perturb:
+                value = value + perturb[(name, iteration)]
+            results[name].append(value, iteration, 0, order)
+            order += 1
+    return results
+
+
+def test_equal_runs_are_ok() -> None:
+    report = compare(make_results(), make_results())
+    assert isinstance(report, Comparison)
+    assert report.ok
+    assert report.first_divergence is None
+    assert report.only_in_a == [] and report.only_in_b == []
+    assert [s.site for s in report.sites] == list(SITES)
+    assert all(s.records == 3 and s.status == "ok" and s.max_abs_diff == 0 for s in report.sites)
+    assert all(s.min_cosine == pytest.approx(1.0) for s in report.sites)
+    assert "first divergence: none" in str(report)
+
+
+def test_first_divergence_follows_execution_order_not_names() -> None:
+    # "layers.1.out" diverges at iteration 2, "embed" (alphabetically first) only at 3.
+    b = make_results(perturb={("layers.1.out", 2): 1e-3, ("embed", 3): 1.0, ("loss", 2): 1.0})
+    report = compare(make_results(), b)
+    assert not report.ok
+    assert report.first_divergence == Divergence("layers.1.out", 2, 0)
+    site, iteration, rank = report.first_divergence
+    assert (site, iteration, rank) == ("layers.1.out", 2, 0)
+    summary = {s.site: s for s in report.sites}
+    assert summary["layers.1.out"].differing == 1
+    assert summary["layers.1.out"].max_abs_diff == pytest.approx(1e-3, rel=1e-3)
+    assert summary["layers.0.out"].status == "ok"
+    text = str(report)
+    assert "first divergence: layers.1.out at iteration 2, rank 0" in text
+    assert "DIFFERS" in text
+
+
+def test_tolerances() -> None:
+    b = make_results(perturb={("layers.0.out", 1): 1e-4})
+    assert not compare(make_results(), b).ok
+    assert compare(make_results(), b, atol=1e-3).ok
+    assert not compare(make_results(), b, atol=1e-5, rtol=0).ok
+    scaled = make_results()
+    for trace in scaled.values():
+        trace.values = [v * (1 + 1e-4) for v in trace.values]
+    assert not compare(make_results(), scaled).ok
+    assert compare(make_results(), scaled, rtol=1e-3).ok
+    with pytest.raises(ValueError, match="tolerances"):
+        compare(make_results(), scaled, atol=-1)
+
+
+def test_statistics_match_numpy() -> None:
+    rng = np.random.default_rng(3)
+    a_values = [rng.standard_normal((3, 50)).astype(np.float32) for _ in range(4)]
+    b_values = [v + rng.standard_normal(v.shape).astype(np.float32) * 0.1 for v in a_values]
+    a = {"x": Trace(a_values, [1, 2, 3, 4], [0] * 4, [0, 1, 2, 3])}
+    b = {"x": Trace(b_values, [1, 2, 3, 4], [0] * 4, [0, 1, 2, 3])}
+    frame = compare(a, b).to_frame()
+    assert list(frame["iteration"]) == [1, 2, 3, 4]
+    for row, x, y in zip(frame.itertuples(), a_values, b_values, strict=True):
+        x64, y64 = x.astype(np.float64), y.astype(np.float64)
+        diff = np.abs(x64 - y64)
+        assert row.max_abs_diff == pytest.approx(diff.max(), rel=1e-6)
+        assert row.max_rel_diff == pytest.approx((diff / np.abs(y64)).max(), rel=1e-6)
+        cos = np.dot(x64.ravel(), y64.ravel()) / np.linalg.norm(x64) / np.linalg.norm(y64)
+        assert row.cosine == pytest.approx(cos, rel=1e-9)
+        assert row.mean_a == pytest.approx(x64.mean(), rel=1e-9)
+        assert row.std_b == pytest.approx(y64.std(), rel=1e-9)
+        assert row.var_a == pytest.approx(x64.var(), rel=1e-9)
+        assert row.mean_diff == pytest.approx(x64.mean() - y64.mean(), rel=1e-9, abs=1e-12)
+        assert row.var_diff == pytest.approx(x64.var() - y64.var(), rel=1e-9, abs=1e-12)
+        assert row.allclose == bool(np.allclose(x, y, atol=1e-8, rtol=1e-5))
+        assert row.status == "differs"
+
+
+def test_large_records_use_the_same_statistics() -> None:
+    """Records big enough to be reduced one per step give the numpy answers too."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 300, 300)).astype(np.float32)
+    y = x.copy()
+    y[1, 7, 9] += 0.5
+    a = {"big": Trace([x[0], x[1]], [1, 2], [0, 0], [0, 1])}
+    b = {"big": Trace([y[0], y[1]], [1, 2], [0, 0], [0, 1])}
+    report = compare(a, b)
+    frame = report.to_frame()
+    assert list(frame["allclose"]) == [True, False]
+    assert frame["max_abs_diff"][1] == pytest.approx(0.5, rel=1e-6)
+    assert frame["mean_b"][1] == pytest.approx(y[1].astype(np.float64).mean(), rel=1e-9)
+    assert report.first_divergence == Divergence("big", 2, 0)
+
+
+def test_occurrences_within_an_iteration_are_matched_in_order() -> None:
+    values = [torch.full((2,), float(i)) for i in range(4)]
+    # Two calls per iteration (a shared layer); b's second call of iteration 2 differs.
+    a = {"shared": Trace(list(values), [1, 1, 2, 2], [0] * 4, [0, 1, 2, 3])}
+    b_values = [*values[:3], values[3] + 1]
+    b = {"shared": Trace(b_values, [1, 1, 2, 2], [0] * 4, [0, 1, 2, 3])}
+    frame = compare(a, b).to_frame()
+    assert list(frame["occurrence"]) == [0, 1, 0, 1]
+    assert list(frame["allclose"]) == [True, True, True, False]
+
+
+def test_records_are_matched_by_rank() -> None:
+    a = {"x": Trace([torch.zeros(2), torch.ones(2)], [1, 1], [0, 1], [0, 0])}
+    b = {"x": Trace([torch.ones(2), torch.zeros(2) + 5], [1, 1], [1, 0], [0, 0])}
+    report = compare(a, b)
+    assert report.first_divergence == Divergence("x", 1, 0)
+    frame = report.to_frame()
+    assert dict(zip(frame["rank"], frame["allclose"], strict=True)) == {0: False, 1: True}
+
+
+def test_shape_mismatch() -> None:
+    a = make_results()
+    b = make_results()
+    b["layers.0.out"].values[1] = torch.zeros(4, 7)
+    report = compare(a, b)
+    assert not report.ok
+    assert report.first_divergence == Divergence("layers.0.out", 2, 0)
+    frame = report.to_frame()
+    row = frame[(frame["site"] == "layers.0.out") & (frame["iteration"] == 2)].iloc[0]
+    assert row["status"] == "shape mismatch"
+    assert not row["shape_match"] and not row["allclose"]
+    assert row["shape_a"] == (4, 6) and row["shape_b"] == (4, 7)
+    assert math.isnan(row["max_abs_diff"])
+    assert "SHAPE MISMATCH" in str(report)
+
+
+def test_sites_on_one_side_are_listed_not_errors() -> None:
+    a = make_results()
+    b = make_results()
+    a["only.a"] = Trace([torch.ones(1)], [1], [0], [99])
+    b["only.b"] = Trace([torch.ones(1)], [1], [0], [99])
+    del b["embed"]
+    report = compare(a, b)
+    assert report.ok
+    assert report.only_in_a == ["embed", "only.a"]
+    assert report.only_in_b == ["only.b"]
+    assert {s.site for s in report.sites} == {"layers.0.out", "layers.1.out", "loss"}
+    text = str(report)
+    assert "only in a (2): embed, only.a" in text
+    assert "only in b (1): only.b" in text
+
+
+def test_records_on_one_side_only_differ() -> None:
+    a = make_results(iterations=3)
+    b = make_results(iterations=2)
+    report = compare(a, b)
+    assert not report.ok
+    assert report.first_divergence == Divergence("embed", 3, 0)
+    frame = report.to_frame()
+    missing = frame[frame["status"] == "only in a"]
+    assert sorted(missing["site"]) == sorted(SITES)
+    assert set(missing["iteration"]) == {3}
+    assert set(missing["order_b"]) == {-1}
+    report = compare(b, a)
+    assert set(report.to_frame().query("status == 'only in b'")["iteration"]) == {3}
+
+
+def test_names_filter() -> None:
+    b = make_results(perturb={("embed", 1): 1.0})
+    report = compare(make_results(), b, names=["layers.*"])
+    assert [s.site for s in report.sites] == ["layers.0.out", "layers.1.out"]
+    assert report.ok
+    report = compare(make_results(), b, names="embed")
+    assert [s.site for s in report.sites] == ["embed"] and not report.ok
+    with pytest.raises(ValueError, match=r"no site matches 'nothing\.\*'"):
+        compare(make_results(), b, names=["nothing.*"])
+
+
+def test_nan_inf_and_value_kinds() -> None:
+    nan, inf = math.nan, math.inf
+    a = {
+        "nan_same": Trace([torch.tensor([1.0, nan, inf])], [1], [0], [0]),
+        "nan_one": Trace([torch.tensor([1.0, nan])], [1], [0], [1]),
+        "bf16": Trace([torch.tensor([1.0, 2.0], dtype=torch.bfloat16)], [1], [0], [2]),
+        "ints": Trace([torch.tensor([2**60, 3])], [1], [0], [3]),
+        "flag": Trace([True], [1], [0], [4]),
+        "text": Trace(["abc", None], [1, 2], [0, 0], [5, 6]),
+        "cplx": Trace([torch.tensor([1 + 1j, 2 - 1j])], [1], [0], [7]),
+    }
+    b = {
+        "nan_same": Trace([torch.tensor([1.0, nan, inf])], [1], [0], [0]),
+        "nan_one": Trace([torch.tensor([1.0, 2.0])], [1], [0], [1]),
+        "bf16": Trace([torch.tensor([1.0, 2.0], dtype=torch.bfloat16)], [1], [0], [2]),
+        "ints": Trace([torch.tensor([2**60 + 1, 3])], [1], [0], [3]),
+        "flag": Trace([True], [1], [0], [4]),
+        "text": Trace(["abd", None], [1, 2], [0, 0], [5, 6]),
+        "cplx": Trace([torch.tensor([1 + 1j, 2 - 1j])], [1], [0], [7]),
+    }
+    frame = compare(a, b).to_frame().set_index(["site", "iteration"])
+    assert frame.loc[("nan_same", 1), "allclose"]
+    assert frame.loc[("nan_same", 1), "max_abs_diff"] == 0
+    assert not frame.loc[("nan_one", 1), "allclose"]
+    assert math.isnan(frame.loc[("nan_one", 1), "max_abs_diff"])
+    assert frame.loc[("bf16", 1), "allclose"] and frame.loc[("bf16", 1), "dtype_a"] == "bfloat16"
+    assert not frame.loc[("ints", 1), "allclose"]  # differs beyond float64 precision
+    assert frame.loc[("flag", 1), "allclose"]
+    assert not frame.loc[("text", 1), "allclose"]
+    assert frame.loc[("text", 2), "allclose"]
+    assert frame.loc[("cplx", 1), "allclose"]
+    assert frame.loc[("cplx", 1), "cosine"] == pytest.approx(1.0)
+
+
+def test_stacked_and_padded_values() -> None:
+    values = torch.zeros(3, 4, 5)
+    values[0, :2, :3] = torch.arange(6.0).reshape(2, 3)
+    padded = Trace(
+        values,
+        torch.tensor([1, 2, 3]),
+        torch.zeros(3, dtype=torch.long),
+        torch.tensor([0, 1, 2]),
+        shapes=[(2, 3), (4, 5), (1, 1)],
+    )
+    listed = Trace(
+        [values[0, :2, :3], values[1], values[2, :1, :1]], [1, 2, 3], [0, 0, 0], [0, 1, 2]
+    )
+    report = compare({"x": padded}, {"x": listed})
+    assert report.ok
+    assert list(report.to_frame()["shape_a"]) == [(2, 3), (4, 5), (1, 1)]
+
+
+def test_tracers_and_float64_reference() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    reference = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    reference.load_state_dict(model.state_dict())
+    from vartrace.tracer import ModelTracer
+
+    x = torch.randn(5, 4)
+    with ModelTracer(model, ["*", "forward"]) as fp32:
+        model(x)
+    with ModelTracer(reference, ["*", "forward"]) as fp64:
+        reference(x.double())
+    assert not compare(fp64, fp32, atol=0, rtol=0).ok
+    report = compare(fp64, fp32, atol=1e-6, rtol=1e-5)
+    assert report.ok, str(report)
+    frame = report.to_frame()
+    assert set(frame["dtype_a"]) == {"float64"} and set(frame["dtype_b"]) == {"float32"}
+    assert (frame["max_abs_diff"] > 0).any()
+
+
+def test_csv_and_frame_contents(tmp_path) -> None:
+    b = make_results(perturb={("layers.1.out", 2): 0.25})
+    report = compare(make_results(), b)
+    path = report.to_csv(tmp_path / "diff.csv")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    frame = report.to_frame()
+    assert len(rows) == len(frame) == len(report) == 12
+    assert list(rows[0]) == list(frame.columns)
+    assert {"cosine", "mean_diff", "std_diff", "var_diff", "max_rel_diff"} <= set(rows[0])
+    bad = [r for r in rows if r["status"] != "ok"]
+    assert [(r["site"], r["iteration"]) for r in bad] == [("layers.1.out", "2")]
+    assert float(bad[0]["max_abs_diff"]) == pytest.approx(0.25, rel=1e-6)
+    assert float(bad[0]["mean_diff"]) == pytest.approx(-0.25, rel=1e-5)
+    assert bad[0]["shape_a"] == "(4, 6)" and bad[0]["allclose"] == "False"
+    loss = next(r for r in rows if r["site"] == "loss")
+    assert loss["shape_a"] == "()"
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(TypeError, match="expected a path, an open run"):
+        compare(42, make_results())
+
+
+def test_results_frame() -> None:
+    results = make_results()
+    results["note"] = Trace(["hello"], [1], [0], [100])
+    frame = results_frame(results, stat="std")
+    assert list(frame.columns) == ["site", "iteration", "rank", "order", "shape", "dtype", "std"]
+    assert len(frame) == 13
+    first = frame.iloc[0]
+    expected = results["embed"].values[0].double().std(unbiased=False).item()
+    assert first["site"] == "embed" and first["shape"] == (4, 6) and first["dtype"] == "float32"
+    assert first["std"] == pytest.approx(expected)
+    note = frame[frame["site"] == "note"].iloc[0]
+    assert note["dtype"] == "str" and note["shape"] is None and math.isnan(note["std"])
+    with pytest.raises(ValueError, match="unknown statistic"):
+        results_frame(results, stat="median-ish")

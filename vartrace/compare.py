@@ -1,0 +1,754 @@
+"""Compare two runs record by record and find where they start to differ.
+
+:func:`compare` takes two runs — HDF5 files (a path or glob), open
+:class:`~vartrace.storage.reader.Run` objects, :class:`~vartrace.tracer.ModelTracer`
+objects or plain mappings of site name -> :class:`~vartrace.trace.Trace` — and
+matches their records by site, iteration, rank and occurrence (the n-th
+record of that site in that iteration on that rank).  For every matched
+pair it reports whether the shapes match, whether the values are close
+(``|a - b| <= atol + rtol * |b|`` elementwise, NaN equal to NaN at the same
+place), the largest absolute and relative difference, the cosine
+similarity, and the mean/std/var of each side with their differences.
+
+Numeric work is vectorised: a site's records are read from the file in one
+large slice, converted once, and reduced in cache-sized row groups with
+float64 accumulation, while the next site is read in a background thread.
+
+Example::
+
+    import vartrace
+
+    report = vartrace.compare("reference.h5", "candidate.h5", atol=1e-6, rtol=1e-4)
+    print(report)                       # per-site table + first divergence
+    if not report.ok:
+        site, iteration, rank = report.first_divergence
+    report.to_csv("diff.csv")
+"""
+
+from __future__ import annotations
+
+import csv
+import fnmatch
+import math
+import os
+import queue
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from vartrace.frames import SiteView, open_source
+
+__all__ = ["Comparison", "Divergence", "SiteSummary", "compare"]
+
+#: Elements reduced per numpy call: a few hundred KiB of float64, so the
+#: temporaries of one row group stay in the CPU cache.
+_STEP_ELEMENTS = 1 << 16
+#: Largest block (bytes per side) read from a file in one go.
+_READ_BYTES = 64 << 20
+
+#: Record status values, in the order the report ranks them.
+STATUS_OK = "ok"
+STATUS_DIFFERS = "differs"
+STATUS_SHAPE = "shape mismatch"
+STATUS_ONLY_A = "only in a"
+STATUS_ONLY_B = "only in b"
+
+COLUMNS: tuple[str, ...] = (
+    "site",
+    "iteration",
+    "rank",
+    "occurrence",
+    "order_a",
+    "order_b",
+    "status",
+    "shape_a",
+    "shape_b",
+    "dtype_a",
+    "dtype_b",
+    "shape_match",
+    "allclose",
+    "max_abs_diff",
+    "max_rel_diff",
+    "cosine",
+    "mean_a",
+    "mean_b",
+    "mean_diff",
+    "std_a",
+    "std_b",
+    "std_diff",
+    "var_a",
+    "var_b",
+    "var_diff",
+)
+_FLOAT_COLUMNS = (
+    "max_abs_diff",
+    "max_rel_diff",
+    "cosine",
+    "mean_a",
+    "mean_b",
+    "std_a",
+    "std_b",
+    "var_a",
+    "var_b",
+)
+
+
+class Divergence(NamedTuple):
+    """Where two runs first differ: ``(site, iteration, rank)``."""
+
+    site: str
+    iteration: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class SiteSummary:
+    """One line of the report: how a site compared over all its records.
+
+    Attributes:
+        site: the site name.
+        records: record pairs compared (matched in both runs).
+        differing: records beyond tolerance, with a shape mismatch, or present
+            in one run only.
+        max_abs_diff: the largest absolute difference over the site (NaN when
+            nothing numeric was compared or a NaN met a number).
+        max_rel_diff: the largest relative difference ``|a - b| / |b|``.
+        min_cosine: the smallest cosine similarity over the site's records.
+        status: ``"ok"`` or the worst record status.
+    """
+
+    site: str
+    records: int
+    differing: int
+    max_abs_diff: float
+    max_rel_diff: float
+    min_cosine: float
+    status: str
+
+
+# --------------------------------------------------------------------------- matching
+
+
+def _occurrence(iterations: np.ndarray, ranks: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Index of each record among the records of its (iteration, rank), by capture order."""
+    count = len(iterations)
+    occ = np.zeros(count, dtype=np.int64)
+    if count == 0:
+        return occ
+    idx = np.lexsort((order, ranks, iterations))
+    it, rk = iterations[idx], ranks[idx]
+    start = np.ones(count, dtype=bool)
+    start[1:] = (it[1:] != it[:-1]) | (rk[1:] != rk[:-1])
+    positions = np.arange(count)
+    group_start = np.maximum.accumulate(np.where(start, positions, 0))
+    occ[idx] = positions - group_start
+    return occ
+
+
+def _match(a: SiteView, b: SiteView) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pair records by (iteration, rank, occurrence): (ia, ib, only_a, only_b) row indices."""
+    occ_a = _occurrence(a.iterations, a.ranks, a.order)
+    occ_b = _occurrence(b.iterations, b.ranks, b.order)
+    keys_a = np.stack([a.iterations, a.ranks, occ_a], axis=1)
+    keys_b = np.stack([b.iterations, b.ranks, occ_b], axis=1)
+    both = np.concatenate([keys_a, keys_b])
+    if len(both) == 0:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty, empty
+    _, inverse = np.unique(both, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    ka, kb = inverse[: len(keys_a)], inverse[len(keys_a) :]
+    _, ia, ib = np.intersect1d(ka, kb, assume_unique=True, return_indices=True)
+    only_a = np.setdiff1d(np.arange(len(ka)), ia)
+    only_b = np.setdiff1d(np.arange(len(kb)), ib)
+    return ia.astype(np.int64), ib.astype(np.int64), only_a, only_b
+
+
+# --------------------------------------------------------------------------- numerics
+
+
+def _rowdot(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Row-wise dot products of two (k, m) float64 arrays."""
+    if x.shape[1] >= 512:
+        return np.matmul(x[:, None, :], y[:, :, None])[:, 0, 0]
+    return np.einsum("ij,ij->i", x, y)
+
+
+def _work_dtype(a: np.dtype, b: np.dtype) -> np.dtype:
+    kinds = {a.kind, b.kind}
+    if "c" in kinds:
+        return np.dtype(np.complex128)
+    if a == b and a in (np.float32, np.float64):
+        return a
+    if kinds <= {"f"} and max(a.itemsize, b.itemsize) <= 4:
+        return np.dtype(np.float32)
+    return np.dtype(np.float64)
+
+
+def _numeric_stats(
+    block_a: np.ndarray, block_b: np.ndarray, atol: float, rtol: float
+) -> dict[str, np.ndarray]:
+    """Per-record statistics of two equally shaped stacks of records."""
+    k = block_a.shape[0]
+    m = int(np.prod(block_a.shape[1:], dtype=np.int64))
+    work = _work_dtype(block_a.dtype, block_b.dtype)
+    a2 = block_a.reshape(k, m)
+    b2 = block_b.reshape(k, m)
+    exact_int = block_a.dtype.kind in "iu" and block_b.dtype.kind in "iu"
+    a2 = a2.astype(work, copy=False)
+    b2 = b2.astype(work, copy=False)
+    out = {name: np.empty(k, dtype=np.float64) for name in (*_FLOAT_COLUMNS, "allclose")}
+    if m == 0:
+        for name in _FLOAT_COLUMNS:
+            out[name][:] = math.nan
+        out["max_abs_diff"][:] = 0.0
+        out["max_rel_diff"][:] = 0.0
+        out["cosine"][:] = 1.0
+        out["allclose"][:] = 1.0
+        return out
+    kernel = _complex_rows if work.kind == "c" else _real_rows
+    step = max(1, _STEP_ELEMENTS // m)
+    with np.errstate(all="ignore"):
+        for start in range(0, k, step):
+            sl = slice(start, min(k, start + step))
+            kernel(a2[sl], b2[sl], atol, rtol, out, sl)
+            if exact_int:
+                same = np.all(block_a.reshape(k, m)[sl] == block_b.reshape(k, m)[sl], axis=1)
+                out["allclose"][sl] = np.where(
+                    (out["max_abs_diff"][sl] == 0) & ~same, 0.0, out["allclose"][sl]
+                )
+    return out
+
+
+def _moments(s: np.ndarray, ss: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    mean = s / m
+    var = np.maximum(ss / m - mean * mean, 0.0)
+    return mean, var
+
+
+def _cosine(sab: np.ndarray, saa: np.ndarray, sbb: np.ndarray) -> np.ndarray:
+    norm = np.sqrt(saa) * np.sqrt(sbb)
+    cos = np.clip(sab / np.where(norm > 0, norm, 1.0), -1.0, 1.0)
+    zero_a, zero_b = saa == 0, sbb == 0
+    cos = np.where(zero_a & zero_b, 1.0, cos)
+    return np.where(zero_a ^ zero_b, 0.0, cos)
+
+
+def _store_moments(out: dict[str, np.ndarray], sl: slice, a64: np.ndarray, b64: np.ndarray) -> None:
+    m = a64.shape[1]
+    ones = np.ones(m)
+    saa, sbb = _rowdot(a64, a64), _rowdot(b64, b64)
+    out["mean_a"][sl], out["var_a"][sl] = _moments(a64 @ ones, saa, m)
+    out["mean_b"][sl], out["var_b"][sl] = _moments(b64 @ ones, sbb, m)
+    out["std_a"][sl] = np.sqrt(out["var_a"][sl])
+    out["std_b"][sl] = np.sqrt(out["var_b"][sl])
+    out["cosine"][sl] = _cosine(_rowdot(a64, b64), saa, sbb)
+
+
+def _real_rows(
+    a: np.ndarray, b: np.ndarray, atol: float, rtol: float, out: dict[str, np.ndarray], sl: slice
+) -> None:
+    """Fill ``out[...][sl]`` for real records ``a``, ``b`` of shape (k, m) (float32 or float64)."""
+    a64 = a.astype(np.float64, copy=False)
+    b64 = b.astype(np.float64, copy=False)
+    _store_moments(out, sl, a64, b64)
+    diff = np.subtract(a, b)
+    np.abs(diff, out=diff)
+    max_abs = diff.max(axis=1)
+    absb = np.abs(b)
+    rel = np.divide(diff, absb, out=absb)  # 0/0 -> NaN, ignored by fmax
+    max_rel = np.fmax.reduce(rel, axis=1)
+    max_rel = np.where(max_abs == 0, 0.0, max_rel)
+    close = (max_abs <= atol) | (max_rel <= rtol)
+    for i in np.flatnonzero(~close & ~np.isnan(max_abs)):
+        row_b = b64[i]
+        close[i] = bool(np.all(np.abs(a64[i] - row_b) <= atol + rtol * np.abs(row_b)))
+    for i in np.flatnonzero(np.isnan(max_abs)):
+        max_abs[i], max_rel[i], close[i] = _nonfinite_row(a64[i], b64[i], atol, rtol)
+    out["cosine"][sl] = np.where(max_abs == 0, 1.0, out["cosine"][sl])
+    out["max_abs_diff"][sl] = max_abs
+    out["max_rel_diff"][sl] = max_rel
+    out["allclose"][sl] = close
+
+
+def _nonfinite_row(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[float, ...]:
+    """Differences of one record holding NaN/inf: NaN == NaN and inf == inf count as equal."""
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    diff = np.where(same, 0.0, np.abs(a - b))
+    absb = np.abs(b)
+    rel = np.where(same, 0.0, diff / absb)
+    close = bool(np.all(same | (diff <= atol + rtol * absb)))
+    return float(np.max(diff)), float(np.max(rel)), close
+
+
+def _complex_rows(
+    a: np.ndarray, b: np.ndarray, atol: float, rtol: float, out: dict[str, np.ndarray], sl: slice
+) -> None:
+    """Complex records: differences on the complex values, statistics of the magnitudes."""
+    mag_a, mag_b = np.abs(a), np.abs(b)
+    _store_moments(out, sl, mag_a, mag_b)
+    sab = np.real(np.einsum("ij,ij->i", np.conj(a), b))
+    out["cosine"][sl] = _cosine(sab, _rowdot(mag_a, mag_a), _rowdot(mag_b, mag_b))
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    diff = np.where(same, 0.0, np.abs(a - b))
+    rel = np.where(same, 0.0, diff / mag_b)
+    out["max_abs_diff"][sl] = diff.max(axis=1)
+    out["max_rel_diff"][sl] = rel.max(axis=1)
+    out["allclose"][sl] = np.all(same | (diff <= atol + rtol * mag_b), axis=1)
+
+
+def _objects_equal(x: Any, y: Any) -> bool:
+    if type(x) is not type(y):
+        return False
+    try:
+        return bool(x == y)
+    except Exception:  # an opaque object whose == is not a plain bool
+        return False
+
+
+# --------------------------------------------------------------------------- engine
+
+
+@dataclass
+class _Task:
+    """One block of matched numeric records to read and reduce."""
+
+    site: str
+    a: SiteView
+    b: SiteView
+    pairs: np.ndarray  # positions in the site's pair list
+    rows_a: np.ndarray
+    rows_b: np.ndarray
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class _SiteResult:
+    """Columns of one site's records while they are being filled."""
+
+    def __init__(self, name: str, a: SiteView, b: SiteView) -> None:
+        self.name = name
+        ia, ib, only_a, only_b = _match(a, b)
+        n_pairs = len(ia)
+        self.n_pairs = n_pairs
+        n = n_pairs + len(only_a) + len(only_b)
+        nan = np.full(n, math.nan)
+        self.iteration = np.concatenate(
+            [a.iterations[ia], a.iterations[only_a], b.iterations[only_b]]
+        )
+        self.rank = np.concatenate([a.ranks[ia], a.ranks[only_a], b.ranks[only_b]])
+        occ_a = _occurrence(a.iterations, a.ranks, a.order)
+        occ_b = _occurrence(b.iterations, b.ranks, b.order)
+        self.occurrence = np.concatenate([occ_a[ia], occ_a[only_a], occ_b[only_b]])
+        missing = np.full(len(only_b), -1, dtype=np.int64)
+        self.order_a = np.concatenate([a.order[ia], a.order[only_a], missing])
+        missing_a = np.full(len(only_a), -1, dtype=np.int64)
+        self.order_b = np.concatenate([b.order[ib], missing_a, b.order[only_b]])
+        rows_a = np.concatenate([ia, only_a, np.full(len(only_b), -1, dtype=np.int64)])
+        rows_b = np.concatenate([ib, np.full(len(only_a), -1, dtype=np.int64), only_b])
+        self.shape_a = [a.shapes[r] if r >= 0 else None for r in rows_a]
+        self.shape_b = [b.shapes[r] if r >= 0 else None for r in rows_b]
+        self.dtype_a = [a.dtypes[r] if r >= 0 else "" for r in rows_a]
+        self.dtype_b = [b.dtypes[r] if r >= 0 else "" for r in rows_b]
+        self.floats = {name: nan.copy() for name in _FLOAT_COLUMNS}
+        self.allclose = np.zeros(n, dtype=bool)
+        self.shape_match = np.zeros(n, dtype=bool)
+        self.status = np.array(
+            [STATUS_DIFFERS] * n_pairs
+            + [STATUS_ONLY_A] * len(only_a)
+            + [STATUS_ONLY_B] * len(only_b),
+            dtype=object,
+        )
+        self.tasks: list[_Task] = []
+        self._plan(a, b, ia, ib)
+
+    def _plan(self, a: SiteView, b: SiteView, ia: np.ndarray, ib: np.ndarray) -> None:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        object_pairs: list[int] = []
+        for p in range(self.n_pairs):
+            sa, sb = self.shape_a[p], self.shape_b[p]
+            if sa is None and sb is None:
+                object_pairs.append(p)
+            elif sa is None or sb is None or sa != sb:
+                self.status[p] = STATUS_SHAPE
+            else:
+                self.shape_match[p] = True
+                groups.setdefault(sa, []).append(p)
+        if object_pairs:
+            pos = np.asarray(object_pairs)
+            values_a = a.objects(ia[pos])
+            values_b = b.objects(ib[pos])
+            for p, x, y in zip(object_pairs, values_a, values_b, strict=True):
+                self.shape_match[p] = True
+                self.allclose[p] = _objects_equal(x, y)
+                self.status[p] = STATUS_OK if self.allclose[p] else STATUS_DIFFERS
+        for shape, members in groups.items():
+            pairs = np.asarray(members, dtype=np.int64)
+            pairs = pairs[np.argsort(ia[pairs], kind="stable")]
+            record_bytes = max(1, int(np.prod(shape, dtype=np.int64)) * 8)
+            per_task = max(1, _READ_BYTES // record_bytes)
+            for start in range(0, len(pairs), per_task):
+                chunk = pairs[start : start + per_task]
+                self.tasks.append(
+                    _Task(
+                        self.name,
+                        a,
+                        b,
+                        chunk,
+                        ia[chunk],
+                        ib[chunk],
+                        shape,
+                        len(chunk) * record_bytes,
+                    )
+                )
+
+    def fill(self, task: _Task, stats: dict[str, np.ndarray]) -> None:
+        for name in _FLOAT_COLUMNS:
+            self.floats[name][task.pairs] = stats[name]
+        close = stats["allclose"].astype(bool)
+        self.allclose[task.pairs] = close
+        self.status[task.pairs] = np.where(close, STATUS_OK, STATUS_DIFFERS)
+
+    def summary(self) -> SiteSummary:
+        bad = self.status != STATUS_OK
+        statuses = set(self.status[bad].tolist())
+        status = STATUS_OK
+        for candidate in (STATUS_ONLY_B, STATUS_ONLY_A, STATUS_DIFFERS, STATUS_SHAPE):
+            if candidate in statuses:
+                status = candidate
+        return SiteSummary(
+            site=self.name,
+            records=self.n_pairs,
+            differing=int(bad.sum()),
+            max_abs_diff=_nan_aware(np.max, self.floats["max_abs_diff"][: self.n_pairs]),
+            max_rel_diff=_nan_aware(np.max, self.floats["max_rel_diff"][: self.n_pairs]),
+            min_cosine=_nan_aware(np.min, self.floats["cosine"][: self.n_pairs]),
+            status=status,
+        )
+
+    def first_key(self) -> tuple[int, int, int] | None:
+        """(iteration, order, rank) of the earliest record that differs."""
+        bad = np.flatnonzero(self.status != STATUS_OK)
+        if len(bad) == 0:
+            return None
+        order = np.where(self.order_a[bad] >= 0, self.order_a[bad], self.order_b[bad])
+        best = np.lexsort((self.rank[bad], order, self.iteration[bad]))[0]
+        return int(self.iteration[bad][best]), int(order[best]), int(self.rank[bad][best])
+
+    def execution_key(self) -> tuple[int, int]:
+        orders = np.where(self.order_a >= 0, self.order_a, self.order_b)
+        if len(orders) == 0:
+            return (sys.maxsize, sys.maxsize)
+        i = np.lexsort((orders, self.iteration))[0]
+        return int(self.iteration[i]), int(orders[i])
+
+
+def _nan_aware(reduce: Callable[[np.ndarray], Any], values: np.ndarray) -> float:
+    """``reduce`` over values, NaN when a NaN is present (a NaN met a number) or none exist."""
+    if len(values) == 0:
+        return math.nan
+    return float(reduce(values))
+
+
+def _prefetch(tasks: Sequence[_Task], fetch: Callable[[_Task], Any]) -> Iterator[tuple[_Task, Any]]:
+    """Yield ``(task, fetch(task))`` with the next task's fetch running in a worker thread."""
+    results: queue.Queue[Any] = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def work() -> None:
+        for task in tasks:
+            try:
+                item: Any = (task, fetch(task), None)
+            except BaseException as exc:  # handed to the consumer, re-raised there
+                item = (task, None, exc)
+            while not stop.is_set():
+                try:
+                    results.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if stop.is_set() or item[2] is not None:
+                return
+
+    worker = threading.Thread(target=work, name="vartrace-compare-read", daemon=True)
+    worker.start()
+    try:
+        for _ in tasks:
+            task, data, exc = results.get()
+            if exc is not None:
+                raise exc
+            yield task, data
+    finally:
+        stop.set()
+        worker.join()
+
+
+def _fetch(task: _Task) -> tuple[np.ndarray, np.ndarray]:
+    return task.a.read(task.rows_a, task.shape), task.b.read(task.rows_b, task.shape)
+
+
+def _select(names: Iterable[str], patterns: Sequence[str] | None) -> list[str]:
+    if patterns is None:
+        return list(names)
+    return [n for n in names if any(n == p or fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+def compare(
+    a: Any,
+    b: Any,
+    *,
+    atol: float = 1e-8,
+    rtol: float = 1e-5,
+    names: str | Iterable[str] | None = None,
+    progress: bool = False,
+) -> Comparison:
+    """Compare two runs record by record.
+
+    ``a`` and ``b`` are each a path or glob of an HDF5 run, an open run
+    (:func:`vartrace.open`), a :class:`~vartrace.tracer.ModelTracer` (its
+    ``results``) or a mapping of site name -> :class:`~vartrace.trace.Trace`.
+    Records are matched by site, iteration, rank and occurrence within that
+    iteration and rank; ``b`` is the reference of the relative tolerance,
+    as in :func:`numpy.isclose`.  ``names`` restricts the comparison to
+    these site names or glob patterns.  Sites present in one run only are
+    listed in ``only_in_a`` / ``only_in_b`` and do not make the comparison
+    fail; a record present on one side only does.
+
+    Example::
+
+        report = vartrace.compare("fp64.h5", tracer, atol=1e-5, rtol=1e-3)
+        print(report)
+        assert report.ok, report.first_divergence
+    """
+    if atol < 0 or rtol < 0:
+        raise ValueError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}")
+    patterns = [names] if isinstance(names, str) else (None if names is None else list(names))
+    with open_source(a) as source_a, open_source(b) as source_b:
+        names_a = _select(source_a.names, patterns)
+        names_b = _select(source_b.names, patterns)
+        if patterns is not None and not names_a and not names_b:
+            raise ValueError(f"no site matches {', '.join(map(repr, patterns))} in either run")
+        in_a, in_b = set(names_a), set(names_b)
+        only_a = [n for n in names_a if n not in in_b]
+        only_b = [n for n in names_b if n not in in_a]
+        results = [_SiteResult(n, source_a.site(n), source_b.site(n)) for n in names_a if n in in_b]
+        _run_tasks(results, atol, rtol, progress)
+    results.sort(key=_SiteResult.execution_key)
+    return Comparison(results, only_a, only_b, atol, rtol, (source_a.label, source_b.label))
+
+
+def _run_tasks(results: list[_SiteResult], atol: float, rtol: float, progress: bool) -> None:
+    """Read and reduce every numeric block, reading the next block while this one is reduced."""
+    from tqdm.auto import tqdm
+
+    tasks = [task for result in results for task in result.tasks]
+    by_name = {r.name: r for r in results}
+    with tqdm(
+        total=sum(t.nbytes for t in tasks),
+        unit="B",
+        unit_scale=True,
+        desc="compare",
+        disable=not progress or not tasks,
+        file=sys.stderr,
+        leave=False,
+        delay=1.0,
+    ) as bar:
+        for task, (block_a, block_b) in _prefetch(tasks, _fetch):
+            by_name[task.site].fill(task, _numeric_stats(block_a, block_b, atol, rtol))
+            bar.update(task.nbytes)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(x: float) -> str:
+    if math.isnan(x):
+        return "-"
+    return f"{x:.3g}"
+
+
+def _fmt_cosine(x: float) -> str:
+    """Six decimals, so 0.9999995 does not read as a perfect 1."""
+    if math.isnan(x):
+        return "-"
+    return f"{x:.6f}"
+
+
+class Comparison:
+    """The result of :func:`compare`.
+
+    Example::
+
+        report = vartrace.compare("a.h5", "b.h5")
+        report.ok                  # True when every compared record is within tolerance
+        report.first_divergence    # Divergence(site, iteration, rank) or None
+        report.only_in_a, report.only_in_b
+        df = report.to_frame()     # one row per record pair
+        report.to_csv("diff.csv")
+
+    Attributes:
+        ok: every compared record has matching shapes, is within tolerance,
+            and has a partner in the other run.
+        first_divergence: the earliest differing record in execution order
+            (iteration, then capture order), or ``None``.
+        only_in_a / only_in_b: sites present in one run only.
+        sites: a :class:`SiteSummary` per compared site, in execution order.
+        atol / rtol: the tolerances used.
+    """
+
+    def __init__(
+        self,
+        results: list[_SiteResult],
+        only_in_a: list[str],
+        only_in_b: list[str],
+        atol: float,
+        rtol: float,
+        labels: tuple[str, str] = ("a", "b"),
+    ) -> None:
+        self.atol = atol
+        self.rtol = rtol
+        self.labels = labels
+        self.only_in_a = only_in_a
+        self.only_in_b = only_in_b
+        self.sites = [r.summary() for r in results]
+        self._columns = self._gather_columns(results)
+        firsts = [(key, r.name) for r in results if (key := r.first_key()) is not None]
+        if firsts:
+            (iteration, _, rank), site = min(firsts)
+            self.first_divergence: Divergence | None = Divergence(site, iteration, rank)
+        else:
+            self.first_divergence = None
+        self.ok = self.first_divergence is None
+
+    @staticmethod
+    def _gather_columns(results: list[_SiteResult]) -> dict[str, list[Any]]:
+        columns: dict[str, list[Any]] = {name: [] for name in COLUMNS}
+        for r in results:
+            n = len(r.status)
+            columns["site"].extend([r.name] * n)
+            for name in ("iteration", "rank", "occurrence", "order_a", "order_b"):
+                columns[name].extend(getattr(r, name).tolist())
+            columns["status"].extend(r.status.tolist())
+            columns["shape_a"].extend(r.shape_a)
+            columns["shape_b"].extend(r.shape_b)
+            columns["dtype_a"].extend(r.dtype_a)
+            columns["dtype_b"].extend(r.dtype_b)
+            columns["shape_match"].extend(r.shape_match.tolist())
+            columns["allclose"].extend(r.allclose.tolist())
+            for name in _FLOAT_COLUMNS:
+                columns[name].extend(r.floats[name].tolist())
+            for stat in ("mean", "std", "var"):
+                diff = r.floats[f"{stat}_a"] - r.floats[f"{stat}_b"]
+                columns[f"{stat}_diff"].extend(diff.tolist())
+        return columns
+
+    def __len__(self) -> int:
+        """Number of rows: record pairs plus records present on one side only."""
+        return len(self._columns["site"])
+
+    def __repr__(self) -> str:
+        return (
+            f"<Comparison ok={self.ok} sites={len(self.sites)} rows={len(self)} "
+            f"first_divergence={self.first_divergence}>"
+        )
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        """Yield one dict per row, keys as in :data:`COLUMNS`."""
+        cols = [self._columns[name] for name in COLUMNS]
+        for values in zip(*cols, strict=True):
+            yield dict(zip(COLUMNS, values, strict=True))
+
+    def to_frame(self) -> Any:
+        """A pandas DataFrame with one row per record pair (columns :data:`COLUMNS`).
+
+        ``*_diff`` columns are ``a - b``; a record present in one run only has
+        ``status`` ``"only in a"``/``"only in b"`` and NaN statistics.
+        """
+        try:
+            import pandas as pd
+        except ImportError as exc:
+            raise ImportError(
+                "Comparison.to_frame() needs pandas: pip install 'vartrace[pandas]'"
+            ) from exc
+        return pd.DataFrame(self._columns, columns=list(COLUMNS))
+
+    def to_csv(self, path: str | os.PathLike[str]) -> Path:
+        """Write one row per record pair to ``path`` (works without pandas); return the path."""
+        path = Path(path)
+        with path.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(COLUMNS)
+            for row in self.rows():
+                writer.writerow(_csv_value(row[name]) for name in COLUMNS)
+        return path
+
+    def __str__(self) -> str:
+        header = (
+            "site",
+            "records",
+            "differing",
+            "max abs diff",
+            "max rel diff",
+            "min cosine",
+            "status",
+        )
+        body = [
+            (
+                s.site,
+                str(s.records),
+                str(s.differing),
+                _fmt(s.max_abs_diff),
+                _fmt(s.max_rel_diff),
+                _fmt_cosine(s.min_cosine),
+                s.status if s.status == STATUS_OK else s.status.upper(),
+            )
+            for s in self.sites
+        ]
+        a, b = self.labels
+        lines = [f"comparing {a} with {b} (atol={self.atol:g}, rtol={self.rtol:g})"]
+        lines.extend(_table(header, body, right=(1, 2, 3, 4, 5)))
+        differing = sum(1 for s in self.sites if s.status != STATUS_OK)
+        lines.append("")
+        lines.append(
+            f"{len(self.sites)} sites compared, {differing} differ, "
+            f"{sum(s.records for s in self.sites)} record pairs"
+        )
+        if self.first_divergence is None:
+            lines.append("first divergence: none")
+        else:
+            d = self.first_divergence
+            lines.append(f"first divergence: {d.site} at iteration {d.iteration}, rank {d.rank}")
+        if self.only_in_a:
+            lines.append(f"only in a ({len(self.only_in_a)}): " + ", ".join(self.only_in_a))
+        if self.only_in_b:
+            lines.append(f"only in b ({len(self.only_in_b)}): " + ", ".join(self.only_in_b))
+        return "\n".join(lines)
+
+
+def _csv_value(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return str(tuple(int(d) for d in value))
+    if value is None:
+        return ""
+    return value
+
+
+def _table(
+    header: Sequence[str], body: Sequence[Sequence[str]], right: Sequence[int] = ()
+) -> list[str]:
+    """Align columns: left-justified text, right-justified numbers (column indices ``right``)."""
+    widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        cells = [
+            cell.rjust(w) if i in right else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in body)]

@@ -1,0 +1,450 @@
+"""Uniform views of runs (files or memory), their DataFrames, and numeric record views.
+
+A run reaches the analysis side in several forms: an HDF5 file (a path, a
+glob of shards, or an open :class:`~vartrace.storage.reader.Run`), a
+:class:`~vartrace.tracer.ModelTracer`, or ``tracer.results`` (any mapping of
+site name -> :class:`~vartrace.trace.Trace`).  :func:`open_source` wraps each
+in a :class:`Source` whose sites are :class:`SiteView` objects with numpy
+tags and block reads, which :mod:`vartrace.compare` and :mod:`vartrace.plot`
+build on.
+
+:func:`results_frame` turns ``tracer.results`` into the same table that
+``vartrace.open(path).to_frame()`` gives for a file: one row per record
+with its site, iteration, rank, capture order, shape, dtype and a
+statistic of its value (Graphcore tensor_tracker style).
+
+Example::
+
+    with ModelTracer(model, ["**.forward"]) as tracer:
+        model(x)
+    df = vartrace.frames.results_frame(tracer.results, stat="std")
+    df.groupby("site")["std"].mean()
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from vartrace.trace import Trace
+
+__all__ = [
+    "STATS",
+    "SiteView",
+    "Source",
+    "numeric_groups",
+    "open_source",
+    "record_stats",
+    "results_frame",
+    "stat_function",
+    "value_as_array",
+    "value_dtype_name",
+]
+
+#: Largest block (bytes per read, as float64) read or converted in one go.
+BLOCK_BYTES = 64 << 20
+
+
+def _magnitude(block: np.ndarray) -> np.ndarray:
+    return np.abs(block) if block.dtype.kind == "c" else block
+
+
+def _rows_norm(block: np.ndarray) -> np.ndarray:
+    return np.sqrt(np.einsum("ij,ij->i", block, block))
+
+
+#: Statistics a frame or plot can carry, by name; each reduces a (records, elements)
+#: float64 array (complex values are reduced by magnitude) to one float per record.
+STATS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "mean": lambda b: b.mean(axis=1),
+    "std": lambda b: b.std(axis=1),
+    "var": lambda b: b.var(axis=1),
+    "min": lambda b: b.min(axis=1),
+    "max": lambda b: b.max(axis=1),
+    "abs_mean": lambda b: np.abs(b).mean(axis=1),
+    "abs_max": lambda b: np.abs(b).max(axis=1),
+    "norm": _rows_norm,
+}
+
+
+def stat_function(stat: str | Callable[[np.ndarray], Any]) -> tuple[str, Callable[..., Any]]:
+    """``(column name, reducer)`` for a statistic name from :data:`STATS` or a function.
+
+    A function receives a (records, elements) float64 array and returns one
+    value per record.
+
+    Example::
+
+        name, fn = stat_function("std")
+    """
+    if callable(stat):
+        return getattr(stat, "__name__", "stat"), stat
+    if stat not in STATS:
+        raise ValueError(f"unknown statistic {stat!r}; choose one of {', '.join(STATS)}")
+    return stat, STATS[stat]
+
+
+def _reduce(fn: Callable[[np.ndarray], Any], block: np.ndarray) -> np.ndarray:
+    """Apply a statistic to a (k, *shape) numeric block: float64, magnitudes for complex."""
+    k = block.shape[0]
+    flat = _magnitude(block.reshape(k, -1)).astype(np.float64, copy=False)
+    if flat.shape[1] == 0:
+        return np.full(k, math.nan)
+    with np.errstate(all="ignore"):
+        return np.asarray(fn(flat), dtype=np.float64).reshape(k)
+
+
+def value_as_array(value: Any) -> np.ndarray | None:
+    """A numpy view of a numeric record value, or ``None`` for anything else.
+
+    Tensors are detached and moved to the CPU; bfloat16 and float8 become
+    float32 (exactly).  Python and numpy scalars become 0-d arrays.
+
+    Example::
+
+        value_as_array(torch.ones(2, dtype=torch.bfloat16)).dtype   # float32
+    """
+    if isinstance(value, np.ndarray):
+        return value if value.dtype.kind in "biufc" else None
+    if isinstance(value, (bool, int, float, complex, np.generic)):
+        try:
+            array = np.asarray(value)
+        except OverflowError:
+            return None
+        return array if array.dtype.kind in "biufc" else None
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        tensor = value.detach()
+        if tensor.is_floating_point() and tensor.dtype not in (
+            torch.float16,
+            torch.float32,
+            torch.float64,
+        ):
+            tensor = tensor.float()
+        return tensor.cpu().resolve_conj().resolve_neg().numpy()
+    return None
+
+
+def value_dtype_name(value: Any) -> str:
+    """The dtype of a record value as written in reports (``"float32"``, ``"bfloat16"``, ``"str"``).
+
+    Example::
+
+        value_dtype_name(torch.zeros(1))   # "float32"
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return str(value.dtype).removeprefix("torch.")
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.dtype.name
+    if isinstance(value, (bool, int, float, complex)):
+        array = value_as_array(value)
+        return type(value).__name__ if array is None else array.dtype.name
+    return type(value).__name__
+
+
+def _tag_list(values: Any) -> list[int]:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(values, torch.Tensor):
+        return [int(v) for v in values.tolist()]
+    return [int(v) for v in values]
+
+
+def _records(trace: Trace) -> list[Any]:
+    values = trace.values
+    if isinstance(values, (list, tuple)):
+        return list(values)
+    if trace.shapes is None:
+        return list(values)
+    return [
+        v[tuple(slice(0, int(n)) for n in s)] for v, s in zip(values, trace.shapes, strict=True)
+    ]
+
+
+def results_frame(
+    results: Mapping[str, Trace] | Any, stat: str | Callable[[np.ndarray], float] = "mean"
+) -> Any:
+    """A pandas DataFrame of in-memory results: one row per record.
+
+    ``results`` is ``tracer.results`` (or a :class:`~vartrace.tracer.ModelTracer`,
+    or any mapping of site name -> :class:`~vartrace.trace.Trace`).  Columns:
+    ``site``, ``iteration``, ``rank``, ``order``, ``shape`` (a tuple; ``None``
+    for non-numeric values), ``dtype`` and one column named after ``stat``
+    (a name from :data:`STATS` or a function of a numpy array; NaN for
+    non-numeric values).
+
+    Example::
+
+        df = results_frame(tracer.results, stat="abs_max")
+        df.pivot_table(index="iteration", columns="site", values="abs_max")
+    """
+    try:
+        import pandas as pd
+    except ImportError as exc:
+        raise ImportError("results_frame() needs pandas: pip install 'vartrace[pandas]'") from exc
+    results = getattr(results, "results", results)
+    column, fn = stat_function(stat)
+    rows: dict[str, list[Any]] = {
+        k: [] for k in ("site", "iteration", "rank", "order", "shape", "dtype", column)
+    }
+    for name, trace in results.items():
+        records = _records(trace)
+        rows["site"].extend([name] * len(records))
+        rows["iteration"].extend(_tag_list(trace.iterations))
+        rows["rank"].extend(_tag_list(trace.ranks))
+        rows["order"].extend(_tag_list(trace.order))
+        for value in records:
+            array = value_as_array(value)
+            rows["shape"].append(None if array is None else tuple(array.shape))
+            rows["dtype"].append(value_dtype_name(value))
+            rows[column].append(math.nan if array is None else float(_reduce(fn, array[None])[0]))
+    frame = pd.DataFrame(rows)
+    for tag in ("iteration", "rank", "order"):
+        frame[tag] = frame[tag].astype("int64")
+    frame[column] = frame[column].astype("float64")
+    return frame
+
+
+# --------------------------------------------------------------------------- sources
+
+
+class SiteView:
+    """One site of a run, seen uniformly whatever the run's form.
+
+    Tags are 1-D int64 numpy arrays.  ``shapes[i]`` is record ``i``'s true
+    shape, or ``None`` when the record is not numeric (str, bytes, None, an
+    opaque object); ``dtypes[i]`` names its dtype.  :meth:`read` returns
+    numeric records stacked with an exact shape, :meth:`objects` returns the
+    values of non-numeric ones.
+
+    Example::
+
+        with open_source("run.h5") as run:
+            view = run.site("loss")
+            block = view.read(np.arange(len(view.iterations)), view.shapes[0])
+    """
+
+    name: str
+    iterations: np.ndarray
+    ranks: np.ndarray
+    order: np.ndarray
+    shapes: list[tuple[int, ...] | None]
+    dtypes: list[str]
+
+    def read(self, rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """Records ``rows`` (ascending, all of true shape ``shape``) as one array."""
+        raise NotImplementedError
+
+    def objects(self, rows: np.ndarray) -> list[Any]:
+        """The values of the non-numeric records ``rows``."""
+        raise NotImplementedError
+
+
+def _int_array(values: Any) -> np.ndarray:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def _crop(block: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if tuple(block.shape[1:]) == tuple(shape):
+        return block
+    return block[(slice(None), *(slice(0, d) for d in shape))]
+
+
+class _MemorySiteView(SiteView):
+    """A :class:`~vartrace.trace.Trace` held in memory (list or stacked values)."""
+
+    def __init__(self, name: str, trace: Trace) -> None:
+        self.name = name
+        self.iterations = _int_array(trace.iterations)
+        self.ranks = _int_array(trace.ranks)
+        self.order = _int_array(trace.order)
+        count = len(self.iterations)
+        values = trace.values
+        self._stacked: np.ndarray | None = None
+        if isinstance(values, (list, tuple)):
+            self._objects = list(values)
+            self._arrays = [value_as_array(v) for v in values]
+            self.shapes = [None if a is None else tuple(a.shape) for a in self._arrays]
+            self.dtypes = [value_dtype_name(v) for v in values]
+            return
+        stacked = value_as_array(values)
+        if stacked is None or stacked.ndim == 0 or len(stacked) != count:
+            raise TypeError(f"site {name!r}: cannot read stacked values of {type(values).__name__}")
+        self._stacked = stacked
+        self._objects = []
+        self._arrays = []
+        true = trace.shapes if trace.shapes is not None else [stacked.shape[1:]] * count
+        self.shapes = [tuple(int(d) for d in s) for s in true]
+        self.dtypes = [value_dtype_name(values)] * count
+
+    def read(self, rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        if self._stacked is not None:
+            return _crop(self._stacked[rows], shape)
+        if len(rows) == 0:
+            return np.empty((0, *shape))
+        return np.stack([self._arrays[r] for r in rows])
+
+    def objects(self, rows: np.ndarray) -> list[Any]:
+        return [self._objects[r] for r in rows]
+
+
+class _FileSiteView(SiteView):
+    """A site of an open run read from HDF5 (``run[name]``)."""
+
+    def __init__(self, name: str, site: Any) -> None:
+        self.name = name
+        self._site = site
+        self.iterations = _int_array(site.iterations)
+        self.ranks = _int_array(site.ranks)
+        self.order = _int_array(site.order)
+        count = len(self.iterations)
+        dtype = str(site.dtype)
+        if _numeric_dtype_name(dtype):
+            shapes = np.asarray(site.shapes, dtype=np.int64).reshape(count, -1)
+            self.shapes = [tuple(int(d) for d in row) for row in shapes]
+        else:
+            self.shapes = [None] * count
+        self.dtypes = [dtype] * count
+
+    def read(self, rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        start, stop = int(rows[0]), int(rows[-1]) + 1
+        if stop - start > 2 * len(rows):
+            return np.concatenate([self.read(np.asarray([r]), shape) for r in rows])
+        block = _crop(self._site.read(slice(start, stop)), shape)
+        if stop - start == len(rows):
+            return block
+        return block[rows - start]
+
+    def objects(self, rows: np.ndarray) -> list[Any]:
+        return [self._site.record(int(r)) for r in rows]
+
+
+def _numeric_dtype_name(name: str) -> bool:
+    if name in ("bfloat16", "bool"):
+        return True
+    try:
+        return np.dtype(name).kind in "biufc"
+    except TypeError:
+        return False
+
+
+class Source:
+    """A run in any form: its site names and a :class:`SiteView` per site.
+
+    A source opened from a path closes its file on :meth:`close` (or when
+    used as a context manager); one wrapping an object the caller opened
+    leaves it open.
+
+    Example::
+
+        with open_source("run.h5") as run:
+            for name in run.names:
+                print(name, len(run.site(name).iterations))
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        view: Callable[[str], SiteView],
+        label: str,
+        close: Callable[[], None] | None = None,
+    ) -> None:
+        self.names = list(names)
+        self.label = label
+        self._view = view
+        self._close = close
+        self._known = set(self.names)
+
+    def site(self, name: str) -> SiteView:
+        """The view of site ``name``; ``KeyError`` naming the run when it has no such site."""
+        if name not in self._known:
+            raise KeyError(f"{self.label} has no site {name!r}")
+        return self._view(name)
+
+    def close(self) -> None:
+        """Close the file this source opened (no-op otherwise)."""
+        if self._close is not None:
+            self._close()
+            self._close = None
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+
+def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
+    """Wrap a path/glob, an open run, a ModelTracer or a mapping name -> Trace as a :class:`Source`.
+
+    Example::
+
+        with open_source(tracer) as run:
+            view = run.site("forward")
+    """
+    if isinstance(source, Source):
+        return Source(source.names, source.site, source.label)
+    if isinstance(source, (str, os.PathLike)):
+        from vartrace.storage.reader import open_run
+
+        run = open_run(source, allow_pickle=allow_pickle)
+        return Source(run.names, lambda n: _FileSiteView(n, run[n]), os.fspath(source), run.close)
+    if hasattr(source, "names") and hasattr(source, "meta"):
+        label = os.fspath(getattr(source, "path", "run"))
+        return Source(source.names, lambda n: _FileSiteView(n, source[n]), label)
+    results = getattr(source, "results", source)
+    if isinstance(results, Mapping):
+        label = "tracer results" if results is not source else "results"
+        return Source(list(results), lambda n: _MemorySiteView(n, results[n]), label)
+    raise TypeError(
+        "expected a path, an open run, a ModelTracer or a mapping of site name -> Trace, "
+        f"not {type(source).__name__}"
+    )
+
+
+def numeric_groups(
+    view: SiteView, rows: np.ndarray | None = None
+) -> dict[tuple[int, ...], np.ndarray]:
+    """Numeric record indices of ``view`` (or of ``rows``) grouped by true shape, ascending.
+
+    Example::
+
+        for shape, rows in numeric_groups(view).items():
+            block = view.read(rows, shape)
+    """
+    candidates = range(len(view.iterations)) if rows is None else rows
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r in candidates:
+        shape = view.shapes[int(r)]
+        if shape is not None:
+            groups.setdefault(shape, []).append(int(r))
+    return {shape: np.asarray(sorted(g), dtype=np.int64) for shape, g in groups.items()}
+
+
+def record_stats(view: SiteView, stat: str | Callable[[np.ndarray], Any] = "mean") -> np.ndarray:
+    """One statistic per record of a site (NaN for non-numeric records), read in large blocks.
+
+    Example::
+
+        with open_source("run.h5") as run:
+            stds = record_stats(run.site("layers.0.out"), "std")
+    """
+    _, fn = stat_function(stat)
+    out = np.full(len(view.iterations), math.nan)
+    for shape, rows in numeric_groups(view).items():
+        per_block = max(1, BLOCK_BYTES // max(8, 8 * int(np.prod(shape, dtype=np.int64))))
+        for start in range(0, len(rows), per_block):
+            chunk = rows[start : start + per_block]
+            out[chunk] = _reduce(fn, view.read(chunk, shape))
+    return out

@@ -1,0 +1,259 @@
+"""Plots of runs: a statistic over iterations, and a two-run similarity heat map.
+
+matplotlib is an optional extra (``pip install 'vartrace[plot]'``); it is
+imported only when a plot is made.  The functions build a
+:class:`matplotlib.figure.Figure` without pyplot (no global state, no
+display needed), save it when ``path`` is given, and return it.
+
+Example::
+
+    from vartrace.plot import plot_similarity, plot_stat
+
+    plot_stat("run.h5", ["layers.0.out", "layers.1.out"], ("mean", "std"), "stats.png")
+    plot_similarity("fp32.h5", "bf16.h5", "similarity.png")
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vartrace.frames import Source, open_source, record_stats, stat_function
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["plot_similarity", "plot_stat"]
+
+
+def _matplotlib() -> Any:
+    try:
+        import matplotlib
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("vartrace plots need matplotlib: pip install 'vartrace[plot]'") from exc
+    del matplotlib
+    return Figure
+
+
+def _expand(source: Source, sites: str | Sequence[str]) -> list[str]:
+    """Site names and glob patterns -> site names of ``source``, in the order given."""
+    wanted = [sites] if isinstance(sites, str) else list(sites)
+    if not wanted:
+        raise ValueError("name at least one site to plot")
+    names: list[str] = []
+    for pattern in wanted:
+        if pattern in source.names:
+            matched = [pattern]
+        else:
+            matched = [n for n in source.names if fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            raise KeyError(f"{source.label} has no site {pattern!r}")
+        names.extend(n for n in matched if n not in names)
+    return names
+
+
+def _x_positions(iterations: np.ndarray, ranks: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Iteration numbers, spread within the iteration when a site has several records there."""
+    x = iterations.astype(np.float64)
+    key = np.lexsort((order, ranks, iterations))
+    it, rk = iterations[key], ranks[key]
+    start = np.ones(len(key), dtype=bool)
+    start[1:] = (it[1:] != it[:-1]) | (rk[1:] != rk[:-1])
+    group = np.cumsum(start) - 1
+    first = np.flatnonzero(start)
+    occurrence = np.arange(len(key)) - first[group]
+    sizes = np.diff(np.append(first, len(key)))[group]
+    x[key] += occurrence / sizes
+    return x
+
+
+def _colors(count: int) -> list[Any]:
+    """Distinct colours: tab10 / tab20 for few lines, evenly spaced turbo beyond."""
+    from matplotlib import colormaps
+
+    if count <= 10:
+        return [colormaps["tab10"](i) for i in range(count)]
+    if count <= 20:
+        return [colormaps["tab20"](i) for i in range(count)]
+    return [colormaps["turbo"](x) for x in np.linspace(0.05, 0.95, count)]
+
+
+def _short(label: str) -> str:
+    return os.path.basename(label) or label
+
+
+def plot_stat(
+    run: Any,
+    sites: str | Sequence[str],
+    stats: str | Sequence[str] = ("mean", "std"),
+    path: str | os.PathLike[str] | None = None,
+) -> Figure:
+    """A statistic of each record over iterations: one subplot per statistic, a line per rank.
+
+    ``run`` is a path (or shard glob), an open run, a ModelTracer or its
+    results; ``sites`` names sites or glob patterns; ``stats`` are names from
+    :data:`vartrace.frames.STATS` (``"mean,std"`` works too).  Saves to
+    ``path`` when given and returns the figure.
+
+    Example::
+
+        fig = plot_stat("run.h5", "layers.*.out", "mean,std", "out.png")
+        len(fig.axes)   # 2
+    """
+    Figure = _matplotlib()
+    stat_names = [s.strip() for s in stats.split(",")] if isinstance(stats, str) else list(stats)
+    if not stat_names:
+        raise ValueError("name at least one statistic")
+    for stat in stat_names:
+        stat_function(stat)
+    with open_source(run) as source:
+        names = _expand(source, sites)
+        curves = []
+        for name in names:
+            view = source.site(name)
+            if all(shape is None for shape in view.shapes):
+                raise ValueError(f"site {name!r} holds no numeric values to plot")
+            values = {stat: record_stats(view, stat) for stat in stat_names}
+            x = _x_positions(view.iterations, view.ranks, view.order)
+            curves.append((name, view.ranks, x, values))
+        label = source.label
+    all_ranks = sorted({int(r) for _, ranks, _, _ in curves for r in np.unique(ranks)})
+    multi_rank = len(all_ranks) > 1
+    lines = sum(len(np.unique(ranks)) for _, ranks, _, _ in curves)
+    legend_outside = lines > 6
+    colors = _colors(len(curves))
+    styles = ("-", "--", ":", "-.")
+    fig = Figure(
+        figsize=(10.0 if legend_outside else 8.0, 1.2 + 2.6 * len(stat_names)), layout="constrained"
+    )
+    axes = fig.subplots(len(stat_names), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, stat in zip(axes, stat_names, strict=True):
+        for color, (name, ranks, x, values) in zip(colors, curves, strict=True):
+            for rank in np.unique(ranks):
+                mask = ranks == rank
+                order = np.argsort(x[mask], kind="stable")
+                ax.plot(
+                    x[mask][order],
+                    values[stat][mask][order],
+                    color=color,
+                    linestyle=styles[all_ranks.index(int(rank)) % len(styles)],
+                    marker="o" if mask.sum() <= 50 else None,
+                    markersize=3,
+                    linewidth=1.2,
+                    label=f"{name} [rank {rank}]" if multi_rank else name,
+                )
+        ax.set_ylabel(stat)
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("iteration")
+    axes[-1].xaxis.get_major_locator().set_params(integer=True)
+    axes[0].set_title(f"{', '.join(stat_names)} over iterations — {_short(label)}")
+    if legend_outside:
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
+    else:
+        axes[0].legend(fontsize=8)
+    if path is not None:
+        fig.savefig(os.fspath(path), dpi=120)
+    return fig
+
+
+def _similarity_matrix(frame_rows: list[dict[str, Any]], sites: list[str]) -> tuple[Any, ...]:
+    """(cosine matrix, beyond-tolerance mask, iterations) with the worst record per cell."""
+    iterations = sorted({int(r["iteration"]) for r in frame_rows if r["order_a"] >= 0})
+    col = {it: j for j, it in enumerate(iterations)}
+    row = {site: i for i, site in enumerate(sites)}
+    cos = np.full((len(sites), len(iterations)), np.nan)
+    bad = np.zeros(cos.shape, dtype=bool)
+    for r in frame_rows:
+        if r["site"] not in row or int(r["iteration"]) not in col:
+            continue
+        i, j = row[r["site"]], col[int(r["iteration"])]
+        value = r["cosine"]
+        if value is not None and not math.isnan(value):
+            cos[i, j] = value if math.isnan(cos[i, j]) else min(cos[i, j], value)
+        if r["status"] != "ok":
+            bad[i, j] = True
+    return cos, bad, iterations
+
+
+def plot_similarity(
+    a: Any,
+    b: Any,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    atol: float = 1e-8,
+    rtol: float = 1e-5,
+    names: str | Sequence[str] | None = None,
+    comparison: Any = None,
+) -> Figure:
+    """Heat map of the cosine similarity of two runs: sites (rows) x iterations (columns).
+
+    Each cell is the smallest cosine similarity of that site's records in
+    that iteration (over ranks and repeated calls); cells beyond tolerance
+    (``atol``/``rtol``, or a shape mismatch, or a record missing on one side)
+    carry a red ``x``; grey cells have no record.  Sites are in execution
+    order.  Pass ``comparison`` (a :class:`~vartrace.compare.Comparison`)
+    to reuse one already computed.
+
+    Example::
+
+        fig = plot_similarity("fp32.h5", "bf16.h5", "similarity.png", atol=1e-3)
+    """
+    Figure = _matplotlib()
+    from matplotlib.colors import Normalize
+
+    if comparison is None:
+        from vartrace.compare import compare
+
+        comparison = compare(a, b, atol=atol, rtol=rtol, names=names)
+    sites = [s.site for s in comparison.sites]
+    if not sites:
+        raise ValueError("the two runs have no site in common: nothing to plot")
+    cos, bad, iterations = _similarity_matrix(list(comparison.rows()), sites)
+    n_sites, n_iters = cos.shape
+    font = 9 if n_sites <= 30 else 7
+    longest = max(len(s) for s in sites)
+    width = min(20.0, max(7.0, 2.5 + 0.07 * longest * font / 7 + 0.22 * n_iters))
+    height = min(60.0, max(3.5, 1.6 + 0.19 * n_sites * font / 7))
+    fig = Figure(figsize=(width, height), layout="constrained")
+    ax = fig.subplots()
+    finite = cos[np.isfinite(cos)]
+    low = float(finite.min()) if finite.size else 0.0
+    low = min(low, 1.0 - 1e-6)
+    cmap = _colormap()
+    image = ax.imshow(
+        np.ma.masked_invalid(cos),
+        aspect="auto",
+        interpolation="nearest",
+        cmap=cmap,
+        norm=Normalize(vmin=low, vmax=1.0),
+    )
+    if bad.any():
+        rows, cols = np.nonzero(bad)
+        marker = max(8.0, min(40.0, 2400.0 / max(n_sites, n_iters)))
+        ax.scatter(cols, rows, marker="x", color="red", s=marker, linewidths=1.0)
+    ax.set_yticks(range(n_sites), sites, fontsize=font)
+    step = max(1, math.ceil(n_iters / 25))
+    ticks = list(range(0, n_iters, step))
+    ax.set_xticks(ticks, [str(iterations[t]) for t in ticks], fontsize=font)
+    ax.set_xlabel("iteration    (red x: beyond tolerance; grey: no record)")
+    ax.set_ylabel("site (execution order)")
+    labels = comparison.labels
+    ax.set_title(f"cosine similarity: {_short(labels[0])} vs {_short(labels[1])}", fontsize=11)
+    bar = fig.colorbar(image, ax=ax, shrink=min(1.0, 8.0 / height + 0.3), pad=0.01)
+    bar.set_label("cosine similarity (min over records)")
+    bar.formatter.set_useOffset(False)
+    if path is not None:
+        fig.savefig(os.fspath(path), dpi=110)
+    return fig
+
+
+def _colormap() -> Any:
+    from matplotlib import colormaps
+
+    return colormaps["viridis"].with_extremes(bad="lightgrey")
