@@ -8,7 +8,9 @@ lets a tracer validate patterns and suggest near misses up front.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import typing
 from dataclasses import dataclass
 from functools import cache
 from types import CodeType, FunctionType
@@ -25,9 +27,11 @@ class MethodInfo:
         code: the code object whose frames are captured (decorators unwrapped).
         arguments: parameter names in order, ``self`` first.
         locals: every other local variable name (including closure cells).
-        return_keys: string and integer keys a returned structure is likely
-            to have, read from the constants of the code (``"logits"`` in
-            ``return {"logits": ...}``); used to validate patterns only.
+        return_keys: keys a returned structure is likely to have: string
+            constants of the code (``"logits"`` in ``return {"logits": ...}``),
+            small indices, and the fields of a dataclass / namedtuple return
+            annotation.  Used to decide statically which methods a key
+            pattern may concern.
     """
 
     name: str
@@ -54,8 +58,26 @@ def _string_constants(code: CodeType) -> set[str]:
     return found
 
 
+def _field_names(annotation: object) -> set[str]:
+    """Field names of a dataclass / namedtuple return annotation (through Union/Optional)."""
+    names: set[str] = set()
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if dataclasses.is_dataclass(candidate):
+            names.update(f.name for f in dataclasses.fields(candidate))
+        names.update(getattr(candidate, "_fields", ()))
+    return names
+
+
+def _annotated_keys(function: object) -> frozenset[str]:
+    try:
+        hints = typing.get_type_hints(function)
+    except Exception:  # unresolvable forward references: annotations are only a hint
+        return frozenset()
+    return frozenset(_field_names(hints.get("return")))
+
+
 @cache
-def _analyse(name: str, code: CodeType) -> MethodInfo:
+def _analyse(name: str, code: CodeType, annotated_keys: frozenset[str]) -> MethodInfo:
     n_args = code.co_argcount + code.co_kwonlyargcount
     n_args += bool(code.co_flags & inspect.CO_VARARGS)
     n_args += bool(code.co_flags & inspect.CO_VARKEYWORDS)
@@ -63,7 +85,7 @@ def _analyse(name: str, code: CodeType) -> MethodInfo:
     local_names = code.co_varnames[n_args:] + tuple(
         c for c in code.co_cellvars if c not in arguments
     )
-    keys = _string_constants(code) | {str(i) for i in range(8)}
+    keys = _string_constants(code) | {str(i) for i in range(8)} | annotated_keys
     return MethodInfo(name, code, arguments, local_names, frozenset(keys))
 
 
@@ -97,5 +119,5 @@ def methods_of(cls: type, stop: type | None = None) -> dict[str, MethodInfo]:
             code = method_code(attr)
             if code is None or code.co_argcount == 0:
                 continue
-            found[name] = _analyse(name, code)
+            found[name] = _analyse(name, code, _annotated_keys(inspect.unwrap(attr)))
     return found

@@ -1,0 +1,437 @@
+"""ModelTracer on real small models: sites, timings, iterations, change detection, restore."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import vartrace
+from tests._models import Attention, TinyTransformer, WithBatchNorm, tokens
+from vartrace import DROP, ModelTracer, Trace
+
+
+def _train(model: nn.Module, steps: int, start_seed: int = 0) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(steps):
+        optimizer.zero_grad()
+        out = model(tokens(start_seed + step))
+        out.logits.pow(2).mean().backward()
+        optimizer.step()
+
+
+def _scores(attn: Attention, x: torch.Tensor) -> torch.Tensor:
+    b, t, d = x.shape
+    q, k, _ = attn.qkv(x).view(b, t, 3, attn.heads, d // attn.heads).permute(2, 0, 3, 1, 4)
+    return (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+
+
+def test_records_locals_with_exact_values_and_tags() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer().eval()
+    paths = ["layers.*.attn.forward.x", "layers.*.attn.forward.scores"]
+    with ModelTracer(model, paths, mode="eval") as tracer, torch.no_grad():
+        for step in range(3):
+            model(tokens(step))
+    for layer in (0, 1):
+        xs = tracer.results[f"layers.{layer}.attn.forward.x"]
+        scores = tracer.results[f"layers.{layer}.attn.forward.scores"]
+        assert xs.iterations == scores.iterations == [1, 2, 3]
+        assert scores.ranks == [0, 0, 0]
+        attn = model.layers[layer].attn
+        for x, recorded in zip(xs.values, scores.values, strict=True):
+            assert torch.equal(recorded, _scores(attn, x))
+
+
+def test_capture_order_is_execution_order() -> None:
+    model = TinyTransformer()
+    paths = ["forward.tokens", "layers.*", "head", "forward.logits"]
+    with ModelTracer(model, paths) as tracer:
+        _train(model, 2)
+    records = sorted(
+        (order, name) for name, trace in tracer.results.items() for order in trace.order
+    )
+    first = [name for _, name in records[:5]]
+    assert first == [
+        "forward.tokens",
+        "layers.0.forward",
+        "layers.1.forward",
+        "head.forward",
+        "forward.logits",
+    ]
+    orders = [order for order, _ in records]
+    assert orders == sorted(set(orders)), "capture order numbers are unique and increasing"
+
+
+def test_short_forms_and_leaf_splitting() -> None:
+    model = TinyTransformer()
+    with ModelTracer(model, ["layers.0", "forward", "head.forward"]) as tracer:
+        out = model(tokens(0))
+    names = set(tracer.results)
+    assert {"layers.0.forward", "head.forward"} <= names
+    assert {"forward.logits", "forward.extras.mean", "forward.extras.pair.first"} <= names
+    assert "forward.extras.pair.second" in names
+    assert torch.equal(tracer.results["forward.logits"].values[0], out.logits)
+    assert tracer.results["forward.extras.pair.second"].values == [2]
+
+
+def test_nested_keys_self_attributes_and_parameters() -> None:
+    model = TinyTransformer()
+    paths = [
+        "forward.extras.pair.first",
+        "layers.0.forward.self.step_count@return",
+        "layers.0.forward.self.norm.weight",
+        "layers.1.attn._scores.scale",
+    ]
+    with ModelTracer(model, paths, change_detection=False) as tracer:
+        _train(model, 2)
+    assert tracer.results["layers.0.forward.self.step_count"].values == [1, 2]
+    weights = tracer.results["layers.0.forward.self.norm.weight"].values
+    assert len(weights) == 2 and not weights[0].requires_grad
+    assert tracer.results["layers.1.attn._scores.scale"].values == [0.5, 0.5]
+
+
+def test_self_is_never_matched_by_wildcards() -> None:
+    model = TinyTransformer()
+    with ModelTracer(model, ["layers.0.forward.*"]) as tracer:
+        model(tokens(0))
+    assert set(tracer.results) == {"layers.0.forward.x", "layers.0.forward.h"}
+
+
+def test_entry_return_and_every_timings() -> None:
+    model = TinyTransformer()
+    paths = ["forward.x", "forward.tokens", "forward.scale@return", "layers.0.forward.x@every"]
+    with ModelTracer(model, paths) as tracer:
+        model(tokens(0), scale=2.0)
+    assert tracer.results["forward.scale"].values == [2.0]
+    # forward.x is a local: read at return, it is the last value x took.
+    assert torch.equal(
+        tracer.results["forward.x"].values[0], tracer.results["forward.x"].values[-1]
+    )
+    every = tracer.results["layers.0.forward.x"]
+    assert len(every.values) == 1, "Block.forward never rebinds x"
+
+
+def test_every_records_each_rebinding() -> None:
+    model = TinyTransformer()
+    with ModelTracer(model, ["forward.x@every"], change_detection=False) as tracer:
+        model(tokens(0))
+    # embed*scale, after layers 0 and 1, after shared(shared(x)).
+    assert len(tracer.results["forward.x"].values) == 4
+
+
+def test_method_called_several_times_gives_one_record_per_call() -> None:
+    model = TinyTransformer()
+    with ModelTracer(model, ["shared.forward.input"]) as tracer:
+        _train(model, 3)
+    trace = tracer.results["shared.forward.input"]
+    assert trace.iterations == [1, 1, 2, 2, 3, 3]
+    assert trace.order == sorted(trace.order)
+
+
+def test_records_are_detached_independent_copies() -> None:
+    model = nn.Sequential(nn.Linear(3, 3))
+    x = torch.ones(2, 3, requires_grad=True)
+    with ModelTracer(model, ["0.forward.input", "0"]) as tracer:
+        out = model(x)
+    with torch.no_grad():
+        x.add_(100)
+    recorded_in = tracer.results["0.forward.input"].values[0]
+    recorded_out = tracer.results["0.forward"].values[0]
+    assert torch.equal(recorded_in, torch.ones(2, 3))
+    assert recorded_out.grad_fn is None and not recorded_out.requires_grad
+    assert recorded_out.data_ptr() != out.data_ptr()
+
+
+def test_change_detection_sees_batchnorm_stats_and_skips_frozen_weights() -> None:
+    model = WithBatchNorm()
+    paths = ["bn.forward.self.running_mean", "frozen.forward.self.weight"]
+    with ModelTracer(model, paths) as tracer:
+        for step in range(5):
+            model(torch.randn(8, 4, generator=torch.Generator().manual_seed(step)))
+    assert tracer.results["bn.forward.self.running_mean"].iterations == [1, 2, 3, 4, 5]
+    assert tracer.results["frozen.forward.self.weight"].iterations == [1]
+
+
+def test_change_detection_sees_writes_through_data() -> None:
+    model = WithBatchNorm()
+    with ModelTracer(model, ["frozen.forward.self.weight"]) as tracer:
+        for step in range(4):
+            if step == 2:
+                model.frozen.weight.data[0, 0] = 42.0  # does not bump the version counter
+            model(torch.randn(8, 4))
+    trace = tracer.results["frozen.forward.self.weight"]
+    assert trace.iterations == [1, 3]
+    assert trace.values[1][0, 0] == 42.0
+
+
+def test_change_detection_off_records_every_iteration() -> None:
+    model = WithBatchNorm()
+    with ModelTracer(model, ["frozen.forward.self.weight"], change_detection=False) as tracer:
+        for _ in range(3):
+            model(torch.randn(8, 4))
+    assert tracer.results["frozen.forward.self.weight"].iterations == [1, 2, 3]
+
+
+def test_change_detection_is_bit_exact() -> None:
+    from vartrace.tensors import same
+
+    assert same(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
+    assert not same(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert not same(torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64))
+    assert same(torch.tensor([1 + 2j]), torch.tensor([1 + 2j]))
+    assert not same(0.0, -0.0)
+    assert same(float("nan"), float("nan"))
+
+
+def test_modes_count_iterations_separately() -> None:
+    model = TinyTransformer()
+    with ModelTracer(model, ["head"], mode="train", change_detection=False) as train_tracer:
+        model.train()
+        model(tokens(0))
+        model.eval()
+        model(tokens(1))
+        model.train()
+        model(tokens(2))
+    assert train_tracer.results["head.forward"].iterations == [1, 2]
+
+    with ModelTracer(model, ["head"], mode="eval", change_detection=False) as eval_tracer:
+        model.eval()
+        model(tokens(0))
+        model.train()
+        model(tokens(1))
+    assert eval_tracer.results["head.forward"].iterations == [1]
+
+    with ModelTracer(model, ["head"], mode="any", change_detection=False) as any_tracer:
+        model(tokens(0))
+        model.eval()
+        model(tokens(1))
+    assert any_tracer.results["head.forward"].iterations == [1, 2]
+
+
+def test_trace_interval() -> None:
+    model = TinyTransformer()
+    with ModelTracer(model, ["head"], trace_interval=3) as tracer:
+        _train(model, 7)
+    assert tracer.results["head.forward"].iterations == [1, 4, 7]
+
+
+def test_set_iteration_tags_records_for_accumulation() -> None:
+    model = TinyTransformer()
+    with ModelTracer(model, ["head"], change_detection=False) as tracer:
+        for step in (10, 11):
+            tracer.set_iteration(step)
+            for micro in range(2):
+                model(tokens(micro)).logits.sum().backward()
+    assert tracer.results["head.forward"].iterations == [10, 10, 11, 11]
+
+
+def test_pre_save_reduces_and_drops() -> None:
+    model = TinyTransformer()
+
+    def norm_or_drop(name: str, value: Any, iteration: int) -> Any:
+        if iteration == 2:
+            return DROP
+        return value.norm().item()
+
+    with ModelTracer(model, ["head"], pre_save_callbacks=[norm_or_drop]) as tracer:
+        _train(model, 3)
+    trace = tracer.results["head.forward"]
+    assert trace.iterations == [1, 3]
+    assert all(isinstance(v, float) for v in trace.values)
+
+
+def test_gathering_interval_chunks_and_flush() -> None:
+    chunks: list[tuple[str, list[int]]] = []
+    finals: list[str] = []
+
+    class Saver:
+        def __init__(self) -> None:
+            self.flushes = 0
+            self.started: vartrace.RunContext | None = None
+
+        def on_start(self, context: vartrace.RunContext) -> None:
+            self.started = context
+
+        def __call__(self, name: str, trace: Trace) -> None:
+            chunks.append((name, list(trace.iterations)))
+
+        def flush(self) -> None:
+            self.flushes += 1
+
+    saver = Saver()
+    model = TinyTransformer()
+    with ModelTracer(
+        model,
+        ["head"],
+        post_gather_callbacks=[saver],
+        post_trace_callbacks=[lambda name, trace: finals.append(name)],
+        gathering_interval=2,
+    ) as tracer:
+        _train(model, 5)
+    assert chunks == [("head.forward", [1, 2]), ("head.forward", [3, 4]), ("head.forward", [5])]
+    assert saver.flushes == 3
+    assert saver.started == vartrace.RunContext(rank=0, world_size=1, sharded=False)
+    assert finals == ["head.forward"]
+    assert tracer.results["head.forward"].iterations == [1, 2, 3, 4, 5]
+
+
+def test_callback_that_empties_chunk_keeps_nothing_in_memory() -> None:
+    model = TinyTransformer()
+    with ModelTracer(model, ["head"], post_gather_callbacks=[lambda n, t: t.clear()]) as tracer:
+        _train(model, 3)
+    assert len(tracer.results) == 0
+
+
+def test_length_invariant_violation_names_the_callback() -> None:
+    def bad_callback(name: str, trace: Trace) -> None:
+        trace.values.append(0)
+
+    model = TinyTransformer()
+    tracer = ModelTracer(model, ["head"], pre_gather_callbacks=[bad_callback])
+    with pytest.raises(ValueError, match=r"after callback .*bad_callback"), tracer:
+        _train(model, 1)
+    assert "forward" not in vars(model), "the model is restored even when a callback fails"
+
+
+def test_stacking_callbacks_and_reducer() -> None:
+    model = TinyTransformer()
+    with ModelTracer(
+        model,
+        ["layers.0.attn.forward.scores", "forward.tokens"],
+        post_gather_callbacks=[vartrace.stack_padded_tensors],
+        gathering_interval=2,
+    ) as tracer:
+        for step, length in enumerate([5, 3, 4]):
+            model(tokens(step, length=length))
+    scores = tracer.results["layers.0.attn.forward.scores"]
+    assert isinstance(scores.values, torch.Tensor)
+    assert scores.values.shape == (3, 2, 2, 5, 5)
+    assert scores.shapes == [(2, 2, 5, 5), (2, 2, 3, 3), (2, 2, 4, 4)]
+    assert torch.equal(scores.iterations, torch.tensor([1, 2, 3]))
+    assert torch.equal(scores.values[1, :, :, 3:, :], torch.zeros(2, 2, 2, 5))
+
+    reducer = vartrace.reduce_chunk(lambda values: torch.stack(values).mean(dim=(0, 1)))
+    with ModelTracer(
+        model, ["head"], pre_gather_callbacks=[reducer], gathering_interval=4
+    ) as reduced:
+        _train(model, 8)
+    trace = reduced.results["head.forward"]
+    assert trace.iterations == [4, 8]
+    assert trace.values[0].shape == (5, 16)
+
+
+def test_stack_tensors_refuses_ragged_records() -> None:
+    trace = Trace([torch.zeros(2), torch.zeros(3)], [1, 2], [0, 0], [1, 2])
+    with pytest.raises(ValueError, match="stack_padded_tensors"):
+        vartrace.stack_tensors("site", trace)
+    vartrace.stack_tensors("site", Trace([1.0, 2.0], [1, 2], [0, 0], [1, 2]))
+
+
+def test_manual_record() -> None:
+    vartrace.record("nothing.active", torch.ones(1))  # a no-op without tracers
+    model = TinyTransformer()
+    with ModelTracer(model, ["head"]) as first, ModelTracer(model, ["head"]) as second:
+        for step in range(2):
+            model(tokens(step))
+            vartrace.record("loss", {"value": torch.tensor(float(step)), "step": step})
+    for tracer in (first, second):
+        assert tracer.results["loss.value"].iterations == [1, 2]
+        assert tracer.results["loss.step"].values == [0, 1]
+        assert len(tracer.results["head.forward"].values) == 2
+
+
+def test_restores_model_and_propagates_exceptions() -> None:
+    class Failing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            if x.sum() > 100:
+                raise FloatingPointError("too big")
+            return y
+
+    model = Failing()
+    before = dict(vars(model))
+    trace_fn = sys.gettrace()
+    tracer = ModelTracer(model, ["forward.y", "lin"])
+    with pytest.raises(FloatingPointError, match="too big"), tracer:
+        model(torch.ones(1, 2))
+        model(torch.full((1, 2), 1000.0))
+    assert vars(model) == before and vars(model.lin).keys() == vars(nn.Linear(2, 2)).keys()
+    assert sys.gettrace() is trace_fn
+    assert tracer.results["forward.y"].iterations == [1], "records before the error are kept"
+
+
+def test_two_tracers_stop_in_any_order() -> None:
+    model = TinyTransformer()
+    a = ModelTracer(model, ["head", "layers.0.attn.forward.scores"]).start()
+    b = ModelTracer(model, ["head"]).start()
+    model(tokens(0))
+    a.stop()
+    model(tokens(1))
+    b.stop()
+    model(tokens(2))
+    assert len(a.results["head.forward"]) == 1
+    assert len(b.results["head.forward"]) == 2
+    assert "forward" not in vars(model) and "forward" not in vars(model.head)
+
+
+def test_wrappers_are_unwrapped() -> None:
+    model = TinyTransformer()
+    wrapped = nn.DataParallel(model)
+    with ModelTracer(wrapped, ["head"]) as tracer:
+        wrapped(tokens(0))
+    assert list(tracer.results) == ["head.forward"]
+
+
+def test_bad_patterns_fail_before_the_first_step() -> None:
+    model = TinyTransformer()
+    with pytest.raises(ValueError, match=r"'layers\.\*\.attn\.forward\.scroes'.*scores"):
+        ModelTracer(model, ["layers.*.attn.forward.scroes"])
+    with pytest.raises(ValueError, match=r"'nope\.forward'.*closest"):
+        ModelTracer(model, ["nope.forward"])
+    with pytest.raises(ValueError, match=r"'layers\.0\.attn\.forward\.scores@entry'.*local"):
+        ModelTracer(model, ["layers.0.attn.forward.scores@entry"])
+    with pytest.raises(ValueError, match="segment 2 is empty"):
+        ModelTracer(model, ["layers..attn"])
+    with pytest.raises(ValueError, match="unknown timing"):
+        ModelTracer(model, ["head@later"])
+    assert "forward" not in vars(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ModelTracer(model, ["head", "missing.site"], strict=False)
+    assert any("'missing.site'" in str(w.message) for w in caught)
+
+
+def test_bad_arguments() -> None:
+    model = TinyTransformer()
+    with pytest.raises(ValueError, match="gathering_interval"):
+        ModelTracer(model, ["head"], gathering_interval=0)
+    with pytest.raises(ValueError, match="mode"):
+        ModelTracer(model, ["head"], mode="training")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        ModelTracer(object(), ["head"])  # type: ignore[arg-type]
+    tracer = ModelTracer(model, ["head"])
+    with tracer, pytest.raises(RuntimeError, match="already started"):
+        tracer.start()
+
+
+def test_list_sites_and_sites_of_type() -> None:
+    model = TinyTransformer()
+    sites = vartrace.list_sites(model, "layers.0.attn.**")
+    assert "layers.0.attn" in sites
+    assert "layers.0.attn.forward.scores" in sites
+    assert "layers.0.attn._scores.scale" in sites
+    assert all(not s.endswith(".self") for s in sites)
+    assert vartrace.sites_of_type(model, nn.LayerNorm) == ["layers.0.norm", "layers.1.norm"]
+    assert vartrace.sites_of_type(nn.DataParallel(model), Attention) == [
+        "layers.0.attn",
+        "layers.1.attn",
+    ]
