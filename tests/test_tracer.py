@@ -435,3 +435,17 @@ def test_list_sites_and_sites_of_type() -> None:
         "layers.0.attn",
         "layers.1.attn",
     ]
+
+
+def test_compiled_model_runs_traced_methods_eagerly_and_warns() -> None:
+    model = TinyTransformer()
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.warns(UserWarning, match=r"compiled.*layers\.0\.attn\.forward"):
+        tracer = ModelTracer(compiled, ["layers.*.attn.forward.scores"]).start()
+    try:
+        for step in range(2):
+            compiled(tokens(step))
+    finally:
+        tracer.stop()
+    assert tracer.results["layers.0.attn.forward.scores"].iterations == [1, 2]
+    assert tracer.results["layers.1.attn.forward.scores"].iterations == [1, 2]

@@ -22,7 +22,15 @@ from vartrace.engine.patching import Probe, Selector
 from vartrace.engine.paths import Pattern, States, parse
 from vartrace.engine.structures import register_container
 
-__all__ = ["Target", "list_sites", "module_methods", "resolve", "sites_of_type", "unwrap"]
+__all__ = [
+    "Target",
+    "is_compiled",
+    "list_sites",
+    "module_methods",
+    "resolve",
+    "sites_of_type",
+    "unwrap",
+]
 
 _WRAPPER_NAMES = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
 
@@ -52,6 +60,13 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod  # torch.compile's OptimizedModule
         else:
             return model
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` or one of its submodules runs under ``torch.compile``."""
+    if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in unwrap(model).modules())
 
 
 def module_methods(module: nn.Module) -> dict[str, MethodInfo]:

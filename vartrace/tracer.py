@@ -9,6 +9,7 @@ end.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -22,7 +23,7 @@ from vartrace.engine.structures import leaves
 from vartrace.gradients import GradientWatcher
 from vartrace.record import DROP, subscribe, unsubscribe
 from vartrace.results import Results
-from vartrace.sites import Target, module_methods, resolve, unwrap
+from vartrace.sites import Target, is_compiled, module_methods, resolve, unwrap
 from vartrace.tensors import copy_leaf, same
 from vartrace.trace import RunContext, Trace
 
@@ -106,6 +107,7 @@ class ModelTracer:
         if mode not in ("train", "eval", "any"):
             raise ValueError(f"mode must be 'train', 'eval' or 'any', not {mode!r}")
         self.model = unwrap(model)
+        self._compiled = is_compiled(model)
         self.pre_save_callbacks = list(pre_save_callbacks)
         self.pre_gather_callbacks = list(pre_gather_callbacks)
         self.post_gather_callbacks = list(post_gather_callbacks)
@@ -208,6 +210,16 @@ class ModelTracer:
         ]
 
     def _attach(self) -> None:
+        decorate = None
+        if self._compiled:
+            # A frame tracer sees nothing inside compiled code: run the traced methods eagerly.
+            decorate = torch._dynamo.disable
+            names = ", ".join(f"{t.path or '<root>'}.{t.method.name}" for t in self._targets)
+            warnings.warn(
+                f"vartrace: the model is compiled; these traced methods run eagerly while "
+                f"tracing (excluded from torch.compile): {names}",
+                stacklevel=4,
+            )
         root_forward: MethodInfo | None = None
         for target in self._targets:
             is_root = target.module is self.model and target.method.name == "forward"
@@ -217,7 +229,7 @@ class ModelTracer:
                 self._enter if is_root else None,
                 self._exit if is_root else None,
             )
-            attach(target.module, target.method.name, target.method.code, hook)
+            attach(target.module, target.method.name, target.method.code, hook, decorate)
             self._hooks.append((target, hook))
             if is_root:
                 root_forward = target.method
@@ -227,7 +239,7 @@ class ModelTracer:
                 raise TypeError(f"{type(self.model).__name__} has no forward method to trace")
             info = methods["forward"]
             hook = Hook(Probe(), self._capture, self._enter, self._exit)
-            attach(self.model, "forward", info.code, hook)
+            attach(self.model, "forward", info.code, hook, decorate)
             self._hooks.append((None, hook))
 
     def _detach(self) -> None:

@@ -42,6 +42,7 @@ __all__ = [
 
 Sink = Callable[[str, Any, bool], None]
 """``sink(site, leaf, grad)``: receives every captured leaf."""
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 _MISSING = object()
 
@@ -141,7 +142,9 @@ class _Binder:
 class _Patch:
     """The wrapper installed on one ``(object, method)`` pair."""
 
-    def __init__(self, instance: Any, name: str, code: CodeType) -> None:
+    def __init__(
+        self, instance: Any, name: str, code: CodeType, decorate: Decorator | None
+    ) -> None:
         self.instance = instance
         self.name = name
         self.code = code
@@ -152,7 +155,8 @@ class _Patch:
         self.frame_names: tuple[str, ...] = ()
         self.every_names: tuple[str, ...] = ()
         self.armed: tuple[bool, bool] = (False, False)
-        vars(instance)[name] = wrapt.FunctionWrapper(bound, self._call)
+        call = self._call if decorate is None else decorate(self._call)
+        vars(instance)[name] = wrapt.FunctionWrapper(bound, call)
 
     def set_hooks(self, hooks: tuple[Hook, ...]) -> None:
         self.hooks = hooks
@@ -263,8 +267,14 @@ def set_core(new: FrameCore) -> None:
     _core = new
 
 
-def attach(instance: Any, name: str, code: CodeType, hook: Hook) -> None:
-    """Subscribe ``hook`` to calls of ``instance.<name>`` (whose frames run ``code``)."""
+def attach(
+    instance: Any, name: str, code: CodeType, hook: Hook, decorate: Decorator | None = None
+) -> None:
+    """Subscribe ``hook`` to calls of ``instance.<name>`` (whose frames run ``code``).
+
+    ``decorate``, applied to the wrapper when the patch is first installed,
+    lets a caller keep it out of a JIT (``torch._dynamo.disable``).
+    """
     key = (id(instance), name)
     patch = _patches.get(key)
     if patch is None:
@@ -272,7 +282,7 @@ def attach(instance: Any, name: str, code: CodeType, hook: Hook) -> None:
             raise TypeError(
                 f"cannot trace {type(instance).__name__}.{name}: the object has no __dict__"
             )
-        patch = _patches[key] = _Patch(instance, name, code)
+        patch = _patches[key] = _Patch(instance, name, code, decorate)
     patch.set_hooks((*patch.hooks, hook))
 
 
