@@ -9,8 +9,10 @@ the parent test can assert on it.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import traceback
+import types
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -118,6 +120,10 @@ def _mixed_records(rank: int) -> list[Any]:
         bytes([rank, 255, 0]),
         None,
         Opaque({"rank": rank, "items": (1, 2)}),
+        torch.arange(150_000, dtype=torch.float32).to(torch.bfloat16) + rank,
+        torch.arange(300_000) % (rank + 2) == 0,
+        torch.complex(torch.arange(40_000.0), torch.full((40_000,), float(rank))),
+        np.arange(200_000, dtype=np.int16).reshape(400, 500) * (rank + 1),
     ]
 
 
@@ -177,21 +183,33 @@ def build_chunk(rank: int, world: int, round_: int) -> dict[str, Trace]:
     return chunk
 
 
+def _local_object() -> Any:
+    """An object whose class lives in a module that only this process has."""
+    module = types.ModuleType("only_on_this_rank")
+    module.Local = type("Local", (), {"__module__": "only_on_this_rank"})
+    sys.modules["only_on_this_rank"] = module
+    return module.Local()
+
+
 def _gather_direct(rank: int, world: int, out: Path) -> dict[str, Any]:
-    """Three gather rounds of hand-built chunks, a multi-round transfer, then failures."""
+    """Three gathers of hand-built chunks, one in several transfer rounds, then failures."""
     rounds = [distributed.gather_chunk(build_chunk(rank, world, r)) for r in range(3)]
 
     distributed._ROUND_BYTES = 1 << 18
-    distributed._MIN_ROUND_BYTES = 1 << 14
     big = Trace()
     big.append(torch.arange(300_000, dtype=torch.float32) * (rank + 1), 1, rank, 0)
     chunked = distributed.gather_chunk({"big": big})
 
     errors = []
-    for culprit, bad in ((1, Trace([lambda: 0], [1], [1], [0])), (0, Trace([1, 2], [1], [0], [0]))):
-        chunk = {"bad": bad} if rank == culprit else {"fine": Trace([rank], [1], [rank], [0])}
+    cases: list[tuple[int, Callable[[], Trace]]] = [
+        (1, lambda: Trace([lambda: 0], [1], [1], [0])),
+        (0, lambda: Trace([1, 2], [1], [0], [0])),
+        (1, lambda: Trace([_local_object(), big.values[0]], [1, 1], [1, 1], [0, 1])),
+    ]
+    for culprit, bad in cases:
+        chunk = {"bad": bad()} if rank == culprit else {"fine": Trace([rank], [1], [rank], [0])}
         try:
-            distributed.gather_chunk(chunk)
+            errors.append(distributed.gather_chunk(chunk))
         except RuntimeError as exc:
             errors.append(str(exc))
     after = distributed.gather_chunk({"after": Trace([rank * 2], [9], [rank], [0])})
@@ -309,22 +327,35 @@ class _ContextSpy:
         return None
 
 
+def _results(tracer: Any) -> dict[str, Trace]:
+    return {name: tracer.results[name] for name in tracer.results}
+
+
 def _tracer_runs(rank: int, world: int, out: Path) -> dict[str, Any]:
-    """Three traced DDP trainings: in memory, into one HDF5 file, and into per-rank shards."""
-    from vartrace.storage import H5PYSaverCallback
-    from vartrace.tracer import ModelTracer
+    """Traced DDP trainings: in memory (lists, and stacked before the gather), into one
+    HDF5 file on rank 0, and into per-rank shard files with ``gather=False``."""
+    from vartrace import H5PYSaverCallback, ModelTracer, stack_padded_tensors
 
     model = _new_model()
     ddp, opt = _wrap(model)
+    found: dict[str, Any] = {}
     with ModelTracer(ddp, PATHS, gathering_interval=2) as tracer:
         _train(ddp, opt, rank)
-    results = {name: tracer.results[name] for name in tracer.results}
+    found["memory"] = _results(tracer)
+
+    stacking = [stack_padded_tensors]
+    with ModelTracer(
+        ddp, ["block.helper.doubled"], pre_gather_callbacks=stacking, gathering_interval=2
+    ) as tracer:
+        _train(ddp, opt, rank)
+    found["stacked"] = _results(tracer)
 
     (out / "gather").mkdir(exist_ok=True)
     saver = H5PYSaverCallback(out / "gather" / "run.h5", metadata=False)
-    with ModelTracer(ddp, PATHS, post_gather_callbacks=[saver], gathering_interval=3):
+    with ModelTracer(ddp, PATHS, post_gather_callbacks=[saver], gathering_interval=3) as tracer:
         _train(ddp, opt, rank)
     saver.close()
+    found["left_after_saver"] = _results(tracer)
 
     (out / "shards").mkdir(exist_ok=True)
     spy = _ContextSpy()
@@ -334,18 +365,15 @@ def _tracer_runs(rank: int, world: int, out: Path) -> dict[str, Any]:
     ) as tracer:
         _train(ddp, opt, rank)
     saver.close()
-    shard_left = {name: len(tracer.results[name]) for name in tracer.results}
+    found["left_after_shard_saver"] = _results(tracer)
     ctx = spy.context
-    return {
-        "results": results,
-        "context": (ctx.rank, ctx.world_size, ctx.sharded),
-        "shard_left": shard_left,
-    }
+    found["context"] = (ctx.rank, ctx.world_size, ctx.sharded)
+    return found
 
 
 def _tracer_rank1_raises(rank: int, world: int, out: Path) -> None:
     """Rank 1 raises in its third step while the others train on."""
-    from vartrace.tracer import ModelTracer
+    from vartrace import ModelTracer
 
     model = _new_model()
     ddp, opt = _wrap(model)

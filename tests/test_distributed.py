@@ -184,15 +184,18 @@ def test_gather_chunk_in_several_rounds_and_errors_raise_everywhere(direct: Any)
         assert torch.equal(value, torch.arange(300_000, dtype=torch.float32) * (r + 1))
 
     for r, result in enumerate(results):
-        unpicklable, bad_lengths = result["errors"]
+        unpicklable, bad_lengths, unknown_class = result["errors"]
         if r == 1:
             assert unpicklable.startswith("vartrace: rank 1 could not pack its chunk")
         else:
             assert "rank(s) [1] could not pack" in unpicklable
         if r == 0:
             assert "trace fields differ in length" in bad_lengths
+            assert unknown_class.startswith("vartrace: rank 0 could not unpack the chunk of rank 1")
+            assert "only_on_this_rank" in unknown_class
         else:
             assert "rank(s) [0] could not pack" in bad_lengths
+            assert unknown_class is None
     after = results[0]["after"]["after"]
     assert after.values == [2 * r for r in range(world)] and after.ranks == list(range(world))
 

@@ -7,26 +7,38 @@ local hand-over.
 
 How a gather travels
 --------------------
-Each rank other than 0 packs its chunk into one flat ``uint8`` buffer: a small
-pickled header (site names, record counts, dtypes, shapes, byte offsets, and
-the non-tensor leaves such as Python scalars, strings, bytes, ``None`` or
-opaque objects) followed by the raw bytes of every tensor and numeric numpy
-record and of the ``iterations`` / ``ranks`` / ``order`` tags.  Tensor bytes
-are never pickled: bfloat16, float8, bool and complex tensors travel as
-``uint8`` views of their storage.  Then two collectives run:
+Each rank other than 0 packs its chunk: a small pickled header (site names,
+record counts, dtypes, shapes, where each record's bytes are, and the
+non-tensor leaves: Python scalars, strings, bytes, ``None``, opaque objects)
+followed, in one flat ``uint8`` buffer, by the ``iterations`` / ``ranks`` /
+``order`` tags and the bytes of small tensor and numeric numpy records.
+Records of 256 KiB or more are not copied into that buffer: they travel as
+messages of their own, straight from their storage, and rank 0 receives them
+straight into freshly allocated tensors of their final dtype and shape.
+Tensor bytes are never pickled: bfloat16, float8, bool and complex tensors
+travel as ``uint8`` views of their storage.  The exchange:
 
-1. an ``all_gather`` of one ``[length, status]`` pair per rank, so that every
-   rank knows the common (padded) buffer size and whether any rank failed to
+1. an ``all_gather`` of one ``[length, status]`` pair per rank, so that rank 0
+   knows every buffer's size and every rank knows whether any rank failed to
    pack its chunk;
-2. a ``gather`` of the padded buffers to rank 0 (split into a few rounds only
-   when the padded buffers of all ranks together exceed 1 GiB, to bound the
-   receive memory on rank 0).
+2. one batch of point-to-point operations (``batch_isend_irecv``): each rank
+   sends its packed buffer, at its exact size, to rank 0;
+3. a second batch: the large records, whose sizes rank 0 read from the
+   buffers.
+
+Batches are cut into rounds of at most 1 GiB in flight, which bounds the
+device memory rank 0 needs with NCCL.  (Point-to-point rather than
+``dist.gather``: a gather needs equal sizes, so uneven ranks would pad to
+the largest buffer, and gloo's gather measured about 5x slower than
+point-to-point for 64 MB per rank.)
 
 Rank 0's own records never travel: it merges them, as they are, with the
 unpacked records of the other ranks.  With NCCL the buffers live on the rank's
-current CUDA device during the collectives and rank 0 copies what it receives
-back to CPU memory; with gloo (or any backend that supports CPU tensors) they
-stay on the CPU.  The same code serves both.
+current CUDA device during the transfer (call ``torch.cuda.set_device(local_rank)``
+before tracing, as NCCL requires anyway) and rank 0 copies what it receives
+back to CPU memory, so gathered records are CPU tensors; with gloo (or any
+backend that supports CPU tensors) they stay on the CPU.  The same code serves
+both.
 
 The merged chunk holds, for every site present on any rank, the records of
 rank 0, then rank 1, and so on, each rank's in its capture order; sites that
@@ -58,7 +70,10 @@ lost on every rank; everything a post-gather callback (such as the HDF5 saver)
 had already written stays on disk.  If a rank fails while packing its own
 chunk (for example an opaque record that cannot be pickled), all ranks learn
 it from the first collective and raise together, without waiting for a
-timeout.
+timeout.  If rank 0 cannot unpickle what a rank sent (an opaque record whose
+class only exists on that rank), it still completes the transfer, then
+raises alone; the other ranks' gather has returned, and they meet the
+failure as above at their next collective.
 """
 
 from __future__ import annotations
@@ -77,8 +92,7 @@ __all__ = ["gather_chunk", "rank", "world_size"]
 
 _ALIGN = 64
 _ROUND_BYTES = 1 << 30
-_MIN_ROUND_BYTES = 1 << 20
-_HEADER_PREFIX = 8
+_DIRECT_BYTES = 1 << 18
 
 _TENSOR = "t"
 _NUMPY = "n"
@@ -158,12 +172,26 @@ def gather_chunk(chunk: dict[str, Trace]) -> dict[str, Trace] | None:
             f"vartrace: rank(s) {failed} could not pack their chunk for gathering; "
             "see the error on those ranks"
         )
-    lengths = [n for n, _ in table]
-    received = _transfer(packed, lengths, me, size, device)
-    if me != 0:
+    if packed is not None:
+        _send_all([_buffer(packed)], device)
+        _send_all(packed.direct, device)
         return None
+    buffers = [torch.empty(n, dtype=torch.uint8) for n, _ in table]
+    _receive_all([[b] if r else [] for r, b in enumerate(buffers)], device)
+    decoders = [_Decoder(buffer) for buffer in buffers[1:]]
     parts_by_rank = [own]
-    parts_by_rank.extend(_unpack(received[r]) for r in range(1, size))
+    failure: tuple[int, Exception] | None = None
+    for sender, decoder in enumerate(decoders, start=1):
+        try:
+            parts_by_rank.append(decoder.parts())
+        except Exception as exc:
+            failure = failure or (sender, exc)
+    _receive_all([[], *(decoder.targets for decoder in decoders)], device)
+    if failure is not None:
+        sender, exc = failure
+        raise RuntimeError(
+            f"vartrace: rank 0 could not unpack the chunk of rank {sender}: {exc}"
+        ) from exc
     return _merge(parts_by_rank)
 
 
@@ -188,11 +216,12 @@ def _align(n: int) -> int:
 
 @dataclass
 class _Packed:
-    """One rank's chunk as a header plus the byte views to lay out after it."""
+    """One rank's chunk: a header, small byte views laid out after it, large ones apart."""
 
     header: bytes
     data_start: int
     pieces: list[tuple[int, torch.Tensor]]
+    direct: list[torch.Tensor]
     nbytes: int
 
 
@@ -212,13 +241,22 @@ class _Part:
 
 
 class _Layout:
-    """Assigns aligned offsets to byte views in the data section of a buffer."""
+    """Decides where each byte view travels.
+
+    Views smaller than ``_DIRECT_BYTES`` get an aligned offset (>= 0) in the
+    packed buffer; larger ones travel as messages of their own, straight from
+    their storage, and get the location ``-1 - index``.
+    """
 
     def __init__(self) -> None:
         self.pieces: list[tuple[int, torch.Tensor]] = []
+        self.direct: list[torch.Tensor] = []
         self.size = 0
 
-    def add(self, flat: torch.Tensor) -> int:
+    def add(self, flat: torch.Tensor, *, direct: bool = True) -> int:
+        if direct and flat.numel() >= _DIRECT_BYTES:
+            self.direct.append(flat)
+            return -len(self.direct)
         offset = self.size
         self.pieces.append((offset, flat))
         self.size = _align(offset + flat.numel())
@@ -252,11 +290,11 @@ def _encode_record(value: Any, layout: _Layout) -> tuple[Any, ...]:
     if isinstance(value, torch.Tensor):
         flat = _tensor_bytes(value)
         if flat is not None:
-            return (_TENSOR, value.dtype, tuple(value.shape), layout.add(flat), flat.numel())
+            return (_TENSOR, value.dtype, tuple(value.shape), layout.add(flat))
     elif isinstance(value, np.ndarray):
         flat = _numpy_bytes(value)
         if flat is not None:
-            return (_NUMPY, value.dtype, value.shape, layout.add(flat), flat.numel())
+            return (_NUMPY, value.dtype, value.shape, layout.add(flat))
     return (_OBJECT, value)
 
 
@@ -277,7 +315,7 @@ def _pack(chunk: dict[str, Trace]) -> _Packed:
     for name, trace in chunk.items():
         trace.check_lengths()
         tags = _tags_tensor(trace)
-        tag_offset = layout.add(tags.reshape(-1).view(torch.uint8))
+        tag_offset = layout.add(tags.reshape(-1).view(torch.uint8), direct=False)
         values = trace.values
         stacked = _tensor_bytes(values) if isinstance(values, torch.Tensor) else None
         if stacked is not None:
@@ -287,88 +325,149 @@ def _pack(chunk: dict[str, Trace]) -> _Packed:
             payload = [_encode_record(value, layout) for value in values]
         sites.append((name, stacked is not None, len(trace), tag_offset, payload))
     header = pickle.dumps(sites, protocol=pickle.HIGHEST_PROTOCOL)
-    data_start = _align(_HEADER_PREFIX + len(header))
-    return _Packed(header, data_start, layout.pieces, data_start + layout.size)
+    data_start = _align(8 * (2 + len(layout.direct)) + len(header))
+    return _Packed(header, data_start, layout.pieces, layout.direct, data_start + layout.size)
 
 
-def _fill(packed: _Packed, out: torch.Tensor) -> None:
-    """Lay ``packed`` out at the start of the flat ``uint8`` buffer ``out``."""
-    prefix = len(packed.header).to_bytes(_HEADER_PREFIX, "little")
-    head = torch.frombuffer(bytearray(prefix + packed.header), dtype=torch.uint8)
+def _buffer(packed: _Packed) -> torch.Tensor:
+    """The packed buffer: the prefix, the header, then the small byte views.
+
+    The prefix (int64s) holds the header's length, the number of separate
+    messages and their sizes, so rank 0 can receive them even if the header
+    itself fails to unpickle there.
+    """
+    sizes = [flat.numel() for flat in packed.direct]
+    prefix = torch.tensor([len(packed.header), len(sizes), *sizes], dtype=torch.int64)
+    header = torch.frombuffer(bytearray(packed.header), dtype=torch.uint8)
+    head = torch.cat([prefix.view(torch.uint8), header])
+    out = torch.zeros(packed.nbytes, dtype=torch.uint8)
     out[: head.numel()].copy_(head)
     for offset, flat in packed.pieces:
         start = packed.data_start + offset
         out[start : start + flat.numel()].copy_(flat)
-    out[packed.nbytes :].zero_()
-
-
-def _transfer(
-    packed: _Packed | None, lengths: list[int], me: int, size: int, device: torch.device
-) -> list[torch.Tensor]:
-    """Gather the packed buffers of ranks 1.. to rank 0 as CPU ``uint8`` tensors.
-
-    Returns one buffer per rank on rank 0 (rank 0's own entry holds nothing
-    useful) and an empty list elsewhere.  Decoding copies every record out of
-    these buffers, so records own their memory and the buffers die with the round.
-    """
-    padded = max(lengths)
-    step = max(_MIN_ROUND_BYTES, _ROUND_BYTES // size)
-    bounds = [(start, min(start + step, padded)) for start in range(0, padded, step)]
-    send = torch.empty(padded, dtype=torch.uint8, device=device)
-    if packed is not None:
-        _fill(packed, send)
-    if len(bounds) == 1 and device.type == "cpu":
-        slots = [torch.empty(padded, dtype=torch.uint8) for _ in range(size)] if me == 0 else None
-        dist.gather(send, slots, dst=0)
-        return slots or []
-    out = [torch.empty(n, dtype=torch.uint8) for n in lengths] if me == 0 else []
-    for start, stop in bounds:
-        staging = None
-        if me == 0:
-            staging = [torch.empty(stop - start, dtype=torch.uint8, device=device) for _ in lengths]
-        dist.gather(send[start:stop], staging, dst=0)
-        if staging is None:
-            continue
-        for buffer, slot, n in zip(out, staging, lengths, strict=True):
-            valid = min(n, stop) - start
-            if valid > 0:
-                buffer[start : start + valid].copy_(slot[:valid])
     return out
 
 
-def _unpack(buffer: torch.Tensor) -> dict[str, _Part]:
-    header_len = int.from_bytes(buffer[:_HEADER_PREFIX].numpy().tobytes(), "little")
-    sites = pickle.loads(buffer[_HEADER_PREFIX : _HEADER_PREFIX + header_len].numpy())
-    data = buffer[_align(_HEADER_PREFIX + header_len) :]
-    parts = {}
-    for name, stacked, count, tag_offset, payload in sites:
-        tags = data[tag_offset : tag_offset + 3 * count * 8].view(torch.int64).reshape(3, count)
-        if stacked:
-            dtype, shape, offset, shapes = payload
-            values = _tensor_at(data, offset, dtype, shape)
-            tags = tags.clone()
-            parts[name] = _Part(True, values, tags[0], tags[1], tags[2], shapes)
-        else:
-            values = [_decode_record(data, entry) for entry in payload]
-            iterations, ranks, order = tags.tolist()
-            parts[name] = _Part(False, values, iterations, ranks, order, None)
-    return parts
+def _segments(flats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flats`` cut, in order, into messages of at most ``_ROUND_BYTES``."""
+    return [
+        flat[start : start + _ROUND_BYTES]
+        for flat in flats
+        for start in range(0, flat.numel(), _ROUND_BYTES)
+    ]
 
 
-def _tensor_at(data: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    return data[offset : offset + nbytes].view(dtype).reshape(shape).clone()
+def _rounds(sizes: list[int]) -> list[list[int]]:
+    """Consecutive message indices grouped so that each group holds at most ``_ROUND_BYTES``."""
+    groups: list[list[int]] = []
+    used = _ROUND_BYTES
+    for index, size in enumerate(sizes):
+        if used + size > _ROUND_BYTES:
+            groups.append([])
+            used = 0
+        groups[-1].append(index)
+        used += size
+    return groups
 
 
-def _decode_record(data: torch.Tensor, entry: tuple[Any, ...]) -> Any:
-    kind = entry[0]
-    if kind == _TENSOR:
-        _, dtype, shape, offset, _ = entry
-        return _tensor_at(data, offset, dtype, shape)
-    if kind == _NUMPY:
-        _, dtype, shape, offset, nbytes = entry
-        return data[offset : offset + nbytes].numpy().view(dtype).reshape(shape).copy()
-    return entry[1]
+def _run_ops(ops: list[dist.P2POp]) -> None:
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _send_all(flats: list[torch.Tensor], device: torch.device) -> None:
+    """Send ``flats`` to rank 0 as numbered messages, a bounded round at a time.
+
+    On a CPU backend the messages leave straight from the records' storage; on
+    a device backend each round is first copied to the device.
+    """
+    messages = _segments(flats)
+    for group in _rounds([m.numel() for m in messages]):
+        _run_ops([dist.P2POp(dist.isend, messages[i].to(device), 0, tag=i) for i in group])
+
+
+def _receive_all(targets: list[list[torch.Tensor]], device: torch.device) -> None:
+    """On rank 0, fill ``targets[r]`` (CPU ``uint8`` tensors) with what rank ``r`` sends.
+
+    Matches :func:`_send_all` message by message (same cutting, same numbers).
+    Rounds bound what is in flight, and so the device staging memory, to
+    ``_ROUND_BYTES``.
+    """
+    messages = [
+        (sender, tag, message)
+        for sender, flats in enumerate(targets)
+        for tag, message in enumerate(_segments(flats))
+    ]
+    for group in _rounds([m.numel() for _, _, m in messages]):
+        batch = [messages[i] for i in group]
+        if device.type == "cpu":
+            _run_ops([dist.P2POp(dist.irecv, m, r, tag=tag) for r, tag, m in batch])
+            continue
+        staging = [torch.empty_like(m, device=device) for _, _, m in batch]
+        pairs = list(zip(staging, batch, strict=True))
+        _run_ops([dist.P2POp(dist.irecv, buf, r, tag=tag) for buf, (r, tag, _) in pairs])
+        for buf, (_, _, m) in pairs:
+            m.copy_(buf)
+
+
+class _Decoder:
+    """Rebuilds one rank's records from its packed buffer.
+
+    Records that travel as their own messages are allocated here with their
+    final dtype and shape; :attr:`targets` lists their bytes, in message order,
+    for :func:`_receive_all` to fill in place (no copy after the transfer).
+    """
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        header_len, count = buffer[:16].view(torch.int64).tolist()
+        self.sizes = buffer[16 : 16 + 8 * count].view(torch.int64).tolist()
+        self.header = buffer[16 + 8 * count : 16 + 8 * count + header_len]
+        self.data = buffer[_align(16 + 8 * count + header_len) :]
+        self.direct: dict[int, torch.Tensor] = {}
+
+    @property
+    def targets(self) -> list[torch.Tensor]:
+        """Where each separate message lands (scratch space for any not decoded)."""
+        return [
+            self.direct.get(i, torch.empty(size, dtype=torch.uint8))
+            for i, size in enumerate(self.sizes)
+        ]
+
+    def _tensor(self, location: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        if location >= 0:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            raw = self.data[location : location + nbytes]
+            return raw.view(dtype).reshape(shape).clone()
+        value = torch.empty(shape, dtype=dtype)
+        self.direct[-1 - location] = value.reshape(-1).view(torch.uint8)
+        return value
+
+    def _record(self, entry: tuple[Any, ...]) -> Any:
+        kind = entry[0]
+        if kind == _TENSOR:
+            _, dtype, shape, location = entry
+            return self._tensor(location, dtype, shape)
+        if kind == _NUMPY:
+            _, dtype, shape, location = entry
+            raw = self._tensor(location, torch.uint8, (int(np.prod(shape)) * dtype.itemsize,))
+            return raw.numpy().view(dtype).reshape(shape)
+        return entry[1]
+
+    def parts(self) -> dict[str, _Part]:
+        parts = {}
+        for name, stacked, count, tag_offset, payload in pickle.loads(self.header.numpy()):
+            raw = self.data[tag_offset : tag_offset + 3 * count * 8]
+            tags = raw.view(torch.int64).reshape(3, count).clone()
+            if stacked:
+                dtype, shape, location, shapes = payload
+                values = self._tensor(location, dtype, shape)
+                parts[name] = _Part(True, values, tags[0], tags[1], tags[2], shapes)
+            else:
+                values = [self._record(entry) for entry in payload]
+                iterations, ranks, order = tags.tolist()
+                parts[name] = _Part(False, values, iterations, ranks, order, None)
+        return parts
 
 
 def _parts_of_chunk(chunk: dict[str, Trace]) -> dict[str, _Part]:
