@@ -306,6 +306,6 @@ def test_results_frame() -> None:
     assert first["site"] == "embed" and first["shape"] == (4, 6) and first["dtype"] == "float32"
     assert first["std"] == pytest.approx(expected)
     note = frame[frame["site"] == "note"].iloc[0]
-    assert note["dtype"] == "str" and note["shape"] is None and math.isnan(note["std"])
+    assert note["dtype"] == "str" and note["shape"] == () and math.isnan(note["std"])
     with pytest.raises(ValueError, match="unknown statistic"):
         results_frame(results, stat="median-ish")

@@ -59,8 +59,8 @@ def test_plot_stat_one_subplot_per_stat_one_line_per_rank(tmp_path) -> None:
 
 def test_plot_stat_accepts_comma_separated_stats_and_rejects_unknown() -> None:
     run = make_run()
-    fig = plot_stat(run, "layers.2.attn.forward.scores", "mean,abs_max")
-    assert [ax.get_ylabel() for ax in fig.axes] == ["mean", "abs_max"]
+    fig = plot_stat(run, "layers.2.attn.forward.scores", "mean,absmax")
+    assert [ax.get_ylabel() for ax in fig.axes] == ["mean", "absmax"]
     with pytest.raises(ValueError, match="unknown statistic 'median'"):
         plot_stat(run, "layers.2.attn.forward.scores", "median")
     with pytest.raises(KeyError, match="no site 'nope'"):

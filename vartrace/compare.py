@@ -41,15 +41,22 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vartrace.frames import SiteView, open_source
+from vartrace.frames import (
+    SiteView,
+    Source,
+    Unreadable,
+    open_source,
+    value_as_array,
+    value_dtype_name,
+)
 
 __all__ = ["Comparison", "Divergence", "SiteSummary", "compare"]
 
 #: Elements reduced per numpy call: a few hundred KiB of float64, so the
 #: temporaries of one row group stay in the CPU cache.
 _STEP_ELEMENTS = 1 << 16
-#: Largest block (bytes per side) read from a file in one go.
-_READ_BYTES = 64 << 20
+#: Largest block (bytes per side, counted as float64) read from a file in one go.
+_READ_BYTES = 32 << 20
 
 #: Record status values, in the order the report ranks them.
 STATUS_OK = "ok"
@@ -57,6 +64,7 @@ STATUS_DIFFERS = "differs"
 STATUS_SHAPE = "shape mismatch"
 STATUS_ONLY_A = "only in a"
 STATUS_ONLY_B = "only in b"
+STATUS_SKIPPED = "not compared"
 
 COLUMNS: tuple[str, ...] = (
     "site",
@@ -172,13 +180,6 @@ def _match(a: SiteView, b: SiteView) -> tuple[np.ndarray, np.ndarray, np.ndarray
 # --------------------------------------------------------------------------- numerics
 
 
-def _rowdot(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Row-wise dot products of two (k, m) float64 arrays."""
-    if x.shape[1] >= 512:
-        return np.matmul(x[:, None, :], y[:, :, None])[:, 0, 0]
-    return np.einsum("ij,ij->i", x, y)
-
-
 def _work_dtype(a: np.dtype, b: np.dtype) -> np.dtype:
     kinds = {a.kind, b.kind}
     if "c" in kinds:
@@ -190,6 +191,40 @@ def _work_dtype(a: np.dtype, b: np.dtype) -> np.dtype:
     return np.dtype(np.float64)
 
 
+class _Scratch:
+    """Buffers reused across the row groups of one block (no allocation per record)."""
+
+    def __init__(self, rows: int, m: int, dtype: np.dtype) -> None:
+        self.stack = np.empty((3, m))
+        self.stack[2] = 1.0
+        self.diff = np.empty((rows, m), dtype)
+        self.other = np.empty((rows, m), dtype)
+
+
+def _power_sums(a: np.ndarray, b: np.ndarray, scratch: _Scratch) -> tuple[np.ndarray, ...]:
+    """Per row, in float64: sum a, sum b, sum a*a, sum b*b, sum a*b.
+
+    A single record goes through one BLAS call: the Gram matrix of the rows
+    ``a, b, 1`` (``X @ X.T`` is a symmetric rank-k update, which stays on
+    one thread, unlike a dot product that BLAS may spread over busy cores).
+    """
+    if a.shape[0] == 1:
+        stack = scratch.stack
+        stack[0] = a[0]
+        stack[1] = b[0]
+        gram = stack @ stack.T
+        return (gram[0:1, 2], gram[1:2, 2], gram[0:1, 0], gram[1:2, 1], gram[0:1, 1])
+    a64 = a.astype(np.float64, copy=False)
+    b64 = b.astype(np.float64, copy=False)
+    return (
+        a64.sum(axis=1),
+        b64.sum(axis=1),
+        np.einsum("ij,ij->i", a64, a64),
+        np.einsum("ij,ij->i", b64, b64),
+        np.einsum("ij,ij->i", a64, b64),
+    )
+
+
 def _numeric_stats(
     block_a: np.ndarray, block_b: np.ndarray, atol: float, rtol: float
 ) -> dict[str, np.ndarray]:
@@ -197,11 +232,8 @@ def _numeric_stats(
     k = block_a.shape[0]
     m = int(np.prod(block_a.shape[1:], dtype=np.int64))
     work = _work_dtype(block_a.dtype, block_b.dtype)
-    a2 = block_a.reshape(k, m)
-    b2 = block_b.reshape(k, m)
-    exact_int = block_a.dtype.kind in "iu" and block_b.dtype.kind in "iu"
-    a2 = a2.astype(work, copy=False)
-    b2 = b2.astype(work, copy=False)
+    a2 = block_a.reshape(k, m).astype(work, copy=False)
+    b2 = block_b.reshape(k, m).astype(work, copy=False)
     out = {name: np.empty(k, dtype=np.float64) for name in (*_FLOAT_COLUMNS, "allclose")}
     if m == 0:
         for name in _FLOAT_COLUMNS:
@@ -211,65 +243,64 @@ def _numeric_stats(
         out["cosine"][:] = 1.0
         out["allclose"][:] = 1.0
         return out
-    kernel = _complex_rows if work.kind == "c" else _real_rows
     step = max(1, _STEP_ELEMENTS // m)
+    scratch = _Scratch(min(step, k), m, work)
+    kernel = _complex_rows if work.kind == "c" else _real_rows
     with np.errstate(all="ignore"):
         for start in range(0, k, step):
             sl = slice(start, min(k, start + step))
-            kernel(a2[sl], b2[sl], atol, rtol, out, sl)
-            if exact_int:
-                same = np.all(block_a.reshape(k, m)[sl] == block_b.reshape(k, m)[sl], axis=1)
-                out["allclose"][sl] = np.where(
-                    (out["max_abs_diff"][sl] == 0) & ~same, 0.0, out["allclose"][sl]
-                )
+            kernel(a2[sl], b2[sl], atol, rtol, out, sl, scratch)
+    if block_a.dtype.kind in "iu" and block_b.dtype.kind in "iu":
+        # float64 cannot tell integers above 2**53 apart: check equality exactly.
+        same = np.all(block_a.reshape(k, m) == block_b.reshape(k, m), axis=1)
+        out["allclose"][(out["max_abs_diff"] == 0) & ~same] = 0.0
     return out
 
 
-def _moments(s: np.ndarray, ss: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-    mean = s / m
-    var = np.maximum(ss / m - mean * mean, 0.0)
-    return mean, var
-
-
-def _cosine(sab: np.ndarray, saa: np.ndarray, sbb: np.ndarray) -> np.ndarray:
-    norm = np.sqrt(saa) * np.sqrt(sbb)
+def _store_moments(
+    out: dict[str, np.ndarray], sl: slice, m: int, sums: tuple[np.ndarray, ...]
+) -> None:
+    sa, sb, saa, sbb, sab = sums
+    for side, s, ss in (("a", sa, saa), ("b", sb, sbb)):
+        mean = s / m
+        var = np.maximum(ss / m - mean * mean, 0.0)
+        out[f"mean_{side}"][sl] = mean
+        out[f"var_{side}"][sl] = var
+        out[f"std_{side}"][sl] = np.sqrt(var)
+    norm = np.sqrt(saa * sbb)
+    norm = np.where(np.isfinite(norm), norm, np.sqrt(saa) * np.sqrt(sbb))
     cos = np.clip(sab / np.where(norm > 0, norm, 1.0), -1.0, 1.0)
     zero_a, zero_b = saa == 0, sbb == 0
     cos = np.where(zero_a & zero_b, 1.0, cos)
-    return np.where(zero_a ^ zero_b, 0.0, cos)
-
-
-def _store_moments(out: dict[str, np.ndarray], sl: slice, a64: np.ndarray, b64: np.ndarray) -> None:
-    m = a64.shape[1]
-    ones = np.ones(m)
-    saa, sbb = _rowdot(a64, a64), _rowdot(b64, b64)
-    out["mean_a"][sl], out["var_a"][sl] = _moments(a64 @ ones, saa, m)
-    out["mean_b"][sl], out["var_b"][sl] = _moments(b64 @ ones, sbb, m)
-    out["std_a"][sl] = np.sqrt(out["var_a"][sl])
-    out["std_b"][sl] = np.sqrt(out["var_b"][sl])
-    out["cosine"][sl] = _cosine(_rowdot(a64, b64), saa, sbb)
+    out["cosine"][sl] = np.where(zero_a ^ zero_b, 0.0, cos)
 
 
 def _real_rows(
-    a: np.ndarray, b: np.ndarray, atol: float, rtol: float, out: dict[str, np.ndarray], sl: slice
+    a: np.ndarray,
+    b: np.ndarray,
+    atol: float,
+    rtol: float,
+    out: dict[str, np.ndarray],
+    sl: slice,
+    scratch: _Scratch,
 ) -> None:
     """Fill ``out[...][sl]`` for real records ``a``, ``b`` of shape (k, m) (float32 or float64)."""
-    a64 = a.astype(np.float64, copy=False)
-    b64 = b.astype(np.float64, copy=False)
-    _store_moments(out, sl, a64, b64)
-    diff = np.subtract(a, b)
+    rows, m = a.shape
+    _store_moments(out, sl, m, _power_sums(a, b, scratch))
+    diff = np.subtract(a, b, out=scratch.diff[:rows])
     np.abs(diff, out=diff)
     max_abs = diff.max(axis=1)
-    absb = np.abs(b)
-    rel = np.divide(diff, absb, out=absb)  # 0/0 -> NaN, ignored by fmax
+    rel = np.abs(b, out=scratch.other[:rows])
+    np.divide(diff, rel, out=rel)  # 0/0 -> NaN, which fmax skips
     max_rel = np.fmax.reduce(rel, axis=1)
     max_rel = np.where(max_abs == 0, 0.0, max_rel)
     close = (max_abs <= atol) | (max_rel <= rtol)
     for i in np.flatnonzero(~close & ~np.isnan(max_abs)):
-        row_b = b64[i]
-        close[i] = bool(np.all(np.abs(a64[i] - row_b) <= atol + rtol * np.abs(row_b)))
+        row_a, row_b = a[i].astype(np.float64), b[i].astype(np.float64)
+        close[i] = bool(np.all(np.abs(row_a - row_b) <= atol + rtol * np.abs(row_b)))
     for i in np.flatnonzero(np.isnan(max_abs)):
-        max_abs[i], max_rel[i], close[i] = _nonfinite_row(a64[i], b64[i], atol, rtol)
+        row_a, row_b = a[i].astype(np.float64), b[i].astype(np.float64)
+        max_abs[i], max_rel[i], close[i] = _nonfinite_row(row_a, row_b, atol, rtol)
     out["cosine"][sl] = np.where(max_abs == 0, 1.0, out["cosine"][sl])
     out["max_abs_diff"][sl] = max_abs
     out["max_rel_diff"][sl] = max_rel
@@ -287,13 +318,19 @@ def _nonfinite_row(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tu
 
 
 def _complex_rows(
-    a: np.ndarray, b: np.ndarray, atol: float, rtol: float, out: dict[str, np.ndarray], sl: slice
+    a: np.ndarray,
+    b: np.ndarray,
+    atol: float,
+    rtol: float,
+    out: dict[str, np.ndarray],
+    sl: slice,
+    scratch: _Scratch,
 ) -> None:
     """Complex records: differences on the complex values, statistics of the magnitudes."""
     mag_a, mag_b = np.abs(a), np.abs(b)
-    _store_moments(out, sl, mag_a, mag_b)
+    sums = _power_sums(mag_a, mag_b, scratch)
     sab = np.real(np.einsum("ij,ij->i", np.conj(a), b))
-    out["cosine"][sl] = _cosine(sab, _rowdot(mag_a, mag_a), _rowdot(mag_b, mag_b))
+    _store_moments(out, sl, a.shape[1], (*sums[:4], sab))
     same = (a == b) | (np.isnan(a) & np.isnan(b))
     diff = np.where(same, 0.0, np.abs(a - b))
     rel = np.where(same, 0.0, diff / mag_b)
@@ -318,21 +355,20 @@ def _objects_equal(x: Any, y: Any) -> bool:
 class _Task:
     """One block of matched numeric records to read and reduce."""
 
-    site: str
     a: SiteView
     b: SiteView
     pairs: np.ndarray  # positions in the site's pair list
     rows_a: np.ndarray
     rows_b: np.ndarray
     shape: tuple[int, ...]
-    nbytes: int
 
 
 class _SiteResult:
     """Columns of one site's records while they are being filled."""
 
-    def __init__(self, name: str, a: SiteView, b: SiteView) -> None:
+    def __init__(self, name: str, a: SiteView, b: SiteView, atol: float, rtol: float) -> None:
         self.name = name
+        self.atol, self.rtol = atol, rtol
         ia, ib, only_a, only_b = _match(a, b)
         n_pairs = len(ia)
         self.n_pairs = n_pairs
@@ -372,9 +408,9 @@ class _SiteResult:
         object_pairs: list[int] = []
         for p in range(self.n_pairs):
             sa, sb = self.shape_a[p], self.shape_b[p]
-            if sa is None and sb is None:
+            if sa is None or sb is None:
                 object_pairs.append(p)
-            elif sa is None or sb is None or sa != sb:
+            elif sa != sb:
                 self.status[p] = STATUS_SHAPE
             else:
                 self.shape_match[p] = True
@@ -384,9 +420,7 @@ class _SiteResult:
             values_a = a.objects(ia[pos])
             values_b = b.objects(ib[pos])
             for p, x, y in zip(object_pairs, values_a, values_b, strict=True):
-                self.shape_match[p] = True
-                self.allclose[p] = _objects_equal(x, y)
-                self.status[p] = STATUS_OK if self.allclose[p] else STATUS_DIFFERS
+                self._compare_values(p, x, y)
         for shape, members in groups.items():
             pairs = np.asarray(members, dtype=np.int64)
             pairs = pairs[np.argsort(ia[pairs], kind="stable")]
@@ -394,18 +428,30 @@ class _SiteResult:
             per_task = max(1, _READ_BYTES // record_bytes)
             for start in range(0, len(pairs), per_task):
                 chunk = pairs[start : start + per_task]
-                self.tasks.append(
-                    _Task(
-                        self.name,
-                        a,
-                        b,
-                        chunk,
-                        ia[chunk],
-                        ib[chunk],
-                        shape,
-                        len(chunk) * record_bytes,
-                    )
-                )
+                self.tasks.append(_Task(a, b, chunk, ia[chunk], ib[chunk], shape))
+
+    def _compare_values(self, p: int, x: Any, y: Any) -> None:
+        """Compare one pair of values read one by one (non-numeric, or outside a block)."""
+        self.dtype_a[p], self.dtype_b[p] = value_dtype_name(x), value_dtype_name(y)
+        if isinstance(x, Unreadable) or isinstance(y, Unreadable):
+            self.status[p] = STATUS_SKIPPED
+            return
+        array_a, array_b = value_as_array(x), value_as_array(y)
+        self.shape_a[p] = None if array_a is None else tuple(array_a.shape)
+        self.shape_b[p] = None if array_b is None else tuple(array_b.shape)
+        if array_a is None or array_b is None:
+            self.shape_match[p] = array_a is None and array_b is None
+            self.allclose[p] = _objects_equal(x, y)
+        elif array_a.shape != array_b.shape:
+            self.status[p] = STATUS_SHAPE
+            return
+        else:
+            self.shape_match[p] = True
+            stats = _numeric_stats(array_a[None], array_b[None], self.atol, self.rtol)
+            for name in _FLOAT_COLUMNS:
+                self.floats[name][p] = stats[name][0]
+            self.allclose[p] = bool(stats["allclose"][0])
+        self.status[p] = STATUS_OK if self.allclose[p] else STATUS_DIFFERS
 
     def fill(self, task: _Task, stats: dict[str, np.ndarray]) -> None:
         for name in _FLOAT_COLUMNS:
@@ -414,26 +460,35 @@ class _SiteResult:
         self.allclose[task.pairs] = close
         self.status[task.pairs] = np.where(close, STATUS_OK, STATUS_DIFFERS)
 
+    def _failing(self) -> np.ndarray:
+        return (self.status != STATUS_OK) & (self.status != STATUS_SKIPPED)
+
     def summary(self) -> SiteSummary:
-        bad = self.status != STATUS_OK
-        statuses = set(self.status[bad].tolist())
+        bad = self._failing()
+        statuses = set(self.status.tolist())
         status = STATUS_OK
-        for candidate in (STATUS_ONLY_B, STATUS_ONLY_A, STATUS_DIFFERS, STATUS_SHAPE):
+        for candidate in (
+            STATUS_SKIPPED,
+            STATUS_ONLY_B,
+            STATUS_ONLY_A,
+            STATUS_DIFFERS,
+            STATUS_SHAPE,
+        ):
             if candidate in statuses:
                 status = candidate
         return SiteSummary(
             site=self.name,
             records=self.n_pairs,
             differing=int(bad.sum()),
-            max_abs_diff=_nan_aware(np.max, self.floats["max_abs_diff"][: self.n_pairs]),
-            max_rel_diff=_nan_aware(np.max, self.floats["max_rel_diff"][: self.n_pairs]),
-            min_cosine=_nan_aware(np.min, self.floats["cosine"][: self.n_pairs]),
+            max_abs_diff=_worst(np.nanmax, self.floats["max_abs_diff"][: self.n_pairs]),
+            max_rel_diff=_worst(np.nanmax, self.floats["max_rel_diff"][: self.n_pairs]),
+            min_cosine=_worst(np.nanmin, self.floats["cosine"][: self.n_pairs]),
             status=status,
         )
 
     def first_key(self) -> tuple[int, int, int] | None:
         """(iteration, order, rank) of the earliest record that differs."""
-        bad = np.flatnonzero(self.status != STATUS_OK)
+        bad = np.flatnonzero(self._failing())
         if len(bad) == 0:
             return None
         order = np.where(self.order_a[bad] >= 0, self.order_a[bad], self.order_b[bad])
@@ -448,48 +503,67 @@ class _SiteResult:
         return int(self.iteration[i]), int(orders[i])
 
 
-def _nan_aware(reduce: Callable[[np.ndarray], Any], values: np.ndarray) -> float:
-    """``reduce`` over values, NaN when a NaN is present (a NaN met a number) or none exist."""
-    if len(values) == 0:
-        return math.nan
-    return float(reduce(values))
+def _worst(reduce: Callable[[np.ndarray], Any], values: np.ndarray) -> float:
+    """``reduce`` (nanmax / nanmin) over the numeric rows; NaN when there are none."""
+    values = values[~np.isnan(values)]
+    return float(reduce(values)) if len(values) else math.nan
 
 
-def _prefetch(tasks: Sequence[_Task], fetch: Callable[[_Task], Any]) -> Iterator[tuple[_Task, Any]]:
-    """Yield ``(task, fetch(task))`` with the next task's fetch running in a worker thread."""
-    results: queue.Queue[Any] = queue.Queue(maxsize=1)
+def _ahead(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
+    """Yield what ``items`` yields, produced in a worker thread up to ``depth`` items ahead.
+
+    HDF5 reads (in the worker) then overlap the numpy reductions (here), which
+    release the GIL.  An exception in the worker is re-raised in the consumer;
+    a consumer that stops early stops the worker.
+    """
+    pending: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
+    done = object()
+
+    def hand_over(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                pending.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def work() -> None:
-        for task in tasks:
-            try:
-                item: Any = (task, fetch(task), None)
-            except BaseException as exc:  # handed to the consumer, re-raised there
-                item = (task, None, exc)
-            while not stop.is_set():
-                try:
-                    results.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if stop.is_set() or item[2] is not None:
-                return
+        try:
+            for item in items:
+                if not hand_over((item, None)):
+                    return
+        except BaseException as exc:  # handed to the consumer, re-raised there
+            hand_over((None, exc))
+            return
+        hand_over((done, None))
 
     worker = threading.Thread(target=work, name="vartrace-compare-read", daemon=True)
     worker.start()
     try:
-        for _ in tasks:
-            task, data, exc = results.get()
+        while True:
+            item, exc = pending.get()
             if exc is not None:
                 raise exc
-            yield task, data
+            if item is done:
+                return
+            yield item
     finally:
         stop.set()
         worker.join()
 
 
-def _fetch(task: _Task) -> tuple[np.ndarray, np.ndarray]:
-    return task.a.read(task.rows_a, task.shape), task.b.read(task.rows_b, task.shape)
+def _produce(
+    names: list[str], source_a: Source, source_b: Source, atol: float, rtol: float
+) -> Iterator[tuple[_SiteResult, _Task | None, Any]]:
+    """Per site: its matched result, then each numeric block read from both sides."""
+    for name in names:
+        result = _SiteResult(name, source_a.site(name), source_b.site(name), atol, rtol)
+        yield result, None, None
+        for task in result.tasks:
+            blocks = (task.a.read(task.rows_a, task.shape), task.b.read(task.rows_b, task.shape))
+            yield result, task, blocks
 
 
 def _select(names: Iterable[str], patterns: Sequence[str] | None) -> list[str]:
@@ -536,31 +610,27 @@ def compare(
         in_a, in_b = set(names_a), set(names_b)
         only_a = [n for n in names_a if n not in in_b]
         only_b = [n for n in names_b if n not in in_a]
-        results = [_SiteResult(n, source_a.site(n), source_b.site(n)) for n in names_a if n in in_b]
-        _run_tasks(results, atol, rtol, progress)
+        common = [n for n in names_a if n in in_b]
+        results: list[_SiteResult] = []
+        from tqdm.auto import tqdm
+
+        with tqdm(
+            total=len(common),
+            unit="site",
+            desc="compare",
+            disable=not progress or not common,
+            file=sys.stderr,
+            leave=False,
+            delay=1.0,
+        ) as bar:
+            for result, task, blocks in _ahead(_produce(common, source_a, source_b, atol, rtol)):
+                if task is None:
+                    results.append(result)
+                    bar.update(1)
+                else:
+                    result.fill(task, _numeric_stats(*blocks, atol, rtol))
     results.sort(key=_SiteResult.execution_key)
     return Comparison(results, only_a, only_b, atol, rtol, (source_a.label, source_b.label))
-
-
-def _run_tasks(results: list[_SiteResult], atol: float, rtol: float, progress: bool) -> None:
-    """Read and reduce every numeric block, reading the next block while this one is reduced."""
-    from tqdm.auto import tqdm
-
-    tasks = [task for result in results for task in result.tasks]
-    by_name = {r.name: r for r in results}
-    with tqdm(
-        total=sum(t.nbytes for t in tasks),
-        unit="B",
-        unit_scale=True,
-        desc="compare",
-        disable=not progress or not tasks,
-        file=sys.stderr,
-        leave=False,
-        delay=1.0,
-    ) as bar:
-        for task, (block_a, block_b) in _prefetch(tasks, _fetch):
-            by_name[task.site].fill(task, _numeric_stats(block_a, block_b, atol, rtol))
-            bar.update(task.nbytes)
 
 
 # --------------------------------------------------------------------------- report
@@ -712,7 +782,7 @@ class Comparison:
         a, b = self.labels
         lines = [f"comparing {a} with {b} (atol={self.atol:g}, rtol={self.rtol:g})"]
         lines.extend(_table(header, body, right=(1, 2, 3, 4, 5)))
-        differing = sum(1 for s in self.sites if s.status != STATUS_OK)
+        differing = sum(1 for s in self.sites if s.status not in (STATUS_OK, STATUS_SKIPPED))
         lines.append("")
         lines.append(
             f"{len(self.sites)} sites compared, {differing} differ, "

@@ -37,6 +37,7 @@ __all__ = [
     "STATS",
     "SiteView",
     "Source",
+    "Unreadable",
     "numeric_groups",
     "open_source",
     "record_stats",
@@ -58,35 +59,30 @@ def _rows_norm(block: np.ndarray) -> np.ndarray:
     return np.sqrt(np.einsum("ij,ij->i", block, block))
 
 
-#: Statistics a frame or plot can carry, by name; each reduces a (records, elements)
-#: float64 array (complex values are reduced by magnitude) to one float per record.
+#: Statistics a frame or plot can carry, by name (those of ``Run.to_frame``, plus ``var``);
+#: each reduces a (records, elements) float64 array (complex values by magnitude) to one
+#: float per record.  ``std`` and ``var`` are the population ones.
 STATS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "mean": lambda b: b.mean(axis=1),
     "std": lambda b: b.std(axis=1),
     "var": lambda b: b.var(axis=1),
     "min": lambda b: b.min(axis=1),
     "max": lambda b: b.max(axis=1),
-    "abs_mean": lambda b: np.abs(b).mean(axis=1),
-    "abs_max": lambda b: np.abs(b).max(axis=1),
     "norm": _rows_norm,
+    "absmax": lambda b: np.abs(b).max(axis=1),
 }
 
 
-def stat_function(stat: str | Callable[[np.ndarray], Any]) -> tuple[str, Callable[..., Any]]:
-    """``(column name, reducer)`` for a statistic name from :data:`STATS` or a function.
-
-    A function receives a (records, elements) float64 array and returns one
-    value per record.
+def stat_function(stat: str) -> Callable[[np.ndarray], np.ndarray]:
+    """The vectorised reducer of a statistic name from :data:`STATS`.
 
     Example::
 
-        name, fn = stat_function("std")
+        stat_function("std")(np.ones((2, 3)))   # array([0., 0.])
     """
-    if callable(stat):
-        return getattr(stat, "__name__", "stat"), stat
     if stat not in STATS:
         raise ValueError(f"unknown statistic {stat!r}; choose one of {', '.join(STATS)}")
-    return stat, STATS[stat]
+    return STATS[stat]
 
 
 def _reduce(fn: Callable[[np.ndarray], Any], block: np.ndarray) -> np.ndarray:
@@ -131,7 +127,11 @@ def value_as_array(value: Any) -> np.ndarray | None:
 
 
 def value_dtype_name(value: Any) -> str:
-    """The dtype of a record value as written in reports (``"float32"``, ``"bfloat16"``, ``"str"``).
+    """The dtype of a record value, named as ``Run.to_frame`` names it.
+
+    Tensors and numpy values give their dtype (``"float32"``, ``"bfloat16"``);
+    Python scalars their type (``"int"``, ``"float"``); ``"str"``, ``"bytes"``,
+    ``"none"``; any other object ``"pickle"`` (how a file stores it).
 
     Example::
 
@@ -142,10 +142,11 @@ def value_dtype_name(value: Any) -> str:
         return str(value.dtype).removeprefix("torch.")
     if isinstance(value, (np.ndarray, np.generic)):
         return value.dtype.name
-    if isinstance(value, (bool, int, float, complex)):
-        array = value_as_array(value)
-        return type(value).__name__ if array is None else array.dtype.name
-    return type(value).__name__
+    if value is None:
+        return "none"
+    if isinstance(value, (bool, int, float, complex, str, bytes)):
+        return type(value).__name__
+    return "pickle"
 
 
 def _tag_list(values: Any) -> list[int]:
@@ -167,28 +168,33 @@ def _records(trace: Trace) -> list[Any]:
 
 
 def results_frame(
-    results: Mapping[str, Trace] | Any, stat: str | Callable[[np.ndarray], float] = "mean"
+    results: Mapping[str, Trace] | Any, stat: str | Callable[[Any], Any] = "mean"
 ) -> Any:
     """A pandas DataFrame of in-memory results: one row per record.
 
     ``results`` is ``tracer.results`` (or a :class:`~vartrace.tracer.ModelTracer`,
     or any mapping of site name -> :class:`~vartrace.trace.Trace`).  Columns:
-    ``site``, ``iteration``, ``rank``, ``order``, ``shape`` (a tuple; ``None``
-    for non-numeric values), ``dtype`` and one column named after ``stat``
-    (a name from :data:`STATS` or a function of a numpy array; NaN for
-    non-numeric values).
+    ``site``, ``iteration``, ``rank``, ``order``, ``shape`` (a tuple; ``()``
+    for non-array values), ``dtype`` and one column named after ``stat``
+    (a name from :data:`STATS`, float64, NaN for non-numeric values; or a
+    function called with each record's value, as ``Run.to_frame`` does).
 
     Example::
 
-        df = results_frame(tracer.results, stat="abs_max")
-        df.pivot_table(index="iteration", columns="site", values="abs_max")
+        df = results_frame(tracer.results, stat="absmax")
+        df.pivot_table(index="iteration", columns="site", values="absmax")
     """
     try:
         import pandas as pd
     except ImportError as exc:
         raise ImportError("results_frame() needs pandas: pip install 'vartrace[pandas]'") from exc
     results = getattr(results, "results", results)
-    column, fn = stat_function(stat)
+    if callable(stat):
+        name = getattr(stat, "__name__", "stat")
+        column = "stat" if name == "<lambda>" else name
+    else:
+        column = stat
+        reducer = stat_function(stat)
     rows: dict[str, list[Any]] = {
         k: [] for k in ("site", "iteration", "rank", "order", "shape", "dtype", column)
     }
@@ -200,13 +206,17 @@ def results_frame(
         rows["order"].extend(_tag_list(trace.order))
         for value in records:
             array = value_as_array(value)
-            rows["shape"].append(None if array is None else tuple(array.shape))
+            rows["shape"].append(() if array is None else tuple(array.shape))
             rows["dtype"].append(value_dtype_name(value))
-            rows[column].append(math.nan if array is None else float(_reduce(fn, array[None])[0]))
+            if callable(stat):
+                rows[column].append(stat(value))
+            else:
+                rows[column].append(
+                    math.nan if array is None else float(_reduce(reducer, array[None])[0])
+                )
     frame = pd.DataFrame(rows)
     for tag in ("iteration", "rank", "order"):
         frame[tag] = frame[tag].astype("int64")
-    frame[column] = frame[column].astype("float64")
     return frame
 
 
@@ -293,11 +303,40 @@ class _MemorySiteView(SiteView):
         return np.stack([self._arrays[r] for r in rows])
 
     def objects(self, rows: np.ndarray) -> list[Any]:
+        if self._stacked is not None:
+            return [_crop(self._stacked[[r]], self.shapes[r])[0] for r in rows]
         return [self._objects[r] for r in rows]
 
 
+class Unreadable:
+    """Stands for a record value that cannot be read: a pickled object, pickle not allowed.
+
+    Never equal to anything, so a comparison reports the pair instead of
+    running code stored in the file.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"<unreadable: {self.reason}>"
+
+
+def _readable(value: Any) -> Any:
+    return None if isinstance(value, Unreadable) else value
+
+
+#: Record kinds (``Site.kinds``) whose values are numbers or arrays.
+_NUMERIC_KINDS = frozenset({"tensor", "ndarray", "numpy scalar", "int", "float", "bool", "complex"})
+
+
 class _FileSiteView(SiteView):
-    """A site of an open run read from HDF5 (``run[name]``)."""
+    """A site of an open run read from HDF5 (``run[name]``).
+
+    Records stored in the site's numeric ``values`` dataset are read in
+    blocks (raw-bit dtypes such as bfloat16 decoded exactly to float32);
+    the others (None, str, blobs, records of another dtype) one by one.
+    """
 
     def __init__(self, name: str, site: Any) -> None:
         self.name = name
@@ -306,29 +345,61 @@ class _FileSiteView(SiteView):
         self.ranks = _int_array(site.ranks)
         self.order = _int_array(site.order)
         count = len(self.iterations)
-        dtype = str(site.dtype)
-        if _numeric_dtype_name(dtype):
-            shapes = np.asarray(site.shapes, dtype=np.int64).reshape(count, -1)
-            self.shapes = [tuple(int(d) for d in row) for row in shapes]
-        else:
-            self.shapes = [None] * count
-        self.dtypes = [dtype] * count
+        self._dtype = str(site.dtype)
+        values = site.values
+        kinds = np.asarray(site.kinds).astype(str)
+        blocky = values is not None and _numeric_dtype_name(self._dtype)
+        in_values = _in_values(site, kinds) if blocky else np.zeros(count, dtype=bool)
+        shapes = np.asarray(site.shapes, dtype=np.int64).reshape(count, -1)
+        self.shapes = [
+            tuple(int(d) for d in shapes[i]) if in_values[i] else None for i in range(count)
+        ]
+        self.dtypes = [self._dtype if in_values[i] else str(kinds[i]) for i in range(count)]
 
     def read(self, rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         start, stop = int(rows[0]), int(rows[-1]) + 1
         if stop - start > 2 * len(rows):
             return np.concatenate([self.read(np.asarray([r]), shape) for r in rows])
-        block = _crop(self._site.read(slice(start, stop)), shape)
-        if stop - start == len(rows):
-            return block
-        return block[rows - start]
+        values = self._site.values
+        block = values[(slice(start, stop), *(slice(0, d) for d in shape))]
+        block = _decode_raw(np.asarray(block), self._dtype)
+        return block if stop - start == len(rows) else block[rows - start]
 
     def objects(self, rows: np.ndarray) -> list[Any]:
-        return [self._site.record(int(r)) for r in rows]
+        from vartrace.storage.reader import PickleNotAllowedError
+
+        out: list[Any] = []
+        for r in rows:
+            try:
+                out.append(self._site.record(int(r)))
+            except PickleNotAllowedError:
+                out.append(Unreadable("a pickled object (open the run with allow_pickle=True)"))
+        return out
+
+
+def _in_values(site: Any, kinds: np.ndarray) -> np.ndarray:
+    """Which records sit in the site's ``values`` dataset (not None, not moved to ``other``)."""
+    from vartrace.storage._codec import IN_OTHER
+
+    codes = np.asarray(site._kinds)
+    return ((codes & IN_OTHER) == 0) & np.isin(kinds, list(_NUMERIC_KINDS))
+
+
+def _decode_raw(block: np.ndarray, dtype: str) -> np.ndarray:
+    """Numeric values of a block stored as raw bits of a torch dtype numpy lacks."""
+    if block.dtype.name == dtype or dtype == "bool":
+        return block
+    if dtype == "bfloat16":
+        return (block.astype(np.uint32) << 16).view(np.float32)
+    import torch
+
+    raw = torch.from_numpy(np.ascontiguousarray(block).view(f"i{block.dtype.itemsize}"))
+    tensor = raw.view(getattr(torch, dtype))
+    return (tensor.to(torch.complex64) if tensor.is_complex() else tensor.float()).numpy()
 
 
 def _numeric_dtype_name(name: str) -> bool:
-    if name in ("bfloat16", "bool"):
+    if name in ("bfloat16", "bool") or name.startswith(("float8", "complex32")):
         return True
     try:
         return np.dtype(name).kind in "biufc"
@@ -401,7 +472,8 @@ def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
         run = open_run(source, allow_pickle=allow_pickle)
         return Source(run.names, lambda n: _FileSiteView(n, run[n]), os.fspath(source), run.close)
     if hasattr(source, "names") and hasattr(source, "meta"):
-        label = os.fspath(getattr(source, "path", "run"))
+        paths = [os.fspath(p) for p in getattr(source, "paths", [])] or ["run"]
+        label = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} shards)"
         return Source(source.names, lambda n: _FileSiteView(n, source[n]), label)
     results = getattr(source, "results", source)
     if isinstance(results, Mapping):
@@ -432,19 +504,26 @@ def numeric_groups(
     return {shape: np.asarray(sorted(g), dtype=np.int64) for shape, g in groups.items()}
 
 
-def record_stats(view: SiteView, stat: str | Callable[[np.ndarray], Any] = "mean") -> np.ndarray:
-    """One statistic per record of a site (NaN for non-numeric records), read in large blocks.
+def record_stats(view: SiteView, stat: str = "mean") -> np.ndarray:
+    """One statistic (a :data:`STATS` name) per record of a site, NaN for non-numeric records.
+
+    Numeric records are read in large blocks and reduced vectorised.
 
     Example::
 
         with open_source("run.h5") as run:
             stds = record_stats(run.site("layers.0.out"), "std")
     """
-    _, fn = stat_function(stat)
+    reducer = stat_function(stat)
     out = np.full(len(view.iterations), math.nan)
     for shape, rows in numeric_groups(view).items():
         per_block = max(1, BLOCK_BYTES // max(8, 8 * int(np.prod(shape, dtype=np.int64))))
         for start in range(0, len(rows), per_block):
             chunk = rows[start : start + per_block]
-            out[chunk] = _reduce(fn, view.read(chunk, shape))
+            out[chunk] = _reduce(reducer, view.read(chunk, shape))
+    for row in range(len(view.iterations)):
+        if view.shapes[row] is None:
+            array = value_as_array(_readable(view.objects(np.asarray([row]))[0]))
+            if array is not None:
+                out[row] = _reduce(reducer, array[None])[0]
     return out

@@ -1,0 +1,301 @@
+"""The ``vartrace`` command, run as a real subprocess (``python -m vartrace``) on real files."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+from torch import nn
+
+from vartrace.callbacks import stack_padded_tensors
+from vartrace.storage.writer import H5PYSaverCallback
+from vartrace.trace import RunContext
+from vartrace.tracer import ModelTracer
+
+
+def vartrace(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "vartrace", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+    )
+
+
+def assert_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    """Exit 2, one line on stderr containing every fragment, no traceback."""
+    assert result.returncode == 2, result
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(6, 6) for _ in range(3)])
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        note = f"batch of {x.shape[0]}"
+        assert note
+        return self.head(x).pow(2).mean()
+
+
+def train(path: Path, *, scale: float = 1.0, iterations: int = 6, metadata: bool = False) -> None:
+    """A short training run traced into ``path``; ``scale`` perturbs the inputs from iteration 4."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    paths = ["forward", "forward.x", "forward.note", "layers.*", "head"]
+    with (
+        H5PYSaverCallback(path, metadata=metadata) as saver,
+        ModelTracer(model, paths, post_gather_callbacks=[saver], gathering_interval=2),
+    ):
+        for i in range(iterations):
+            x = torch.randn(4 + i % 2, 6) * (scale if i >= 3 else 1.0)
+            loss = model(x)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    train(root / "a.h5", metadata=True)
+    train(root / "same.h5")
+    train(root / "b.h5", scale=1.001)
+    (root / "notes.txt").write_text("not hdf5\n")
+    with h5py.File(root / "plain.h5", "w") as f:
+        f["x"] = [1, 2, 3]
+    for rank in (0, 1):  # the two shards of a sharded run
+        saver = H5PYSaverCallback(root / "shard.h5", metadata=False)
+        saver.on_start(RunContext(rank=rank, world_size=2, sharded=True))
+        from vartrace.trace import Trace
+
+        trace = Trace(torch.full((3, 2), float(rank)), [1, 2, 3], [rank] * 3, [0, 1, 2])
+        stack_padded_tensors("w", trace)
+        saver("w", trace)
+        saver.close()
+    (root / "models.py").write_text(
+        textwrap.dedent(
+            """
+            from torch import nn
+
+            def build():
+                return nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+
+            def broken():
+                raise RuntimeError("cannot build\\nsecond line")
+
+            def number():
+                return 42
+            """
+        )
+    )
+    return root
+
+
+def test_python_m_and_console_script(runs: Path) -> None:
+    result = vartrace("--help")
+    assert result.returncode == 0
+    for command in ("ls", "show", "meta", "sites", "compare", "plot"):
+        assert command in result.stdout
+    script = Path(sys.executable).with_name("vartrace")
+    if not script.exists():
+        script = Path(shutil.which("vartrace") or "")
+    if not script.is_file():
+        pytest.skip("the vartrace console script is not installed next to this interpreter")
+    listed = subprocess.run([str(script), "ls", str(runs / "a.h5")], capture_output=True, text=True)
+    assert listed.returncode == 0 and "layers.0.forward" in listed.stdout
+
+
+def test_ls(runs: Path) -> None:
+    result = vartrace("ls", runs / "a.h5")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"{runs / 'a.h5'}: 7 sites, 42 records")
+    header = lines[1].split()
+    assert header == ["site", "records", "shape", "dtype", "iterations", "ranks", "bytes"]
+    rows = {line.split()[0]: line for line in lines[3:]}
+    assert set(rows) == {
+        "forward",
+        "forward.x",
+        "forward.note",
+        "head.forward",
+        "layers.0.forward",
+        "layers.1.forward",
+        "layers.2.forward",
+    }
+    assert "ragged <= (5, 6)" in rows["forward.x"] and "float32" in rows["forward.x"]
+    assert "1..6" in rows["forward.x"]
+    assert " str " in rows["forward.note"]
+    assert "()" in rows["forward"]
+    # columns are aligned: every row starts its "records" column at the same offset
+    offset = lines[1].index("records") + len("records")
+    assert all(line[offset - 1].isdigit() for line in lines[3:])
+
+
+def test_ls_shards_by_glob(runs: Path) -> None:
+    result = vartrace("ls", runs / "shard.rank*.h5")
+    assert result.returncode == 0, result.stderr
+    assert "1 sites, 6 records" in result.stdout
+    row = result.stdout.splitlines()[-1].split()
+    assert row[:3] == ["w", "6", "(2,)"] and row[4:6] == ["1..3", "0..1"]
+
+
+def test_ls_errors(runs: Path) -> None:
+    assert_error(vartrace("ls", runs / "missing.h5"), "no such file", "missing.h5")
+    assert_error(vartrace("ls", runs / "nothing*.h5"), "no file matches")
+    assert_error(vartrace("ls", runs / "notes.txt"), "notes.txt is not a vartrace file")
+    assert_error(vartrace("ls", runs / "plain.h5"), "plain.h5 is not a vartrace file")
+    assert_error(vartrace("ls"), "required: RUN")
+
+
+def test_show(runs: Path) -> None:
+    result = vartrace("show", runs / "a.h5", "layers.0.forward")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == "layers.0.forward: 6 records, dtype float32"
+    assert "mean" in result.stdout.splitlines()[1] and len(result.stdout.splitlines()) == 9
+
+    result = vartrace("show", runs / "a.h5", "layers.0.forward", "--iteration", "2")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("layers.0.forward @ iteration 2, rank 0")
+    assert "shape (5, 6)  dtype float32" in lines[1]
+    assert lines[2].strip().startswith("mean ")
+    assert len(lines) == 3 + 5  # five printed rows of the (5, 6) value
+
+    scalars = vartrace("show", runs / "a.h5", "forward")
+    assert scalars.returncode == 0 and scalars.stdout.splitlines()[1].split()[-1] == "value"
+    notes = vartrace("show", runs / "a.h5", "forward.note", "-i", "1", "--rank", "0")
+    assert notes.returncode == 0 and "str: 'batch of 4'" in notes.stdout
+
+
+def test_show_errors(runs: Path) -> None:
+    assert_error(
+        vartrace("show", runs / "a.h5", "layers.9.forward"),
+        "has no site 'layers.9.forward'",
+        "did you mean layers.",
+    )
+    assert_error(
+        vartrace("show", runs / "a.h5", "forward", "--iteration", "99"),
+        "no record at iteration 99",
+        "iterations 1..6",
+    )
+    assert_error(vartrace("show", runs / "a.h5", "forward", "--iteration", "x"), "invalid int")
+    assert_error(vartrace("show", runs / "missing.h5", "forward"), "no such file")
+
+
+def test_meta(runs: Path) -> None:
+    result = vartrace("meta", runs / "a.h5")
+    assert result.returncode == 0, result.stderr
+    keys = [line.split()[0] for line in result.stdout.splitlines() if not line.startswith(" ")]
+    assert "command" in keys and "versions.torch" in keys and "packages" in keys
+    one = vartrace("meta", runs / "a.h5", "versions.torch")
+    assert one.returncode == 0
+    assert one.stdout.split() == ["versions.torch", torch.__version__]
+    assert_error(vartrace("meta", runs / "a.h5", "nope"), "no metadata 'nope'", "keys: ")
+    without = vartrace("meta", runs / "same.h5")
+    assert without.returncode == 0 and "no metadata" in without.stdout
+
+
+def test_sites(runs: Path) -> None:
+    result = vartrace("sites", "models:build", cwd=runs)
+    assert result.returncode == 0, result.stderr
+    sites = result.stdout.split()
+    assert "0.forward.input" in sites and "1.forward" in sites and "forward" in sites
+    result = vartrace("sites", "models:build", "0.forward.*", cwd=runs)
+    assert result.stdout.split() == ["0.forward.input"]
+    by_file = vartrace("sites", runs / "models.py:build", "1")
+    assert by_file.returncode == 0 and by_file.stdout.split() == ["1"]
+
+
+def test_sites_errors(runs: Path) -> None:
+    assert_error(vartrace("sites", "models", cwd=runs), "expected MODULE:FACTORY")
+    assert_error(vartrace("sites", "no_such_module:f", cwd=runs), "cannot import module")
+    assert_error(vartrace("sites", "models:missing", cwd=runs), "has no attribute 'missing'")
+    assert_error(vartrace("sites", "models:number", cwd=runs), "returned int, not a torch.nn")
+    assert_error(vartrace("sites", "models:broken", cwd=runs), "RuntimeError: cannot build")
+    assert_error(vartrace("sites", "models:build", "zz*", cwd=runs), "no site of Sequential")
+
+
+def test_compare_equal_runs_exit_0(runs: Path) -> None:
+    result = vartrace("compare", runs / "a.h5", runs / "same.h5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "first divergence: none" in result.stdout
+    assert "7 sites compared, 0 differ, 42 record pairs" in result.stdout
+
+
+def test_compare_differing_runs_exit_1(runs: Path, tmp_path: Path) -> None:
+    out = tmp_path / "diff.csv"
+    result = vartrace("compare", runs / "a.h5", runs / "b.h5", "--csv", out)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert "first divergence: forward.x at iteration 4, rank 0" in lines
+    header = lines[1].split("  ")
+    assert header[0].strip() == "site"
+    table = {line.split()[0]: line.split()[-1] for line in lines[3:10]}
+    assert table["forward.note"] == "ok" and table["layers.0.forward"] == "DIFFERS"
+    assert f"wrote {out} (42 rows)" in lines
+    with out.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 42
+    bad = {(r["site"], r["iteration"]) for r in rows if r["status"] != "ok"}
+    assert ("forward.x", "4") in bad and ("forward.x", "3") not in bad
+
+    loose = vartrace("compare", runs / "a.h5", runs / "b.h5", "--atol", "1e-2")
+    assert loose.returncode == 0, loose.stdout
+    only = vartrace("compare", runs / "a.h5", runs / "b.h5", "--names", "forward.note")
+    assert only.returncode == 0 and "1 sites compared" in only.stdout
+
+
+def test_compare_errors(runs: Path) -> None:
+    assert_error(vartrace("compare", runs / "a.h5"), "required: B")
+    assert_error(vartrace("compare", runs / "a.h5", runs / "missing.h5"), "no such file")
+    assert_error(vartrace("compare", runs / "a.h5", runs / "b.h5", "--rtol", "x"), "invalid float")
+    assert_error(
+        vartrace("compare", runs / "a.h5", runs / "b.h5", "--names", "zzz"), "no site matches"
+    )
+    assert_error(
+        vartrace("compare", runs / "a.h5", runs / "b.h5", "--atol", "-1"), "tolerances must be"
+    )
+
+
+def test_plot(runs: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    stats = tmp_path / "stats.png"
+    result = vartrace("plot", runs / "a.h5", "layers.*", "--stat", "mean,std,absmax", "-o", stats)
+    assert result.returncode == 0, result.stderr
+    assert stats.read_bytes().startswith(b"\x89PNG") and "wrote" in result.stdout
+    similarity = tmp_path / "similarity.png"
+    result = vartrace("plot", runs / "a.h5", runs / "b.h5", "-o", similarity)
+    assert result.returncode == 0, result.stderr
+    assert similarity.stat().st_size > 5000 and "similarity of 7 sites" in result.stdout
+
+
+def test_plot_errors(runs: Path, tmp_path: Path) -> None:
+    out = tmp_path / "x.png"
+    assert_error(vartrace("plot", runs / "a.h5", "-o", out), "needs SITE names")
+    assert_error(vartrace("plot", runs / "a.h5", "nosite", "-o", out), "has no site 'nosite'")
+    assert_error(vartrace("plot", runs / "a.h5", "forward"), "required: -o/--output")
+    assert_error(
+        vartrace("plot", runs / "a.h5", "forward", "--stat", "median", "-o", out),
+        "unknown statistic 'median'",
+    )
+    assert not out.exists()
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,543 @@
+"""The ``vartrace`` command: look at runs without writing a script.
+
+Subcommands::
+
+    vartrace ls RUN                         sites, records, shapes, dtypes, iterations, bytes
+    vartrace show RUN SITE [--iteration I] [--rank R]
+    vartrace meta RUN [KEY]                 command, packages, git state, ...
+    vartrace sites MODULE:FACTORY [PATTERN] capturable sites of a model
+    vartrace compare A B [--atol --rtol --csv OUT --names PATTERN ...]
+    vartrace plot RUN SITE... [--stat mean,std] -o out.png
+    vartrace plot A B -o out.png            similarity heat map
+
+``RUN`` is an HDF5 file or a glob of per-rank shards (quote it:
+``'run.rank*.h5'``).  ``compare`` exits 1 when anything differs beyond
+tolerance, so it can guard numerics in CI.  Errors print one line to
+stderr and exit 2.
+
+Example::
+
+    $ vartrace compare reference.h5 candidate.h5 --atol 1e-6 --csv diff.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib
+import importlib.util
+import math
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import numpy as np
+
+__all__ = ["main"]
+
+#: Tensors with more elements than this are summarised by ``show``, not printed in full.
+_FULL_PRINT = 1000
+#: Records whose values ``show`` prints inline in its per-record table.
+_INLINE = 6
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        raise SystemExit(2)
+
+
+class _UserError(Exception):
+    """An error whose message is the whole story (no exception type printed)."""
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> str:
+    from vartrace.compare import _table as table
+
+    return "\n".join(table(header, rows, right))
+
+
+def _open(path: str) -> Any:
+    """Open a run, turning the usual failures into one-line messages."""
+    from vartrace.storage.reader import open_run
+
+    if not glob.has_magic(path) and not os.path.exists(path):
+        raise _UserError(f"no such file: {path}")
+    if glob.has_magic(path) and not glob.glob(path):
+        raise _UserError(f"no file matches {path}")
+    try:
+        return open_run(path)
+    except ValueError as exc:  # not a vartrace file, or a newer format
+        raise _UserError(_message(exc)) from exc
+    except OSError as exc:
+        raise _UserError(f"cannot open {path}: {_message(exc)}") from exc
+
+
+def _site(run: Any, path: str, name: str) -> Any:
+    if name not in run.names:
+        close = _closest(name, run.names)
+        hint = f"; did you mean {close}?" if close else f" (see vartrace ls {path})"
+        raise _UserError(f"{path} has no site {name!r}{hint}")
+    return run[name]
+
+
+def _closest(name: str, names: Sequence[str]) -> str:
+    import difflib
+
+    matches = difflib.get_close_matches(name, list(names), n=3)
+    return ", ".join(matches)
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(int(d)) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _shapes_summary(view: Any) -> str:
+    shapes = {s for s in view.shapes if s is not None}
+    if not shapes:
+        return "-"
+    if len(shapes) == 1:
+        return _shape_text(next(iter(shapes)))
+    ndims = {len(s) for s in shapes}
+    if len(ndims) == 1:
+        biggest = tuple(max(dims) for dims in zip(*shapes, strict=True))
+        return f"ragged <= {_shape_text(biggest)}"
+    return f"{len(shapes)} shapes"
+
+
+def _range_text(values: np.ndarray) -> str:
+    if len(values) == 0:
+        return "-"
+    low, high = int(values.min()), int(values.max())
+    return str(low) if low == high else f"{low}..{high}"
+
+
+def _site_bytes(site: Any) -> int | None:
+    values = getattr(site, "values", None)
+    nbytes = getattr(values, "nbytes", None)
+    return None if nbytes is None else int(nbytes)
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from vartrace.frames import open_source
+
+    with _open(args.run) as run, open_source(run) as source:
+        rows = []
+        total_records = 0
+        total_bytes = 0
+        for name in source.names:
+            view = source.site(name)
+            nbytes = _site_bytes(run[name])
+            total_records += len(view.iterations)
+            total_bytes += nbytes or 0
+            rows.append(
+                (
+                    name,
+                    str(len(view.iterations)),
+                    _shapes_summary(view),
+                    view.dtypes[0] if view.dtypes else "-",
+                    _range_text(view.iterations),
+                    _range_text(view.ranks),
+                    "-" if nbytes is None else _human_bytes(nbytes),
+                )
+            )
+    print(f"{args.run}: {len(rows)} sites, {total_records} records, {_human_bytes(total_bytes)}")
+    if rows:
+        header = ("site", "records", "shape", "dtype", "iterations", "ranks", "bytes")
+        print(_table(header, rows, right=(1, 6)))
+    return 0
+
+
+def _format_value(value: Any, dtype: str) -> list[str]:
+    """Lines showing one record: the full value when small, a summary when big."""
+    from vartrace.frames import value_as_array
+
+    array = value_as_array(value)
+    if array is None:
+        text = repr(value)
+        if len(text) > 2000:
+            text = text[:2000] + f"... ({len(text)} characters)"
+        return [f"  {type(value).__name__}: {text}"]
+    lines = [f"  shape {_shape_text(array.shape)}  dtype {dtype}"]
+    if array.size and array.dtype.kind in "fciub":
+        lines.append("  " + _stats_text(array))
+    threshold = sys.maxsize if array.size <= _FULL_PRINT else 200
+    body = np.array2string(array, threshold=threshold, edgeitems=3, max_line_width=100)
+    lines.extend("  " + line for line in body.splitlines())
+    return lines
+
+
+def _stats_text(array: np.ndarray) -> str:
+    data = np.abs(array) if array.dtype.kind == "c" else array
+    data = data.astype(np.float64, copy=False)
+    finite = data[np.isfinite(data)]
+    parts = []
+    if finite.size:
+        parts += [
+            f"mean {finite.mean():.6g}",
+            f"std {finite.std():.6g}",
+            f"min {finite.min():.6g}",
+            f"max {finite.max():.6g}",
+        ]
+    bad = data.size - finite.size
+    if bad:
+        parts.append(f"non-finite {bad}/{data.size}")
+    return "  ".join(parts)
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from vartrace.frames import open_source, record_stats
+
+    with _open(args.run) as run, open_source(run) as source:
+        _site(run, args.run, args.site)
+        view = source.site(args.site)
+        keep = np.ones(len(view.iterations), dtype=bool)
+        if args.iteration is not None:
+            keep &= view.iterations == args.iteration
+        if args.rank is not None:
+            keep &= view.ranks == args.rank
+        rows = np.flatnonzero(keep)
+        if len(rows) == 0:
+            where = []
+            if args.iteration is not None:
+                where.append(f"iteration {args.iteration}")
+            if args.rank is not None:
+                where.append(f"rank {args.rank}")
+            raise _UserError(
+                f"site {args.site!r} has no record at {' and '.join(where)} "
+                f"(iterations {_range_text(view.iterations)}, ranks {_range_text(view.ranks)})"
+            )
+        if args.iteration is None:
+            print(f"{args.site}: {len(rows)} records, dtype {view.dtypes[0]}")
+            print(_record_table(view, rows, record_stats))
+            return 0
+        for r in rows:
+            label = (
+                f"{args.site} @ iteration {view.iterations[r]}, rank {view.ranks[r]}"
+                f" (capture order {view.order[r]})"
+            )
+            print(label)
+            print("\n".join(_format_value(_record_value(view, int(r)), view.dtypes[r])))
+    return 0
+
+
+def _record_value(view: Any, row: int) -> Any:
+    shape = view.shapes[row]
+    if shape is None:
+        return view.objects(np.asarray([row]))[0]
+    return view.read(np.asarray([row]), shape)[0]
+
+
+def _record_table(view: Any, rows: np.ndarray, record_stats: Any) -> str:
+    numeric = any(view.shapes[r] is not None for r in rows)
+    small = numeric and all(
+        view.shapes[r] is None or math.prod(view.shapes[r]) <= _INLINE for r in rows
+    )
+    header: tuple[str, ...]
+    if not numeric or small:
+        header = ("iteration", "rank", "shape", "value")
+        body = []
+        for r in rows:
+            value = _record_value(view, int(r))
+            text = (
+                np.array2string(np.asarray(value), max_line_width=200)
+                if view.shapes[r] is not None
+                else repr(value)
+            )
+            shape = view.shapes[r]
+            body.append(
+                (
+                    str(view.iterations[r]),
+                    str(view.ranks[r]),
+                    "-" if shape is None else _shape_text(shape),
+                    text if len(text) <= 80 else text[:77] + "...",
+                )
+            )
+        return _table(header, body, right=(0, 1))
+    stats = {s: record_stats(view, s)[rows] for s in ("mean", "std", "min", "max")}
+    header = ("iteration", "rank", "shape", "mean", "std", "min", "max")
+    body = [
+        (
+            str(view.iterations[r]),
+            str(view.ranks[r]),
+            "-" if view.shapes[r] is None else _shape_text(view.shapes[r]),
+            *(f"{stats[s][i]:.6g}" for s in ("mean", "std", "min", "max")),
+        )
+        for i, r in enumerate(rows)
+    ]
+    return _table(header, body, right=(0, 1, 3, 4, 5, 6))
+
+
+def _flatten(meta: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(meta, dict):
+        items: list[tuple[str, Any]] = []
+        for key, value in meta.items():
+            items.extend(_flatten(value, f"{prefix}{key}."))
+        return items
+    return [(prefix.rstrip("."), meta)]
+
+
+def _meta_lines(key: str, value: Any, width: int) -> list[str]:
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return [f"{key.ljust(width)}  (none)"]
+        text = ", ".join(map(str, value))
+        if len(text) <= 100:
+            return [f"{key.ljust(width)}  {text}"]
+        return [f"{key.ljust(width)}  ({len(value)} entries)", *(f"    {v}" for v in value)]
+    text = str(value)
+    if "\n" in text:
+        return [f"{key.ljust(width)}  |", *(f"    {line}" for line in text.splitlines())]
+    return [f"{key.ljust(width)}  {text}"]
+
+
+def _cmd_meta(args: argparse.Namespace) -> int:
+    with _open(args.run) as run:
+        meta = dict(run.meta)
+    items = _flatten(meta)
+    if args.key is not None:
+        chosen = [(k, v) for k, v in items if k == args.key or k.startswith(args.key + ".")]
+        if not chosen:
+            keys = ", ".join(k for k, _ in items) or "none"
+            raise _UserError(f"{args.run} has no metadata {args.key!r} (keys: {keys})")
+        items = chosen
+    if not items:
+        print(f"{args.run}: no metadata")
+        return 0
+    width = min(30, max(len(k) for k, _ in items))
+    for key, value in items:
+        print("\n".join(_meta_lines(key, value, width)))
+    return 0
+
+
+def _load_factory(spec: str) -> Any:
+    module_name, sep, attribute = spec.rpartition(":")
+    if not sep or not module_name or not attribute:
+        raise _UserError(f"expected MODULE:FACTORY (e.g. mypkg.models:build), got {spec!r}")
+    if module_name.endswith(".py") or os.sep in module_name:
+        path = Path(module_name)
+        if not path.is_file():
+            raise _UserError(f"no such file: {module_name}")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        if module_spec is None or module_spec.loader is None:
+            raise _UserError(f"cannot import {module_name}")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[path.stem] = module
+        module_spec.loader.exec_module(module)
+    else:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            raise _UserError(f"cannot import module {module_name!r}: {exc}") from exc
+    target: Any = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise _UserError(f"module {module_name!r} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise _UserError(f"{spec} is not callable")
+    return target
+
+
+def _cmd_sites(args: argparse.Namespace) -> int:
+    factory = _load_factory(args.factory)
+    model = factory()
+    from torch import nn
+
+    from vartrace.sites import list_sites
+
+    if not isinstance(model, nn.Module):
+        raise _UserError(f"{args.factory}() returned {type(model).__name__}, not a torch.nn.Module")
+    sites = list_sites(model, args.pattern)
+    if not sites:
+        raise _UserError(f"no site of {type(model).__name__} matches {args.pattern!r}")
+    print("\n".join(sites))
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from vartrace.compare import compare
+
+    run_a = _open(args.a)
+    try:
+        run_b = _open(args.b)
+        try:
+            report = compare(
+                run_a,
+                run_b,
+                atol=args.atol,
+                rtol=args.rtol,
+                names=args.names,
+                progress=sys.stderr.isatty(),
+            )
+        finally:
+            run_b.close()
+    finally:
+        run_a.close()
+    report.labels = (args.a, args.b)
+    print(report)
+    if args.csv is not None:
+        report.to_csv(args.csv)
+        print(f"wrote {args.csv} ({len(report)} rows)")
+    return 0 if report.ok else 1
+
+
+def _is_run_path(text: str) -> bool:
+    return os.path.isfile(text) or (glob.has_magic(text) and bool(glob.glob(text)))
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from vartrace.plot import plot_similarity, plot_stat
+
+    first, rest = args.inputs[0], args.inputs[1:]
+    if not rest:
+        raise _UserError("plot needs SITE names after RUN, or a second RUN for a similarity map")
+    run = _open(first)
+    try:
+        similarity = (
+            args.stat is None
+            and len(rest) == 1
+            and rest[0] not in run.names
+            and _is_run_path(rest[0])
+        )
+        if similarity:
+            other = _open(rest[0])
+            try:
+                from vartrace.compare import compare
+
+                report = compare(
+                    run, other, atol=args.atol, rtol=args.rtol, progress=sys.stderr.isatty()
+                )
+            finally:
+                other.close()
+            report.labels = (first, rest[0])
+            plot_similarity(None, None, args.output, comparison=report)
+            what = f"similarity of {len(report.sites)} sites"
+        else:
+            for name in rest:
+                if name not in run.names and not any(_fnmatch(n, name) for n in run.names):
+                    _site(run, first, name)
+            stats = args.stat or "mean,std"
+            plot_stat(run, rest, stats, args.output)
+            what = f"{stats} of {len(rest)} site pattern(s)"
+    finally:
+        run.close()
+    print(f"wrote {args.output} ({what})")
+    return 0
+
+
+def _fnmatch(name: str, pattern: str) -> bool:
+    import fnmatch
+
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="vartrace",
+        description="Look at vartrace runs: list, show, compare and plot recorded values.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser("ls", help="list the sites of a run")
+    p.add_argument("run", metavar="RUN", help="HDF5 file or glob of shards")
+    p.set_defaults(func=_cmd_ls)
+
+    p = sub.add_parser("show", help="print the recorded value(s) of a site")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("site", metavar="SITE")
+    p.add_argument("--iteration", "-i", type=int, help="show the full value(s) at this iteration")
+    p.add_argument("--rank", "-r", type=int, help="only records of this rank")
+    p.set_defaults(func=_cmd_show)
+
+    p = sub.add_parser("meta", help="print a run's metadata (command, packages, git, ...)")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("key", metavar="KEY", nargs="?", help="print only this entry (dotted)")
+    p.set_defaults(func=_cmd_meta)
+
+    p = sub.add_parser("sites", help="list the capturable sites of a model built by a factory")
+    p.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. mypkg.models:build_model")
+    p.add_argument("pattern", metavar="PATTERN", nargs="?", default="**")
+    p.set_defaults(func=_cmd_sites)
+
+    p = sub.add_parser("compare", help="compare two runs; exit 1 when they differ")
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B", help="the reference of the relative tolerance")
+    p.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (1e-8)")
+    p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (1e-5)")
+    p.add_argument("--csv", metavar="OUT", help="write one row per record pair to OUT")
+    p.add_argument("--names", nargs="+", metavar="PATTERN", help="compare only these sites")
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser(
+        "plot",
+        help="plot statistics over iterations, or a similarity heat map of two runs",
+        description="plot RUN SITE... [--stat mean,std] -o out.png | plot A B -o out.png",
+    )
+    p.add_argument("inputs", nargs="+", metavar="RUN [SITE...] | A B")
+    p.add_argument("--stat", help="statistics, comma separated (default mean,std)")
+    p.add_argument("-o", "--output", required=True, help="image file to write (.png, .pdf, .svg)")
+    p.add_argument("--atol", type=float, default=1e-8, help="similarity map: absolute tolerance")
+    p.add_argument("--rtol", type=float, default=1e-5, help="similarity map: relative tolerance")
+    p.set_defaults(func=_cmd_plot)
+    return parser
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``vartrace`` command line; return the exit status.
+
+    Example::
+
+        >>> main(["ls", "run.h5"])
+        0
+    """
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except _UserError as exc:
+        sys.stderr.write(f"vartrace {args.command}: error: {exc}\n")
+    except KeyboardInterrupt:
+        sys.stderr.write("vartrace: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        sys.stderr.close()
+        return 0
+    except Exception as exc:
+        sys.stderr.write(f"vartrace {args.command}: error: {type(exc).__name__}: {_message(exc)}\n")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
