@@ -229,3 +229,137 @@ def test_a_rank_that_raises_leaves_no_rank_hanging(
             assert outcome["runtime_error"], (r, outcome)
     if scenario.endswith("lingers"):
         assert all("timed out" in o["message"].lower() for r, o in enumerate(outcomes) if r != 1)
+
+
+# --- ModelTracer on a DDP-wrapped model ------------------------------------------------
+
+
+def _rank_records(rank: int, sites: list[str]) -> list[tuple[str, Any, int, int]]:
+    """(site, value, iteration, order) of what rank ``rank`` records of ``sites``, in order.
+
+    Per iteration: ``forward.x`` (the rank's known input), ``block.forward.repeats``
+    (an int that never changes, so change detection keeps it at iteration 1
+    only) and ``block.helper.doubled`` once per helper call (rank 1 calls the
+    helper twice per iteration).
+    """
+    records = []
+    order = 0
+    for step in range(1, workers.STEPS + 1):
+        x = workers.rank_input(rank, step)
+        repeats = 2 if rank == 1 else 1
+        captured = [("forward.x", x)]
+        if step == 1:
+            captured.append(("block.forward.repeats", repeats))
+        captured.extend(("block.helper.doubled", x * 2**call) for call in range(1, repeats + 1))
+        for site, value in captured:
+            if site in sites:
+                order += 1
+                records.append((site, value, step, order))
+    return records
+
+
+def _gathered(world: int, interval: int, sites: list[str]) -> dict[str, list[tuple]]:
+    """What rank 0 accumulates: per gather, rank 0's records of the chunk, then rank 1's..."""
+    per_rank = [_rank_records(r, sites) for r in range(world)]
+    merged: dict[str, list[tuple]] = {site: [] for site in sites}
+    for first in range(1, workers.STEPS + 1, interval):
+        chunk = range(first, first + interval)
+        for r, records in enumerate(per_rank):
+            for site, value, step, order in records:
+                if step in chunk:
+                    merged[site].append((value, step, r, order))
+    return merged
+
+
+def _assert_records(got: list[tuple], want: list[tuple], where: str) -> None:
+    assert len(got) == len(want), f"{where}: {len(got)} records, expected {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        _assert_same_value(g[0], w[0], f"{where}[{i}]")
+        assert tuple(g[1:]) == tuple(w[1:]), f"{where}[{i}]: tags {g[1:]} != {w[1:]}"
+
+
+def _file_records(site: Any) -> list[tuple]:
+    return [
+        (site.record(i), int(site.iterations[i]), int(site.ranks[i]), int(site.order[i]))
+        for i in range(len(site))
+    ]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def traced(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One launch of the ``tracer_runs`` scenario per world size, shared by its tests."""
+    world = request.param
+    out = tmp_path_factory.mktemp(f"traced{world}")
+    return world, _run_ok("tracer_runs", world, out), out
+
+
+def test_ddp_tracer_gathers_exact_values_of_every_rank_on_rank0(traced: Any) -> None:
+    world, results, _ = traced
+    memory = results[0]["memory"]
+    want = _gathered(world, 2, workers.PATHS)
+    assert sorted(memory) == sorted(workers.PATHS), "paths must not start with 'module.'"
+    for site in workers.PATHS:
+        _assert_records(_as_records(memory[site]), want[site], site)
+    for r in range(1, world):
+        assert results[r]["memory"] == {} and results[r]["stacked"] == {}
+
+
+def test_ddp_tracer_merges_stacked_chunks(traced: Any) -> None:
+    world, results, _ = traced
+    stacked = results[0]["stacked"]["block.helper.doubled"]
+    assert isinstance(stacked.values, torch.Tensor)
+    assert stacked.ranks.dtype == torch.int64
+    site = "block.helper.doubled"
+    _assert_records(_as_records(stacked), _gathered(world, 2, [site])[site], "stacked")
+
+
+def test_ddp_tracer_hdf5_file_is_written_by_rank0_only(traced: Any) -> None:
+    import vartrace
+
+    world, results, out = traced
+    assert sorted(p.name for p in (out / "gather").iterdir()) == ["run.h5"]
+    assert all(result["left_after_saver"] == {} for result in results)
+    want = _gathered(world, 3, workers.PATHS)
+    with vartrace.open(out / "gather" / "run.h5") as run:
+        assert run.names == sorted(workers.PATHS)
+        for name in workers.PATHS:
+            _assert_records(_file_records(run[name]), want[name], f"run.h5 {name}")
+        assert run["block.helper.doubled"].get(2, rank=1)[1].sum().item() == (
+            (workers.rank_input(1, 2) * 4).sum().item()
+        )
+
+
+def test_ddp_tracer_shards_one_file_per_rank_read_as_one_run(traced: Any) -> None:
+    import vartrace
+
+    world, results, out = traced
+    for r, result in enumerate(results):
+        assert result["context"] == (r, world, True)
+        assert result["left_after_shard_saver"] == {}
+    files = sorted(p.name for p in (out / "shards").iterdir())
+    assert files == sorted(f"run.rank{r}.h5" for r in range(world))
+    per_rank = [_rank_records(r, workers.PATHS) for r in range(world)]
+    with vartrace.open(str(out / "shards" / "run.rank*.h5")) as run:
+        assert run.names == sorted(workers.PATHS)
+        for name in workers.PATHS:
+            want = sorted(
+                (
+                    (value, step, r, order)
+                    for r in range(world)
+                    for site, value, step, order in per_rank[r]
+                    if site == name
+                ),
+                key=lambda record: (record[1], record[2], record[3]),
+            )
+            _assert_records(_file_records(run[name]), want, f"shards {name}")
+
+
+def test_a_rank_that_raises_inside_a_traced_ddp_step_leaves_no_rank_hanging(
+    tmp_path: Path,
+) -> None:
+    world = 2
+    codes = _launch("tracer_rank1_raises", world, tmp_path, pg_timeout=60.0)
+    assert all(code not in (0, None) for code in codes), codes
+    outcomes = _outcomes(tmp_path, world)
+    assert outcomes[1]["type"] == "ValueError"
+    assert outcomes[0]["runtime_error"], outcomes[0]
