@@ -261,7 +261,7 @@ def test_compare_differing_runs_exit_1(runs: Path, tmp_path: Path) -> None:
     loose = vartrace("compare", runs / "a.h5", runs / "b.h5", "--atol", "1e-2")
     assert loose.returncode == 0, loose.stdout
     only = vartrace("compare", runs / "a.h5", runs / "b.h5", "--names", "forward.note")
-    assert only.returncode == 0 and "1 sites compared" in only.stdout
+    assert only.returncode == 0 and "1 site compared" in only.stdout
 
 
 def test_compare_errors(runs: Path) -> None:

@@ -390,12 +390,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 rtol=args.rtol,
                 names=args.names,
                 progress=sys.stderr.isatty(),
+                labels=(args.a, args.b),
             )
         finally:
             run_b.close()
     finally:
         run_a.close()
-    report.labels = (args.a, args.b)
     print(report)
     if args.csv is not None:
         report.to_csv(args.csv)
@@ -427,11 +427,15 @@ def _cmd_plot(args: argparse.Namespace) -> int:
                 from vartrace.compare import compare
 
                 report = compare(
-                    run, other, atol=args.atol, rtol=args.rtol, progress=sys.stderr.isatty()
+                    run,
+                    other,
+                    atol=args.atol,
+                    rtol=args.rtol,
+                    progress=sys.stderr.isatty(),
+                    labels=(first, rest[0]),
                 )
             finally:
                 other.close()
-            report.labels = (first, rest[0])
             plot_similarity(None, None, args.output, comparison=report)
             what = f"similarity of {len(report.sites)} sites"
         else:
@@ -439,8 +443,9 @@ def _cmd_plot(args: argparse.Namespace) -> int:
                 if name not in run.names and not any(_fnmatch(n, name) for n in run.names):
                     _site(run, first, name)
             stats = args.stat or "mean,std"
-            plot_stat(run, rest, stats, args.output)
-            what = f"{stats} of {len(rest)} site pattern(s)"
+            figure = plot_stat(run, rest, stats, args.output)
+            lines = len(figure.axes[0].get_lines())
+            what = f"{stats} over iterations, {lines} line(s) per statistic"
     finally:
         run.close()
     print(f"wrote {args.output} ({what})")

@@ -580,6 +580,7 @@ def compare(
     rtol: float = 1e-5,
     names: str | Iterable[str] | None = None,
     progress: bool = False,
+    labels: tuple[str, str] | None = None,
 ) -> Comparison:
     """Compare two runs record by record.
 
@@ -591,7 +592,9 @@ def compare(
     as in :func:`numpy.isclose`.  ``names`` restricts the comparison to
     these site names or glob patterns.  Sites present in one run only are
     listed in ``only_in_a`` / ``only_in_b`` and do not make the comparison
-    fail; a record present on one side only does.
+    fail; a record present on one side only does.  ``progress`` shows a tqdm
+    bar on stderr for long comparisons; ``labels`` names the two runs in the
+    report (default: their paths).
 
     Example::
 
@@ -630,7 +633,8 @@ def compare(
                 else:
                     result.fill(task, _numeric_stats(*blocks, atol, rtol))
     results.sort(key=_SiteResult.execution_key)
-    return Comparison(results, only_a, only_b, atol, rtol, (source_a.label, source_b.label))
+    labels = labels or (source_a.label, source_b.label)
+    return Comparison(results, only_a, only_b, atol, rtol, labels)
 
 
 # --------------------------------------------------------------------------- report
@@ -785,8 +789,8 @@ class Comparison:
         differing = sum(1 for s in self.sites if s.status not in (STATUS_OK, STATUS_SKIPPED))
         lines.append("")
         lines.append(
-            f"{len(self.sites)} sites compared, {differing} differ, "
-            f"{sum(s.records for s in self.sites)} record pairs"
+            f"{_plural(len(self.sites), 'site')} compared, {differing} differ, "
+            f"{_plural(sum(s.records for s in self.sites), 'record pair')}"
         )
         if self.first_divergence is None:
             lines.append("first divergence: none")
@@ -798,6 +802,10 @@ class Comparison:
         if self.only_in_b:
             lines.append(f"only in b ({len(self.only_in_b)}): " + ", ".join(self.only_in_b))
         return "\n".join(lines)
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def _csv_value(value: Any) -> Any:

@@ -174,9 +174,12 @@ def _similarity_matrix(frame_rows: list[dict[str, Any]], sites: list[str]) -> tu
             continue
         i, j = row[r["site"]], col[int(r["iteration"])]
         value = r["cosine"]
-        if value is not None and not math.isnan(value):
+        if value is None or math.isnan(value):
+            # a non-numeric pair (str, None, ...): equal counts as 1, else the cell is marked
+            value = 1.0 if r["status"] == "ok" else math.nan
+        if not math.isnan(value):
             cos[i, j] = value if math.isnan(cos[i, j]) else min(cos[i, j], value)
-        if r["status"] != "ok":
+        if r["status"] not in ("ok", "not compared"):
             bad[i, j] = True
     return cos, bad, iterations
 
@@ -196,7 +199,8 @@ def plot_similarity(
     Each cell is the smallest cosine similarity of that site's records in
     that iteration (over ranks and repeated calls); cells beyond tolerance
     (``atol``/``rtol``, or a shape mismatch, or a record missing on one side)
-    carry a red ``x``; grey cells have no record.  Sites are in execution
+    carry a red ``x``; grey cells have no record.  Non-numeric records count
+    as 1 when equal.  Sites are in execution
     order.  Pass ``comparison`` (a :class:`~vartrace.compare.Comparison`)
     to reuse one already computed.
 

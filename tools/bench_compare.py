@@ -1,0 +1,127 @@
+"""Benchmark: ``vartrace.compare`` on two files against reading both files once with h5py.
+
+Writes two runs with :class:`~vartrace.storage.writer.H5PYSaverCallback`
+(default: 50 sites x 40 iterations of 256 KiB float32 records, about
+500 MB each; the second run is the first plus small noise on every fifth
+site from the middle iteration on), then alternates a plain h5py read of
+every ``values`` dataset of both files with a full ``vartrace.compare`` of
+them, so both see the same page-cache state, and prints the medians and
+their ratio.  The bar: compare takes under 1.5x the plain read.
+
+Usage::
+
+    python tools/bench_compare.py                 # the bar's configuration
+    python tools/bench_compare.py --sites 10 --iterations 8 --repeat 3   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from vartrace.compare import compare
+from vartrace.storage.writer import H5PYSaverCallback
+from vartrace.trace import Trace
+
+
+def write_runs(
+    directory: Path, sites: int, iterations: int, record_kib: int, chunk: int
+) -> tuple[Path, Path]:
+    """Write run ``a.h5`` and its perturbed twin ``b.h5``; return their paths."""
+    side = int(np.sqrt(record_kib * 1024 // 4))
+    shape = (record_kib * 1024 // 4 // side, side)
+    rng = np.random.default_rng(0)
+    paths = (directory / "a.h5", directory / "b.h5")
+    savers = [H5PYSaverCallback(p) for p in paths]
+    order = 0
+    for start in range(1, iterations + 1, chunk):
+        its = list(range(start, min(iterations, start + chunk - 1) + 1))
+        for k in range(sites):
+            name = f"layers.{k}.block.forward.hidden"
+            values = rng.standard_normal((len(its), *shape), dtype=np.float32)
+            orders = [order + i * sites for i in range(len(its))]
+            tags = (
+                torch.tensor(its),
+                torch.zeros(len(its), dtype=torch.long),
+                torch.tensor(orders),
+            )
+            perturbed = values.copy()
+            if k % 5 == 0:
+                late = np.asarray(its) > iterations // 2
+                noise = rng.standard_normal(perturbed[late].shape, dtype=np.float32) * 1e-4
+                perturbed[late] += noise
+            for saver, block in zip(savers, (values, perturbed), strict=True):
+                saver(name, Trace(torch.from_numpy(block.copy()), *tags))
+            order += 1
+        order += (len(its) - 1) * sites
+        for saver in savers:
+            saver.flush()
+    for saver in savers:
+        saver.close()
+    return paths
+
+
+def read_all(paths: tuple[Path, ...]) -> float:
+    """Seconds to read every ``values`` dataset of ``paths`` with plain h5py."""
+    start = time.perf_counter()
+    for path in paths:
+        with h5py.File(path, "r") as f:
+            for group in f["vars"].values():
+                group["values"][...]
+    return time.perf_counter() - start
+
+
+def time_compare(paths: tuple[Path, Path]) -> tuple[float, object]:
+    start = time.perf_counter()
+    report = compare(*paths, atol=1e-6, rtol=1e-5)
+    return time.perf_counter() - start, report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sites", type=int, default=50)
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--record-kib", type=int, default=256)
+    parser.add_argument("--chunk", type=int, default=8, help="records per gather (writes)")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: temp)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        t0 = time.perf_counter()
+        paths = write_runs(Path(tmp), args.sites, args.iterations, args.record_kib, args.chunk)
+        size = sum(p.stat().st_size for p in paths)
+        print(
+            f"wrote 2 runs: {args.sites} sites x {args.iterations} iterations x "
+            f"{args.record_kib} KiB = {size / 2**20:.0f} MiB in all "
+            f"({time.perf_counter() - t0:.1f} s)"
+        )
+        read_all(paths)  # warm up: both measurements then see the same cache state
+        reads, compares = [], []
+        report = None
+        for _ in range(args.repeat):
+            reads.append(read_all(paths))
+            seconds, report = time_compare(paths)
+            compares.append(seconds)
+        reads.append(read_all(paths))
+    read_s, compare_s = statistics.median(reads), statistics.median(compares)
+    speed = size / read_s / 2**30
+    print(f"{'h5py read of both files':28s} median {read_s:.3f} s  ({speed:.2f} GiB/s)")
+    print(f"{'vartrace.compare':28s} median {compare_s:.3f} s")
+    print(f"ratio compare / read: {compare_s / read_s:.2f}  (bar: < 1.5)")
+    assert report is not None
+    diverged = sum(1 for s in report.sites if s.status != "ok")
+    print(
+        f"report: ok={report.ok} first_divergence={report.first_divergence} "
+        f"differing sites={diverged}"
+    )
+
+
+if __name__ == "__main__":
+    main()
