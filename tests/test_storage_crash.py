@@ -1,0 +1,179 @@
+"""A training process killed with SIGKILL leaves a readable file holding every flushed record.
+
+A real subprocess trains a small model under ModelTracer with an
+H5PYSaverCallback, printing a line after each flush; the test kills it with
+SIGKILL at a random moment after some flushes (sometimes right in the middle
+of the next gather's writes) and then reads the file.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+
+from vartrace.storage import H5PYSaverCallback, open_run, recover
+from vartrace.trace import Trace
+
+pytestmark = pytest.mark.slow
+
+_TRAINER = """
+import sys
+import torch
+from torch import nn
+import vartrace
+from vartrace.storage import H5PYSaverCallback
+from vartrace.tracer import ModelTracer
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x).relu()
+        return h.sum()
+
+class Report:
+    def __call__(self, name, trace):
+        pass
+
+    def flush(self):
+        print("flushed", tracer.iteration, flush=True)
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+saver = H5PYSaverCallback(sys.argv[1], compression=sys.argv[2] or None)
+with ModelTracer(
+    model, ["forward.x", "lin.forward"], post_gather_callbacks=[saver, Report()],
+    gathering_interval=2,
+) as tracer:
+    step = 0
+    while True:
+        step += 1
+        vartrace.record("note", f"step {step}")
+        if step >= 7:
+            vartrace.record("late", step)  # a site that appears after SWMR mode is on
+        x = torch.full((2 + step % 3, 8), float(step))  # ragged: the batch size varies
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def _expected_x(iteration: int) -> torch.Tensor:
+    return torch.full((2 + iteration % 3, 8), float(iteration))
+
+
+def _train_and_kill(path: Path, compression: str, flushes: int, delay: float) -> int:
+    """Run the trainer until ``flushes`` flushes were reported, SIGKILL it; return the last one."""
+    script = path.parent / "trainer.py"
+    script.write_text(_TRAINER)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(path), compression],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    last = 0
+    try:
+        assert process.stdout is not None
+        for count, line in enumerate(process.stdout, start=1):
+            last = int(line.split()[1])
+            if count >= flushes:
+                break
+        time.sleep(delay)
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    assert last > 0, "the trainer reported no flush"
+    return last
+
+
+def _check_records(path: Path, flushed: int) -> int:
+    """Every record read back is exact, and every iteration up to ``flushed`` is there."""
+    with open_run(path) as run:
+        assert {"forward.x", "lin.forward", "note"} <= set(run.names)
+        site = run["forward.x"]
+        count = len(site)
+        assert site.iterations.tolist() == list(range(1, count + 1))
+        assert count >= flushed
+        for index in range(count):
+            assert torch.equal(site.record(index), _expected_x(index + 1))
+        assert site.shapes[:, 0].tolist() == [2 + (i + 1) % 3 for i in range(count)]
+        notes = run["note"]
+        assert [notes.record(i) for i in range(len(notes))] == [
+            f"step {i}" for i in range(1, len(notes) + 1)
+        ]
+        assert len(run["lin.forward"]) == len(run["lin.forward"].iterations)
+        assert run["lin.forward"].values.shape[0] == len(run["lin.forward"])
+        if flushed >= 8:
+            assert run["late"].record(0) == 7
+        return count
+
+
+@pytest.mark.parametrize(
+    ("compression", "flushes", "delay"),
+    [("", 3, 0.0), ("", 9, 0.003), ("gzip", 6, 0.0), ("gzip", 12, 0.001)],
+)
+def test_sigkill_leaves_a_file_with_every_flushed_record(
+    tmp_path: Path, compression: str, flushes: int, delay: float
+) -> None:
+    path = tmp_path / "run.h5"
+    flushed = _train_and_kill(path, compression, flushes, delay * random.random())
+    with h5py.File(path, "r", swmr=True) as handle:  # plain h5py opens it as it was left
+        assert handle["vars"]
+    count = _check_records(path, flushed)
+
+    with H5PYSaverCallback(path, append=True) as saver:  # resume: the dead writer is detected
+        trace = Trace()
+        for iteration in range(count + 1, count + 3):
+            trace.append(_expected_x(iteration), iteration, 0, 10_000 + iteration)
+        saver("forward.x", trace)
+    assert _check_records(path, flushed) == count + 2
+    with h5py.File(path, "r") as handle:  # closed cleanly: no SWMR flag needed any more
+        assert handle["vars/forward.x/values"].shape[0] >= count + 2
+
+
+def test_recover_clears_the_flags_so_plain_h5py_opens_a_killed_writers_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "run.h5"
+    flushed = _train_and_kill(path, "", 4, 0.0)
+    with pytest.raises(OSError, match="already open for write"):
+        h5py.File(path, "r")
+    assert recover(path) is True
+    assert recover(path) is False
+    with h5py.File(path, "r") as handle:
+        assert handle["vars/forward.x/iterations"].shape[0] >= flushed
+    _check_records(path, flushed)
+
+
+def test_a_live_writer_is_not_recovered_and_blocks_append(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    script = tmp_path / "trainer.py"
+    script.write_text(_TRAINER)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(path), ""], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        process.stdout.readline()
+        with pytest.raises(OSError, match="still runs"):
+            recover(path)
+        with pytest.raises(OSError, match="still runs"):
+            H5PYSaverCallback(path, append=True)("forward.x", Trace())
+        with open_run(path) as run:  # a reader follows the running job
+            assert len(run["forward.x"]) >= 2
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)

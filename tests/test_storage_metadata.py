@@ -1,0 +1,159 @@
+"""Run metadata under /meta: what is recorded, once, and that secrets never reach the file."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+
+from vartrace.storage import H5PYSaverCallback, open_run
+from vartrace.storage.metadata import looks_secret
+from vartrace.trace import RunContext, Trace
+
+SECRETS = {
+    "TORCH_MY_TOKEN": "s3cr3t-torch-token-5f1e2d",
+    "HF_TOKEN": "hf_s3cr3tHuggingFaceValue9c8b",
+    "WANDB_API_KEY": "wandb-s3cr3t-key-77aa",
+    "SLURM_JOB_PASSWORD": "slurm-s3cr3t-pass-3141",
+    "NCCL_Auth_Header": "nccl-s3cr3t-auth-2718",
+    "CUDA_CREDENTIALS_FILE": "cuda-s3cr3t-cred-1618",
+}
+ARGV_SECRETS = {"--api-key": "argv-s3cr3t-apikey-4242", "--hf_token": "argv-s3cr3t-hf-5353"}
+
+_WRITER = """
+import sys
+from vartrace.storage import H5PYSaverCallback
+from vartrace.trace import RunContext, Trace
+saver = H5PYSaverCallback(sys.argv[1])
+saver.on_start(RunContext(rank=0, world_size=4))
+trace = Trace()
+trace.append(1.5, 1, 0, 0)
+saver("forward.x", trace)
+saver.close()
+"""
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def _write_in_subprocess(path: Path, cwd: Path, env: dict[str, str], args: list[str]) -> None:
+    script = cwd / "writer.py"
+    script.write_text(_WRITER)
+    subprocess.run(
+        [sys.executable, str(script), str(path), *args],
+        cwd=cwd,
+        env={**os.environ, **env},
+        check=True,
+        timeout=120,
+    )
+
+
+def test_secret_values_planted_in_the_environment_and_argv_never_reach_the_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "run.h5"
+    allowed = {
+        "CUDA_VISIBLE_DEVICES": "3,1",
+        "OMP_NUM_THREADS": "7",
+        "TORCH_SHOW_CPP_STACKTRACES": "1",
+        "MASTER_PORT": "29511",
+    }
+    args = [part for option, value in ARGV_SECRETS.items() for part in (f"{option}={value}",)]
+    args += ["--token", "argv-s3cr3t-spaced-6464", "--epochs", "3"]
+    _write_in_subprocess(path, tmp_path, {**SECRETS, **allowed, "UNLISTED_VAR": "not-kept"}, args)
+    raw = path.read_bytes()
+    planted = [*SECRETS.values(), *ARGV_SECRETS.values(), "argv-s3cr3t-spaced-6464"]
+    for secret in planted:
+        for encoding in ("utf-8", "utf-16-le", "utf-16-be"):
+            assert secret.encode(encoding) not in raw, f"{secret} leaked into the file"
+    with open_run(path) as run:
+        env = run.meta["env"]
+        command = run.meta["command"]
+    for name, value in allowed.items():
+        assert env[name] == value
+    assert not set(SECRETS) & set(env) and "UNLISTED_VAR" not in env
+    assert command[2:] == [
+        "--api-key=<redacted>",
+        "--hf_token=<redacted>",
+        "--token",
+        "<redacted>",
+        "--epochs",
+        "3",
+    ]
+
+
+def test_metadata_records_the_run_context_and_git_state(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "trunk")
+    _git(repo, "config", "user.email", "t@example.com")
+    _git(repo, "config", "user.name", "T")
+    (repo / "train.py").write_text("lr = 0.1\n")
+    (repo / "zz_big.txt").write_text("x\n" * 10)
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "start")
+    commit = _git(repo, "rev-parse", "HEAD")
+    (repo / "train.py").write_text("lr = 0.2\n")
+    (repo / "zz_big.txt").write_text("y" * 100 + "\n" + ("z" * 99 + "\n") * 12000)  # > 1 MiB diff
+    path = tmp_path / "run.h5"
+    _write_in_subprocess(path, repo, {}, [])
+    with open_run(path) as run:
+        meta = run.meta
+    assert meta["cwd"] == str(repo)
+    assert meta["world_size"] == 4
+    assert meta["host"] and meta["pid"] > 0
+    assert meta["command"][0].endswith("writer.py")
+    started = datetime.datetime.fromisoformat(meta["start_time"])
+    assert started.utcoffset() == datetime.timedelta(0)
+    assert abs((datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()) < 600
+    versions = meta["versions"]
+    assert versions["python"] == sys.version
+    assert {"torch", "numpy", "h5py", "vartrace", "hdf5"} <= set(versions)
+    assert versions["h5py"] == h5py.__version__
+    assert any(package.lower().startswith("h5py==") for package in meta["packages"])
+    git = meta["git"]
+    assert git["available"] and git["commit"] == commit and git["branch"] == "trunk"
+    assert git["dirty"] is True
+    assert "+lr = 0.2" in git["diff"]
+    assert git["diff_truncated"] is True and len(git["diff"].encode()) <= (1 << 20) + 16
+    assert "train.py" in git["status"]
+
+
+def test_metadata_tolerates_a_directory_without_git(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    _write_in_subprocess(path, tmp_path, {"GIT_CEILING_DIRECTORIES": str(tmp_path.parent)}, [])
+    with open_run(path) as run:
+        assert run.meta["git"] == {"available": False}
+
+
+def test_metadata_is_written_once_and_can_be_turned_off(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    for append in (False, True):
+        with H5PYSaverCallback(path, append=append) as saver:
+            saver.on_start(RunContext(world_size=2 if append else 1))
+            trace = Trace()
+            trace.append(1, 1, 0, 0)
+            saver("x", trace)
+    with open_run(path) as run:
+        assert run.meta["world_size"] == 1
+    bare = tmp_path / "bare.h5"
+    with H5PYSaverCallback(bare, metadata=False) as saver:
+        trace = Trace()
+        trace.append(1, 1, 0, 0)
+        saver("x", trace)
+    with open_run(bare) as run:
+        assert run.meta == {}
+
+
+def test_secret_looking_names() -> None:
+    for name in ("HF_TOKEN", "aws_secret_access_key", "DB_PASSWORD", "NCCL_AUTH", "my-credential"):
+        assert looks_secret(name)
+    for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MASTER_ADDR", "SLURM_JOB_ID"):
+        assert not looks_secret(name)

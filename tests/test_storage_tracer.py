@@ -1,0 +1,106 @@
+"""ModelTracer streaming into H5PYSaverCallback, read back with vartrace.open."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import vartrace
+from tests._models import TinyTransformer, tokens
+from vartrace.callbacks import stack_padded_tensors
+from vartrace.storage import H5PYSaverCallback
+from vartrace.tracer import ModelTracer
+
+PATHS = [
+    "forward.tokens",
+    "layers.*.attn.forward.scores",
+    "shared.forward.input",
+    "forward",
+    "layers.0.forward.self.step_count",
+]
+
+
+def _train(callbacks: dict[str, Any], steps: int = 7, **options: Any) -> ModelTracer:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ModelTracer(model, PATHS, gathering_interval=3, **callbacks, **options) as tracer:
+        for step in range(steps):
+            batch = tokens(step, batch=2 if step < steps - 1 else 1, length=4 + step % 3)
+            model(batch).logits.square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return tracer
+
+
+def _equal(got: Any, want: Any) -> bool:
+    if isinstance(want, torch.Tensor):
+        return (
+            isinstance(got, torch.Tensor)
+            and got.dtype == want.dtype
+            and got.shape == want.shape
+            and torch.equal(got.isnan(), want.isnan())
+            and torch.equal(got.nan_to_num(), want.nan_to_num())
+        )
+    return type(got) is type(want) and got == want
+
+
+def test_the_file_holds_exactly_what_the_tracer_recorded(tmp_path: Path) -> None:
+    reference = _train({}).results
+    path = tmp_path / "run.h5"
+    with H5PYSaverCallback(path) as saver:
+        tracer = _train({"post_gather_callbacks": [saver]})
+        assert set(saver.datasets) <= set(reference)
+    assert sum(len(trace) for trace in tracer.results.values()) == 0, "saved records are dropped"
+    with vartrace.open(path) as run:
+        assert run.names == sorted(reference)
+        for name in reference:
+            want, site = reference[name], run[name]
+            assert site.iterations.tolist() == list(want.iterations), name
+            assert site.ranks.tolist() == list(want.ranks), name
+            assert site.order.tolist() == list(want.order), name
+            for index, value in enumerate(want.values):
+                assert _equal(site.record(index), value), (name, index)
+        assert run.meta["world_size"] == 1
+
+
+def test_a_layer_called_twice_per_step_gives_a_list_per_iteration(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    with H5PYSaverCallback(path) as saver:
+        _train({"post_gather_callbacks": [saver]}, steps=3)
+    with vartrace.open(path) as run:
+        pair = run["shared.forward.input"].get(2)
+        assert isinstance(pair, list) and len(pair) == 2
+        assert pair[0].shape == pair[1].shape
+        assert not torch.equal(pair[0], pair[1])
+        assert type(run["layers.0.forward.self.step_count"].get(3)) is int
+
+
+def test_ragged_batches_and_padded_stacking_come_back_with_true_shapes(tmp_path: Path) -> None:
+    reference = _train({}).results["layers.0.attn.forward.scores"]
+    path = tmp_path / "run.h5"
+    with H5PYSaverCallback(path) as saver:
+        _train({"post_gather_callbacks": [stack_padded_tensors, saver]})
+    with vartrace.open(path) as run:
+        site = run["layers.0.attn.forward.scores"]
+        assert [tuple(shape) for shape in site.shapes] == [tuple(v.shape) for v in reference.values]
+        assert site.values.shape[0] == len(reference.values)
+        assert site.values.shape[1:] == tuple(site.shapes.max(axis=0))
+        for index, value in enumerate(reference.values):
+            assert _equal(site.record(index), value)
+
+
+def test_compressed_and_float16_runs_read_back(tmp_path: Path) -> None:
+    pytest.importorskip("hdf5plugin")
+    reference = _train({}).results["layers.1.attn.forward.scores"]
+    path = tmp_path / "run.h5"
+    with H5PYSaverCallback(path, compression="blosc2", float_dtype="float16") as saver:
+        _train({"post_gather_callbacks": [saver]})
+    with vartrace.open(path) as run:
+        site = run["layers.1.attn.forward.scores"]
+        assert site.dtype == "float16"
+        for index, value in enumerate(reference.values):
+            assert _equal(site.record(index), value.half())

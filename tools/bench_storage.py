@@ -1,0 +1,274 @@
+"""HDF5 storage benchmarks: append throughput against the raw floor, memory of long runs, step cost.
+
+Usage::
+
+    python tools/bench_storage.py throughput   # saver vs numpy tofile, with and without compression
+    python tools/bench_storage.py memory       # peak RSS of 200 vs 2000 streamed iterations
+    python tools/bench_storage.py overhead --size small   # training step traced into HDF5
+
+``throughput`` writes the same records (float32 tensors captured from the GPT
+of ``tools/bench_overhead.py``) through ``H5PYSaverCallback`` in gathers of 8,
+flushing after each, and with ``numpy.ndarray.tofile``; both end with an
+fsync and are timed end to end.  Contenders alternate over several rounds and
+the median is shown.  ``stored`` is the bytes of the records divided by the
+bytes of the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GATHER = 8
+
+
+def _capture(size: str, which: str, steps: int) -> list[object]:
+    """Float32 activations of a few training steps of the benchmark GPT."""
+    import torch
+    from bench_overhead import build_model
+
+    model, tokens = build_model(size)
+    owners = [block.attn if which == "scores" else block.mlp for block in model.layers]
+    for owner in owners:
+        owner.floor = []
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+        optimizer.step()
+    return [record for owner in owners for record in owner.floor]
+
+
+def _datasets() -> dict[str, list[object]]:
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    softmax = [s.softmax(-1) for s in _capture("small", "scores", 4)]
+    return {
+        "tiny scores (2,4,32,32) 32 KiB": _capture("tiny", "scores", 8),
+        "small scores (8,4,128,128) 2 MiB": _capture("small", "scores", 4),
+        "softmax(small scores) 2 MiB": softmax,
+        "small mlp gelu (8,128,1024) 4 MiB": _capture("small", "mlp", 2),
+        "random normal (8,4,128,128) 2 MiB": [
+            torch.randn(8, 4, 128, 128, generator=generator) for _ in range(16)
+        ],
+    }
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def _raw(records: list[object], path: Path, count: int) -> None:
+    arrays = [record.numpy() for record in records]  # type: ignore[attr-defined]
+    with open(path, "wb") as handle:
+        for index in range(count):
+            arrays[index % len(arrays)].tofile(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _saver(records: list[object], path: Path, count: int, compression: str | None) -> None:
+    from vartrace.storage import H5PYSaverCallback
+    from vartrace.trace import Trace
+
+    with H5PYSaverCallback(path, overwrite=True, metadata=False, compression=compression) as saver:
+        for start in range(0, count, GATHER):
+            trace = Trace()
+            for index in range(start, min(start + GATHER, count)):
+                trace.append(records[index % len(records)], index // GATHER + 1, 0, index)
+            saver("layers.0.attn.forward.scores", trace)
+            saver.flush()
+    _fsync(path)
+
+
+def bench_throughput(total_mib: int, rounds: int, compressions: list[str]) -> str:
+    data = _datasets()
+    lines = [
+        f"throughput: {total_mib} MiB per measurement, gathers of {GATHER} records, "
+        f"median of {rounds} alternating rounds, fsync at the end",
+        f"{'records':<36} {'contender':<14} {'MiB/s':>8} {'vs raw':>7} {'stored':>7}",
+    ]
+    with tempfile.TemporaryDirectory() as folder:
+        directory = Path(folder)
+        for label, records in data.items():
+            nbytes = records[0].numel() * records[0].element_size()  # type: ignore[attr-defined]
+            count = max(GATHER, (total_mib << 20) // nbytes)
+            written = count * nbytes
+            contenders: dict[str, Callable[[Path], None]] = {
+                "raw tofile": lambda p, r=records, c=count: _raw(r, p, c),
+                "saver": lambda p, r=records, c=count: _saver(r, p, c, None),
+            }
+            for name in compressions:
+                contenders[name] = lambda p, r=records, c=count, n=name: _saver(r, p, c, n)
+            times: dict[str, list[float]] = {name: [] for name in contenders}
+            sizes: dict[str, int] = {}
+            for _ in range(rounds):
+                for name, run in contenders.items():
+                    path = directory / f"{name}.bin"
+                    start = time.perf_counter()
+                    run(path)
+                    times[name].append(time.perf_counter() - start)
+                    sizes[name] = path.stat().st_size
+                    path.unlink()
+            raw = statistics.median(times["raw tofile"])
+            for name, samples in times.items():
+                seconds = statistics.median(samples)
+                lines.append(
+                    f"{label:<36} {name:<14} {written / seconds / 2**20:8.0f} "
+                    f"{raw / seconds:6.2f}x {written / sizes[name]:6.2f}x"
+                )
+    return "\n".join(lines)
+
+
+_MEMORY_CHILD = """
+import resource, sys, torch
+sys.path.insert(0, {tools!r})
+from bench_overhead import build_model, TRACED_PATHS
+from vartrace.tracer import ModelTracer
+from vartrace.storage import H5PYSaverCallback
+torch.set_num_threads(1)
+model, tokens = build_model("tiny")
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+with H5PYSaverCallback({path!r}, overwrite=True) as saver, ModelTracer(
+    model, TRACED_PATHS, post_gather_callbacks=[saver], gathering_interval=8
+) as tracer:
+    for _ in range({iterations}):
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+        optimizer.step()
+kept = sum(len(trace) for trace in tracer.results.values())
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, kept)
+"""
+
+
+def bench_memory(counts: list[int]) -> str:
+    tools = str(Path(__file__).resolve().parent)
+    lines = [
+        "memory: peak RSS (ru_maxrss) of a fresh process tracing "
+        "forward.x, layers.*.attn.forward.scores, layers.*.mlp.forward.h of the tiny GPT "
+        "into HDF5, gathering_interval=8",
+        f"{'iterations':>10} {'peak RSS MiB':>13} {'vs first':>9} {'file MiB':>9} {'kept':>5}",
+    ]
+    first = None
+    with tempfile.TemporaryDirectory() as folder:
+        for count in counts:
+            path = Path(folder) / f"run{count}.h5"
+            code = _MEMORY_CHILD.format(tools=tools, path=str(path), iterations=count)
+            done = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            )
+            peak_kib, kept = (int(field) for field in done.stdout.split())
+            first = first or peak_kib
+            lines.append(
+                f"{count:>10} {peak_kib / 1024:13.1f} {peak_kib / first:8.3f}x "
+                f"{path.stat().st_size / 2**20:9.1f} {kept:>5}"
+            )
+    return "\n".join(lines)
+
+
+def bench_overhead(size: str, rounds: int, block: int, compressions: list[str]) -> str:
+    import torch
+    from bench_overhead import build_model
+
+    from vartrace.storage import H5PYSaverCallback
+    from vartrace.tracer import ModelTracer
+
+    model, tokens = build_model(size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    paths = ["layers.*.attn.forward.scores"]
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+        optimizer.step()
+
+    with tempfile.TemporaryDirectory() as folder:
+        savers = {
+            name: H5PYSaverCallback(Path(folder) / f"{name}.h5", compression=name)
+            for name in [None, *compressions]
+        }
+
+        def traced(
+            saver: H5PYSaverCallback,
+        ) -> Callable[[], contextlib.AbstractContextManager[None]]:
+            @contextlib.contextmanager
+            def context() -> Iterator[None]:
+                with ModelTracer(
+                    model, paths, post_gather_callbacks=[saver], gathering_interval=GATHER
+                ):
+                    yield
+
+            return context
+
+        contenders: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+            "untraced": contextlib.nullcontext
+        }
+        for name, saver in savers.items():
+            contenders[f"scores -> HDF5 ({name or 'uncompressed'})"] = traced(saver)
+        for _ in range(3):
+            step()
+        times: dict[str, list[float]] = {name: [] for name in contenders}
+        for _ in range(rounds):
+            for name, context in contenders.items():
+                with context():
+                    start = time.perf_counter()
+                    for _ in range(block):
+                        step()
+                    times[name].append((time.perf_counter() - start) / block)
+        for saver in savers.values():
+            saver.close()
+    base = statistics.median(times["untraced"])
+    lines = [
+        f"overhead --size {size}: mean step time over blocks of {block} steps (a block spans "
+        f"{block // GATHER} gathers, so the writes are included), median of {rounds} rounds, "
+        f"gathering_interval={GATHER}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads",
+        f"{'contender':<40} {'step':>10} {'ratio':>7}",
+    ]
+    for name, samples in times.items():
+        seconds = statistics.median(samples)
+        lines.append(f"{name:<40} {seconds * 1e3:7.2f} ms {seconds / base:6.3f}x")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("mode", choices=["throughput", "memory", "overhead"])
+    parser.add_argument("--mib", type=int, default=256, help="throughput: MiB per measurement")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--block", type=int, default=16, help="overhead: steps per block")
+    parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    parser.add_argument("--counts", default="200,2000", help="memory: iteration counts")
+    parser.add_argument(
+        "--compressions",
+        default="blosc2-lz4,blosc2-zstd,lzf,gzip",
+        help="comma-separated compression names (see vartrace.storage.COMPRESSIONS)",
+    )
+    args = parser.parse_args()
+    compressions = [name for name in args.compressions.split(",") if name]
+    if args.mode == "throughput":
+        print(bench_throughput(args.mib, args.rounds, compressions))
+    elif args.mode == "memory":
+        print(bench_memory([int(count) for count in args.counts.split(",")]))
+    else:
+        print(bench_overhead(args.size, args.rounds, args.block, compressions))
+
+
+if __name__ == "__main__":
+    main()

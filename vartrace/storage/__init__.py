@@ -1,0 +1,30 @@
+"""HDF5 storage of traced runs: the streaming writer and the offline reader.
+
+Example::
+
+    from vartrace.storage import H5PYSaverCallback, open_run
+
+    with H5PYSaverCallback("run.h5") as saver:
+        ...  # pass saver as a post-gather callback of ModelTracer
+    with open_run("run.h5") as run:
+        run["forward.x"].get(iteration=1)
+
+The layout is described in :mod:`vartrace.storage._layout`.  This package
+imports no torch; tensors are converted where they are read or written.
+"""
+
+from vartrace.storage._codec import PickleNotAllowedError
+from vartrace.storage.metadata import collect_metadata
+from vartrace.storage.reader import Run, Site, open_run
+from vartrace.storage.writer import COMPRESSIONS, H5PYSaverCallback, recover
+
+__all__ = [
+    "COMPRESSIONS",
+    "H5PYSaverCallback",
+    "PickleNotAllowedError",
+    "Run",
+    "Site",
+    "collect_metadata",
+    "open_run",
+    "recover",
+]

@@ -1,0 +1,278 @@
+"""Turning record values into HDF5-storable data and back, exactly.
+
+Every record is encoded as a :class:`Leaf`: a *kind* code (what Python type
+comes back on reading) and the data.  Numeric kinds (tensors, numpy arrays
+and scalars, Python ``int``/``float``/``bool``/``complex``) carry a numpy
+array and can share a site's numeric ``values`` dataset; ``str`` carries
+the string; everything else carries bytes.  :func:`to_blob` /
+:func:`from_blob` give every kind a byte form, used when a record does not
+fit its site's ``values`` dataset.
+
+Tensors whose dtype numpy lacks (bfloat16, float8, complex32) are stored as
+their raw bit pattern in an unsigned integer of the same width, with the
+torch dtype name alongside, and are viewed back bit-exactly.  torch is
+imported only when a tensor is met.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "IN_OTHER",
+    "KIND_NAMES",
+    "Kind",
+    "Leaf",
+    "PickleNotAllowedError",
+    "dtype_name",
+    "encode",
+    "from_array",
+    "from_blob",
+    "to_blob",
+]
+
+
+class Kind:
+    """Record kind codes, stored per record in the ``kinds`` dataset (uint8)."""
+
+    NONE = 0
+    TENSOR = 1
+    TENSOR_RAW = 2  # a tensor stored as raw bits (bfloat16, float8, ...)
+    NDARRAY = 3
+    NPSCALAR = 4
+    INT = 5
+    FLOAT = 6
+    BOOL = 7
+    COMPLEX = 8
+    BIGINT = 9  # a Python int outside int64
+    STR = 10
+    BYTES = 11
+    PICKLE = 12
+
+
+IN_OTHER = 0x80
+"""Flag or-ed into a stored kind code: the record lives in the ``other`` dataset."""
+
+KIND_NAMES = (
+    "none",
+    "tensor",
+    "tensor",
+    "ndarray",
+    "numpy scalar",
+    "int",
+    "float",
+    "bool",
+    "complex",
+    "int",
+    "str",
+    "bytes",
+    "pickle",
+)
+_NUMERIC_KINDS = "biufc"
+_PY_SCALARS = {int: Kind.INT, float: Kind.FLOAT, bool: Kind.BOOL, complex: Kind.COMPLEX}
+_PY_TYPES = {Kind.INT: int, Kind.FLOAT: float, Kind.BOOL: bool, Kind.COMPLEX: complex}
+_INT64 = np.iinfo(np.int64)
+
+
+class PickleNotAllowedError(ValueError):
+    """A record holds a pickled object and the run was opened without ``allow_pickle=True``."""
+
+
+class Leaf(NamedTuple):
+    """One encoded record.
+
+    ``data`` is a numpy array for numeric kinds (``torch_dtype`` names the
+    tensor dtype when the array holds raw bits), a ``str`` for strings, and
+    ``bytes`` otherwise.
+    """
+
+    kind: int
+    data: Any
+    torch_dtype: str = ""
+
+    @property
+    def key(self) -> str:
+        """What a numeric dataset must hold to store this record: dtype and rank."""
+        return f"{self.torch_dtype or self.data.dtype.str}/{self.data.ndim}"
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def dtype_name(dtype: Any, kind: str) -> str | None:
+    """Normalise a ``float_dtype`` / ``int_dtype`` option to a dtype name (``None`` keeps).
+
+    ``kind`` is ``"f"`` or ``"i"``; ``"bfloat16"`` (or ``torch.bfloat16``) is a
+    valid float name.  Example: ``dtype_name(torch.float16, "f") == "float16"``.
+    """
+    if dtype is None:
+        return None
+    if type(dtype).__module__ == "torch" or isinstance(dtype, str):
+        dtype = str(dtype).removeprefix("torch.")
+    name = "bfloat16" if dtype == "bfloat16" else np.dtype(dtype).name
+    wanted = "f" if kind == "f" else "iu"
+    if (name == "bfloat16" and kind != "f") or (
+        name != "bfloat16" and np.dtype(name).kind not in wanted
+    ):
+        what = "a floating" if kind == "f" else "an integer"
+        raise ValueError(f"{dtype!r} is not {what} dtype")
+    return name
+
+
+def _cast(array: np.ndarray, float_dtype: str | None, int_dtype: str | None) -> np.ndarray:
+    if float_dtype not in (None, "bfloat16") and array.dtype.kind == "f":
+        return array.astype(float_dtype)
+    if int_dtype is not None and array.dtype.kind in "iu":
+        return array.astype(int_dtype)
+    return array
+
+
+def _pickled(value: Any) -> Leaf:
+    try:
+        return Leaf(Kind.PICKLE, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as error:
+        raise TypeError(
+            f"cannot store a {type(value).__name__} record: it is neither an array, a number, "
+            f"str, bytes nor None, and pickling it failed ({error}); leave the site out of the "
+            "paths or turn the value into something storable with a pre_save callback"
+        ) from error
+
+
+def _encode_tensor(value: Any, float_dtype: Any, int_dtype: Any) -> Leaf:
+    import torch
+
+    tensor = value.detach()
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+        return _pickled(tensor)
+    tensor = tensor.cpu().resolve_conj().resolve_neg()
+    if float_dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(getattr(torch, float_dtype))
+    elif int_dtype is not None and not (
+        tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool
+    ):
+        tensor = tensor.to(getattr(torch, int_dtype))
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name in _NUMPY_OF_TORCH:
+        return Leaf(Kind.TENSOR, tensor.numpy())
+    bits = 8 * tensor.element_size()
+    signed = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[bits]
+    raw = tensor.view(signed).numpy().view(f"u{bits // 8}")
+    return Leaf(Kind.TENSOR_RAW, raw, name)
+
+
+_NUMPY_OF_TORCH = frozenset(
+    [
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    ]
+)
+
+
+def encode(value: Any, float_dtype: str | None = None, int_dtype: str | None = None) -> Leaf:
+    """Encode one record value.
+
+    ``float_dtype`` / ``int_dtype`` (names from :func:`dtype_name`;
+    ``"bfloat16"`` converts tensors only) convert floating / integer tensors
+    and numpy arrays; Python scalars are always kept exact.
+
+    Example::
+
+        leaf = encode(torch.ones(2, dtype=torch.bfloat16))
+        leaf.kind == Kind.TENSOR_RAW and leaf.torch_dtype == "bfloat16"
+    """
+    if value is None:
+        return Leaf(Kind.NONE, b"")
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return _encode_tensor(value, float_dtype, int_dtype)
+    kind = _PY_SCALARS.get(type(value))
+    if kind is not None:
+        if kind == Kind.INT and not _INT64.min <= value <= _INT64.max:
+            return Leaf(Kind.BIGINT, str(value).encode())
+        return Leaf(kind, np.asarray(value))
+    if type(value) is str:
+        return Leaf(Kind.STR, value)
+    if type(value) is bytes:
+        return Leaf(Kind.BYTES, value)
+    if type(value) is np.ndarray or isinstance(value, np.generic):
+        kind = Kind.NDARRAY if type(value) is np.ndarray else Kind.NPSCALAR
+        array = np.asarray(value)
+        if array.dtype.hasobject:
+            return _pickled(value)
+        if array.dtype.kind not in _NUMERIC_KINDS:
+            return Leaf(kind, _npy(array))  # exact without pickle, kept out of numeric datasets
+        return Leaf(kind, _cast(array, float_dtype, int_dtype))
+    return _pickled(value)
+
+
+def to_blob(leaf: Leaf) -> bytes:
+    """The byte form of any record (for blob datasets)."""
+    if isinstance(leaf.data, np.ndarray):
+        payload = _npy(leaf.data)
+        return f"{leaf.torch_dtype}\n".encode() + payload if leaf.torch_dtype else payload
+    if isinstance(leaf.data, str):
+        return leaf.data.encode("utf-8", "surrogatepass")
+    return leaf.data
+
+
+def from_blob(kind: int, blob: bytes, allow_pickle: bool, where: str) -> Any:
+    """Decode the byte form written by :func:`to_blob`; ``where`` names the record in errors."""
+    if kind == Kind.NONE:
+        return None
+    if kind == Kind.STR:
+        return blob.decode("utf-8", "surrogatepass")
+    if kind == Kind.BYTES:
+        return blob
+    if kind == Kind.BIGINT:
+        return int(blob)
+    if kind == Kind.PICKLE:
+        if not allow_pickle:
+            raise PickleNotAllowedError(
+                f"{where} is a pickled object; unpickling runs code stored in the file, so "
+                "it is refused by default. Open the run with allow_pickle=True only if you "
+                "trust whoever wrote the file."
+            )
+        return pickle.loads(blob)
+    torch_dtype = ""
+    if kind == Kind.TENSOR_RAW:
+        name, _, blob = blob.partition(b"\n")
+        torch_dtype = name.decode()
+    return from_array(kind, np.load(io.BytesIO(blob), allow_pickle=False), torch_dtype)
+
+
+def from_array(kind: int, array: np.ndarray, torch_dtype: str = "") -> Any:
+    """The record value of a numeric kind from its stored array."""
+    if kind == Kind.NDARRAY:
+        return array
+    if kind == Kind.NPSCALAR:
+        return array[()]
+    if kind in _PY_TYPES:
+        return _PY_TYPES[kind](array[()])
+    import torch
+
+    if not array.flags.c_contiguous or not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="), order="C")
+    if kind == Kind.TENSOR_RAW:
+        signed = torch.from_numpy(array.view(f"i{array.dtype.itemsize}"))
+        return signed.view(getattr(torch, torch_dtype))
+    return torch.from_numpy(array)

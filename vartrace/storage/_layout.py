@@ -1,0 +1,166 @@
+"""The on-disk layout shared by the writer and the reader.
+
+::
+
+    /                     attrs: vartrace_format, vartrace_version, writer_host, writer_pid
+    /committed            int64 (sites,): records of each site as of the last flush;
+                          rows past it were not flushed and are ignored
+    /meta/...             run metadata (written once per file)
+    /vars/<escaped name>  attrs: name (the true site name), slot (its entry in /committed)
+        iterations, ranks, order   int64 (records,)
+        kinds                      uint8 (records,): the kind of each record (_codec.Kind)
+        values                     records x padded shape (numeric), or (records,) of
+                                   UTF-8 strings, or (records,) of byte blobs
+        shapes                     int64 (records, ndim): true shape of each record
+                                   (-1 where the record is not in ``values``); absent
+                                   when records are 0-d
+        other                      (records,) byte blobs of records that did not fit
+                                   ``values`` (another dtype or kind); absent until needed
+
+Files are written with HDF5's SWMR mode on, so a killed writer leaves a
+consistent file; such a file carries "open for writing" flags in its
+superblock that plain (non-SWMR) opening refuses: :func:`clear_write_flags`
+clears them once the writer is known to be gone, as HDF5's ``h5clear`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+
+__all__ = [
+    "COMMITTED",
+    "FORMAT_ATTR",
+    "FORMAT_VERSION",
+    "LIBVER",
+    "TAGS",
+    "clear_write_flags",
+    "escape",
+    "has_write_flags",
+    "shard_path",
+    "unescape",
+    "writer_alive",
+]
+
+COMMITTED = "committed"
+FORMAT_ATTR = "vartrace_format"
+FORMAT_VERSION = 1
+LIBVER = ("v110", "latest")  # the oldest file format that allows SWMR
+TAGS = ("iterations", "ranks", "order", "kinds")
+
+_ESCAPED = re.compile(r"%([0-9A-F]{2})")
+
+
+def escape(name: str) -> str:
+    """An HDF5 link name for a site name, reversibly (``%``, ``/`` and NUL are %-escaped).
+
+    Example: ``escape("forward.a/b") == "forward.a%2Fb"``.
+    """
+    if not name:
+        return "%"
+    if set(name) == {"."}:
+        return "%2E" * len(name)
+    return name.replace("%", "%25").replace("/", "%2F").replace("\0", "%00")
+
+
+def unescape(link: str) -> str:
+    """The site name of an HDF5 link name made by :func:`escape`."""
+    if link == "%":
+        return ""
+    return _ESCAPED.sub(lambda match: chr(int(match.group(1), 16)), link)
+
+
+def shard_path(path: Path, rank: int) -> Path:
+    """The file one rank writes in a sharded run: ``run.h5`` -> ``run.rank3.h5``."""
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def writer_alive(host: str, pid: int) -> bool | None:
+    """Whether the process that last opened a file for writing still runs.
+
+    ``None`` when that cannot be told (it ran on another host).
+    """
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _rot(x: int, k: int) -> int:
+    return ((x << k) | (x >> (32 - k))) & 0xFFFFFFFF
+
+
+def _lookup3(data: bytes) -> int:
+    """Bob Jenkins' lookup3 ``hashlittle`` (initval 0): HDF5's metadata checksum."""
+    mask = 0xFFFFFFFF
+    a = b = c = (0xDEADBEEF + len(data)) & mask
+    words = data + bytes(-len(data) % 12)
+    blocks = max(1, -(-len(data) // 12))
+    for index in range(blocks):
+        x, y, z = (
+            int.from_bytes(words[12 * index + 4 * i : 12 * index + 4 * i + 4], "little")
+            for i in range(3)
+        )
+        a, b, c = (a + x) & mask, (b + y) & mask, (c + z) & mask
+        if index == blocks - 1:
+            break
+        a = (a - c) & mask ^ _rot(c, 4)
+        c = (c + b) & mask
+        b = (b - a) & mask ^ _rot(a, 6)
+        a = (a + c) & mask
+        c = (c - b) & mask ^ _rot(b, 8)
+        b = (b + a) & mask
+        a = (a - c) & mask ^ _rot(c, 16)
+        c = (c + b) & mask
+        b = (b - a) & mask ^ _rot(a, 19)
+        a = (a + c) & mask
+        c = (c - b) & mask ^ _rot(b, 4)
+        b = (b + a) & mask
+    if not data:
+        return c
+    c = (c ^ b) - _rot(b, 14) & mask
+    a = (a ^ c) - _rot(c, 11) & mask
+    b = (b ^ a) - _rot(a, 25) & mask
+    c = (c ^ b) - _rot(b, 16) & mask
+    a = (a ^ c) - _rot(c, 4) & mask
+    b = (b ^ a) - _rot(a, 14) & mask
+    c = (c ^ b) - _rot(b, 24) & mask
+    return c
+
+
+_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def has_write_flags(path: Path) -> bool:
+    """Whether the superblock says a writer has the file open (or was killed)."""
+    with open(path, "rb") as handle:
+        head = handle.read(12)
+    return head[:8] == _SIGNATURE and head[8] in (2, 3) and head[11] != 0
+
+
+def clear_write_flags(path: Path) -> bool:
+    """Clear the superblock's "open for writing" flags left by a killed writer.
+
+    What ``h5clear -s`` does, for superblock versions 2 and 3 (the ones with
+    flags and a checksum).  Only call it when no process writes the file.
+    Returns whether anything was cleared.
+    """
+    with open(path, "r+b") as handle:
+        head = bytearray(handle.read(12))
+        if head[:8] != _SIGNATURE or head[8] not in (2, 3) or head[11] == 0:
+            return False
+        offsets = head[9]
+        body = head + handle.read(4 * offsets)
+        body[11] = 0
+        handle.seek(0)
+        handle.write(bytes(body) + _lookup3(bytes(body)).to_bytes(4, "little"))
+        handle.flush()
+        os.fsync(handle.fileno())
+    return True

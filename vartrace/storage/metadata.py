@@ -1,0 +1,171 @@
+"""What a run file records about the run that wrote it (``/meta``).
+
+:func:`collect_metadata` gathers the command line, working directory, host,
+versions, installed packages, git state, world size, start time and an
+allow-listed set of environment variables.  Secrets stay out: environment
+variables whose names look secret are never recorded even when allow-listed,
+and command-line values given to secret-looking options are redacted.
+
+Example::
+
+    meta = collect_metadata(world_size=4)
+    meta["git"]["commit"], meta["env"].get("CUDA_VISIBLE_DEVICES")
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+from typing import Any
+
+__all__ = ["ENV_NAMES", "ENV_PREFIXES", "collect_metadata", "looks_secret"]
+
+ENV_NAMES = frozenset(
+    {
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "NODE_RANK",
+        "PYTHONHASHSEED",
+        "PYTHONOPTIMIZE",
+        "CONDA_DEFAULT_ENV",
+        "VIRTUAL_ENV",
+    }
+)
+ENV_PREFIXES = (
+    "CUDA_",
+    "CUBLAS_",
+    "CUDNN_",
+    "NCCL_",
+    "TORCH_",
+    "PYTORCH_",
+    "OMP_",
+    "MKL_",
+    "SLURM_",
+    "VARTRACE_",
+)
+_SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH|COOKIE|PRIVATE", re.I)
+_DIFF_LIMIT = 1 << 20
+_GIT_TIMEOUT_S = 10.0
+
+
+def looks_secret(name: str) -> bool:
+    """Whether a variable or option name looks like it holds a secret.
+
+    Example: ``looks_secret("HF_TOKEN") and not looks_secret("OMP_NUM_THREADS")``.
+    """
+    return _SECRET.search(name) is not None
+
+
+def _environment() -> dict[str, str]:
+    return {
+        name: value
+        for name, value in sorted(os.environ.items())
+        if (name in ENV_NAMES or name.startswith(ENV_PREFIXES)) and not looks_secret(name)
+    }
+
+
+def _command_line() -> list[str]:
+    """``sys.argv`` with the values of secret-looking options replaced."""
+    redacted: list[str] = []
+    hide_next = False
+    for argument in sys.argv:
+        option, equals, _ = argument.partition("=")
+        if hide_next:
+            redacted.append("<redacted>")
+        elif argument.startswith("-") and equals and looks_secret(option):
+            redacted.append(f"{option}=<redacted>")
+        else:
+            redacted.append(argument)
+        hide_next = argument.startswith("-") and not equals and looks_secret(argument)
+    return redacted
+
+
+def _git(*args: str) -> bytes | None:
+    try:
+        done = subprocess.run(
+            ["git", *args],
+            capture_output=True,
+            timeout=_GIT_TIMEOUT_S,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _text(raw: bytes | None) -> str:
+    """Git output as text, cut to the size limit."""
+    return (raw or b"")[:_DIFF_LIMIT].decode("utf-8", "replace")
+
+
+def _git_state() -> dict[str, Any]:
+    commit = _git("rev-parse", "HEAD")
+    if commit is None:
+        return {"available": False}
+    status = _git("status", "--porcelain") or b""
+    diff = _git("diff", "HEAD") or b""
+    return {
+        "available": True,
+        "commit": _text(commit).strip(),
+        "branch": _text(_git("rev-parse", "--abbrev-ref", "HEAD")).strip(),
+        "dirty": bool(status.strip()),
+        "status": _text(status),
+        "diff": _text(diff),
+        "diff_truncated": len(diff) > _DIFF_LIMIT,
+    }
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _packages() -> list[str]:
+    found = {
+        f"{dist.metadata['Name']}=={dist.version}"
+        for dist in importlib.metadata.distributions()
+        if dist.metadata["Name"]
+    }
+    return sorted(found, key=str.lower)
+
+
+def collect_metadata(world_size: int = 1) -> dict[str, Any]:
+    """The run metadata as a nested dict of strings, numbers, bools and string lists."""
+    import h5py
+
+    versions = {
+        "python": sys.version,
+        "platform": platform.platform(),
+        "hdf5": h5py.version.hdf5_version,
+        **{name: _version(name) for name in ("torch", "numpy", "h5py", "vartrace")},
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        versions["cuda"] = torch.version.cuda or ""
+    return {
+        "command": _command_line(),
+        "executable": sys.executable,
+        "cwd": os.getcwd(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "start_time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "world_size": world_size,
+        "versions": versions,
+        "packages": _packages(),
+        "git": _git_state(),
+        "env": _environment(),
+    }

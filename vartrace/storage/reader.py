@@ -1,0 +1,554 @@
+"""Reading run files offline: ``vartrace.open``.
+
+Example::
+
+    import vartrace
+
+    with vartrace.open("run.h5") as run:
+        site = run["layers.0.attn.forward.scores"]
+        site.values            # the h5py dataset (records x padded shape), read lazily
+        site.iterations        # numpy int64 array, one entry per record
+        site.get(iteration=8)  # the record of iteration 8 (rank 0), exact shape and dtype
+        run.to_frame(stat="norm")
+
+Opening reads nothing but the root attributes; records are read when asked
+for.  Shards of a run written with ``ModelTracer(gather=False)`` open as one
+run: ``vartrace.open("run.rank*.h5")``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import errno
+import glob
+import os
+from collections.abc import Callable, Iterator, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from vartrace.storage._codec import (
+    IN_OTHER,
+    KIND_NAMES,
+    Kind,
+    PickleNotAllowedError,
+    from_array,
+    from_blob,
+)
+from vartrace.storage._layout import COMMITTED, FORMAT_ATTR, FORMAT_VERSION, TAGS, unescape
+
+__all__ = ["STATS", "PickleNotAllowedError", "Run", "Site", "open_file", "open_run"]
+
+_READ_BLOCK = 64 << 20  # bytes read at once by to_frame
+
+
+def _mean(x: np.ndarray) -> Any:
+    return x.mean()
+
+
+STATS: dict[str, Callable[[np.ndarray], Any]] = {
+    "mean": _mean,
+    "std": lambda x: x.std(),
+    "min": lambda x: x.min(),
+    "max": lambda x: x.max(),
+    "norm": lambda x: float(np.sqrt(np.sum(np.abs(x) ** 2))),
+    "absmax": lambda x: np.abs(x).max(),
+}
+"""Named statistics of :meth:`Run.to_frame`, computed in float64 (``std`` is the population std)."""
+
+
+def _missing(path: Path) -> FileNotFoundError:
+    shards = sorted(glob.glob(glob.escape(str(path.with_name(path.stem))) + ".rank*" + path.suffix))
+    hint = f"; shards of a sharded run exist: open {path.stem}.rank*{path.suffix}" if shards else ""
+    return FileNotFoundError(errno.ENOENT, f"no such run file{hint}", str(path))
+
+
+def open_file(path: str | os.PathLike[str]) -> h5py.File:
+    """Open one vartrace file read-only with h5py, checking its format version.
+
+    A file whose writer is running or was killed is opened in SWMR mode.
+    Raises ``ValueError`` naming the path for a file that is not a vartrace
+    file or was written by a newer vartrace.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise _missing(path)
+    try:
+        handle = h5py.File(path, "r")
+    except OSError as error:
+        if "already open for write" not in str(error):
+            raise ValueError(f"{path} is not a vartrace file: not an HDF5 file ({error})") from None
+        try:
+            handle = h5py.File(path, "r", swmr=True)
+        except OSError as swmr_error:
+            raise OSError(
+                errno.EBUSY,
+                "a process holds the file open for writing outside SWMR mode, or was killed "
+                "then; if no process writes it, vartrace.storage.recover(path) makes it "
+                f"readable ({swmr_error})",
+                str(path),
+            ) from None
+    version = handle.attrs.get(FORMAT_ATTR)
+    if version is None:
+        handle.close()
+        raise ValueError(f"{path} is not a vartrace file: no {FORMAT_ATTR!r} root attribute")
+    if int(version) > FORMAT_VERSION:
+        handle.close()
+        raise ValueError(
+            f"{path} has vartrace format version {int(version)}, newer than this vartrace "
+            f"reads ({FORMAT_VERSION}); upgrade vartrace to read it"
+        )
+    return handle
+
+
+def _read_tree(group: h5py.Group) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for link, item in group.items():
+        key = unescape(link)
+        if isinstance(item, h5py.Group):
+            tree[key] = _read_tree(item)
+        elif h5py.check_string_dtype(item.dtype):
+            value = item.asstr()[()]
+            tree[key] = list(value) if item.ndim else value
+        else:
+            tree[key] = item[()].item()
+    return tree
+
+
+class _Part:
+    """One file's datasets of one site."""
+
+    def __init__(self, group: h5py.Group, committed: np.ndarray) -> None:
+        self.group = group
+        slot = int(group.attrs["slot"])
+        self.rows = int(committed[slot]) if slot < len(committed) else 0
+        self.values: h5py.Dataset | None = group.get("values")
+        self.storage = "" if self.values is None else str(self.values.attrs["storage"])
+        self.torch_dtype = (
+            "" if self.values is None else str(self.values.attrs.get("torch_dtype", ""))
+        )
+
+    @cached_property
+    def tags(self) -> dict[str, np.ndarray]:
+        return {name: self.group[name][: self.rows] for name in TAGS}
+
+    @cached_property
+    def shapes(self) -> np.ndarray:
+        shapes = self.group.get("shapes")
+        return np.zeros((self.rows, 0), np.int64) if shapes is None else shapes[: self.rows]
+
+    @property
+    def dtype(self) -> str:
+        if self.storage == "array":
+            assert self.values is not None
+            return self.torch_dtype or self.values.dtype.name
+        return {"str": "str", "blob": "object"}.get(self.storage, "none")
+
+    def read(self, row: int, allow_pickle: bool, where: str) -> Any:
+        code = int(self.tags["kinds"][row])
+        kind = code & 0x7F
+        if kind == Kind.NONE:
+            return None
+        if code & IN_OTHER:
+            return from_blob(kind, self.group["other"][row].tobytes(), allow_pickle, where)
+        assert self.values is not None
+        if self.storage == "str":
+            return self.values.asstr()[row]
+        if self.storage == "blob":
+            return from_blob(kind, self.values[row].tobytes(), allow_pickle, where)
+        data = np.asarray(self.values[(row, *(slice(0, n) for n in self.shapes[row]))])
+        return from_array(kind, data, self.torch_dtype)
+
+    def describe(
+        self, stat: str | Callable[[Any], Any], allow_pickle: bool, name: str
+    ) -> list[tuple[Any, str, tuple[int, ...]]]:
+        """Per row: the statistic of the record, its dtype name and its shape."""
+        kinds = self.tags["kinds"]
+        rows: list[Any] = [None] * len(kinds)
+        if self.storage == "array":
+            assert self.values is not None
+            record_bytes = self.values.dtype.itemsize * int(np.prod(self.values.shape[1:]))
+            step = max(1, _READ_BLOCK // max(1, record_bytes))
+            for begin in range(0, len(kinds), step):
+                block = self.values[begin : begin + step]
+                numeric = block if callable(stat) else _decode_raw(block, self.torch_dtype)
+                for row in range(begin, begin + len(block)):
+                    if kinds[row] & IN_OTHER or kinds[row] == Kind.NONE:
+                        continue
+                    shape = tuple(int(n) for n in self.shapes[row])
+                    cut = (row - begin, *(slice(0, n) for n in shape))
+                    value = from_array(int(kinds[row]), block[cut], self.torch_dtype)
+                    rows[row] = (_apply(stat, value, numeric[cut]), self.dtype, shape)
+        for row, kind in enumerate(kinds & 0x7F):
+            if rows[row] is not None:
+                continue
+            if kind == Kind.PICKLE and not allow_pickle and not callable(stat):
+                rows[row] = (np.nan, "pickle", ())
+                continue
+            value = self.read(row, allow_pickle, f"row {row} of site {name!r}")
+            numeric = _numeric(value)
+            if hasattr(value, "dtype") and hasattr(value, "shape"):
+                dtype, shape = str(value.dtype).removeprefix("torch."), tuple(value.shape)
+            else:
+                dtype, shape = KIND_NAMES[kind], ()
+            rows[row] = (_apply(stat, value, numeric), dtype, shape)
+        return rows
+
+
+class ValuesView:
+    """The ``values`` of one site's records, lazily: across shards (in merged
+    record order), or of a file whose ``values`` holds rows past the last
+    flushed record (a killed or running writer's).
+
+    Supports ``len``, ``shape``, ``dtype``, ``ndim``, indexing along records
+    (an int, a slice or an index array, optionally followed by more indices)
+    and ``numpy.asarray``; records are zero-padded to the largest shape.
+    """
+
+    def __init__(self, parts: list[_Part], where: list[tuple[int, int]]) -> None:
+        datasets = [part.values for part in parts if part.values is not None]
+        self._parts = parts
+        self._where = where
+        self.dtype = datasets[0].dtype
+        padded = np.max([dataset.shape[1:] for dataset in datasets], axis=0).astype(int)
+        self.shape = (len(where), *(int(size) for size in padded))
+        self.ndim = len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        index, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        rows = np.arange(len(self))[index]
+        out = np.zeros((rows.size, *self.shape[1:]), self.dtype)
+        where = [self._where[record] for record in rows.reshape(-1)]
+        parts = {part for part, _ in where}
+        located = np.array([row for _, row in where], int)
+        if len(parts) == 1 and located.size and (np.diff(located) == 1).all():
+            block = self._parts[where[0][0]].values[located[0] : located[-1] + 1]
+            out[(slice(None), *(slice(0, size) for size in block.shape[1:]))] = block
+        else:
+            for position, (part, row) in enumerate(where):
+                data = self._parts[part].values[row]
+                out[(position, *(slice(0, size) for size in data.shape))] = data
+        return out.reshape(rows.shape + self.shape[1:])[(slice(None),) * rows.ndim + rest]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        data = self[:]
+        return data if dtype is None else data.astype(dtype)
+
+
+class Site:
+    """The records of one site in a run (one file or several shards).
+
+    Attributes ``iterations``, ``ranks``, ``order``, ``kinds`` and ``shapes`` are
+    numpy arrays with one entry per record; ``values`` is the lazy h5py dataset
+    (a :class:`ValuesView` across shards).  Records are in file order for one
+    file, sorted by (iteration, rank, order) across shards.
+
+    Example::
+
+        site = run["forward.x"]
+        first = site.get(site.iterations[0])
+    """
+
+    def __init__(self, name: str, parts: list[_Part], allow_pickle: bool) -> None:
+        self.name = name
+        self._parts = parts
+        self._allow_pickle = allow_pickle
+        part_of = np.concatenate([np.full(len(p.tags["kinds"]), i) for i, p in enumerate(parts)])
+        row_of = np.concatenate([np.arange(len(p.tags["kinds"])) for p in parts])
+        tags = {
+            field: np.concatenate([p.tags[field] for p in parts])
+            for field in ("iterations", "ranks", "order", "kinds")
+        }
+        order = (
+            np.lexsort((tags["order"], tags["ranks"], tags["iterations"]))
+            if len(parts) > 1
+            else np.arange(len(row_of))
+        )
+        self._where = [(int(part_of[i]), int(row_of[i])) for i in order]
+        self.iterations: np.ndarray = tags["iterations"][order]
+        self.ranks: np.ndarray = tags["ranks"][order]
+        self.order: np.ndarray = tags["order"][order]
+        self._kinds = tags["kinds"][order]
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __repr__(self) -> str:
+        return f"<Site {self.name!r} records={len(self)} dtype={self.dtype}>"
+
+    @property
+    def values(self) -> h5py.Dataset | ValuesView | None:
+        """The stored values (records x padded shape); ``None`` if every record is None.
+
+        Rows of records that did not fit (see ``kinds``) hold the fill value;
+        use :meth:`record` or :meth:`get` for exact values.
+        """
+        if all(part.values is None for part in self._parts):
+            return None
+        single = self._parts[0].values if len(self._parts) == 1 else None
+        if single is not None and single.shape[0] == len(self):
+            return single
+        return ValuesView(self._parts, self._where)
+
+    @cached_property
+    def shapes(self) -> np.ndarray:
+        """The true shape of each record, (records, ndim); -1 rows: record not in ``values``."""
+        shapes = [part.shapes for part in self._parts]
+        width = max(s.shape[1] for s in shapes)
+        rows = [np.pad(s, ((0, 0), (0, width - s.shape[1])), constant_values=-1) for s in shapes]
+        return np.concatenate(rows)[[self._index(p, r) for p, r in self._where]]
+
+    def _index(self, part: int, row: int) -> int:
+        return sum(len(p.tags["kinds"]) for p in self._parts[:part]) + row
+
+    @property
+    def kinds(self) -> np.ndarray:
+        """The kind of each record: ``"tensor"``, ``"ndarray"``, ``"int"``, ``"none"``..."""
+        return np.array(KIND_NAMES)[self._kinds & 0x7F]
+
+    @property
+    def in_values(self) -> np.ndarray:
+        """Whether each record's value sits in ``values`` (numeric ones at their ``shapes``).
+
+        False for None records and for records that did not fit ``values``
+        (another dtype or kind than the site's first), which :meth:`record` reads.
+        """
+        return ((self._kinds & IN_OTHER) == 0) & (self._kinds != Kind.NONE)
+
+    @property
+    def dtype(self) -> str:
+        """The dtype name of ``values`` (e.g. ``"bfloat16"``, ``"float32"``, ``"str"``)."""
+        return next((p.dtype for p in self._parts if p.values is not None), "none")
+
+    def record(self, index: int) -> Any:
+        """The value of record ``index``: exact shape, dtype and Python type."""
+        part, row = self._where[index]
+        where = f"record {index} of site {self.name!r}"
+        return self._parts[part].read(row, self._allow_pickle, where)
+
+    def get(self, iteration: int, rank: int = 0) -> Any:
+        """The value recorded at ``iteration`` on ``rank``.
+
+        A torch tensor for tensor records (any dtype, bfloat16 included), the
+        Python or numpy value otherwise.  When several records share the
+        iteration and rank (a method called twice in one step), a list of them
+        in capture order.  ``KeyError`` when there is none.
+        """
+        hits = np.flatnonzero((self.iterations == iteration) & (self.ranks == rank))
+        if not hits.size:
+            found = np.unique(self.iterations[self.ranks == rank])
+            span = f"iterations {found[0]}..{found[-1]}" if found.size else "no records"
+            raise KeyError(
+                f"site {self.name!r} has no record at iteration {iteration} on rank {rank} "
+                f"(rank {rank} has {span}, {found.size} distinct)"
+            )
+        hits = hits[np.argsort(self.order[hits], kind="stable")]
+        values = [self.record(int(index)) for index in hits]
+        return values[0] if len(values) == 1 else values
+
+
+def _numeric(value: Any) -> np.ndarray | None:
+    """A numeric record as a numpy array (tensors of any dtype included), else ``None``."""
+    if hasattr(value, "detach"):  # a tensor
+        import torch
+
+        tensor = value.detach()
+        if tensor.is_complex():
+            return tensor.to(torch.complex128).numpy()
+        return tensor.numpy() if tensor.dtype == torch.bool else tensor.double().numpy()
+    if isinstance(value, (bool, int, float, complex)):
+        return np.asarray(value, complex if isinstance(value, complex) else float)
+    if isinstance(value, (np.ndarray, np.generic)) and np.asarray(value).dtype.kind in "biufc":
+        return np.asarray(value)
+    return None
+
+
+def _apply(stat: str | Callable[[Any], Any], value: Any, numeric: np.ndarray | None) -> Any:
+    if callable(stat):
+        return stat(value)
+    if numeric is None or not numeric.size:
+        return np.nan
+    numeric = numeric.astype(np.complex128 if numeric.dtype.kind == "c" else np.float64)
+    result = STATS[stat](numeric)
+    return complex(result) if np.iscomplexobj(result) else float(result)
+
+
+def _decode_raw(block: np.ndarray, torch_dtype: str) -> np.ndarray:
+    """Numbers of a block stored as the raw bits of ``torch_dtype`` (bfloat16, float8...)."""
+    if torch_dtype == "bfloat16":
+        block = (block.astype(np.uint32) << 16).view(np.float32)
+    elif torch_dtype:
+        import torch
+
+        raw = torch.from_numpy(np.ascontiguousarray(block).view(f"i{block.dtype.itemsize}"))
+        converted = raw.view(getattr(torch, torch_dtype))
+        block = (
+            converted.to(torch.complex128) if converted.is_complex() else converted.double()
+        ).numpy()
+    return block
+
+
+def _expand(path_or_glob: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
+    if isinstance(path_or_glob, (str, os.PathLike)):
+        text = os.fspath(path_or_glob)
+        if not os.path.exists(text) and glob.has_magic(text):
+            paths = sorted(glob.glob(text))
+            if not paths:
+                raise FileNotFoundError(errno.ENOENT, "no file matches the pattern", text)
+            return [Path(p) for p in paths]
+        return [Path(text)]
+    paths = [Path(p) for p in path_or_glob]
+    if not paths:
+        raise ValueError("open_run needs at least one path")
+    return paths
+
+
+class Run:
+    """A run read from one file, or from the shards of a sharded run.
+
+    ``run.names`` lists the sites, ``run[name]`` is a :class:`Site`, ``run.meta``
+    the metadata dict.  Close it (or use ``with``) to release the files.
+    """
+
+    def __init__(self, paths: list[Path], allow_pickle: bool = False) -> None:
+        self.paths = paths
+        self.allow_pickle = allow_pickle
+        self._files: list[h5py.File] = []
+        try:
+            for path in paths:
+                self._files.append(open_file(path))
+        except BaseException:
+            self.close()
+            raise
+        self._sites: dict[str, Site] = {}
+
+    @cached_property
+    def _links(self) -> dict[str, list[_Part]]:
+        links: dict[str, list[_Part]] = {}
+        for handle in self._files:
+            committed = handle[COMMITTED][()]
+            for link, group in handle["vars"].items():
+                part = _Part(group, committed)
+                if part.rows:  # a site a killed writer created but never flushed is left out
+                    links.setdefault(unescape(link), []).append(part)
+        return links
+
+    @property
+    def names(self) -> list[str]:
+        """The site names, sorted."""
+        return sorted(self._links)
+
+    def __getitem__(self, name: str) -> Site:
+        site = self._sites.get(name)
+        if site is None:
+            parts = self._links.get(name)
+            if parts is None:
+                close = difflib.get_close_matches(name, self._links, n=5, cutoff=0.5)
+                hint = f"; close matches: {', '.join(close)}" if close else ""
+                raise KeyError(f"no site {name!r} in {self._describe()}{hint}")
+            site = self._sites[name] = Site(name, parts, self.allow_pickle)
+        return site
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._links
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    @cached_property
+    def meta(self) -> dict[str, Any]:
+        """The run metadata (of the first file for shards); empty if none was written."""
+        meta = self._files[0].get("meta")
+        return {} if meta is None else _read_tree(meta)
+
+    def to_frame(
+        self, stat: str | Callable[[Any], Any] = "mean", names: Sequence[str] | None = None
+    ) -> Any:
+        """A pandas DataFrame with one row per record and a statistic column.
+
+        Columns: site, iteration, rank, order, shape, dtype and the statistic
+        (named after ``stat``).  ``stat`` is one of ``mean``, ``std``, ``min``,
+        ``max``, ``norm``, ``absmax`` (float64; NaN for non-numeric records) or
+        a callable receiving each record's value as :meth:`Site.get` returns it.
+
+        Example: ``run.to_frame("absmax").groupby("site")["absmax"].max()``.
+        """
+        import pandas as pd
+
+        if not callable(stat) and stat not in STATS:
+            raise ValueError(
+                f"unknown statistic {stat!r}; use one of {sorted(STATS)} or a callable"
+            )
+        column = stat if isinstance(stat, str) else getattr(stat, "__name__", "stat")
+        column = "stat" if column == "<lambda>" else column
+        frames = []
+        for name in self.names if names is None else names:
+            site = self[name]
+            described = [part.describe(stat, self.allow_pickle, name) for part in site._parts]
+            stats, dtypes, shapes = (
+                zip(*(described[part][row] for part, row in site._where), strict=True)
+                if len(site)
+                else ((), (), ())
+            )
+            frames.append(
+                pd.DataFrame(
+                    {
+                        "site": name,
+                        "iteration": site.iterations,
+                        "rank": site.ranks,
+                        "order": site.order,
+                        "shape": shapes,
+                        "dtype": dtypes,
+                        column: stats,
+                    }
+                )
+            )
+        columns = ["site", "iteration", "rank", "order", "shape", "dtype", column]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
+
+    def _describe(self) -> str:
+        return str(self.paths[0]) if len(self.paths) == 1 else f"{len(self.paths)} shards"
+
+    def close(self) -> None:
+        """Close the files."""
+        for handle in self._files:
+            handle.close()
+        self._files = []
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Run {self._describe()} sites={len(self)}>"
+
+
+def open_run(
+    path_or_glob: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    *,
+    allow_pickle: bool = False,
+) -> Run:
+    """Open a run file read-only (``vartrace.open``), lazily.
+
+    ``path_or_glob`` is a path, a glob pattern (``"run.rank*.h5"``) or a list
+    of paths; several files are read as the shards of one run.  Pickled
+    records are refused unless ``allow_pickle=True``, since unpickling runs
+    code stored in the file.
+
+    Example::
+
+        with vartrace.open("run.h5") as run:
+            print(run.names, run.meta["git"]["commit"])
+    """
+    return Run(_expand(path_or_glob), allow_pickle=allow_pickle)

@@ -1,0 +1,568 @@
+"""The streaming HDF5 writer: a post-gather callback that appends every chunk to a file.
+
+Example::
+
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    with H5PYSaverCallback("run.h5", compression="blosc2") as saver, ModelTracer(
+        model, ["layers.*.attn.forward.scores"], post_gather_callbacks=[saver],
+        gathering_interval=8,
+    ):
+        train(model)
+
+Each call appends the chunk's records to the site's datasets and empties the
+chunk, so memory stays bounded; the tracer calls :meth:`~H5PYSaverCallback.flush`
+once after each gather.  The file is written in HDF5's SWMR mode: a process
+killed at any moment leaves a file holding every record flushed before, and
+``vartrace.open`` (or ``h5py.File(path, "r", swmr=True)``) can read a file
+while it is being written.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from vartrace.storage._codec import IN_OTHER, Kind, Leaf, dtype_name, encode, to_blob
+from vartrace.storage._layout import (
+    COMMITTED,
+    FORMAT_ATTR,
+    FORMAT_VERSION,
+    LIBVER,
+    TAGS,
+    clear_write_flags,
+    escape,
+    has_write_flags,
+    shard_path,
+    writer_alive,
+)
+from vartrace.trace import RunContext, Trace
+
+__all__ = ["COMPRESSIONS", "H5PYSaverCallback", "recover", "write_tree"]
+
+_CHUNK_TARGET = 512 << 10  # bytes of a multi-record chunk
+_CHUNK_MAX = 8 << 20  # a record bigger than this is split into several chunks
+_TAG_CHUNK = 4096
+_STACK_BELOW = 1 << 20  # smaller equally shaped records are written together, up to this many bytes
+_BLOB = h5py.vlen_dtype(np.uint8)
+_STR = h5py.string_dtype("utf-8")
+
+
+def _blosc2(cname: str) -> dict[str, Any]:
+    import hdf5plugin
+
+    return dict(hdf5plugin.Blosc2(cname=cname, clevel=5, filters=hdf5plugin.Blosc2.SHUFFLE))
+
+
+COMPRESSIONS = {
+    "blosc2": lambda: _blosc2("lz4"),
+    "blosc2-lz4": lambda: _blosc2("lz4"),
+    "blosc2-zstd": lambda: _blosc2("zstd"),
+}
+"""Shortcut compression names (they need the ``hdf5plugin`` package)."""
+
+
+def _filters(compression: Any, options: Any, shuffle: bool) -> dict[str, Any]:
+    if isinstance(compression, str) and compression in COMPRESSIONS:
+        filters = COMPRESSIONS[compression]()
+    elif isinstance(compression, Mapping):  # an hdf5plugin filter object
+        filters = dict(compression)
+    else:
+        filters = {"compression": compression, "compression_opts": options}
+    if shuffle:
+        filters["shuffle"] = True
+    return {key: value for key, value in filters.items() if value is not None}
+
+
+def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Chunk shape: whole records (split when huge), several small records per chunk."""
+    dims = [max(1, size) for size in shape]
+    while int(np.prod(dims)) * itemsize > _CHUNK_MAX:
+        largest = int(np.argmax(dims))
+        dims[largest] = -(-dims[largest] // 2)
+    rows = _CHUNK_TARGET // max(1, int(np.prod(dims)) * itemsize)
+    return (min(max(rows, 1), _TAG_CHUNK), *dims)
+
+
+def _put(dataset: h5py.Dataset, offset: tuple[int, ...], data: np.ndarray) -> None:
+    """Write ``data`` into ``dataset`` at ``offset`` (h5py's low-level calls: fast)."""
+    data = np.ascontiguousarray(data)
+    space = dataset.id.get_space()
+    space.select_hyperslab(offset, data.shape)
+    dataset.id.write(h5py.h5s.create_simple(data.shape), space, data)
+
+
+def _int64(tags: Any) -> np.ndarray:
+    return np.asarray(tags, dtype=np.int64).reshape(-1)
+
+
+def write_tree(group: h5py.Group, tree: Mapping[str, Any]) -> None:
+    """Store a nested dict of str / numbers / bools / str lists as datasets under ``group``."""
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            write_tree(group.create_group(escape(key)), value)
+        elif isinstance(value, str):
+            group.create_dataset(escape(key), data=value, dtype=_STR)
+        elif isinstance(value, (list, tuple)):
+            group.create_dataset(escape(key), data=list(value), shape=(len(value),), dtype=_STR)
+        else:
+            group.create_dataset(escape(key), data=value)
+
+
+class _Site:
+    """The datasets of one site and the appending logic."""
+
+    def __init__(self, group: h5py.Group, options: dict[str, Any], rows: int) -> None:
+        self.group = group
+        self.options = options
+        self.slot = int(group.attrs["slot"])
+        self.tags = {name: group[name] for name in TAGS}
+        self.values: h5py.Dataset | None = group.get("values")
+        self.shapes: h5py.Dataset | None = group.get("shapes")
+        self.other: h5py.Dataset | None = group.get("other")
+        self.rows = rows  # committed records; rows past them (a killed writer's) are rewritten
+        self.padded: tuple[int, ...] = () if self.values is None else self.values.shape[1:]
+        self.storage = "" if self.values is None else str(self.values.attrs["storage"])
+        self.key = "" if self.values is None else str(self.values.attrs.get("key", ""))
+
+    @classmethod
+    def create(cls, parent: h5py.Group, name: str, options: dict[str, Any], slot: int) -> _Site:
+        group = parent.create_group(escape(name))
+        group.attrs["slot"] = slot
+        if _utf8(name):  # for people browsing the file; the reader unescapes the link name
+            group.attrs["name"] = name
+        for tag in TAGS:
+            dtype = np.uint8 if tag == "kinds" else np.int64
+            group.create_dataset(tag, (0,), dtype, maxshape=(None,), chunks=(_TAG_CHUNK,))
+        return cls(group, options, 0)
+
+    def _encode(self, value: Any) -> Leaf:
+        return encode(value, self.options["float_dtype"], self.options["int_dtype"])
+
+    def _fits(self, leaf: Leaf) -> bool:
+        if self.storage == "array":
+            return isinstance(leaf.data, np.ndarray) and leaf.key == self.key
+        if self.storage == "str":
+            return leaf.kind == Kind.STR and _utf8(leaf.data)
+        return leaf.kind != Kind.NONE
+
+    def _create_values(self, leaf: Leaf) -> None:
+        rows = self.rows
+        if isinstance(leaf.data, np.ndarray):
+            shape, ndim = leaf.data.shape, leaf.data.ndim
+            self.storage, self.key, self.padded = "array", leaf.key, shape
+            values = self.group.create_dataset(
+                "values",
+                (rows, *shape),
+                leaf.data.dtype,
+                maxshape=(None,) * (ndim + 1),
+                chunks=_chunks(shape, leaf.data.dtype.itemsize),
+                **self.options["filters"],
+            )
+            values.attrs.update(storage="array", key=leaf.key, torch_dtype=leaf.torch_dtype)
+            if ndim:
+                self.shapes = self.group.create_dataset(
+                    "shapes",
+                    (rows, ndim),
+                    np.int64,
+                    maxshape=(None, ndim),
+                    chunks=(_TAG_CHUNK, ndim),
+                    fillvalue=-1,
+                )
+        else:
+            self.storage = "str" if leaf.kind == Kind.STR and _utf8(leaf.data) else "blob"
+            dtype = _STR if self.storage == "str" else _BLOB
+            values = self.group.create_dataset(
+                "values", (rows,), dtype, maxshape=(None,), chunks=(_TAG_CHUNK,)
+            )
+            values.attrs["storage"] = self.storage
+        self.values = values
+
+    def append(self, trace: Trace) -> None:
+        """Append the records of ``trace``."""
+        count = len(trace)
+        if not count:
+            return
+        start, stop = self.rows, self.rows + count
+        block = self._block(trace)
+        if block is not None:
+            self._write_block(block.data, trace.shapes, start, stop)
+            kinds = np.full(count, block.kind, np.uint8)
+        else:
+            leaves = [self._encode(value) for value in _records(trace)]
+            kinds = self._write_leaves(leaves, start, stop)
+        tags = (trace.iterations, trace.ranks, trace.order)
+        for name, data in zip(TAGS, (*(_int64(tag) for tag in tags), kinds), strict=True):
+            self.tags[name].id.set_extent((stop,))
+            _put(self.tags[name], (start,), data)
+        self.rows = stop
+
+    def _block(self, trace: Trace) -> Leaf | None:
+        """The stacked values of ``trace`` as one leaf, when they go to ``values`` as they are."""
+        if isinstance(trace.values, (list, tuple)):
+            return None
+        leaf = self._encode(trace.values)
+        if not isinstance(leaf.data, np.ndarray) or leaf.data.ndim == 0:
+            return None
+        record = leaf._replace(data=leaf.data[0, ...])
+        if self.values is None:
+            self._create_values(record)
+        return leaf if self._fits(record) else None
+
+    def _extend(self, stop: int, shapes: list[tuple[int, ...]] = ()) -> None:
+        """Give every per-record dataset ``stop`` rows, growing ``values`` to fit ``shapes``."""
+        assert self.values is not None
+        if shapes:
+            self.padded = tuple(int(n) for n in np.max([self.padded, *shapes], axis=0))
+        self.values.id.set_extent((stop, *self.padded))
+        if self.shapes is not None:
+            self.shapes.id.set_extent((stop, len(self.padded)))
+        if self.other is not None:
+            self.other.id.set_extent((stop,))
+
+    def _write_block(self, data: np.ndarray, shapes: Any, start: int, stop: int) -> None:
+        record_shape = data.shape[1:]
+        self._extend(stop, [record_shape])
+        assert self.values is not None
+        _put(self.values, (start,) + (0,) * len(record_shape), data)
+        if self.shapes is not None:
+            true = [record_shape] * (stop - start) if shapes is None else shapes
+            _put(self.shapes, (start, 0), np.array([tuple(shape) for shape in true], np.int64))
+
+    def _write_leaves(self, leaves: list[Leaf], start: int, stop: int) -> np.ndarray:
+        """Write the records' values; return their stored kind codes."""
+        kinds = np.array([leaf.kind for leaf in leaves], np.uint8)
+        if self.values is None:
+            first = next((leaf for leaf in leaves if leaf.kind != Kind.NONE), None)
+            if first is None:
+                return kinds  # only None so far: the kinds say it all
+            self._create_values(first)
+        assert self.values is not None
+        fits = [self._fits(leaf) for leaf in leaves]
+        misfits = [
+            not fit and leaf.kind != Kind.NONE for leaf, fit in zip(leaves, fits, strict=True)
+        ]
+        if any(misfits) and self.other is None:
+            self.other = self.group.create_dataset(
+                "other", (start,), _BLOB, maxshape=(None,), chunks=(_TAG_CHUNK,)
+            )
+        if self.storage == "array":
+            self._extend(
+                stop, [leaf.data.shape for leaf, fit in zip(leaves, fits, strict=True) if fit]
+            )
+            self._write_arrays(leaves, fits, start, stop)
+        else:
+            self._extend(stop)
+            empty = "" if self.storage == "str" else b""
+            rows = [
+                (leaf.data if self.storage == "str" else to_blob(leaf)) if fit else empty
+                for leaf, fit in zip(leaves, fits, strict=True)
+            ]
+            _put(self.values, (start,), _objects(rows))
+        if self.other is not None:
+            rows = [
+                to_blob(leaf) if bad else b"" for leaf, bad in zip(leaves, misfits, strict=True)
+            ]
+            _put(self.other, (start,), _objects(rows))
+            kinds[misfits] |= IN_OTHER
+        return kinds
+
+    def _write_arrays(self, leaves: list[Leaf], fits: list[bool], start: int, stop: int) -> None:
+        assert self.values is not None
+        index = 0
+        while index < len(leaves):
+            if not fits[index]:
+                index += 1
+                continue
+            data = leaves[index].data
+            end = index + 1
+            if data.shape == self.padded and data.nbytes < _STACK_BELOW:
+                limit = _STACK_BELOW // max(1, data.nbytes)
+                while end < len(leaves) and end - index < limit and fits[end]:
+                    if leaves[end].data.shape != self.padded:
+                        break
+                    end += 1
+            if end - index > 1:
+                stacked = np.stack([leaf.data for leaf in leaves[index:end]])
+                _put(self.values, (start + index,) + (0,) * data.ndim, stacked)
+            else:
+                _put(self.values, (start + index,) + (0,) * data.ndim, data[np.newaxis])
+            index = end
+        if self.shapes is not None:
+            rows = np.full((stop - start, len(self.padded)), -1, np.int64)
+            for offset, (leaf, fit) in enumerate(zip(leaves, fits, strict=True)):
+                if fit:
+                    rows[offset] = leaf.data.shape
+            _put(self.shapes, (start, 0), rows)
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` survives an HDF5 UTF-8 string exactly (no NUL, no lone surrogate)."""
+    if "\0" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _objects(rows: list[str | bytes]) -> np.ndarray:
+    """The rows of a variable-length dataset, as an array h5py writes (bytes as uint8)."""
+    array = np.empty(len(rows), dtype=_STR if rows and isinstance(rows[0], str) else _BLOB)
+    for index, row in enumerate(rows):
+        array[index] = np.frombuffer(row, np.uint8) if isinstance(row, bytes) else row
+    return array
+
+
+def _records(trace: Trace) -> list[Any]:
+    """Each record's value, cut to its true shape when ``values`` was padded."""
+    values, shapes = trace.values, trace.shapes
+    if isinstance(values, (list, tuple)) and shapes is None:
+        return list(values)
+    records = []
+    for index in range(len(trace)):
+        value = values[index]
+        if shapes is not None:
+            value = value[tuple(slice(0, size) for size in shapes[index])]
+        records.append(value)
+    return records
+
+
+class H5PYSaverCallback:
+    """Post-gather callback streaming every record into an HDF5 file.
+
+    Example::
+
+        saver = H5PYSaverCallback("run.h5")
+        with ModelTracer(model, paths, post_gather_callbacks=[saver], gathering_interval=8):
+            train(model)
+        saver.close()
+        vartrace.open("run.h5")["forward.x"].get(iteration=3)
+
+    Args:
+        dataset_file: the file to write.  In a sharded run (``ModelTracer(gather=False)``
+            on several ranks) each rank writes ``<stem>.rank<r><suffix>`` instead.
+        overwrite: replace an existing file.
+        append: continue an existing vartrace file (a resumed run): records are appended
+            to its sites, new sites are added, its metadata is kept.  A missing file is
+            created.  Without ``overwrite`` or ``append`` an existing file raises
+            :class:`FileExistsError` and is left untouched.
+        float_dtype / int_dtype: store floating / integer tensors and arrays in this dtype
+            (e.g. ``"float16"``; ``"bfloat16"`` applies to tensors only); ``None`` keeps
+            each record's dtype, bit-exact.  Python scalars are always kept exact.
+        compression / compression_opts / shuffle: HDF5 filters for numeric ``values``
+            datasets: ``"gzip"``, ``"lzf"``, an ``hdf5plugin`` filter object, or the
+            shortcuts ``"blosc2"`` (Blosc2 + LZ4 + byte shuffle: fast, the recommended
+            one), ``"blosc2-zstd"``; the shortcuts need ``pip install hdf5plugin``.
+        metadata: store the run's metadata under ``/meta`` when the file is created.
+
+    The file is opened lazily: by :meth:`on_start` (the tracer calls it when it starts)
+    or by the first call.  In a gathered multi-rank run only rank 0 writes; the saver
+    of the other ranks stays idle.  Records handed to the saver are removed from the
+    chunk (``trace.clear()``), so they are not also kept in ``tracer.results``.
+    """
+
+    def __init__(
+        self,
+        dataset_file: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        append: bool = False,
+        float_dtype: Any = None,
+        int_dtype: Any = None,
+        compression: Any = None,
+        compression_opts: Any = None,
+        shuffle: bool = False,
+        metadata: bool = True,
+    ) -> None:
+        if overwrite and append:
+            raise ValueError("overwrite=True and append=True exclude each other")
+        self.path = Path(dataset_file)
+        self.overwrite = overwrite
+        self.append = append
+        self.metadata = metadata
+        self._options = {
+            "float_dtype": dtype_name(float_dtype, "f"),
+            "int_dtype": dtype_name(int_dtype, "i"),
+            "filters": _filters(compression, compression_opts, shuffle),
+        }
+        self._file: h5py.File | None = None
+        self._sites: dict[str, _Site] = {}
+        self._committed = np.zeros(0, np.int64)  # records per site slot, as of this session
+        self._dirty = False
+        self._context = RunContext()
+        self._idle = False
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def on_start(self, context: RunContext) -> None:
+        """Open the file for this rank (called by the tracer before the first record)."""
+        if self._file is not None or self._closed:
+            return
+        self._context = context
+        if context.sharded:
+            self.path = shard_path(self.path, context.rank)
+        elif context.rank != 0:
+            self._idle = True  # rank 0 writes the gathered records
+            return
+        self._open()
+
+    def _open(self) -> h5py.File:
+        if self._closed:
+            raise RuntimeError(f"H5PYSaverCallback for {self.path} is closed")
+        if self._idle:
+            raise RuntimeError(
+                f"H5PYSaverCallback for {self.path} received records on rank "
+                f"{self._context.rank} of a gathered run, where only rank 0 writes"
+            )
+        if self._file is not None:
+            return self._file
+        path = self.path
+        if path.exists() and self.overwrite:
+            path.unlink()
+        if path.exists() and not self.append:
+            raise FileExistsError(
+                errno.EEXIST,
+                "the file exists; pass overwrite=True to replace it or append=True to "
+                "continue it (it was left untouched)",
+                str(path),
+            )
+        if path.exists():
+            _check_appendable(path)
+            handle = h5py.File(path, "r+", libver=LIBVER)
+        else:
+            handle = h5py.File(path, "x", libver=LIBVER)
+            handle.attrs[FORMAT_ATTR] = FORMAT_VERSION
+            handle.attrs["vartrace_version"] = _vartrace_version()
+            handle.create_group("vars")
+            handle.create_dataset(COMMITTED, (0,), np.int64, maxshape=(None,), chunks=(_TAG_CHUNK,))
+            if self.metadata:
+                from vartrace.storage.metadata import collect_metadata
+
+                write_tree(handle.create_group("meta"), collect_metadata(self._context.world_size))
+        handle.attrs.update(writer_host=socket.gethostname(), writer_pid=os.getpid())
+        committed = handle[COMMITTED][()]
+        # Sites a killed writer created but never committed hold no records.
+        slots = [int(group.attrs["slot"]) for group in handle["vars"].values()]
+        self._committed = np.zeros(max([len(committed), *(s + 1 for s in slots)]), np.int64)
+        self._committed[: len(committed)] = committed
+        handle.swmr_mode = True
+        self._file = handle
+        return handle
+
+    def flush(self) -> None:
+        """Make every record written so far durable in the file (once per gather).
+
+        The records reach the file first, then the per-site record counts that
+        readers trust: a process killed at any moment leaves every record of the
+        last completed flush readable, and nothing half-written visible.
+        """
+        if self._file is None or not self._dirty:
+            return
+        self._file.flush()
+        committed = self._file[COMMITTED]
+        committed.id.set_extent(self._committed.shape)
+        _put(committed, (0,), self._committed)
+        self._file.flush()
+        self._dirty = False
+
+    def close(self) -> None:
+        """Flush and close the file; later records raise.  Safe to call twice."""
+        if self._file is not None:
+            self.flush()
+            self._file.close()
+            self._file = None
+        self._sites.clear()
+        self._closed = True
+
+    def __enter__(self) -> H5PYSaverCallback:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open" if self._file is not None else "not opened"
+        return f"<H5PYSaverCallback {str(self.path)!r} {state} sites={len(self._sites)}>"
+
+    # -- writing --------------------------------------------------------------------------
+
+    def __call__(self, name: str, trace: Trace) -> None:
+        """Append the chunk's records of site ``name`` to the file and empty the chunk."""
+        handle = self._open()
+        if not len(trace):
+            return
+        site = self._sites.get(name)
+        if site is None:
+            group = handle["vars"].get(escape(name))
+            if group is None:
+                slot = len(self._committed)
+                self._committed = np.append(self._committed, 0)
+                site = _Site.create(handle["vars"], name, self._options, slot)
+            else:
+                slot = int(group.attrs["slot"])
+                site = _Site(group, self._options, int(self._committed[slot]))
+            self._sites[name] = site
+        site.append(trace)
+        self._committed[site.slot] = site.rows
+        self._dirty = True
+        trace.clear()
+
+    @property
+    def datasets(self) -> dict[str, h5py.Dataset]:
+        """Site name -> its ``values`` dataset, for the sites written in this session."""
+        return {name: site.values for name, site in self._sites.items() if site.values is not None}
+
+
+def _vartrace_version() -> str:
+    from vartrace import __version__
+
+    return __version__
+
+
+def _check_appendable(path: Path) -> None:
+    """Raise unless ``path`` is a vartrace file this version can continue; recover a crash."""
+    from vartrace.storage.reader import open_file
+
+    open_file(path).close()
+    recover(path)
+
+
+def recover(path: str | os.PathLike[str], *, force: bool = False) -> bool:
+    """Make a file left by a killed writer openable by plain h5py (``h5clear -s``).
+
+    A writer killed mid-run leaves a consistent file whose superblock still says
+    "open for writing": ``vartrace.open`` and ``h5py.File(path, "r", swmr=True)``
+    read it as is, plain ``h5py.File(path)`` refuses it until this is called.
+    It refuses while the recorded writer process still runs on this host, and
+    when the writer ran on another host unless ``force=True``.  Returns whether
+    flags were cleared.  Example::
+
+        vartrace.storage.recover("run.h5")
+        h5py.File("run.h5")
+    """
+    path = Path(path)
+    if not has_write_flags(path):
+        return False
+    if not force:
+        from vartrace.storage.reader import open_file
+
+        with open_file(path) as handle:
+            host = str(handle.attrs.get("writer_host", ""))
+            pid = int(handle.attrs.get("writer_pid", -1))
+        alive = writer_alive(host, pid)
+        if alive is not False:
+            where = (
+                "still runs" if alive else f"ran on host {host!r}; pass force=True if it is gone"
+            )
+            raise OSError(errno.EBUSY, f"the writer process {pid} {where}", str(path))
+    return clear_write_flags(path)
