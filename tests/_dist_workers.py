@@ -270,7 +270,10 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """A tiny model whose traced values are exact functions of its input."""
+    """A tiny model whose traced values are exact functions of its input.
+
+    A batch of ``FAILING_BATCH`` rows makes its forward raise.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -278,6 +281,8 @@ class Net(nn.Module):
         self.head = nn.Linear(4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == FAILING_BATCH:
+            raise ValueError("rank 1 failed inside the traced step")
         repeats = 2 if x[0, 0].item() >= 1000 else 1
         hidden = self.block(x, repeats)
         return self.head(hidden)
@@ -291,6 +296,7 @@ def rank_input(rank: int, step: int) -> torch.Tensor:
 
 PATHS = ["forward.x", "block.helper.doubled", "block.forward.repeats"]
 STEPS = 5
+FAILING_BATCH = 3
 
 
 def _wrap(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -302,10 +308,11 @@ def _train(
     ddp: nn.Module, opt: torch.optim.Optimizer, rank: int, *, fail_at: int | None = None
 ) -> None:
     for step in range(1, STEPS + 1):
-        if fail_at is not None and step == fail_at and rank == 1:
-            raise ValueError("rank 1 failed inside the traced step")
+        x = rank_input(rank, step)
+        if step == fail_at and rank == 1:
+            x = x[:1].expand(FAILING_BATCH, -1)
         opt.zero_grad()
-        ddp(rank_input(rank, step)).sum().backward()
+        ddp(x).sum().backward()
         opt.step()
 
 
@@ -372,7 +379,7 @@ def _tracer_runs(rank: int, world: int, out: Path) -> dict[str, Any]:
 
 
 def _tracer_rank1_raises(rank: int, world: int, out: Path) -> None:
-    """Rank 1 raises in its third step while the others train on."""
+    """Rank 1's traced forward raises in its third step while the others train on."""
     from vartrace import ModelTracer
 
     model = _new_model()
