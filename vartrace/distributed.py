@@ -15,8 +15,10 @@ followed, in one flat ``uint8`` buffer, by the ``iterations`` / ``ranks`` /
 Records of 256 KiB or more are not copied into that buffer: they travel as
 messages of their own, straight from their storage, and rank 0 receives them
 straight into freshly allocated tensors of their final dtype and shape.
-Tensor bytes are never pickled: bfloat16, float8, bool and complex tensors
-travel as ``uint8`` views of their storage.  The exchange:
+Tensor bytes are never pickled: tensors of any dtype (bfloat16, float8, bool
+and complex included) travel as ``uint8`` views of their storage; only
+tensors without plain strided storage (sparse, quantized, nested, tensor
+subclasses) travel pickled, as opaque objects.  The exchange:
 
 1. an ``all_gather`` of one ``[length, status]`` pair per rank, so that rank 0
    knows every buffer's size and every rank knows whether any rank failed to
@@ -32,13 +34,13 @@ device memory rank 0 needs with NCCL.  (Point-to-point rather than
 the largest buffer, and gloo's gather measured about 5x slower than
 point-to-point for 64 MB per rank.)
 
-Rank 0's own records never travel: it merges them, as they are, with the
-unpacked records of the other ranks.  With NCCL the buffers live on the rank's
-current CUDA device during the transfer (call ``torch.cuda.set_device(local_rank)``
-before tracing, as NCCL requires anyway) and rank 0 copies what it receives
-back to CPU memory, so gathered records are CPU tensors; with gloo (or any
-backend that supports CPU tensors) they stay on the CPU.  The same code serves
-both.
+Rank 0's own records never travel: it merges them, as they are (and where
+they are), with the unpacked records of the other ranks.  With NCCL the
+buffers live on the rank's current CUDA device during the transfer (call
+``torch.cuda.set_device(local_rank)`` before tracing, as NCCL requires anyway)
+and rank 0 copies what it receives back to CPU memory, so the other ranks'
+records arrive as CPU tensors; with gloo (or any backend that supports CPU
+tensors) the buffers stay on the CPU.  The same code serves both.
 
 The merged chunk holds, for every site present on any rank, the records of
 rank 0, then rank 1, and so on, each rank's in its capture order; sites that
