@@ -453,3 +453,68 @@ def test_record_stats_from_a_file(tmp_path) -> None:
         stds = record_stats(source.site("layers.1.out"), "std")
     expected = [v.double().std(unbiased=False).item() for v in results["layers.1.out"].values]
     np.testing.assert_allclose(stds, expected, rtol=1e-12)
+
+
+def test_zero_copy_views_and_hdf5_reads_agree(tmp_path) -> None:
+    """Records viewed in place through a memory map give exactly what HDF5 reads give."""
+    from vartrace.frames import BufferPool, open_source
+    from vartrace.storage.writer import H5PYSaverCallback
+
+    generator = torch.Generator().manual_seed(5)
+    # 256 KiB records: two per chunk, four chunks per gather
+    records = [torch.randn(256, 256, generator=generator) for _ in range(24)]
+    ragged = [torch.randn(1 + i % 3, 8, generator=generator) for i in range(24)]
+    for name, options in (("plain.h5", {}), ("gzip.h5", {"compression": "gzip"})):
+        with H5PYSaverCallback(tmp_path / name, metadata=False, **options) as saver:
+            for start in range(0, 24, 8):  # three gathers: chunks from several writes
+                its = list(range(start + 1, start + 9))
+                saver("x", Trace(records[start : start + 8], its, [0] * 8, its))
+                saver("ragged", Trace(ragged[start : start + 8], its, [0] * 8, its))
+                saver.flush()
+    rows = np.arange(24)
+    with open_source(tmp_path / "plain.h5") as plain, open_source(tmp_path / "gzip.h5") as gz:
+        views = plain.site("x").views(rows, (256, 256))
+        assert views is not None and sum(len(v) for _, v in views) == 24
+        assert not views[0][1].flags.writeable  # a view of the file, not a copy
+        assert gz.site("x").views(rows, (256, 256)) is None  # compressed: read through HDF5
+        assert plain.site("ragged").views(rows[:1], (1, 8)) is None  # padded records
+        stacked = np.concatenate([v for _, v in views])
+        np.testing.assert_array_equal(stacked, torch.stack(records).numpy())
+        read = plain.site("x").read(rows[3:20], (256, 256), BufferPool())
+        np.testing.assert_array_equal(read, stacked[3:20])
+        # odd row sets: gaps and a single record
+        picked = np.array([0, 1, 2, 9, 17, 23])
+        pieces = plain.site("x").views(picked, (256, 256))
+        positions = [p for p, _ in pieces]
+        assert positions[0] == 0 and positions == sorted(positions) and 3 in positions
+        got = np.concatenate([v for _, v in pieces])
+        np.testing.assert_array_equal(got, stacked[picked])
+    memory = {"x": Trace(records, list(range(1, 25)), [0] * 24, list(range(1, 25)))}
+    memory["ragged"] = Trace(ragged, list(range(1, 25)), [0] * 24, list(range(1, 25)))
+    from_views = compare(tmp_path / "plain.h5", memory).to_frame()
+    from_reads = compare(tmp_path / "gzip.h5", memory).to_frame()
+    assert from_views["allclose"].all() and from_reads["allclose"].all()
+    columns = ["mean_a", "std_a", "var_a", "cosine", "max_abs_diff"]
+    np.testing.assert_array_equal(from_views[columns].to_numpy(), from_reads[columns].to_numpy())
+    changed = dict(memory)
+    tags = list(range(1, 25))
+    changed["x"] = Trace([r + (i == 13) for i, r in enumerate(records)], tags, [0] * 24, tags)
+    report = compare(tmp_path / "plain.h5", changed)
+    assert report.first_divergence == Divergence("x", 14, 0)
+
+
+def test_buffer_pool_reuses_memory() -> None:
+    from vartrace.frames import BufferPool
+
+    pool = BufferPool()
+    first = pool.take((4, 8), np.dtype(np.float32))
+    first[...] = 1.0
+    pool.give(first)
+    second = pool.take((2, 8), np.dtype(np.float64))  # same 128 bytes, another dtype
+    assert second.shape == (2, 8) and second.dtype == np.float64
+    assert np.shares_memory(second, first)
+    third = pool.take((4, 8), np.dtype(np.float32))  # nothing free: fresh memory
+    assert not np.shares_memory(third, second)
+    pool.give(np.zeros(3))  # not from the pool: ignored
+    pool.give(third)
+    assert np.shares_memory(pool.take((4, 8), np.dtype(np.float32)), third)

@@ -27,8 +27,11 @@ Example::
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import csv
 import fnmatch
+import itertools
 import math
 import os
 import queue
@@ -42,6 +45,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from vartrace.frames import (
+    BufferPool,
     SiteView,
     Source,
     Unreadable,
@@ -52,9 +56,9 @@ from vartrace.frames import (
 
 __all__ = ["Comparison", "Divergence", "SiteSummary", "compare"]
 
-#: Elements reduced per numpy call: a few hundred KiB of float64, so the
-#: temporaries of one row group stay in the CPU cache.
-_STEP_ELEMENTS = 1 << 16
+#: Elements reduced per group of rows: enough rows to amortise the per-call
+#: cost of numpy on small records, few enough to keep the temporaries cached.
+_STEP_ELEMENTS = 1 << 18
 #: Largest block (bytes per side, counted as float64) read from a file in one go.
 _READ_BYTES = 32 << 20
 
@@ -191,38 +195,80 @@ def _work_dtype(a: np.dtype, b: np.dtype) -> np.dtype:
     return np.dtype(np.float64)
 
 
+#: Dot products are taken in pieces of at most this many elements: OpenBLAS runs
+#: shorter dots on the calling thread, and a dot spread over threads stalls badly
+#: when the cores are busy (an assumption about BLAS, so only a speed matter).
+_DOT_PIECE = 8192
+
+
 class _Scratch:
-    """Buffers reused across the row groups of one block (no allocation per record)."""
+    """Buffers reused across the row groups of one block (no allocation per record).
+
+    ``wide`` holds the float64 copies of ``a`` and ``b`` padded with zeros to
+    a whole number of dot pieces.
+    """
 
     def __init__(self, rows: int, m: int, dtype: np.dtype) -> None:
-        self.stack = np.empty((3, m))
-        self.stack[2] = 1.0
+        self.rows = rows
+        self.piece = min(m, _DOT_PIECE)
+        padded = -(-m // self.piece) * self.piece
+        self.wide = np.zeros((2, rows, padded))
+        self.ones = np.ones(self.piece)
         self.diff = np.empty((rows, m), dtype)
         self.other = np.empty((rows, m), dtype)
+        self.rel = np.empty((rows, m), dtype)
 
 
-def _power_sums(a: np.ndarray, b: np.ndarray, scratch: _Scratch) -> tuple[np.ndarray, ...]:
-    """Per row, in float64: sum a, sum b, sum a*a, sum b*b, sum a*b.
+_THREAD_SCRATCH = threading.local()
 
-    A single record goes through one BLAS call: the Gram matrix of the rows
-    ``a, b, 1`` (``X @ X.T`` is a symmetric rank-k update, which stays on
-    one thread, unlike a dot product that BLAS may spread over busy cores).
+
+def _scratch(rows: int, m: int, dtype: np.dtype) -> _Scratch:
+    """This thread's scratch buffers for ``rows`` rows of (m, dtype), kept from its last block."""
+    cached = getattr(_THREAD_SCRATCH, "value", None)
+    if cached is None or cached[0] != (m, dtype) or cached[1].rows < rows:
+        cached = ((m, dtype), _Scratch(rows, m, dtype))
+        _THREAD_SCRATCH.value = cached
+    return cached[1]
+
+
+def _piecewise_dot(x: np.ndarray, y: np.ndarray, piece: int) -> np.ndarray:
+    """Row-wise dot products of (k, padded) float64 arrays, summed over pieces."""
+    k = x.shape[0]
+    xs = x.reshape(k, -1, 1, piece)
+    ys = y.reshape(k, -1, piece, 1)
+    return np.matmul(xs, ys).reshape(k, -1).sum(axis=1)
+
+
+def _power_sums(
+    a: np.ndarray, b: np.ndarray, scratch: _Scratch, same: bool = False
+) -> tuple[np.ndarray, ...]:
+    """Per row, in float64 (exact products of the inputs): sums of a, b, a*a, b*b, a*b.
+
+    ``same`` says every row of ``a`` equals that of ``b``: b's sums are then a's.
     """
-    if a.shape[0] == 1:
-        stack = scratch.stack
-        stack[0] = a[0]
-        stack[1] = b[0]
-        gram = stack @ stack.T
-        return (gram[0:1, 2], gram[1:2, 2], gram[0:1, 0], gram[1:2, 1], gram[0:1, 1])
-    a64 = a.astype(np.float64, copy=False)
-    b64 = b.astype(np.float64, copy=False)
-    return (
-        a64.sum(axis=1),
-        b64.sum(axis=1),
-        np.einsum("ij,ij->i", a64, a64),
-        np.einsum("ij,ij->i", b64, b64),
-        np.einsum("ij,ij->i", a64, b64),
-    )
+    rows, m = a.shape
+    if m < 512:
+        a64 = a.astype(np.float64, copy=False)
+        sa, saa = a64.sum(axis=1), np.einsum("ij,ij->i", a64, a64)
+        if same:
+            return sa, sa, saa, saa, saa
+        b64 = b.astype(np.float64, copy=False)
+        sb, sbb = b64.sum(axis=1), np.einsum("ij,ij->i", b64, b64)
+        return sa, sb, saa, sbb, np.einsum("ij,ij->i", a64, b64)
+    sides = 1 if same else 2
+    wide = scratch.wide[:sides, :rows]
+    wide[0, :, :m] = a
+    if not same:
+        wide[1, :, :m] = b
+    piece = scratch.piece
+    sums = np.matmul(wide.reshape(sides, rows, -1, piece), scratch.ones)
+    sums = sums.reshape(sides, rows, -1).sum(axis=2)
+    x = wide[0]
+    saa = _piecewise_dot(x, x, piece)
+    if same:
+        return sums[0], sums[0], saa, saa, saa
+    y = wide[1]
+    return sums[0], sums[1], saa, _piecewise_dot(y, y, piece), _piecewise_dot(x, y, piece)
 
 
 def _numeric_stats(
@@ -244,7 +290,7 @@ def _numeric_stats(
         out["allclose"][:] = 1.0
         return out
     step = max(1, _STEP_ELEMENTS // m)
-    scratch = _Scratch(min(step, k), m, work)
+    scratch = _scratch(min(step, k), m, work)
     kernel = _complex_rows if work.kind == "c" else _real_rows
     with np.errstate(all="ignore"):
         for start in range(0, k, step):
@@ -286,18 +332,26 @@ def _real_rows(
 ) -> None:
     """Fill ``out[...][sl]`` for real records ``a``, ``b`` of shape (k, m) (float32 or float64)."""
     rows, m = a.shape
-    _store_moments(out, sl, m, _power_sums(a, b, scratch))
     diff = np.subtract(a, b, out=scratch.diff[:rows])
     np.abs(diff, out=diff)
     max_abs = diff.max(axis=1)
-    rel = np.abs(b, out=scratch.other[:rows])
-    np.divide(diff, rel, out=rel)  # 0/0 -> NaN, which fmax skips
-    max_rel = np.fmax.reduce(rel, axis=1)
-    max_rel = np.where(max_abs == 0, 0.0, max_rel)
+    if not np.any(max_abs):  # identical rows (a NaN makes max_abs NaN, which is truthy)
+        _store_moments(out, sl, m, _power_sums(a, b, scratch, same=True))
+        out["cosine"][sl] = 1.0
+        out["max_abs_diff"][sl] = 0.0
+        out["max_rel_diff"][sl] = 0.0
+        out["allclose"][sl] = 1.0
+        return
+    _store_moments(out, sl, m, _power_sums(a, b, scratch))
+    absb = np.abs(b, out=scratch.other[:rows])
+    rel = np.divide(diff, absb, out=scratch.rel[:rows])  # 0/0 -> NaN, which fmax skips
+    max_rel = np.where(max_abs == 0, 0.0, np.fmax.reduce(rel, axis=1))
     close = (max_abs <= atol) | (max_rel <= rtol)
     for i in np.flatnonzero(~close & ~np.isnan(max_abs)):
-        row_a, row_b = a[i].astype(np.float64), b[i].astype(np.float64)
-        close[i] = bool(np.all(np.abs(row_a - row_b) <= atol + rtol * np.abs(row_b)))
+        # |a - b| <= atol + rtol * |b| elementwise: max(|a - b| - rtol * |b|) <= atol
+        excess = np.multiply(absb[i], -rtol, out=rel[i])
+        excess += diff[i]
+        close[i] = excess.max() <= atol
     for i in np.flatnonzero(np.isnan(max_abs)):
         row_a, row_b = a[i].astype(np.float64), b[i].astype(np.float64)
         max_abs[i], max_rel[i], close[i] = _nonfinite_row(row_a, row_b, atol, rtol)
@@ -555,15 +609,102 @@ def _ahead(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
 
 
 def _produce(
-    names: list[str], source_a: Source, source_b: Source, atol: float, rtol: float
+    names: list[str],
+    source_a: Source,
+    source_b: Source,
+    atol: float,
+    rtol: float,
+    pool: BufferPool,
 ) -> Iterator[tuple[_SiteResult, _Task | None, Any]]:
     """Per site: its matched result, then each numeric block read from both sides."""
     for name in names:
         result = _SiteResult(name, source_a.site(name), source_b.site(name), atol, rtol)
         yield result, None, None
         for task in result.tasks:
-            blocks = (task.a.read(task.rows_a, task.shape), task.b.read(task.rows_b, task.shape))
+            views_a = task.a.views(task.rows_a, task.shape)
+            views_b = None if views_a is None else task.b.views(task.rows_b, task.shape)
+            if views_a is not None and views_b is not None:
+                yield result, task, _align(views_a, views_b, len(task.rows_a))
+                continue
+            blocks = (
+                task.a.read(task.rows_a, task.shape, pool),
+                task.b.read(task.rows_b, task.shape, pool),
+            )
             yield result, task, blocks
+
+
+class _Aligned(NamedTuple):
+    """Zero-copy views of a task's records on both sides, cut at the same positions."""
+
+    count: int
+    pieces: list[tuple[int, int, np.ndarray, np.ndarray]]
+
+
+def _align(
+    views_a: list[tuple[int, np.ndarray]], views_b: list[tuple[int, np.ndarray]], count: int
+) -> _Aligned:
+    """Cut both sides' runs of records at the union of their boundaries."""
+    cuts = sorted({p for p, _ in views_a} | {p for p, _ in views_b} | {count})
+    pieces = []
+    ia = ib = 0
+    for start, stop in itertools.pairwise(cuts):
+        while views_a[ia][0] + len(views_a[ia][1]) <= start:
+            ia += 1
+        while views_b[ib][0] + len(views_b[ib][1]) <= start:
+            ib += 1
+        (pa, va), (pb, vb) = views_a[ia], views_b[ib]
+        pieces.append((start, stop, va[start - pa : stop - pa], vb[start - pb : stop - pb]))
+    return _Aligned(count, pieces)
+
+
+def _reduce_blocks(
+    blocks: Any, atol: float, rtol: float, pool: BufferPool
+) -> dict[str, np.ndarray]:
+    """Statistics of one task: two read blocks (given back to ``pool``) or aligned views."""
+    if isinstance(blocks, _Aligned):
+        out = {name: np.empty(blocks.count) for name in (*_FLOAT_COLUMNS, "allclose")}
+        for start, stop, view_a, view_b in blocks.pieces:
+            stats = _numeric_stats(view_a, view_b, atol, rtol)
+            for name, values in stats.items():
+                out[name][start:stop] = values
+        return out
+    try:
+        return _numeric_stats(*blocks, atol, rtol)
+    finally:
+        for block in blocks:
+            pool.give(block)
+
+
+def _reduce_in_threads(
+    produced: Iterator[tuple[_SiteResult, _Task | None, Any]],
+    atol: float,
+    rtol: float,
+    pool: BufferPool,
+) -> Iterator[tuple[_SiteResult, _Task | None, Any]]:
+    """Reduce the blocks on a few threads (numpy releases the GIL), yielding in order."""
+    workers = max(1, min(4, (os.cpu_count() or 1)))
+    if workers == 1:
+        for result, task, blocks in produced:
+            stats = None if task is None else _reduce_blocks(blocks, atol, rtol, pool)
+            yield result, task, stats
+        return
+    pending: collections.deque[tuple[_SiteResult, _Task | None, Any]] = collections.deque()
+    with concurrent.futures.ThreadPoolExecutor(workers, "vartrace-compare") as threads:
+        for result, task, blocks in produced:
+            future = (
+                None if task is None else threads.submit(_reduce_blocks, blocks, atol, rtol, pool)
+            )
+            pending.append((result, task, future))
+            while len(pending) > workers or (pending and _settled(pending[0][2])):
+                done_result, done_task, done = pending.popleft()
+                yield done_result, done_task, None if done is None else done.result()
+        while pending:
+            done_result, done_task, done = pending.popleft()
+            yield done_result, done_task, None if done is None else done.result()
+
+
+def _settled(future: concurrent.futures.Future[Any] | None) -> bool:
+    return future is None or future.done()
 
 
 def _select(names: Iterable[str], patterns: Sequence[str] | None) -> list[str]:
@@ -626,12 +767,14 @@ def compare(
             leave=False,
             delay=1.0,
         ) as bar:
-            for result, task, blocks in _ahead(_produce(common, source_a, source_b, atol, rtol)):
+            pool = BufferPool()
+            produced = _ahead(_produce(common, source_a, source_b, atol, rtol, pool))
+            for result, task, stats in _reduce_in_threads(produced, atol, rtol, pool):
                 if task is None:
                     results.append(result)
                     bar.update(1)
                 else:
-                    result.fill(task, _numeric_stats(*blocks, atol, rtol))
+                    result.fill(task, stats)
     results.sort(key=_SiteResult.execution_key)
     labels = labels or (source_a.label, source_b.label)
     return Comparison(results, only_a, only_b, atol, rtol, labels)

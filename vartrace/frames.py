@@ -23,18 +23,24 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import math
+import mmap
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import h5py
 import numpy as np
 
 from vartrace.trace import Trace
 
 __all__ = [
     "STATS",
+    "BufferPool",
+    "FileMaps",
     "SiteView",
     "Source",
     "Unreadable",
@@ -246,13 +252,30 @@ class SiteView:
     shapes: list[tuple[int, ...] | None]
     dtypes: list[str]
 
-    def read(self, rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-        """Records ``rows`` (ascending, all of true shape ``shape``) as one array."""
+    def read(
+        self, rows: np.ndarray, shape: tuple[int, ...], pool: BufferPool | None = None
+    ) -> np.ndarray:
+        """Records ``rows`` (ascending, all of true shape ``shape``) as one array.
+
+        With a ``pool``, the array may be one of its buffers: hand it back with
+        ``pool.give(array)`` once done (arrays not from the pool are ignored there).
+        """
         raise NotImplementedError
 
     def objects(self, rows: np.ndarray) -> list[Any]:
         """The values of the non-numeric records ``rows``."""
         raise NotImplementedError
+
+    def views(
+        self, rows: np.ndarray, shape: tuple[int, ...]
+    ) -> list[tuple[int, np.ndarray]] | None:
+        """Records ``rows`` as zero-copy arrays of consecutive records, or ``None``.
+
+        Each entry is ``(position in rows, array of the next len(array) records)``.
+        Only records stored uncompressed in a file, at full padded shape, can
+        be viewed this way (see :class:`FileMaps`); the rest is :meth:`read`.
+        """
+        return None
 
 
 def _int_array(values: Any) -> np.ndarray:
@@ -295,7 +318,9 @@ class _MemorySiteView(SiteView):
         self.shapes = [tuple(int(d) for d in s) for s in true]
         self.dtypes = [value_dtype_name(values)] * count
 
-    def read(self, rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    def read(
+        self, rows: np.ndarray, shape: tuple[int, ...], pool: BufferPool | None = None
+    ) -> np.ndarray:
         if self._stacked is not None:
             return _crop(self._stacked[rows], shape)
         if len(rows) == 0:
@@ -338,9 +363,11 @@ class _FileSiteView(SiteView):
     the others (None, str, blobs, records of another dtype) one by one.
     """
 
-    def __init__(self, name: str, site: Any) -> None:
+    def __init__(self, name: str, site: Any, maps: FileMaps | None = None) -> None:
         self.name = name
         self._site = site
+        self._maps = maps
+        self._chunks: _ChunkMap | bool | None = False  # False: not looked up yet
         self.iterations = _int_array(site.iterations)
         self.ranks = _int_array(site.ranks)
         self.order = _int_array(site.order)
@@ -356,14 +383,35 @@ class _FileSiteView(SiteView):
         ]
         self.dtypes = [self._dtype if in_values[i] else str(kinds[i]) for i in range(count)]
 
-    def read(self, rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    def read(
+        self, rows: np.ndarray, shape: tuple[int, ...], pool: BufferPool | None = None
+    ) -> np.ndarray:
         start, stop = int(rows[0]), int(rows[-1]) + 1
         if stop - start > 2 * len(rows):
             return np.concatenate([self.read(np.asarray([r]), shape) for r in rows])
         values = self._site.values
-        block = values[(slice(start, stop), *(slice(0, d) for d in shape))]
-        block = _decode_raw(np.asarray(block), self._dtype)
+        selection = (slice(start, stop), *(slice(0, d) for d in shape))
+        direct = isinstance(values, h5py.Dataset) and values.dtype.name == self._dtype
+        if pool is not None and direct and stop - start == len(rows):
+            out = pool.take((len(rows), *shape), values.dtype)
+            if out.size:
+                values.read_direct(out, selection)
+            return out
+        block = _decode_raw(np.asarray(values[selection]), self._dtype)
         return block if stop - start == len(rows) else block[rows - start]
+
+    def views(
+        self, rows: np.ndarray, shape: tuple[int, ...]
+    ) -> list[tuple[int, np.ndarray]] | None:
+        if self._chunks is False:
+            values = self._site.values
+            usable = self._maps is not None and values is not None
+            usable = usable and values.dtype.name == self._dtype
+            self._chunks = self._maps.chunk_map(values) if usable else None
+        chunks = self._chunks
+        if not isinstance(chunks, _ChunkMap) or tuple(shape) != chunks.record_shape:
+            return None
+        return chunks.groups(rows)
 
     def objects(self, rows: np.ndarray) -> list[Any]:
         from vartrace.storage.reader import PickleNotAllowedError
@@ -405,6 +453,173 @@ def _numeric_dtype_name(name: str) -> bool:
         return np.dtype(name).kind in "biufc"
     except TypeError:
         return False
+
+
+class _ChunkMap:
+    """Zero-copy views of the records of an unfiltered dataset chunked by whole records.
+
+    Chunks that follow each other both in rows and in the file (those written
+    by one gather, typically) merge into segments, so one view spans them.
+    """
+
+    def __init__(
+        self,
+        buffer: mmap.mmap,
+        first_rows: np.ndarray,
+        offsets: np.ndarray,
+        chunk_rows: int,
+        record_shape: tuple[int, ...],
+        dtype: np.dtype,
+    ) -> None:
+        self._buffer = buffer
+        self.record_shape = record_shape
+        self._dtype = dtype
+        self._record = int(np.prod(record_shape, dtype=np.int64))
+        chunk_bytes = chunk_rows * self._record * dtype.itemsize
+        joins = np.zeros(len(first_rows), dtype=bool)
+        joins[1:] = (np.diff(first_rows) == chunk_rows) & (np.diff(offsets) == chunk_bytes)
+        starts = np.flatnonzero(~joins)
+        self._first_rows = first_rows[starts]
+        self._offsets = offsets[starts]
+        self._rows = np.diff(np.append(starts, len(first_rows))) * chunk_rows
+
+    def groups(self, rows: np.ndarray) -> list[tuple[int, np.ndarray]] | None:
+        """Runs of consecutive ``rows`` within a segment, as views; ``None`` if one is unwritten."""
+        if len(rows) == 0:
+            return []
+        index = np.searchsorted(self._first_rows, rows, side="right") - 1
+        safe = np.maximum(index, 0)
+        if not bool(np.all((index >= 0) & (rows - self._first_rows[safe] < self._rows[safe]))):
+            return None
+        breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(index) != 0)) + 1
+        out = []
+        for start, stop in itertools.pairwise([0, *breaks.tolist(), len(rows)]):
+            segment = int(index[start])
+            first = int(rows[start] - self._first_rows[segment])
+            offset = int(self._offsets[segment]) + first * self._record * self._dtype.itemsize
+            array = np.frombuffer(self._buffer, self._dtype, (stop - start) * self._record, offset)
+            out.append((start, array.reshape(stop - start, *self.record_shape)))
+        return out
+
+
+class FileMaps:
+    """Read-only memory maps of run files, for zero-copy views of uncompressed records.
+
+    Reading a block through HDF5 copies it from the page cache into a new
+    buffer; a view of a memory map reads the page cache in place, so a pass
+    over gigabytes costs one traversal instead of two.  Only datasets that
+    are chunked with whole records per chunk, unfiltered, in native byte
+    order, in a file of the default (``sec2``) driver qualify; everything
+    else returns ``None`` and is read through HDF5.
+
+    Example::
+
+        maps = FileMaps()
+        chunks = maps.chunk_map(run["layers.0.out"].values)
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[str, mmap.mmap | None] = {}
+        self._lock = threading.Lock()
+
+    def _file(self, filename: str) -> mmap.mmap | None:
+        with self._lock:
+            if filename not in self._maps:
+                try:
+                    with open(filename, "rb") as handle:
+                        self._maps[filename] = mmap.mmap(
+                            handle.fileno(), 0, access=mmap.ACCESS_READ
+                        )
+                except (OSError, ValueError):
+                    self._maps[filename] = None
+            return self._maps[filename]
+
+    def chunk_map(self, dataset: Any) -> _ChunkMap | None:
+        """Views of ``dataset``'s records, or ``None`` when it does not qualify."""
+        if not isinstance(dataset, h5py.Dataset) or dataset.chunks is None or dataset.ndim == 0:
+            return None
+        record_shape = tuple(int(d) for d in dataset.shape[1:])
+        dtype = dataset.dtype
+        if (
+            tuple(dataset.chunks[1:]) != record_shape
+            or dtype.kind not in "biufc"
+            or not dtype.isnative
+            or dataset.id.get_create_plist().get_nfilters() != 0
+            or dataset.file.driver != "sec2"
+        ):
+            return None
+        buffer = self._file(dataset.file.filename)
+        chunks = _chunk_table(dataset)
+        if buffer is None or chunks is None:
+            return None
+        chunk_rows = int(dataset.chunks[0])
+        size = chunk_rows * int(np.prod(record_shape, dtype=np.int64)) * dtype.itemsize
+        first_rows, offsets, sizes = chunks
+        if np.any(sizes != size) or np.any(offsets + size > len(buffer)):
+            return None
+        return _ChunkMap(buffer, first_rows, offsets, chunk_rows, record_shape, dtype)
+
+
+def _chunk_table(dataset: h5py.Dataset) -> tuple[np.ndarray, ...] | None:
+    """(first row, byte offset, stored size) of each written chunk, by first row."""
+    found: list[tuple[int, int, int]] = []
+    try:
+        if hasattr(dataset.id, "chunk_iter"):
+            dataset.id.chunk_iter(
+                lambda info: found.append((info.chunk_offset[0], info.byte_offset, info.size))
+            )
+        else:
+            for index in range(dataset.id.get_num_chunks()):
+                info = dataset.id.get_chunk_info(index)
+                found.append((info.chunk_offset[0], info.byte_offset, info.size))
+    except (AttributeError, RuntimeError, OSError, ValueError):
+        return None
+    found.sort()
+    table = np.asarray(found, dtype=np.int64).reshape(-1, 3)
+    return table[:, 0], table[:, 1], table[:, 2]
+
+
+class BufferPool:
+    """Reusable memory for blocks read from files.
+
+    Fresh memory costs the kernel a page fault per 4 KiB; reading gigabytes
+    into new arrays can take longer than the read itself.  A pool hands out
+    arrays carved from buffers that earlier blocks gave back.  Thread-safe.
+
+    Example::
+
+        pool = BufferPool()
+        block = view.read(rows, shape, pool)
+        ...
+        pool.give(block)
+    """
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._lent: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """An uninitialised array of ``shape`` and ``dtype``, from a free buffer when one fits."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        buffer = None
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
+            if fits:
+                buffer = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+        if buffer is None:
+            buffer = np.empty(max(nbytes, 1), np.uint8)
+        array = buffer[:nbytes].view(dtype).reshape(shape)
+        with self._lock:
+            self._lent[id(array)] = buffer
+        return array
+
+    def give(self, array: np.ndarray) -> None:
+        """Return an array from :meth:`take` (anything else is ignored)."""
+        with self._lock:
+            buffer = self._lent.pop(id(array), None)
+            if buffer is not None:
+                self._free.append(buffer)
 
 
 class Source:
@@ -470,11 +685,15 @@ def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
         from vartrace.storage.reader import open_run
 
         run = open_run(source, allow_pickle=allow_pickle)
-        return Source(run.names, lambda n: _FileSiteView(n, run[n]), os.fspath(source), run.close)
+        maps = FileMaps()
+        return Source(
+            run.names, lambda n: _FileSiteView(n, run[n], maps), os.fspath(source), run.close
+        )
     if hasattr(source, "names") and hasattr(source, "meta"):
         paths = [os.fspath(p) for p in getattr(source, "paths", [])] or ["run"]
         label = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} shards)"
-        return Source(source.names, lambda n: _FileSiteView(n, source[n]), label)
+        maps = FileMaps()
+        return Source(source.names, lambda n: _FileSiteView(n, source[n], maps), label)
     results = getattr(source, "results", source)
     if isinstance(results, Mapping):
         label = "tracer results" if results is not source else "results"
@@ -507,7 +726,8 @@ def numeric_groups(
 def record_stats(view: SiteView, stat: str = "mean") -> np.ndarray:
     """One statistic (a :data:`STATS` name) per record of a site, NaN for non-numeric records.
 
-    Numeric records are read in large blocks and reduced vectorised.
+    Numeric records are read in large blocks (or viewed in place, see
+    :class:`FileMaps`) and reduced vectorised.
 
     Example::
 
@@ -520,7 +740,12 @@ def record_stats(view: SiteView, stat: str = "mean") -> np.ndarray:
         per_block = max(1, BLOCK_BYTES // max(8, 8 * int(np.prod(shape, dtype=np.int64))))
         for start in range(0, len(rows), per_block):
             chunk = rows[start : start + per_block]
-            out[chunk] = _reduce(reducer, view.read(chunk, shape))
+            pieces = view.views(chunk, shape)
+            if pieces is None:
+                out[chunk] = _reduce(reducer, view.read(chunk, shape))
+                continue
+            for position, array in pieces:
+                out[chunk[position : position + len(array)]] = _reduce(reducer, array)
     for row in range(len(view.iterations)):
         if view.shapes[row] is None:
             array = value_as_array(_readable(view.objects(np.asarray([row]))[0]))
