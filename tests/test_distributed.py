@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -363,3 +364,23 @@ def test_a_rank_that_raises_inside_a_traced_ddp_step_leaves_no_rank_hanging(
     outcomes = _outcomes(tmp_path, world)
     assert outcomes[1]["type"] == "ValueError"
     assert outcomes[0]["runtime_error"], outcomes[0]
+
+
+def test_ddp_example_runs_and_reads_its_files_back(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parent.parent / "examples" / "ddp_tracing.py"
+    done = subprocess.run(
+        [sys.executable, str(example), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "1. stacked forward.x: (52, 8, 16) (records x padded batch x features)" in lines
+    assert "   ranks [0, 1], true shapes [(4, 16), (8, 16)]" in lines
+    assert "2. ddp.h5 forward.x: values (52, 8, 16), ranks [0, 1]" in lines
+    assert "3. mean of forward.x per rank and gather: (14, 16)" in lines
+    assert "4. shards read as one run: forward has 52 records," in lines
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["ddp.h5", "shards.rank0.h5", "shards.rank1.h5"]
