@@ -121,6 +121,27 @@ def test_large_records_use_the_same_statistics() -> None:
     assert report.first_divergence == Divergence("big", 2, 0)
 
 
+def test_huge_records_are_reduced_in_column_slices() -> None:
+    """Records longer than a column slice (2**20 elements) give the numpy answers too."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 1100, 1000)).astype(np.float32)
+    y = x.copy()
+    y[1, 1090, 5] += 0.25  # in the second, narrower slice
+    y[2, 1099, 999] = np.nan
+    a = {"huge": Trace(list(x), [1, 2, 3], [0, 0, 0], [0, 1, 2])}
+    b = {"huge": Trace(list(y), [1, 2, 3], [0, 0, 0], [0, 1, 2])}
+    frame = compare(a, b).to_frame()
+    assert list(frame["allclose"]) == [True, False, False]
+    assert frame["max_abs_diff"][1] == pytest.approx(0.25, rel=1e-6)
+    assert math.isnan(frame["max_abs_diff"][2])
+    x64, y64 = x[1].astype(np.float64), y[1].astype(np.float64)
+    assert frame["mean_b"][1] == pytest.approx(y64.mean(), rel=1e-12)
+    assert frame["var_a"][1] == pytest.approx(x64.var(), rel=1e-12)
+    cos = np.dot(x64.ravel(), y64.ravel()) / np.linalg.norm(x64) / np.linalg.norm(y64)
+    assert frame["cosine"][1] == pytest.approx(cos, rel=1e-12)
+    assert frame["cosine"][0] == 1.0 and frame["std_a"][0] == pytest.approx(x[0].std(), rel=1e-6)
+
+
 def test_occurrences_within_an_iteration_are_matched_in_order() -> None:
     values = [torch.full((2,), float(i)) for i in range(4)]
     # Two calls per iteration (a shared layer); b's second call of iteration 2 differs.

@@ -10,9 +10,12 @@ pair it reports whether the shapes match, whether the values are close
 place), the largest absolute and relative difference, the cosine
 similarity, and the mean/std/var of each side with their differences.
 
-Numeric work is vectorised: a site's records are read from the file in one
-large slice, converted once, and reduced in cache-sized row groups with
-float64 accumulation, while the next site is read in a background thread.
+Numeric work is vectorised and streams once over the data: records stored
+uncompressed are viewed in place through a memory map of the file (others
+are read in large blocks into reused buffers), a worker thread prepares the
+next site while a small thread pool reduces record groups with numpy (which
+releases the GIL), and statistics are accumulated in float64 from exact
+products of the inputs.  Identical records take a shorter path.
 
 Example::
 
@@ -127,8 +130,8 @@ class SiteSummary:
         records: record pairs compared (matched in both runs).
         differing: records beyond tolerance, with a shape mismatch, or present
             in one run only.
-        max_abs_diff: the largest absolute difference over the site (NaN when
-            nothing numeric was compared or a NaN met a number).
+        max_abs_diff: the largest absolute difference over the site's numeric
+            records (NaN when none was compared).
         max_rel_diff: the largest relative difference ``|a - b| / |b|``.
         min_cosine: the smallest cosine similarity over the site's records.
         status: ``"ok"`` or the worst record status.
@@ -199,6 +202,9 @@ def _work_dtype(a: np.dtype, b: np.dtype) -> np.dtype:
 #: shorter dots on the calling thread, and a dot spread over threads stalls badly
 #: when the cores are busy (an assumption about BLAS, so only a speed matter).
 _DOT_PIECE = 8192
+#: Records longer than this many elements are reduced in column slices, so the
+#: scratch memory stays bounded whatever the record size.
+_COLUMNS = 1 << 20
 
 
 class _Scratch:
@@ -260,6 +266,8 @@ def _power_sums(
     wide[0, :, :m] = a
     if not same:
         wide[1, :, :m] = b
+    if m < wide.shape[2]:  # a last, narrower column slice: clear what an earlier one left
+        wide[:, :, m:] = 0.0
     piece = scratch.piece
     sums = np.matmul(wide.reshape(sides, rows, -1, piece), scratch.ones)
     sums = sums.reshape(sides, rows, -1).sum(axis=2)
@@ -269,6 +277,25 @@ def _power_sums(
         return sums[0], sums[0], saa, saa, saa
     y = wide[1]
     return sums[0], sums[1], saa, _piecewise_dot(y, y, piece), _piecewise_dot(x, y, piece)
+
+
+class _Partial(NamedTuple):
+    """What a slice of columns contributes to each row's statistics."""
+
+    sums: tuple[np.ndarray, ...]  # sum a, sum b, sum a*a, sum b*b, sum a*b (float64)
+    max_abs: np.ndarray
+    max_rel: np.ndarray
+    close: np.ndarray
+
+
+def _combine(left: _Partial, right: _Partial) -> _Partial:
+    """The contribution of two column slices of the same rows."""
+    return _Partial(
+        tuple(x + y for x, y in zip(left.sums, right.sums, strict=True)),
+        np.maximum(left.max_abs, right.max_abs),  # a NaN (a NaN met a number) stays
+        np.maximum(left.max_rel, right.max_rel),
+        left.close & right.close,
+    )
 
 
 def _numeric_stats(
@@ -289,13 +316,19 @@ def _numeric_stats(
         out["cosine"][:] = 1.0
         out["allclose"][:] = 1.0
         return out
-    step = max(1, _STEP_ELEMENTS // m)
-    scratch = _scratch(min(step, k), m, work)
-    kernel = _complex_rows if work.kind == "c" else _real_rows
+    width = min(m, _COLUMNS)
+    step = max(1, _STEP_ELEMENTS // width)
+    scratch = _scratch(min(step, k), width, work)
+    partial_of = _complex_partial if work.kind == "c" else _real_partial
     with np.errstate(all="ignore"):
         for start in range(0, k, step):
-            sl = slice(start, min(k, start + step))
-            kernel(a2[sl], b2[sl], atol, rtol, out, sl, scratch)
+            rows = slice(start, min(k, start + step))
+            partial = partial_of(a2[rows, :width], b2[rows, :width], atol, rtol, scratch)
+            for first in range(width, m, width):
+                columns = slice(first, min(m, first + width))
+                more = partial_of(a2[rows, columns], b2[rows, columns], atol, rtol, scratch)
+                partial = _combine(partial, more)
+            _finish(out, rows, m, partial)
     if block_a.dtype.kind in "iu" and block_b.dtype.kind in "iu":
         # float64 cannot tell integers above 2**53 apart: check equality exactly.
         same = np.all(block_a.reshape(k, m) == block_b.reshape(k, m), axis=1)
@@ -303,48 +336,41 @@ def _numeric_stats(
     return out
 
 
-def _store_moments(
-    out: dict[str, np.ndarray], sl: slice, m: int, sums: tuple[np.ndarray, ...]
-) -> None:
-    sa, sb, saa, sbb, sab = sums
+def _finish(out: dict[str, np.ndarray], rows: slice, m: int, partial: _Partial) -> None:
+    """Turn the row sums of ``partial`` into the report's statistics."""
+    sa, sb, saa, sbb, sab = partial.sums
     for side, s, ss in (("a", sa, saa), ("b", sb, sbb)):
         mean = s / m
         var = np.maximum(ss / m - mean * mean, 0.0)
-        out[f"mean_{side}"][sl] = mean
-        out[f"var_{side}"][sl] = var
-        out[f"std_{side}"][sl] = np.sqrt(var)
+        out[f"mean_{side}"][rows] = mean
+        out[f"var_{side}"][rows] = var
+        out[f"std_{side}"][rows] = np.sqrt(var)
     norm = np.sqrt(saa * sbb)
     norm = np.where(np.isfinite(norm), norm, np.sqrt(saa) * np.sqrt(sbb))
     cos = np.clip(sab / np.where(norm > 0, norm, 1.0), -1.0, 1.0)
     zero_a, zero_b = saa == 0, sbb == 0
     cos = np.where(zero_a & zero_b, 1.0, cos)
-    out["cosine"][sl] = np.where(zero_a ^ zero_b, 0.0, cos)
+    cos = np.where(zero_a ^ zero_b, 0.0, cos)
+    out["cosine"][rows] = np.where(partial.max_abs == 0, 1.0, cos)
+    out["max_abs_diff"][rows] = partial.max_abs
+    out["max_rel_diff"][rows] = partial.max_rel
+    out["allclose"][rows] = partial.close
 
 
-def _real_rows(
-    a: np.ndarray,
-    b: np.ndarray,
-    atol: float,
-    rtol: float,
-    out: dict[str, np.ndarray],
-    sl: slice,
-    scratch: _Scratch,
-) -> None:
-    """Fill ``out[...][sl]`` for real records ``a``, ``b`` of shape (k, m) (float32 or float64)."""
+def _real_partial(
+    a: np.ndarray, b: np.ndarray, atol: float, rtol: float, scratch: _Scratch
+) -> _Partial:
+    """Row contributions of real columns ``a``, ``b`` of shape (k, width), float32 or float64."""
     rows, m = a.shape
-    diff = np.subtract(a, b, out=scratch.diff[:rows])
+    diff = np.subtract(a, b, out=scratch.diff[:rows, :m])
     np.abs(diff, out=diff)
     max_abs = diff.max(axis=1)
     if not np.any(max_abs):  # identical rows (a NaN makes max_abs NaN, which is truthy)
-        _store_moments(out, sl, m, _power_sums(a, b, scratch, same=True))
-        out["cosine"][sl] = 1.0
-        out["max_abs_diff"][sl] = 0.0
-        out["max_rel_diff"][sl] = 0.0
-        out["allclose"][sl] = 1.0
-        return
-    _store_moments(out, sl, m, _power_sums(a, b, scratch))
-    absb = np.abs(b, out=scratch.other[:rows])
-    rel = np.divide(diff, absb, out=scratch.rel[:rows])  # 0/0 -> NaN, which fmax skips
+        zeros = np.zeros(rows)
+        return _Partial(_power_sums(a, b, scratch, same=True), zeros, zeros, np.ones(rows, bool))
+    sums = _power_sums(a, b, scratch)
+    absb = np.abs(b, out=scratch.other[:rows, :m])
+    rel = np.divide(diff, absb, out=scratch.rel[:rows, :m])  # 0/0 -> NaN, which fmax skips
     max_rel = np.where(max_abs == 0, 0.0, np.fmax.reduce(rel, axis=1))
     close = (max_abs <= atol) | (max_rel <= rtol)
     for i in np.flatnonzero(~close & ~np.isnan(max_abs)):
@@ -355,10 +381,7 @@ def _real_rows(
     for i in np.flatnonzero(np.isnan(max_abs)):
         row_a, row_b = a[i].astype(np.float64), b[i].astype(np.float64)
         max_abs[i], max_rel[i], close[i] = _nonfinite_row(row_a, row_b, atol, rtol)
-    out["cosine"][sl] = np.where(max_abs == 0, 1.0, out["cosine"][sl])
-    out["max_abs_diff"][sl] = max_abs
-    out["max_rel_diff"][sl] = max_rel
-    out["allclose"][sl] = close
+    return _Partial(sums, max_abs, max_rel, close)
 
 
 def _nonfinite_row(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[float, ...]:
@@ -371,26 +394,18 @@ def _nonfinite_row(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tu
     return float(np.max(diff)), float(np.max(rel)), close
 
 
-def _complex_rows(
-    a: np.ndarray,
-    b: np.ndarray,
-    atol: float,
-    rtol: float,
-    out: dict[str, np.ndarray],
-    sl: slice,
-    scratch: _Scratch,
-) -> None:
-    """Complex records: differences on the complex values, statistics of the magnitudes."""
+def _complex_partial(
+    a: np.ndarray, b: np.ndarray, atol: float, rtol: float, scratch: _Scratch
+) -> _Partial:
+    """Complex columns: differences on the complex values, statistics of the magnitudes."""
     mag_a, mag_b = np.abs(a), np.abs(b)
     sums = _power_sums(mag_a, mag_b, scratch)
     sab = np.real(np.einsum("ij,ij->i", np.conj(a), b))
-    _store_moments(out, sl, a.shape[1], (*sums[:4], sab))
     same = (a == b) | (np.isnan(a) & np.isnan(b))
     diff = np.where(same, 0.0, np.abs(a - b))
     rel = np.where(same, 0.0, diff / mag_b)
-    out["max_abs_diff"][sl] = diff.max(axis=1)
-    out["max_rel_diff"][sl] = rel.max(axis=1)
-    out["allclose"][sl] = np.all(same | (diff <= atol + rtol * mag_b), axis=1)
+    close = np.all(same | (diff <= atol + rtol * mag_b), axis=1)
+    return _Partial((*sums[:4], sab), diff.max(axis=1), rel.max(axis=1), close)
 
 
 def _objects_equal(x: Any, y: Any) -> bool:
