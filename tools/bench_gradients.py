@@ -25,19 +25,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import resource
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 _TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(_TOOLS))
 sys.path.insert(0, str(_TOOLS.parent))
 
-from bench_overhead import SIZES, build_model  # noqa: E402
+from bench_overhead import SIZES, round_robin, table, training_step  # noqa: E402
 
 from vartrace.trace import Trace  # noqa: E402
 
@@ -51,36 +48,13 @@ def _discard(name: str, trace: Trace) -> None:
     trace.clear()
 
 
-def _train_step(size: str) -> tuple[Any, Callable[[], None]]:
-    import torch
-
-    model, tokens = build_model(size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(tokens)
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
-        optimizer.step()
-
-    return model, step
-
-
-def _table(title: str, medians: dict[str, float], base: float) -> str:
-    width = max(len(name) for name in medians)
-    lines = [title, f"{'contender':<{width}}  {'median step':>12}  {'ratio':>6}"]
-    for name, seconds in medians.items():
-        lines.append(f"{name:<{width}}  {seconds * 1e3:9.3f} ms  {seconds / base:6.3f}x")
-    return "\n".join(lines)
-
-
 def bench_overhead(size: str, rounds: int, block: int) -> str:
     """Median step time untraced and with ``@grad`` tracing, as a table of ratios."""
     import torch
 
     from vartrace.tracer import ModelTracer
 
-    model, step = _train_step(size)
+    model, step = training_step(size)
 
     @contextlib.contextmanager
     def untraced() -> Iterator[None]:
@@ -118,27 +92,19 @@ def bench_overhead(size: str, rounds: int, block: int) -> str:
     }
     for _ in range(3):
         step()
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, context in contenders.items():
-            with context():
-                for _ in range(block):
-                    start = time.perf_counter()
-                    step()
-                    times[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(samples) for name, samples in times.items()}
+    medians = round_robin(contenders, step, rounds, block)
     title = (
         f"--size {size}: full training step (forward + backward + SGD), Python "
         f"{sys.version.split()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
-    return _table(title, medians, medians["untraced"])
+    return table(title, list(medians.items()), medians["untraced"])
 
 
 def _peak_rss_child(size: str, steps: int, traced: bool) -> None:
     """Train ``steps`` steps in this process and print the peak RSS in KiB."""
     from vartrace.tracer import ModelTracer
 
-    model, step = _train_step(size)
+    model, step = training_step(size)
     tracing = (
         ModelTracer(model, MEMORY_PATHS, post_gather_callbacks=[_discard])
         if traced

@@ -30,6 +30,7 @@ SIZES = {
 }
 TRACED_PATHS = ["forward.x", "layers.*.attn.forward.scores", "layers.*.mlp.forward.h"]
 IDLE_PATHS = ["generate.prompt"]
+Context = Callable[[], contextlib.AbstractContextManager[None]]
 
 
 def build_model(size: str, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -110,7 +111,8 @@ def build_model(size: str, seed: int = 0):  # type: ignore[no-untyped-def]
     return model, tokens
 
 
-def _table(title: str, rows: list[tuple[str, float]], base: float) -> str:
+def table(title: str, rows: list[tuple[str, float]], base: float) -> str:
+    """Format ``(contender, median seconds)`` rows with their ratio to ``base``."""
     width = max(len(name) for name, _ in rows)
     lines = [title, f"{'contender':<{width}}  {'median step':>12}  {'ratio':>6}"]
     for name, seconds in rows:
@@ -119,12 +121,13 @@ def _table(title: str, rows: list[tuple[str, float]], base: float) -> str:
     return "\n".join(lines)
 
 
-def _round_robin(
-    contenders: dict[str, Callable[[], contextlib.AbstractContextManager[None]]],
+def round_robin(
+    contenders: dict[str, Context],
     step: Callable[[], None],
     rounds: int,
     block: int,
 ) -> dict[str, float]:
+    """Median seconds of ``step`` under each contender's context, interleaved round-robin."""
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(rounds):
         for name, context in contenders.items():
@@ -136,10 +139,9 @@ def _round_robin(
     return {name: statistics.median(samples) for name, samples in times.items()}
 
 
-def bench_model(size: str, rounds: int, block: int) -> str:
+def training_step(size: str):  # type: ignore[no-untyped-def]
+    """The benchmark model and a function running one full training step on it."""
     import torch
-
-    from vartrace import ModelTracer
 
     model, tokens = build_model(size)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -149,6 +151,16 @@ def bench_model(size: str, rounds: int, block: int) -> str:
         logits = model(tokens)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
         optimizer.step()
+
+    return model, step
+
+
+def bench_model(size: str, rounds: int, block: int) -> str:
+    import torch
+
+    from vartrace import ModelTracer
+
+    model, step = training_step(size)
 
     def discard(name: str, trace: object) -> None:
         trace.clear()  # type: ignore[attr-defined]
@@ -191,12 +203,12 @@ def bench_model(size: str, rounds: int, block: int) -> str:
     }
     for _ in range(3):
         step()
-    medians = _round_robin(contenders, step, rounds, block)
+    medians = round_robin(contenders, step, rounds, block)
     title = (
         f"--size {size}: full training step (forward + backward + SGD), Python "
         f"{sys.version.split()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
-    return _table(title, list(medians.items()), medians["untraced"])
+    return table(title, list(medians.items()), medians["untraced"])
 
 
 class _Workload:
@@ -228,7 +240,7 @@ def bench_engine(rounds: int, block: int) -> str:
         for _ in range(100):
             work.compute(10)
 
-    def traced(core_factory: Callable[[], object]) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    def traced(core_factory: Callable[[], object]) -> Context:
         @contextlib.contextmanager
         def context() -> Iterator[None]:
             set_core(core_factory())  # type: ignore[arg-type]
@@ -239,17 +251,17 @@ def bench_engine(rounds: int, block: int) -> str:
 
         return context
 
-    contenders: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    contenders: dict[str, Context] = {
         "untraced": contextlib.nullcontext,
         "settrace core (locals at return)": traced(SettraceCore),
     }
     if hasattr(sys, "monitoring"):
         contenders["sys.monitoring core (locals at return)"] = traced(MonitoringCore)
-    medians = _round_robin(contenders, calls, rounds, block)
+    medians = round_robin(contenders, calls, rounds, block)
     title = (
         f"--engine: 100 calls of a pure-Python method with locals, Python {sys.version.split()[0]}"
     )
-    return _table(title, list(medians.items()), medians["untraced"])
+    return table(title, list(medians.items()), medians["untraced"])
 
 
 def main() -> None:
