@@ -376,7 +376,11 @@ class _FileSiteView(SiteView):
         values = site.values
         kinds = np.asarray(site.kinds).astype(str)
         blocky = values is not None and _numeric_dtype_name(self._dtype)
-        in_values = _in_values(site, kinds) if blocky else np.zeros(count, dtype=bool)
+        in_values = (
+            np.asarray(site.in_values) & np.isin(kinds, list(_NUMERIC_KINDS))
+            if blocky
+            else np.zeros(count, dtype=bool)
+        )
         shapes = np.asarray(site.shapes, dtype=np.int64).reshape(count, -1)
         self.shapes = [
             tuple(int(d) for d in shapes[i]) if in_values[i] else None for i in range(count)
@@ -423,14 +427,6 @@ class _FileSiteView(SiteView):
             except PickleNotAllowedError:
                 out.append(Unreadable("a pickled object (open the run with allow_pickle=True)"))
         return out
-
-
-def _in_values(site: Any, kinds: np.ndarray) -> np.ndarray:
-    """Which records sit in the site's ``values`` dataset (not None, not moved to ``other``)."""
-    from vartrace.storage._codec import IN_OTHER
-
-    codes = np.asarray(site._kinds)
-    return ((codes & IN_OTHER) == 0) & np.isin(kinds, list(_NUMERIC_KINDS))
 
 
 def _decode_raw(block: np.ndarray, dtype: str) -> np.ndarray:
