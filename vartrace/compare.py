@@ -302,24 +302,25 @@ def _numeric_stats(
     block_a: np.ndarray, block_b: np.ndarray, atol: float, rtol: float
 ) -> dict[str, np.ndarray]:
     """Per-record statistics of two equally shaped stacks of records."""
+    m = int(np.prod(block_a.shape[1:], dtype=np.int64))
+    return _finish(m, _block_partial(block_a, block_b, atol, rtol))
+
+
+def _block_partial(block_a: np.ndarray, block_b: np.ndarray, atol: float, rtol: float) -> _Partial:
+    """Row sums, largest differences and closeness of two equally shaped stacks of records."""
     k = block_a.shape[0]
     m = int(np.prod(block_a.shape[1:], dtype=np.int64))
     work = _work_dtype(block_a.dtype, block_b.dtype)
     a2 = block_a.reshape(k, m).astype(work, copy=False)
     b2 = block_b.reshape(k, m).astype(work, copy=False)
-    out = {name: np.empty(k, dtype=np.float64) for name in (*_FLOAT_COLUMNS, "allclose")}
     if m == 0:
-        for name in _FLOAT_COLUMNS:
-            out[name][:] = math.nan
-        out["max_abs_diff"][:] = 0.0
-        out["max_rel_diff"][:] = 0.0
-        out["cosine"][:] = 1.0
-        out["allclose"][:] = 1.0
-        return out
+        zeros = np.zeros(k)
+        return _Partial((zeros,) * 5, zeros, zeros, np.ones(k, dtype=bool))
     width = min(m, _COLUMNS)
     step = max(1, _STEP_ELEMENTS // width)
     scratch = _scratch(min(step, k), width, work)
     partial_of = _complex_partial if work.kind == "c" else _real_partial
+    groups = []
     with np.errstate(all="ignore"):
         for start in range(0, k, step):
             rows = slice(start, min(k, start + step))
@@ -328,33 +329,47 @@ def _numeric_stats(
                 columns = slice(first, min(m, first + width))
                 more = partial_of(a2[rows, columns], b2[rows, columns], atol, rtol, scratch)
                 partial = _combine(partial, more)
-            _finish(out, rows, m, partial)
+            groups.append(partial)
+    partial = groups[0] if len(groups) == 1 else _concatenate(groups)
     if block_a.dtype.kind in "iu" and block_b.dtype.kind in "iu":
         # float64 cannot tell integers above 2**53 apart: check equality exactly.
         same = np.all(block_a.reshape(k, m) == block_b.reshape(k, m), axis=1)
-        out["allclose"][(out["max_abs_diff"] == 0) & ~same] = 0.0
-    return out
+        partial.close[(partial.max_abs == 0) & ~same] = False
+    return partial
 
 
-def _finish(out: dict[str, np.ndarray], rows: slice, m: int, partial: _Partial) -> None:
-    """Turn the row sums of ``partial`` into the report's statistics."""
+def _concatenate(parts: list[_Partial]) -> _Partial:
+    """The partials of consecutive row groups as one."""
+    return _Partial(
+        tuple(np.concatenate(column) for column in zip(*(p.sums for p in parts), strict=True)),
+        np.concatenate([p.max_abs for p in parts]),
+        np.concatenate([p.max_rel for p in parts]),
+        np.concatenate([p.close for p in parts]),
+    )
+
+
+def _finish(m: int, partial: _Partial) -> dict[str, np.ndarray]:
+    """Turn the row sums of ``partial`` (records of ``m`` elements) into the report's columns."""
     sa, sb, saa, sbb, sab = partial.sums
-    for side, s, ss in (("a", sa, saa), ("b", sb, sbb)):
-        mean = s / m
-        var = np.maximum(ss / m - mean * mean, 0.0)
-        out[f"mean_{side}"][rows] = mean
-        out[f"var_{side}"][rows] = var
-        out[f"std_{side}"][rows] = np.sqrt(var)
-    norm = np.sqrt(saa * sbb)
-    norm = np.where(np.isfinite(norm), norm, np.sqrt(saa) * np.sqrt(sbb))
-    cos = np.clip(sab / np.where(norm > 0, norm, 1.0), -1.0, 1.0)
+    out: dict[str, np.ndarray] = {}
+    with np.errstate(all="ignore"):
+        for side, s, ss in (("a", sa, saa), ("b", sb, sbb)):
+            mean = s / m
+            var = np.maximum(ss / m - mean * mean, 0.0)
+            out[f"mean_{side}"] = mean
+            out[f"var_{side}"] = var
+            out[f"std_{side}"] = np.sqrt(var)
+        norm = np.sqrt(saa * sbb)
+        norm = np.where(np.isfinite(norm), norm, np.sqrt(saa) * np.sqrt(sbb))
+        cos = np.clip(sab / np.where(norm > 0, norm, 1.0), -1.0, 1.0)
     zero_a, zero_b = saa == 0, sbb == 0
     cos = np.where(zero_a & zero_b, 1.0, cos)
     cos = np.where(zero_a ^ zero_b, 0.0, cos)
-    out["cosine"][rows] = np.where(partial.max_abs == 0, 1.0, cos)
-    out["max_abs_diff"][rows] = partial.max_abs
-    out["max_rel_diff"][rows] = partial.max_rel
-    out["allclose"][rows] = partial.close
+    out["cosine"] = np.where(partial.max_abs == 0, 1.0, cos)
+    out["max_abs_diff"] = np.asarray(partial.max_abs, dtype=np.float64)
+    out["max_rel_diff"] = np.asarray(partial.max_rel, dtype=np.float64)
+    out["allclose"] = partial.close.astype(np.float64)
+    return out
 
 
 def _real_partial(
@@ -677,12 +692,9 @@ def _reduce_blocks(
 ) -> dict[str, np.ndarray]:
     """Statistics of one task: two read blocks (given back to ``pool``) or aligned views."""
     if isinstance(blocks, _Aligned):
-        out = {name: np.empty(blocks.count) for name in (*_FLOAT_COLUMNS, "allclose")}
-        for start, stop, view_a, view_b in blocks.pieces:
-            stats = _numeric_stats(view_a, view_b, atol, rtol)
-            for name, values in stats.items():
-                out[name][start:stop] = values
-        return out
+        parts = [_block_partial(va, vb, atol, rtol) for _, _, va, vb in blocks.pieces]
+        m = int(np.prod(blocks.pieces[0][2].shape[1:], dtype=np.int64))
+        return _finish(m, parts[0] if len(parts) == 1 else _concatenate(parts))
     try:
         return _numeric_stats(*blocks, atol, rtol)
     finally:
