@@ -471,9 +471,12 @@ def test_record_stats_from_a_file(tmp_path) -> None:
     results = make_results()
     write_run(tmp_path / "a.h5", results)
     with open_source(tmp_path / "a.h5") as source:
-        stds = record_stats(source.site("layers.1.out"), "std")
+        stats = record_stats(source.site("layers.1.out"), ("std", "max"))
+    stds = stats["std"]
     expected = [v.double().std(unbiased=False).item() for v in results["layers.1.out"].values]
     np.testing.assert_allclose(stds, expected, rtol=1e-12)
+    maxima = [v.max().item() for v in results["layers.1.out"].values]
+    np.testing.assert_array_equal(stats["max"], maxima)
 
 
 def test_zero_copy_views_and_hdf5_reads_agree(tmp_path) -> None:

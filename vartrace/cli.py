@@ -269,7 +269,8 @@ def _record_table(view: Any, rows: np.ndarray, record_stats: Any) -> str:
                 )
             )
         return _table(header, body, right=(0, 1))
-    stats = {s: record_stats(view, s)[rows] for s in ("mean", "std", "min", "max")}
+    names = ("mean", "std", "min", "max")
+    stats = {s: v[rows] for s, v in record_stats(view, names, progress=sys.stderr.isatty()).items()}
     header = ("iteration", "rank", "shape", "mean", "std", "min", "max")
     body = [
         (
@@ -443,7 +444,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
                 if name not in run.names and not any(_fnmatch(n, name) for n in run.names):
                     _site(run, first, name)
             stats = args.stat or "mean,std"
-            figure = plot_stat(run, rest, stats, args.output)
+            figure = plot_stat(run, rest, stats, args.output, progress=sys.stderr.isatty())
             lines = len(figure.axes[0].get_lines())
             what = f"{stats} over iterations, {lines} line(s) per statistic"
     finally:

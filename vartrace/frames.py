@@ -719,32 +719,50 @@ def numeric_groups(
     return {shape: np.asarray(sorted(g), dtype=np.int64) for shape, g in groups.items()}
 
 
-def record_stats(view: SiteView, stat: str = "mean") -> np.ndarray:
-    """One statistic (a :data:`STATS` name) per record of a site, NaN for non-numeric records.
+def record_stats(
+    view: SiteView, stats: str | Sequence[str] = "mean", *, progress: bool = False
+) -> dict[str, np.ndarray]:
+    """Statistics (:data:`STATS` names) of every record of a site, in one pass over the data.
 
+    Returns name -> one float per record (NaN for non-numeric records).
     Numeric records are read in large blocks (or viewed in place, see
-    :class:`FileMaps`) and reduced vectorised.
+    :class:`FileMaps`) and reduced vectorised; ``progress`` shows a tqdm bar
+    on stderr when that takes more than a second.
 
     Example::
 
         with open_source("run.h5") as run:
-            stds = record_stats(run.site("layers.0.out"), "std")
+            stds = record_stats(run.site("layers.0.out"), "std")["std"]
     """
-    reducer = stat_function(stat)
-    out = np.full(len(view.iterations), math.nan)
-    for shape, rows in numeric_groups(view).items():
-        per_block = max(1, BLOCK_BYTES // max(8, 8 * int(np.prod(shape, dtype=np.int64))))
-        for start in range(0, len(rows), per_block):
-            chunk = rows[start : start + per_block]
-            pieces = view.views(chunk, shape)
-            if pieces is None:
-                out[chunk] = _reduce(reducer, view.read(chunk, shape))
-                continue
-            for position, array in pieces:
-                out[chunk[position : position + len(array)]] = _reduce(reducer, array)
+    from tqdm.auto import tqdm
+
+    names = [stats] if isinstance(stats, str) else list(stats)
+    reducers = {name: stat_function(name) for name in names}
+    out = {name: np.full(len(view.iterations), math.nan) for name in names}
+
+    def reduce(rows: np.ndarray, block: np.ndarray) -> None:
+        for name, reducer in reducers.items():
+            out[name][rows] = _reduce(reducer, block)
+
+    groups = numeric_groups(view)
+    total = sum(len(rows) for rows in groups.values())
+    with tqdm(
+        total=total, unit="record", desc=view.name, disable=not progress, delay=1.0, leave=False
+    ) as bar:
+        for shape, rows in groups.items():
+            per_block = max(1, BLOCK_BYTES // max(8, 8 * int(np.prod(shape, dtype=np.int64))))
+            for start in range(0, len(rows), per_block):
+                chunk = rows[start : start + per_block]
+                pieces = view.views(chunk, shape)
+                if pieces is None:
+                    reduce(chunk, view.read(chunk, shape))
+                else:
+                    for position, array in pieces:
+                        reduce(chunk[position : position + len(array)], array)
+                bar.update(len(chunk))
     for row in range(len(view.iterations)):
         if view.shapes[row] is None:
             array = value_as_array(_readable(view.objects(np.asarray([row]))[0]))
             if array is not None:
-                out[row] = _reduce(reducer, array[None])[0]
+                reduce(np.asarray([row]), array[None])
     return out

@@ -93,13 +93,16 @@ def plot_stat(
     sites: str | Sequence[str],
     stats: str | Sequence[str] = ("mean", "std"),
     path: str | os.PathLike[str] | None = None,
+    *,
+    progress: bool = False,
 ) -> Figure:
     """A statistic of each record over iterations: one subplot per statistic, a line per rank.
 
     ``run`` is a path (or shard glob), an open run, a ModelTracer or its
     results; ``sites`` names sites or glob patterns; ``stats`` are names from
     :data:`vartrace.frames.STATS` (``"mean,std"`` works too).  Saves to
-    ``path`` when given and returns the figure.
+    ``path`` when given and returns the figure; ``progress`` shows tqdm bars
+    on stderr for sites that take more than a second to read.
 
     Example::
 
@@ -119,7 +122,7 @@ def plot_stat(
             view = source.site(name)
             if all(shape is None for shape in view.shapes):
                 raise ValueError(f"site {name!r} holds no numeric values to plot")
-            values = {stat: record_stats(view, stat) for stat in stat_names}
+            values = record_stats(view, stat_names, progress=progress)
             x = _x_positions(view.iterations, view.ranks, view.order)
             curves.append((name, view.ranks, x, values))
         label = source.label
