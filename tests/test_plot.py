@@ -53,7 +53,7 @@ def test_plot_stat_one_subplot_per_stat_one_line_per_rank(tmp_path) -> None:
     expected = [np.sin(np.arange(32) * 1.0 + it).mean() for it in range(1, 7)]
     np.testing.assert_allclose(line.get_ydata(), expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(line.get_xdata(), np.arange(1, 7))
-    labels = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+    labels = [text.get_text() for text in fig.legends[0].get_texts()]
     assert "layers.0.attn.forward.scores [rank 1]" in labels
 
 

@@ -128,13 +128,9 @@ def plot_stat(
         label = source.label
     all_ranks = sorted({int(r) for _, ranks, _, _ in curves for r in np.unique(ranks)})
     multi_rank = len(all_ranks) > 1
-    lines = sum(len(np.unique(ranks)) for _, ranks, _, _ in curves)
-    legend_outside = lines > 6
     colors = _colors(len(curves))
     styles = ("-", "--", ":", "-.")
-    fig = Figure(
-        figsize=(10.0 if legend_outside else 8.0, 1.2 + 2.6 * len(stat_names)), layout="constrained"
-    )
+    fig = Figure(figsize=(10.0, 1.2 + 2.6 * len(stat_names)), layout="constrained")
     axes = fig.subplots(len(stat_names), 1, sharex=True, squeeze=False)[:, 0]
     for ax, stat in zip(axes, stat_names, strict=True):
         for color, (name, ranks, x, values) in zip(colors, curves, strict=True):
@@ -156,10 +152,8 @@ def plot_stat(
     axes[-1].set_xlabel("iteration")
     axes[-1].xaxis.get_major_locator().set_params(integer=True)
     axes[0].set_title(f"{', '.join(stat_names)} over iterations — {_short(label)}")
-    if legend_outside:
-        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
-    else:
-        axes[0].legend(fontsize=8)
+    # beside the plots, so it never hides a curve
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
     if path is not None:
         fig.savefig(os.fspath(path), dpi=120)
     return fig
