@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import vartrace
-from vartrace.frames import results_frame
+from vartrace.sources import results_frame
 from vartrace.tracer import ModelTracer
 
 

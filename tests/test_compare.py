@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from vartrace.compare import Comparison, Divergence, compare
-from vartrace.frames import results_frame
+from vartrace.sources import results_frame
 from vartrace.trace import Trace
 
 SITES = ("embed", "layers.0.out", "layers.1.out", "loss")
@@ -465,7 +465,7 @@ def test_results_frame_matches_run_to_frame(tmp_path) -> None:
 
 
 def test_record_stats_from_a_file(tmp_path) -> None:
-    from vartrace.frames import open_source, record_stats
+    from vartrace.sources import open_source, record_stats
 
     results = make_results()
     write_run(tmp_path / "a.h5", results)
@@ -480,7 +480,7 @@ def test_record_stats_from_a_file(tmp_path) -> None:
 
 def test_zero_copy_views_and_hdf5_reads_agree(tmp_path) -> None:
     """Records viewed in place through a memory map give exactly what HDF5 reads give."""
-    from vartrace.frames import BufferPool, open_source
+    from vartrace.sources import BufferPool, open_source
     from vartrace.storage.writer import H5PYSaverCallback
 
     generator = torch.Generator().manual_seed(5)
@@ -527,7 +527,7 @@ def test_zero_copy_views_and_hdf5_reads_agree(tmp_path) -> None:
 
 
 def test_buffer_pool_reuses_memory() -> None:
-    from vartrace.frames import BufferPool
+    from vartrace.sources import BufferPool
 
     pool = BufferPool()
     first = pool.take((4, 8), np.dtype(np.float32))

@@ -134,7 +134,7 @@ def _site_bytes(site: Any) -> int | None:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from vartrace.frames import open_source
+    from vartrace.sources import open_source
 
     with _open(args.run) as run, open_source(run) as source:
         rows = []
@@ -165,7 +165,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 def _format_value(value: Any, dtype: str) -> list[str]:
     """Lines showing one record: the full value when small, a summary when big."""
-    from vartrace.frames import value_as_array
+    from vartrace.sources import value_as_array
 
     array = value_as_array(value)
     if array is None:
@@ -201,7 +201,7 @@ def _stats_text(array: np.ndarray) -> str:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from vartrace.frames import open_source, record_stats
+    from vartrace.sources import open_source, record_stats
 
     with _open(args.run) as run, open_source(run) as source:
         _site(run, args.run, args.site)

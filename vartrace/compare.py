@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vartrace.frames import (
+from vartrace.sources import (
     BufferPool,
     SiteView,
     Source,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vartrace.frames import Source, open_source, record_stats, stat_function
+from vartrace.sources import Source, open_source, record_stats, stat_function
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -100,7 +100,7 @@ def plot_stat(
 
     ``run`` is a path (or shard glob), an open run, a ModelTracer or its
     results; ``sites`` names sites or glob patterns; ``stats`` are names from
-    :data:`vartrace.frames.STATS` (``"mean,std"`` works too).  Saves to
+    :data:`vartrace.sources.STATS` (``"mean,std"`` works too).  Saves to
     ``path`` when given and returns the figure; ``progress`` shows tqdm bars
     on stderr for sites that take more than a second to read.
 

@@ -9,7 +9,7 @@ shape, with ``shapes`` keeping the true ones).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -20,18 +20,6 @@ from vartrace.trace import Trace
 __all__ = ["Results"]
 
 _TAGS = ("iterations", "ranks", "order")
-
-
-def _records(trace: Trace) -> list[Any]:
-    """The values of ``trace`` as a list of exact-shape records."""
-    values = trace.values
-    if not isinstance(values, torch.Tensor):
-        return list(values)
-    if trace.shapes is None:
-        return list(values.unbind(0))
-    return [
-        v[tuple(slice(n) for n in shape)] for v, shape in zip(values, trace.shapes, strict=True)
-    ]
 
 
 def _join_tags(pieces: list[Trace], field: str) -> Any:
@@ -59,7 +47,7 @@ def _join(pieces: list[Trace]) -> Trace:
             )
             joined.shapes = [s for part in shapes for s in part] if padded else None
             return joined
-    joined.values = [record for p in pieces for record in _records(p)]
+    joined.values = [record for p in pieces for record in p.records()]
     return joined
 
 
@@ -94,3 +82,17 @@ class Results(Mapping[str, Trace]):
 
     def __repr__(self) -> str:
         return f"<Results sites={len(self)}>"
+
+    def to_frame(self, stat: str | Callable[[Any], Any] = "mean") -> Any:
+        """A pandas DataFrame with one row per record and a statistic column.
+
+        The same columns as ``vartrace.open(path).to_frame()``: site,
+        iteration, rank, order, shape, dtype and ``stat`` (a name such as
+        ``"mean"``, ``"std"``, ``"norm"``, or a callable)::
+
+            df = tracer.results.to_frame(stat="std")
+            df.groupby("site")["std"].max()
+        """
+        from vartrace.sources import results_frame
+
+        return results_frame(self, stat)

@@ -65,6 +65,25 @@ class Trace:
         kind = type(self.values).__name__
         return f"<Trace records={len(self)} values={kind}>"
 
+    def records(self) -> list[Any]:
+        """Each record's value, cut back to its true shape where ``values`` was padded.
+
+        Works for list values and for stacked tensors or arrays alike::
+
+            for value, it in zip(trace.records(), trace.iterations):
+                print(it, value.shape)
+        """
+        values, shapes = self.values, self.shapes
+        if isinstance(values, (list, tuple)) and shapes is None:
+            return list(values)
+        rows = [values[index] for index in range(len(self))]
+        if shapes is None:
+            return rows
+        return [
+            row[tuple(slice(0, int(size)) for size in shape)]
+            for row, shape in zip(rows, shapes, strict=True)
+        ]
+
     def append(self, value: Any, iteration: int, rank: int, order: int) -> None:
         """Append one record (only while the fields are lists)."""
         self.values.append(value)

@@ -17,7 +17,7 @@ Example::
 
     with ModelTracer(model, ["**.forward"]) as tracer:
         model(x)
-    df = vartrace.frames.results_frame(tracer.results, stat="std")
+    df = tracer.results.to_frame(stat="std")
     df.groupby("site")["std"].mean()
 """
 
@@ -162,17 +162,6 @@ def _tag_list(values: Any) -> list[int]:
     return [int(v) for v in values]
 
 
-def _records(trace: Trace) -> list[Any]:
-    values = trace.values
-    if isinstance(values, (list, tuple)):
-        return list(values)
-    if trace.shapes is None:
-        return list(values)
-    return [
-        v[tuple(slice(0, int(n)) for n in s)] for v, s in zip(values, trace.shapes, strict=True)
-    ]
-
-
 def results_frame(
     results: Mapping[str, Trace] | Any, stat: str | Callable[[Any], Any] = "mean"
 ) -> Any:
@@ -205,7 +194,7 @@ def results_frame(
         k: [] for k in ("site", "iteration", "rank", "order", "shape", "dtype", column)
     }
     for name, trace in results.items():
-        records = _records(trace)
+        records = trace.records()
         rows["site"].extend([name] * len(records))
         rows["iteration"].extend(_tag_list(trace.iterations))
         rows["rank"].extend(_tag_list(trace.ranks))
