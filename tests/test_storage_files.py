@@ -233,6 +233,7 @@ def test_to_frame_has_one_row_per_record_with_the_statistic(tmp_path: Path) -> N
         saver("scores", _trace(scores, [1, 2]))
         saver("half", _trace(halves, [1]))
         saver("misc", _trace([None, "text", 4, {"a": 1}], [1, 2, 3, 4]))
+        saver("loss", _trace([0.5, 1.5], [1, 2]))
     with open_run(path) as run:
         frame = run.to_frame("absmax")
         assert list(frame.columns) == [
@@ -244,7 +245,9 @@ def test_to_frame_has_one_row_per_record_with_the_statistic(tmp_path: Path) -> N
             "dtype",
             "absmax",
         ]
-        assert len(frame) == 7
+        assert len(frame) == 9
+        assert frame[frame.site == "loss"]["absmax"].tolist() == [0.5, 1.5]
+        assert frame[frame.site == "loss"]["dtype"].tolist() == ["float64", "float64"]
         rows = frame.set_index(["site", "iteration"])
         assert rows.loc[("scores", 1), "absmax"] == 3.0
         assert rows.loc[("scores", 2), "shape"] == (1, 1)
@@ -271,3 +274,23 @@ def test_context_manager_and_repr(tmp_path: Path) -> None:
     with open_run(path) as run:
         assert "sites=1" in repr(run)
         assert "records=1" in repr(run["x"])
+
+
+@pytest.mark.slow
+def test_thousands_of_sites_in_one_gather(tmp_path: Path) -> None:
+    """More sites than stay open, and than one chunk of /committed counts, in one file."""
+    path = tmp_path / "run.h5"
+    count = 4100
+    with H5PYSaverCallback(path, metadata=False) as saver:
+        for site in range(count):
+            saver(f"layers.{site}.forward", _trace([site], [1], first=site))
+        saver.flush()
+        for site in range(300):  # long closed since: reopened to append
+            saver(f"layers.{site}.forward", _trace([-site], [2], first=count + site))
+        assert saver.datasets["layers.0.forward"].shape == (2,)
+        assert len(saver.datasets) == count
+    with open_run(path) as run:
+        assert len(run.names) == count
+        assert run["layers.4099.forward"].get(1) == 4099
+        assert run["layers.7.forward"].get(2) == -7
+        assert run["layers.300.forward"].iterations.tolist() == [1]

@@ -439,3 +439,21 @@ def test_pickle_payload_is_not_run_when_reading_without_allow_pickle(tmp_path: P
     with open_run(path, allow_pickle=True) as run:
         run["x"].get(1)
     assert marker.exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool], ids=str)
+def test_large_records_fill_whole_chunks_and_round_trip(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Records of >= 512 KiB get a chunk each, written straight to the file; ragged ones too."""
+    rows = (512 << 10) // (1024 * (torch.finfo(dtype).bits if dtype.is_floating_point else 8) // 8)
+    shapes = [(rows, 1024), (rows, 1024), (rows // 3, 1024), (rows + 7, 1024), (rows, 1024)]
+    records = [_special(dtype, shape) for shape in shapes]
+    path = tmp_path / "run.h5"
+    _write(path, {"big": records[:3]})
+    with H5PYSaverCallback(path, append=True) as saver:
+        saver("big", _trace(records[3:], iterations=[4, 5]))
+    with open_run(path) as run:
+        site = run["big"]
+        assert site.values.chunks == (1, rows, 1024)
+        assert site.values.shape == (5, rows + 7, 1024)
+        for index, want in enumerate(records):
+            assert _same(site.get(index + 1), want), index

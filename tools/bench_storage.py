@@ -9,9 +9,13 @@ Usage::
 ``throughput`` writes the same records (float32 tensors captured from the GPT
 of ``tools/bench_overhead.py``) through ``H5PYSaverCallback`` in gathers of 8,
 flushing after each, and with ``numpy.ndarray.tofile``; both end with an
-fsync and are timed end to end.  Contenders alternate over several rounds and
-the median is shown.  ``stored`` is the bytes of the records divided by the
-bytes of the file.
+fsync (unless ``--no-fsync``: then the page cache is the limit, which shows
+the saver's CPU cost) and are timed end to end.  Every round runs each
+contender once, in a rotating order, and the best round of each is shown;
+the compressed contenders run in rounds of their own after the raw floor and
+the uncompressed saver, because on a shared virtual machine a write right
+after a CPU-heavy compressor runs several times slower.  ``stored`` is the
+bytes of the records divided by the bytes of the file.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_overhead import TRACED_PATHS
 
 GATHER = 8
 
@@ -55,33 +61,33 @@ def _datasets() -> dict[str, list[object]]:
     import torch
 
     generator = torch.Generator().manual_seed(0)
-    softmax = [s.softmax(-1) for s in _capture("small", "scores", 4)]
+    scores = _capture("small", "scores", 4)
+    gelu = _capture("small", "mlp", 2)
     return {
         "tiny scores (2,4,32,32) 32 KiB": _capture("tiny", "scores", 8),
-        "small scores (8,4,128,128) 2 MiB": _capture("small", "scores", 4),
-        "softmax(small scores) 2 MiB": softmax,
-        "small mlp gelu (8,128,1024) 4 MiB": _capture("small", "mlp", 2),
+        "small scores (8,4,128,128) 2 MiB": scores,
+        "softmax(small scores) 2 MiB": [s.softmax(-1) for s in scores],
+        "small mlp gelu (8,128,1024) 4 MiB": gelu,
+        "gelu at bf16 precision, f32 4 MiB": [h.bfloat16().float() for h in gelu],
         "random normal (8,4,128,128) 2 MiB": [
             torch.randn(8, 4, 128, 128, generator=generator) for _ in range(16)
         ],
     }
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb+") as handle:
-        os.fsync(handle.fileno())
-
-
-def _raw(records: list[object], path: Path, count: int) -> None:
+def _raw(records: list[object], path: Path, count: int, sync: bool) -> None:
     arrays = [record.numpy() for record in records]  # type: ignore[attr-defined]
     with open(path, "wb") as handle:
         for index in range(count):
             arrays[index % len(arrays)].tofile(handle)
         handle.flush()
-        os.fsync(handle.fileno())
+        if sync:
+            os.fsync(handle.fileno())
 
 
-def _saver(records: list[object], path: Path, count: int, compression: str | None) -> None:
+def _saver(
+    records: list[object], path: Path, count: int, compression: str | None, sync: bool
+) -> None:
     from vartrace.storage import H5PYSaverCallback
     from vartrace.trace import Trace
 
@@ -92,14 +98,17 @@ def _saver(records: list[object], path: Path, count: int, compression: str | Non
                 trace.append(records[index % len(records)], index // GATHER + 1, 0, index)
             saver("layers.0.attn.forward.scores", trace)
             saver.flush()
-    _fsync(path)
+    if sync:
+        with open(path, "rb+") as handle:
+            os.fsync(handle.fileno())
 
 
-def bench_throughput(total_mib: int, rounds: int, compressions: list[str]) -> str:
+def bench_throughput(total_mib: int, rounds: int, compressions: list[str], sync: bool) -> str:
     data = _datasets()
+    ending = "fsync at the end" if sync else "no fsync (page cache only)"
     lines = [
         f"throughput: {total_mib} MiB per measurement, gathers of {GATHER} records, "
-        f"median of {rounds} alternating rounds, fsync at the end",
+        f"best of {rounds} rounds (contenders rotate), {ending}",
         f"{'records':<36} {'contender':<14} {'MiB/s':>8} {'vs raw':>7} {'stored':>7}",
     ]
     with tempfile.TemporaryDirectory() as folder:
@@ -108,76 +117,95 @@ def bench_throughput(total_mib: int, rounds: int, compressions: list[str]) -> st
             nbytes = records[0].numel() * records[0].element_size()  # type: ignore[attr-defined]
             count = max(GATHER, (total_mib << 20) // nbytes)
             written = count * nbytes
-            contenders: dict[str, Callable[[Path], None]] = {
-                "raw tofile": lambda p, r=records, c=count: _raw(r, p, c),
-                "saver": lambda p, r=records, c=count: _saver(r, p, c, None),
+            plain: dict[str, Callable[[Path], None]] = {
+                "raw tofile": lambda p, r=records, c=count: _raw(r, p, c, sync),
+                "saver": lambda p, r=records, c=count: _saver(r, p, c, None, sync),
             }
-            for name in compressions:
-                contenders[name] = lambda p, r=records, c=count, n=name: _saver(r, p, c, n)
-            times: dict[str, list[float]] = {name: [] for name in contenders}
+            compressed: dict[str, Callable[[Path], None]] = {
+                name: lambda p, r=records, c=count, n=name: _saver(r, p, c, n, sync)
+                for name in compressions
+            }
+            times: dict[str, list[float]] = {}
             sizes: dict[str, int] = {}
-            for _ in range(rounds):
-                for name, run in contenders.items():
-                    path = directory / f"{name}.bin"
-                    start = time.perf_counter()
-                    run(path)
-                    times[name].append(time.perf_counter() - start)
-                    sizes[name] = path.stat().st_size
-                    path.unlink()
-            raw = statistics.median(times["raw tofile"])
-            for name, samples in times.items():
-                seconds = statistics.median(samples)
+            for contenders in (plain, compressed):  # compressors apart: they slow later writes
+                names = list(contenders)
+                for round_ in range(rounds + 1):  # round 0 warms up and is not counted
+                    for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                        path = directory / f"{name}.bin"
+                        start = time.perf_counter()
+                        contenders[name](path)
+                        if round_:
+                            times.setdefault(name, []).append(time.perf_counter() - start)
+                        sizes[name] = path.stat().st_size
+                        path.unlink()
+            raw = min(times["raw tofile"])
+            for name in [*plain, *compressed]:
+                samples = times[name]
                 lines.append(
-                    f"{label:<36} {name:<14} {written / seconds / 2**20:8.0f} "
-                    f"{raw / seconds:6.2f}x {written / sizes[name]:6.2f}x"
+                    f"{label:<36} {name:<14} {written / min(samples) / 2**20:8.0f} "
+                    f"{raw / min(samples):6.2f}x {written / sizes[name]:6.2f}x"
                 )
     return "\n".join(lines)
 
 
 _MEMORY_CHILD = """
-import resource, sys, torch
+import contextlib, resource, sys, torch
 sys.path.insert(0, {tools!r})
 from bench_overhead import build_model, TRACED_PATHS
 from vartrace.tracer import ModelTracer
-from vartrace.storage import H5PYSaverCallback
+contender = {contender!r}
+if "h5py" in contender:
+    from vartrace.storage import H5PYSaverCallback
 torch.set_num_threads(1)
 model, tokens = build_model("tiny")
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-with H5PYSaverCallback({path!r}, overwrite=True) as saver, ModelTracer(
-    model, TRACED_PATHS, post_gather_callbacks=[saver], gathering_interval=8
-) as tracer:
+with contextlib.ExitStack() as stack:
+    if contender.startswith("traced into HDF5"):
+        callback = stack.enter_context(H5PYSaverCallback({path!r}, overwrite=True))
+    else:
+        callback = lambda name, trace: trace.clear()
+    if contender != "untraced":
+        stack.enter_context(ModelTracer(
+            model, TRACED_PATHS, post_gather_callbacks=[callback], gathering_interval=8
+        ))
     for _ in range({iterations}):
         optimizer.zero_grad(set_to_none=True)
         logits = model(tokens)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
         optimizer.step()
-kept = sum(len(trace) for trace in tracer.results.values())
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, kept)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
+_CONTENDERS = (
+    "untraced",
+    "traced, chunks discarded",
+    "traced, discarded, h5py imported",
+    "traced into HDF5 (h5py)",
+)
 
 
 def bench_memory(counts: list[int]) -> str:
     tools = str(Path(__file__).resolve().parent)
     lines = [
-        "memory: peak RSS (ru_maxrss) of a fresh process tracing "
-        "forward.x, layers.*.attn.forward.scores, layers.*.mlp.forward.h of the tiny GPT "
-        "into HDF5, gathering_interval=8",
-        f"{'iterations':>10} {'peak RSS MiB':>13} {'vs first':>9} {'file MiB':>9} {'kept':>5}",
+        "memory: peak RSS (ru_maxrss) of a fresh process training the tiny GPT, traced "
+        f"({', '.join(TRACED_PATHS)}) with gathering_interval=8",
+        f"{'contender':<34} " + " ".join(f"{count:>9} it" for count in counts) + "   last/first",
     ]
-    first = None
     with tempfile.TemporaryDirectory() as folder:
-        for count in counts:
-            path = Path(folder) / f"run{count}.h5"
-            code = _MEMORY_CHILD.format(tools=tools, path=str(path), iterations=count)
-            done = subprocess.run(
-                [sys.executable, "-c", code], capture_output=True, text=True, check=True
-            )
-            peak_kib, kept = (int(field) for field in done.stdout.split())
-            first = first or peak_kib
-            lines.append(
-                f"{count:>10} {peak_kib / 1024:13.1f} {peak_kib / first:8.3f}x "
-                f"{path.stat().st_size / 2**20:9.1f} {kept:>5}"
-            )
+        for contender in _CONTENDERS:
+            peaks = []
+            for count in counts:
+                code = _MEMORY_CHILD.format(
+                    tools=tools,
+                    path=str(Path(folder) / "run.h5"),
+                    iterations=count,
+                    contender=contender,
+                )
+                done = subprocess.run(
+                    [sys.executable, "-c", code], capture_output=True, text=True, check=True
+                )
+                peaks.append(int(done.stdout.split()[-1]) / 1024)
+            cells = " ".join(f"{peak:8.1f} MiB" for peak in peaks)
+            lines.append(f"{contender:<34} {cells}   {peaks[-1] / peaks[0]:9.3f}x")
     return "\n".join(lines)
 
 
@@ -252,18 +280,22 @@ def main() -> None:
     parser.add_argument("mode", choices=["throughput", "memory", "overhead"])
     parser.add_argument("--mib", type=int, default=256, help="throughput: MiB per measurement")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--no-fsync", action="store_true", help="throughput: leave out the final fsync"
+    )
     parser.add_argument("--block", type=int, default=16, help="overhead: steps per block")
     parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--counts", default="200,2000", help="memory: iteration counts")
     parser.add_argument(
         "--compressions",
-        default="blosc2-lz4,blosc2-zstd,lzf,gzip",
-        help="comma-separated compression names (see vartrace.storage.COMPRESSIONS)",
+        help="comma-separated compression names (vartrace.storage.COMPRESSIONS, gzip, lzf); "
+        "default: blosc2,blosc2-zstd,lzf,gzip for throughput, blosc2 for overhead",
     )
     args = parser.parse_args()
-    compressions = [name for name in args.compressions.split(",") if name]
+    default = "blosc2,blosc2-zstd,lzf,gzip" if args.mode == "throughput" else "blosc2"
+    compressions = [name for name in (args.compressions or default).split(",") if name]
     if args.mode == "throughput":
-        print(bench_throughput(args.mib, args.rounds, compressions))
+        print(bench_throughput(args.mib, args.rounds, compressions, not args.no_fsync))
     elif args.mode == "memory":
         print(bench_memory([int(count) for count in args.counts.split(",")]))
     else:

@@ -260,8 +260,9 @@ def from_blob(kind: int, blob: bytes, allow_pickle: bool, where: str) -> Any:
     return from_array(kind, np.load(io.BytesIO(blob), allow_pickle=False), torch_dtype)
 
 
-def from_array(kind: int, array: np.ndarray, torch_dtype: str = "") -> Any:
-    """The record value of a numeric kind from its stored array."""
+def from_array(kind: int, array: Any, torch_dtype: str = "") -> Any:
+    """The record value of a numeric kind from its stored array (or numpy scalar)."""
+    array = np.asarray(array)
     if kind == Kind.NDARRAY:
         return array
     if kind == Kind.NPSCALAR:

@@ -87,8 +87,8 @@ def open_file(path: str | os.PathLike[str]) -> h5py.File:
             raise OSError(
                 errno.EBUSY,
                 "a process holds the file open for writing outside SWMR mode, or was killed "
-                "then; if no process writes it, vartrace.storage.recover(path) makes it "
-                f"readable ({swmr_error})",
+                "then; once no process writes it, vartrace.storage.recover(path, force=True) "
+                f"makes it readable ({swmr_error})",
                 str(path),
             ) from None
     version = handle.attrs.get(FORMAT_ATTR)
@@ -159,7 +159,7 @@ class _Part:
             return self.values.asstr()[row]
         if self.storage == "blob":
             return from_blob(kind, self.values[row].tobytes(), allow_pickle, where)
-        data = np.asarray(self.values[(row, *(slice(0, n) for n in self.shapes[row]))])
+        data = self.values[(row, *(slice(0, n) for n in self.shapes[row]))]
         return from_array(kind, data, self.torch_dtype)
 
     def describe(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +41,22 @@ from vartrace.storage._layout import (
     escape,
     has_write_flags,
     shard_path,
+    unescape,
     writer_alive,
 )
 from vartrace.trace import RunContext, Trace
 
-__all__ = ["COMPRESSIONS", "H5PYSaverCallback", "recover", "write_tree"]
+__all__ = ["COMPRESSIONS", "H5PYSaverCallback", "recover"]
 
 _CHUNK_TARGET = 512 << 10  # bytes of a multi-record chunk
 _CHUNK_MAX = 8 << 20  # a record bigger than this is split into several chunks
 _TAG_CHUNK = 4096
+# Sites whose datasets stay open between gathers.  Beyond this they are reopened when
+# written: HDF5's SWMR mode fails ("Child entry doesn't have a flush dependency parent
+# array") once thousands of objects are open while new ones are created.
+_OPEN_SITES = 256
+_SLOTS = 4096  # record counts per chunk of /committed
+_CACHE_BYTES = 1 << 20  # chunk cache per dataset: holds a partly filled multi-record chunk
 _STACK_BELOW = 1 << 20  # smaller equally shaped records are written together, up to this many bytes
 _BLOB = h5py.vlen_dtype(np.uint8)
 _STR = h5py.string_dtype("utf-8")
@@ -58,7 +65,7 @@ _STR = h5py.string_dtype("utf-8")
 def _blosc2(cname: str) -> dict[str, Any]:
     import hdf5plugin
 
-    return dict(hdf5plugin.Blosc2(cname=cname, clevel=5, filters=hdf5plugin.Blosc2.SHUFFLE))
+    return dict(hdf5plugin.Blosc2(cname=cname, clevel=1, filters=hdf5plugin.Blosc2.SHUFFLE))
 
 
 COMPRESSIONS = {
@@ -66,7 +73,8 @@ COMPRESSIONS = {
     "blosc2-lz4": lambda: _blosc2("lz4"),
     "blosc2-zstd": lambda: _blosc2("zstd"),
 }
-"""Shortcut compression names (they need the ``hdf5plugin`` package)."""
+"""Shortcut compression names: Blosc2 (level 1, byte shuffle) with LZ4 (fastest; what
+``"blosc2"`` means) or Zstd (smaller files, slower).  They need ``pip install hdf5plugin``."""
 
 
 def _filters(compression: Any, options: Any, shuffle: bool) -> dict[str, Any]:
@@ -103,15 +111,21 @@ def _int64(tags: Any) -> np.ndarray:
     return np.asarray(tags, dtype=np.int64).reshape(-1)
 
 
-def write_tree(group: h5py.Group, tree: Mapping[str, Any]) -> None:
+def _text(value: str) -> str:
+    """``value`` as an HDF5 UTF-8 string can hold it (NULs and undecodable bytes escaped)."""
+    return value.encode("utf-8", "backslashreplace").decode("utf-8").replace("\0", "\\0")
+
+
+def _write_tree(group: h5py.Group, tree: Mapping[str, Any]) -> None:
     """Store a nested dict of str / numbers / bools / str lists as datasets under ``group``."""
     for key, value in tree.items():
         if isinstance(value, Mapping):
-            write_tree(group.create_group(escape(key)), value)
+            _write_tree(group.create_group(escape(key)), value)
         elif isinstance(value, str):
-            group.create_dataset(escape(key), data=value, dtype=_STR)
+            group.create_dataset(escape(key), data=_text(value), dtype=_STR)
         elif isinstance(value, (list, tuple)):
-            group.create_dataset(escape(key), data=list(value), shape=(len(value),), dtype=_STR)
+            rows = [_text(item) for item in value]
+            group.create_dataset(escape(key), data=rows, shape=(len(rows),), dtype=_STR)
         else:
             group.create_dataset(escape(key), data=value)
 
@@ -128,6 +142,7 @@ class _Site:
         self.shapes: h5py.Dataset | None = group.get("shapes")
         self.other: h5py.Dataset | None = group.get("other")
         self.rows = rows  # committed records; rows past them (a killed writer's) are rewritten
+        self.chunk = None if self.values is None else self.values.chunks
         self.padded: tuple[int, ...] = () if self.values is None else self.values.shape[1:]
         self.storage = "" if self.values is None else str(self.values.attrs["storage"])
         self.key = "" if self.values is None else str(self.values.attrs.get("key", ""))
@@ -167,6 +182,7 @@ class _Site:
                 **self.options["filters"],
             )
             values.attrs.update(storage="array", key=leaf.key, torch_dtype=leaf.torch_dtype)
+            self.chunk = values.chunks
             if ndim:
                 self.shapes = self.group.create_dataset(
                     "shapes",
@@ -220,7 +236,7 @@ class _Site:
         """Give every per-record dataset ``stop`` rows, growing ``values`` to fit ``shapes``."""
         assert self.values is not None
         if shapes:
-            self.padded = tuple(int(n) for n in np.max([self.padded, *shapes], axis=0))
+            self.padded = tuple(max(sizes) for sizes in zip(self.padded, *shapes, strict=True))
         self.values.id.set_extent((stop, *self.padded))
         if self.shapes is not None:
             self.shapes.id.set_extent((stop, len(self.padded)))
@@ -230,11 +246,22 @@ class _Site:
     def _write_block(self, data: np.ndarray, shapes: Any, start: int, stop: int) -> None:
         record_shape = data.shape[1:]
         self._extend(stop, [record_shape])
-        assert self.values is not None
-        _put(self.values, (start,) + (0,) * len(record_shape), data)
+        self._put_records(start, data)
         if self.shapes is not None:
             true = [record_shape] * (stop - start) if shapes is None else shapes
             _put(self.shapes, (start, 0), np.array([tuple(shape) for shape in true], np.int64))
+
+    def _put_records(self, row: int, data: np.ndarray) -> None:
+        """Write records (records x shape) from ``row`` on; a record filling exactly one
+        unfiltered chunk goes straight to the file, past HDF5's pipeline."""
+        assert self.values is not None
+        whole = self.chunk == (1, *data.shape[1:]) and data.shape[1:] == self.padded
+        if whole and not self.options["filters"]:
+            for offset, record in enumerate(data):
+                origin = (row + offset,) + (0,) * record.ndim
+                self.values.id.write_direct_chunk(origin, np.ascontiguousarray(record))
+        else:
+            _put(self.values, (row,) + (0,) * (data.ndim - 1), data)
 
     def _write_leaves(self, leaves: list[Leaf], start: int, stop: int) -> np.ndarray:
         """Write the records' values; return their stored kind codes."""
@@ -290,10 +317,11 @@ class _Site:
                         break
                     end += 1
             if end - index > 1:
-                stacked = np.stack([leaf.data for leaf in leaves[index:end]])
-                _put(self.values, (start + index,) + (0,) * data.ndim, stacked)
+                self._put_records(
+                    start + index, np.stack([leaf.data for leaf in leaves[index:end]])
+                )
             else:
-                _put(self.values, (start + index,) + (0,) * data.ndim, data[np.newaxis])
+                self._put_records(start + index, data[np.newaxis])
             index = end
         if self.shapes is not None:
             rows = np.full((stop - start, len(self.padded)), -1, np.int64)
@@ -397,6 +425,7 @@ class H5PYSaverCallback:
         self._file: h5py.File | None = None
         self._sites: dict[str, _Site] = {}
         self._committed = np.zeros(0, np.int64)  # records per site slot, as of this session
+        self._capacity = 0  # slots the file's /committed holds
         self._dirty = False
         self._context = RunContext()
         self._idle = False
@@ -438,41 +467,61 @@ class H5PYSaverCallback:
             )
         if path.exists():
             _check_appendable(path)
-            handle = h5py.File(path, "r+", libver=LIBVER)
+            handle = h5py.File(path, "r+", libver=LIBVER, rdcc_nbytes=_CACHE_BYTES)
         else:
-            handle = h5py.File(path, "x", libver=LIBVER)
-            handle.attrs[FORMAT_ATTR] = FORMAT_VERSION
-            handle.attrs["vartrace_version"] = _vartrace_version()
-            handle.create_group("vars")
-            handle.create_dataset(COMMITTED, (0,), np.int64, maxshape=(None,), chunks=(_TAG_CHUNK,))
-            if self.metadata:
-                from vartrace.storage.metadata import collect_metadata
-
-                write_tree(handle.create_group("meta"), collect_metadata(self._context.world_size))
+            handle = self._create(path)
         handle.attrs.update(writer_host=socket.gethostname(), writer_pid=os.getpid())
         committed = handle[COMMITTED][()]
         # Sites a killed writer created but never committed hold no records.
         slots = [int(group.attrs["slot"]) for group in handle["vars"].values()]
         self._committed = np.zeros(max([len(committed), *(s + 1 for s in slots)]), np.int64)
         self._committed[: len(committed)] = committed
-        handle.swmr_mode = True
+        self._capacity = len(committed)
+        handle.swmr_mode = True  # from here on, a killed process leaves a consistent file
         self._file = handle
+        return handle
+
+    def _create(self, path: Path) -> h5py.File:
+        meta = None
+        if self.metadata:  # collected first: the file exists outside SWMR mode only briefly
+            from vartrace.storage.metadata import collect_metadata
+
+            meta = collect_metadata(self._context.world_size)
+        handle = h5py.File(path, "x", libver=LIBVER, rdcc_nbytes=_CACHE_BYTES)
+        handle.attrs[FORMAT_ATTR] = FORMAT_VERSION
+        handle.attrs["vartrace_version"] = _vartrace_version()
+        handle.create_group("vars")
+        committed = handle.create_dataset(
+            COMMITTED, (_SLOTS,), np.int64, maxshape=(None,), chunks=(_SLOTS,)
+        )
+        committed.id.write_direct_chunk((0,), np.zeros(_SLOTS, np.int64))
+        if meta is not None:
+            _write_tree(handle.create_group("meta"), meta)
         return handle
 
     def flush(self) -> None:
         """Make every record written so far durable in the file (once per gather).
 
-        The records reach the file first, then the per-site record counts that
-        readers trust: a process killed at any moment leaves every record of the
-        last completed flush readable, and nothing half-written visible.
+        HDF5 writes out the records first; then the per-site record counts that
+        readers trust are rewritten in place.  A process killed at any moment
+        leaves every record of the last completed flush readable, and nothing
+        half-written visible.
         """
         if self._file is None or not self._dirty:
             return
-        self._file.flush()
         committed = self._file[COMMITTED]
-        committed.id.set_extent(self._committed.shape)
-        _put(committed, (0,), self._committed)
+        capacity = -(-len(self._committed) // _SLOTS) * _SLOTS
+        grown = capacity > self._capacity
+        if grown:
+            committed.id.set_extent((capacity,))
         self._file.flush()
+        counts = np.zeros(capacity, np.int64)
+        counts[: len(self._committed)] = self._committed
+        for start in range(0, capacity, _SLOTS):  # whole unfiltered chunks: rewritten in place
+            committed.id.write_direct_chunk((start,), counts[start : start + _SLOTS])
+        if grown:  # a new chunk of counts was allocated: its place in the file must be written too
+            self._file.flush()
+            self._capacity = capacity
         self._dirty = False
 
     def close(self) -> None:
@@ -501,7 +550,7 @@ class H5PYSaverCallback:
         handle = self._open()
         if not len(trace):
             return
-        site = self._sites.get(name)
+        site = self._sites.pop(name, None)
         if site is None:
             group = handle["vars"].get(escape(name))
             if group is None:
@@ -511,16 +560,38 @@ class H5PYSaverCallback:
             else:
                 slot = int(group.attrs["slot"])
                 site = _Site(group, self._options, int(self._committed[slot]))
-            self._sites[name] = site
+        self._sites[name] = site  # most recently used last
+        if len(self._sites) > _OPEN_SITES:
+            del self._sites[next(iter(self._sites))]
         site.append(trace)
         self._committed[site.slot] = site.rows
         self._dirty = True
         trace.clear()
 
     @property
-    def datasets(self) -> dict[str, h5py.Dataset]:
-        """Site name -> its ``values`` dataset, for the sites written in this session."""
-        return {name: site.values for name, site in self._sites.items() if site.values is not None}
+    def datasets(self) -> Mapping[str, h5py.Dataset]:
+        """Site name -> its ``values`` dataset (opened when looked up), while the file is open."""
+        return _Datasets(self._file)
+
+
+class _Datasets(Mapping[str, h5py.Dataset]):
+    """The ``values`` datasets of an open file's sites, opened one at a time when looked up."""
+
+    def __init__(self, handle: h5py.File | None) -> None:
+        self._vars = None if handle is None else handle["vars"]
+
+    def __getitem__(self, name: str) -> h5py.Dataset:
+        group = None if self._vars is None else self._vars.get(escape(name))
+        if group is None or "values" not in group:
+            raise KeyError(name)
+        return group["values"]
+
+    def __iter__(self) -> Iterator[str]:
+        links = [] if self._vars is None else list(self._vars)
+        return (unescape(link) for link in links if "values" in self._vars[link])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def _vartrace_version() -> str:
@@ -554,11 +625,17 @@ def recover(path: str | os.PathLike[str], *, force: bool = False) -> bool:
     if not has_write_flags(path):
         return False
     if not force:
-        from vartrace.storage.reader import open_file
-
-        with open_file(path) as handle:
-            host = str(handle.attrs.get("writer_host", ""))
-            pid = int(handle.attrs.get("writer_pid", -1))
+        try:
+            with h5py.File(path, "r", swmr=True) as handle:
+                host = str(handle.attrs.get("writer_host", ""))
+                pid = int(handle.attrs.get("writer_pid", -1))
+        except OSError:
+            raise OSError(
+                errno.EBUSY,
+                "the writer left the file outside SWMR mode, so whether it still runs cannot "
+                "be told; pass force=True once no process writes the file",
+                str(path),
+            ) from None
         alive = writer_alive(host, pid)
         if alive is not False:
             where = (
