@@ -9,8 +9,11 @@ Example::
     with open_run("run.h5") as run:
         run["forward.x"].get(iteration=1)
 
-The layout is described in :mod:`vartrace.storage._layout`.  This package
-imports no torch; tensors are converted where they are read or written.
+Files are written in HDF5's SWMR mode, so a killed training process leaves a
+readable file holding every flushed record; :func:`recover` clears the flags
+that make plain ``h5py.File`` refuse such a file.  The layout is described in
+:mod:`vartrace.storage._layout`.  This package imports no torch; tensors are
+converted where they are read or written.
 """
 
 from vartrace.storage._codec import PickleNotAllowedError

@@ -18,6 +18,7 @@ run: ``vartrace.open("run.rank*.h5")``.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import errno
 import glob
@@ -118,6 +119,15 @@ def _read_tree(group: h5py.Group) -> dict[str, Any]:
     return tree
 
 
+def _load_filters(dataset: h5py.Dataset) -> None:
+    """Register hdf5plugin's filters (Blosc & co.) when ``dataset`` uses a plugin filter."""
+    plist = dataset.id.get_create_plist()
+    plugin = any(plist.get_filter(i)[0] >= 256 for i in range(plist.get_nfilters()))
+    if plugin:
+        with contextlib.suppress(ImportError):
+            import hdf5plugin  # noqa: F401
+
+
 class _Part:
     """One file's datasets of one site."""
 
@@ -126,6 +136,8 @@ class _Part:
         slot = int(group.attrs["slot"])
         self.rows = int(committed[slot]) if slot < len(committed) else 0
         self.values: h5py.Dataset | None = group.get("values")
+        if self.values is not None:
+            _load_filters(self.values)
         self.storage = "" if self.values is None else str(self.values.attrs["storage"])
         self.torch_dtype = (
             "" if self.values is None else str(self.values.attrs.get("torch_dtype", ""))
@@ -180,7 +192,10 @@ class _Part:
                         continue
                     shape = tuple(int(n) for n in self.shapes[row])
                     cut = (row - begin, *(slice(0, n) for n in shape))
-                    value = from_array(int(kinds[row]), block[cut], self.torch_dtype)
+                    kind = int(kinds[row])
+                    value = (
+                        from_array(kind, block[cut], self.torch_dtype) if callable(stat) else None
+                    )
                     rows[row] = (_apply(stat, value, numeric[cut]), self.dtype, shape)
         for row, kind in enumerate(kinds & 0x7F):
             if rows[row] is not None:
@@ -286,8 +301,9 @@ class Site:
     def values(self) -> h5py.Dataset | ValuesView | None:
         """The stored values (records x padded shape); ``None`` if every record is None.
 
-        Rows of records that did not fit (see ``kinds``) hold the fill value;
-        use :meth:`record` or :meth:`get` for exact values.
+        Rows of records not in it (see :attr:`in_values`) hold the fill value, and
+        numeric records are zero-padded to the largest shape (see :attr:`shapes`);
+        :meth:`record` and :meth:`get` give each record exactly.
         """
         if all(part.values is None for part in self._parts):
             return None

@@ -4,7 +4,7 @@ Example::
 
     from vartrace import H5PYSaverCallback, ModelTracer
 
-    with H5PYSaverCallback("run.h5", compression="blosc2") as saver, ModelTracer(
+    with H5PYSaverCallback("run.h5", compression="blosc") as saver, ModelTracer(
         model, ["layers.*.attn.forward.scores"], post_gather_callbacks=[saver],
         gathering_interval=8,
     ):
@@ -62,19 +62,22 @@ _BLOB = h5py.vlen_dtype(np.uint8)
 _STR = h5py.string_dtype("utf-8")
 
 
-def _blosc2(cname: str) -> dict[str, Any]:
+def _blosc(version: int, cname: str) -> dict[str, Any]:
     import hdf5plugin
 
+    if version == 1:
+        return dict(hdf5plugin.Blosc(cname=cname, clevel=1, shuffle=hdf5plugin.Blosc.SHUFFLE))
     return dict(hdf5plugin.Blosc2(cname=cname, clevel=1, filters=hdf5plugin.Blosc2.SHUFFLE))
 
 
 COMPRESSIONS = {
-    "blosc2": lambda: _blosc2("lz4"),
-    "blosc2-lz4": lambda: _blosc2("lz4"),
-    "blosc2-zstd": lambda: _blosc2("zstd"),
+    "blosc": lambda: _blosc(1, "lz4"),
+    "blosc2": lambda: _blosc(2, "lz4"),
+    "blosc2-zstd": lambda: _blosc(2, "zstd"),
 }
-"""Shortcut compression names: Blosc2 (level 1, byte shuffle) with LZ4 (fastest; what
-``"blosc2"`` means) or Zstd (smaller files, slower).  They need ``pip install hdf5plugin``."""
+"""Shortcut compression names, all level 1 with byte shuffle: ``"blosc"`` (Blosc + LZ4, the
+fastest: the recommended one), ``"blosc2"`` (Blosc2 + LZ4), ``"blosc2-zstd"`` (Blosc2 +
+Zstd: smaller files, about half the speed).  They need ``pip install hdf5plugin``."""
 
 
 def _filters(compression: Any, options: Any, shuffle: bool) -> dict[str, Any]:
@@ -388,8 +391,10 @@ class H5PYSaverCallback:
             each record's dtype, bit-exact.  Python scalars are always kept exact.
         compression / compression_opts / shuffle: HDF5 filters for numeric ``values``
             datasets: ``"gzip"``, ``"lzf"``, an ``hdf5plugin`` filter object, or the
-            shortcuts ``"blosc2"`` (Blosc2 + LZ4 + byte shuffle: fast, the recommended
-            one), ``"blosc2-zstd"``; the shortcuts need ``pip install hdf5plugin``.
+            shortcuts of :data:`COMPRESSIONS`: ``"blosc"`` (Blosc + LZ4 + byte shuffle:
+            fast, the recommended one), ``"blosc2"``, ``"blosc2-zstd"`` (smaller, slower);
+            the shortcuts need ``pip install hdf5plugin``.  gzip and lzf compress on one
+            core inside the training step: far slower.
         metadata: store the run's metadata under ``/meta`` when the file is created.
 
     The file is opened lazily: by :meth:`on_start` (the tracer calls it when it starts)
