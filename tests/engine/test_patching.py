@@ -312,3 +312,23 @@ def test_set_core_refused_while_patched(core: FrameCore) -> None:
     with pytest.raises(RuntimeError, match="while methods are patched"):
         patching.set_core(core)
     detach(calc, "loop", hook)
+
+
+def test_traced_calls_leave_no_reference_cycles(core: FrameCore) -> None:
+    """Garbage from each call must be freed by refcounting, not wait for a full gc pass."""
+    import gc
+
+    calc = Calc()
+    hook, rec = _attach(calc, "loop", _probe("loop", "acc:exit", "i:every"))
+    calc.loop(3)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(50):
+            calc.loop(3)
+        unreachable = gc.collect()
+    finally:
+        gc.enable()
+        detach(calc, "loop", hook)
+    assert len(rec.sites()["loop.acc"]) == 51
+    assert unreachable == 0

@@ -66,7 +66,7 @@ class _Watch:
         on_line: LineCallback | None,
     ) -> None:
         self.code = code
-        self.caller = caller
+        self.caller: FrameType | None = caller
         self.names = names
         self.every = every
         self.on_line = on_line
@@ -138,6 +138,7 @@ class SettraceCore(FrameCore):
             result = function(*args, **kwargs)
         finally:
             sys.settrace(previous)
+            tracer.release()
         return result, watch.snapshot
 
 
@@ -164,6 +165,14 @@ class _ChainedTracer:
         if self.previous is not None:
             return self.previous(frame, event, arg)
         return None
+
+    def release(self) -> None:
+        """Drop the frames this tracer holds, so that no reference cycle outlives the call."""
+        if self.target is not None:
+            self.target.f_trace = None
+        self.target = None
+        self.previous_local = None
+        self.watch.caller = None
 
     def local_trace(self, frame: FrameType, event: str, arg: Any) -> Any:
         if self.previous_local is not None:
@@ -262,13 +271,14 @@ class MonitoringCore(FrameCore):
             watch.line(frame)
 
     def run(self, code, names, every, on_line, function, args, kwargs):  # type: ignore[no-untyped-def]
-        caller = sys._getframe()
-        watch = _Watch(code, caller, names, every, on_line)
-        self._pending[caller] = watch
+        # No local may hold this frame (a frame -> locals -> frame cycle outlives the call).
+        watch = _Watch(code, sys._getframe(), names, every, on_line)
+        self._pending[watch.caller] = watch  # type: ignore[index]
         try:
             result = function(*args, **kwargs)
         finally:
-            del self._pending[caller]
+            del self._pending[watch.caller]  # type: ignore[arg-type]
+            watch.caller = None
         return result, watch.snapshot
 
 
