@@ -34,7 +34,7 @@ _TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(_TOOLS))
 sys.path.insert(0, str(_TOOLS.parent))
 
-from bench_overhead import SIZES, round_robin, table, training_step  # noqa: E402
+from bench_overhead import SIZES, step_table, training_step  # noqa: E402
 
 from vartrace.trace import Trace  # noqa: E402
 
@@ -90,14 +90,7 @@ def bench_overhead(size: str, rounds: int, block: int) -> str:
             ["layers.*.forward.self@grad"]
         ),
     }
-    for _ in range(3):
-        step()
-    medians = round_robin(contenders, step, rounds, block)
-    title = (
-        f"--size {size}: full training step (forward + backward + SGD), Python "
-        f"{sys.version.split()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads"
-    )
-    return table(title, list(medians.items()), medians["untraced"])
+    return step_table(size, contenders, step, rounds, block)
 
 
 def _peak_rss_child(size: str, steps: int, traced: bool) -> None:

@@ -139,6 +139,22 @@ def round_robin(
     return {name: statistics.median(samples) for name, samples in times.items()}
 
 
+def step_table(
+    size: str, contenders: dict[str, Context], step: Callable[[], None], rounds: int, block: int
+) -> str:
+    """Warm up, time ``step`` under each contender, and format the table of ratios."""
+    import torch
+
+    for _ in range(3):
+        step()
+    medians = round_robin(contenders, step, rounds, block)
+    title = (
+        f"--size {size}: full training step (forward + backward + SGD), Python "
+        f"{sys.version.split()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    return table(title, list(medians.items()), medians["untraced"])
+
+
 def training_step(size: str):  # type: ignore[no-untyped-def]
     """The benchmark model and a function running one full training step on it."""
     import torch
@@ -201,14 +217,7 @@ def bench_model(size: str, rounds: int, block: int) -> str:
         "copy floor (clone the traced tensors)": copy_floor,
         "vartrace: " + ", ".join(TRACED_PATHS): lambda: tracer(TRACED_PATHS),
     }
-    for _ in range(3):
-        step()
-    medians = round_robin(contenders, step, rounds, block)
-    title = (
-        f"--size {size}: full training step (forward + backward + SGD), Python "
-        f"{sys.version.split()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads"
-    )
-    return table(title, list(medians.items()), medians["untraced"])
+    return step_table(size, contenders, step, rounds, block)
 
 
 class _Workload:
