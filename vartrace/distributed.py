@@ -88,6 +88,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from vartrace.results import join_traces
 from vartrace.trace import Trace
 
 __all__ = ["gather_chunk", "rank", "world_size"]
@@ -515,66 +516,4 @@ def _merge_site(parts: list[_Part]) -> Trace:
             empty = torch.zeros(0, dtype=torch.int64)
             return Trace(first.values, empty, empty.clone(), empty.clone(), first.shapes)
         return Trace()
-    if all(part.stacked for part in filled) and _stackable(filled):
-        return _concat_stacked(filled)
-    trace = Trace()
-    for part in filled:
-        trace.values.extend(_records(part))
-        trace.iterations.extend(_int_list(part.iterations))
-        trace.ranks.extend(_int_list(part.ranks))
-        trace.order.extend(_int_list(part.order))
-    return trace
-
-
-def _stackable(parts: list[_Part]) -> bool:
-    first = parts[0].values
-    return all(
-        part.values.dtype == first.dtype
-        and part.values.dim() == first.dim()
-        and part.values.device == first.device
-        for part in parts
-    )
-
-
-def _concat_stacked(parts: list[_Part]) -> Trace:
-    dims = [tuple(part.values.shape[1:]) for part in parts]
-    target = tuple(max(sizes) for sizes in zip(*dims, strict=True))
-    padded = any(dim != target for dim in dims) or any(p.shapes is not None for p in parts)
-    if all(dim == target for dim in dims):
-        values = torch.cat([part.values for part in parts])
-    else:
-        total = sum(len(part) for part in parts)
-        first = parts[0].values
-        values = first.new_zeros((total, *target))
-        start = 0
-        for part in parts:
-            n = len(part)
-            region = (slice(start, start + n), *(slice(0, size) for size in part.values.shape[1:]))
-            values[region] = part.values
-            start += n
-    shapes = None
-    if padded:
-        shapes = []
-        for part, dim in zip(parts, dims, strict=True):
-            shapes.extend(
-                [tuple(s) for s in part.shapes] if part.shapes is not None else [dim] * len(part)
-            )
-    return Trace(
-        values,
-        torch.cat([torch.as_tensor(part.iterations) for part in parts]),
-        torch.cat([torch.as_tensor(part.ranks) for part in parts]),
-        torch.cat([torch.as_tensor(part.order) for part in parts]),
-        shapes,
-    )
-
-
-def _records(part: _Part) -> list[Any]:
-    """A part's values as a list of records, stacked values cut back to their true shapes."""
-    if not part.stacked:
-        return part.values
-    if part.shapes is None:
-        return list(part.values.unbind(0))
-    return [
-        value[tuple(slice(0, size) for size in shape)]
-        for value, shape in zip(part.values.unbind(0), part.shapes, strict=True)
-    ]
+    return join_traces([Trace(p.values, p.iterations, p.ranks, p.order, p.shapes) for p in filled])

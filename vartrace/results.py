@@ -14,41 +14,56 @@ from typing import Any
 
 import torch
 
-from vartrace.callbacks import pad_to
 from vartrace.trace import Trace
 
-__all__ = ["Results"]
+__all__ = ["Results", "join_traces"]
 
 _TAGS = ("iterations", "ranks", "order")
 
 
-def _join_tags(pieces: list[Trace], field: str) -> Any:
-    parts = [getattr(p, field) for p in pieces]
-    if all(not isinstance(p, torch.Tensor) for p in parts):
-        return [tag for part in parts for tag in part]
-    return torch.cat(
-        [torch.as_tensor(list(p) if not isinstance(p, torch.Tensor) else p) for p in parts]
-    )
+def _ints(tags: Any) -> list[int]:
+    return tags.tolist() if isinstance(tags, torch.Tensor) else [int(t) for t in tags]
 
 
-def _join(pieces: list[Trace]) -> Trace:
-    joined = Trace(**{field: _join_tags(pieces, field) for field in _TAGS})
-    if all(isinstance(p.values, torch.Tensor) for p in pieces):
-        shapes = [
-            list(p.shapes) if p.shapes is not None else [tuple(p.values.shape[1:])] * len(p)
-            for p in pieces
-        ]
-        ndims = {p.values.dim() for p in pieces}
-        if len(ndims) == 1:
-            biggest = [max(s) for s in zip(*(p.values.shape[1:] for p in pieces), strict=True)]
-            joined.values = torch.cat([pad_to(p.values, [len(p), *biggest]) for p in pieces])
-            padded = any(p.shapes is not None for p in pieces) or any(
-                tuple(p.values.shape[1:]) != tuple(biggest) for p in pieces
-            )
-            joined.shapes = [s for part in shapes for s in part] if padded else None
-            return joined
-    joined.values = [record for p in pieces for record in p.records()]
-    return joined
+def _pad_cat(stacks: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along records, zero-padding each record dimension to the largest (any dtype)."""
+    biggest = [max(sizes) for sizes in zip(*(v.shape[1:] for v in stacks), strict=True)]
+    if all(list(v.shape[1:]) == biggest for v in stacks):
+        return torch.cat(stacks)
+    out = stacks[0].new_zeros((sum(len(v) for v in stacks), *biggest))
+    start = 0
+    for v in stacks:
+        out[(slice(start, start + len(v)), *(slice(0, n) for n in v.shape[1:]))] = v
+        start += len(v)
+    return out
+
+
+def join_traces(pieces: list[Trace]) -> Trace:
+    """One trace holding the records of ``pieces``, in order.
+
+    Stacked pieces of one dtype, dimensionality and device stay stacked
+    (zero-padded to the largest record, with ``shapes`` keeping the true
+    ones where padding happened, and int64 tag tensors); anything else
+    becomes a list of exact-shape records with int tags.
+    """
+    stacks = [p.values for p in pieces]
+    if all(isinstance(v, torch.Tensor) for v in stacks) and (
+        len({(v.dtype, v.dim(), v.device) for v in stacks}) == 1
+    ):
+        values = _pad_cat(stacks)
+        shapes = None
+        if any(p.shapes is not None for p in pieces) or any(
+            v.shape[1:] != values.shape[1:] for v in stacks
+        ):
+            shapes = [
+                tuple(int(n) for n in shape)
+                for p in pieces
+                for shape in (p.shapes if p.shapes is not None else [p.values.shape[1:]] * len(p))
+            ]
+        tags = [torch.as_tensor([t for p in pieces for t in _ints(getattr(p, f))]) for f in _TAGS]
+        return Trace(values, *tags, shapes=shapes)
+    tags = [[t for p in pieces for t in _ints(getattr(p, f))] for f in _TAGS]
+    return Trace([record for p in pieces for record in p.records()], *tags)
 
 
 class Results(Mapping[str, Trace]):
@@ -71,7 +86,7 @@ class Results(Mapping[str, Trace]):
     def __getitem__(self, name: str) -> Trace:
         pieces = self._pieces[name]
         if len(pieces) > 1:
-            pieces[:] = [_join(pieces)]
+            pieces[:] = [join_traces(pieces)]
         return pieces[0]
 
     def __iter__(self) -> Iterator[str]:
