@@ -541,3 +541,23 @@ def test_buffer_pool_reuses_memory() -> None:
     pool.give(np.zeros(3))  # not from the pool: ignored
     pool.give(third)
     assert np.shares_memory(pool.take((4, 8), np.dtype(np.float32)), third)
+
+
+def test_blocks_reduced_on_threads_fill_their_own_rows(monkeypatch) -> None:
+    """Many small blocks per site, finishing in any order, give the one-thread report."""
+    import vartrace.compare as compare_module
+
+    monkeypatch.setattr(compare_module, "_READ_BYTES", 4 * 6 * 8 * 2)  # two records a block
+    perturb = {(name, it): 1e-3 * it for name in SITES[1:3] for it in (2, 5, 7)}
+    a, b = make_results(8), make_results(8, perturb=perturb)
+    threaded = compare(a, b, progress=True).to_frame()
+    monkeypatch.setattr(compare_module.os, "cpu_count", lambda: 1)
+    single = compare(a, b).to_frame()
+    assert len(threaded) == 8 * len(SITES)
+    np.testing.assert_array_equal(
+        threaded.drop(columns="status").to_numpy(dtype=object),
+        single.drop(columns="status").to_numpy(dtype=object),
+    )
+    assert (threaded["status"] == single["status"]).all()
+    differing = threaded[~threaded["allclose"].astype(bool)]
+    assert sorted(zip(differing["site"], differing["iteration"], strict=True)) == sorted(perturb)

@@ -12,10 +12,11 @@ similarity, and the mean/std/var of each side with their differences.
 
 Numeric work is vectorised and streams once over the data: records stored
 uncompressed are viewed in place through a memory map of the file (others
-are read in large blocks into reused buffers), a worker thread prepares the
-next site while a small thread pool reduces record groups with numpy (which
-releases the GIL), and statistics are accumulated in float64 from exact
-products of the inputs.  Identical records take a shorter path.
+are read in large blocks into reused buffers); every site is indexed
+first (record matching, HDF5 metadata), then a small thread pool reads and
+reduces blocks of records with numpy (which releases the GIL).  Statistics
+are accumulated in float64 from exact products of the inputs.  Identical
+records take a shorter path.
 
 Example::
 
@@ -30,14 +31,12 @@ Example::
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import csv
 import fnmatch
 import itertools
 import math
 import os
-import queue
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -50,7 +49,6 @@ import numpy as np
 from vartrace.sources import (
     BufferPool,
     SiteView,
-    Source,
     Unreadable,
     open_source,
     value_as_array,
@@ -593,74 +591,13 @@ def _worst(reduce: Callable[[np.ndarray], Any], values: np.ndarray) -> float:
     return float(reduce(values)) if len(values) else math.nan
 
 
-def _ahead(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
-    """Yield what ``items`` yields, produced in a worker thread up to ``depth`` items ahead.
-
-    HDF5 reads (in the worker) then overlap the numpy reductions (here), which
-    release the GIL.  An exception in the worker is re-raised in the consumer;
-    a consumer that stops early stops the worker.
-    """
-    pending: queue.Queue[Any] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    done = object()
-
-    def hand_over(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                pending.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def work() -> None:
-        try:
-            for item in items:
-                if not hand_over((item, None)):
-                    return
-        except BaseException as exc:  # handed to the consumer, re-raised there
-            hand_over((None, exc))
-            return
-        hand_over((done, None))
-
-    worker = threading.Thread(target=work, name="vartrace-compare-read", daemon=True)
-    worker.start()
-    try:
-        while True:
-            item, exc = pending.get()
-            if exc is not None:
-                raise exc
-            if item is done:
-                return
-            yield item
-    finally:
-        stop.set()
-        worker.join()
-
-
-def _produce(
-    names: list[str],
-    source_a: Source,
-    source_b: Source,
-    atol: float,
-    rtol: float,
-    pool: BufferPool,
-) -> Iterator[tuple[_SiteResult, _Task | None, Any]]:
-    """Per site: its matched result, then each numeric block read from both sides."""
-    for name in names:
-        result = _SiteResult(name, source_a.site(name), source_b.site(name), atol, rtol)
-        yield result, None, None
-        for task in result.tasks:
-            views_a = task.a.views(task.rows_a, task.shape)
-            views_b = None if views_a is None else task.b.views(task.rows_b, task.shape)
-            if views_a is not None and views_b is not None:
-                yield result, task, _align(views_a, views_b, len(task.rows_a))
-                continue
-            blocks = (
-                task.a.read(task.rows_a, task.shape, pool),
-                task.b.read(task.rows_b, task.shape, pool),
-            )
-            yield result, task, blocks
+def _load(task: _Task, pool: BufferPool) -> Any:
+    """The task's records on both sides: aligned zero-copy views, or blocks read into ``pool``."""
+    views_a = task.a.views(task.rows_a, task.shape)
+    views_b = None if views_a is None else task.b.views(task.rows_b, task.shape)
+    if views_a is not None and views_b is not None:
+        return _align(views_a, views_b, len(task.rows_a))
+    return task.a.read(task.rows_a, task.shape, pool), task.b.read(task.rows_b, task.shape, pool)
 
 
 class _Aligned(NamedTuple):
@@ -687,10 +624,9 @@ def _align(
     return _Aligned(count, pieces)
 
 
-def _reduce_blocks(
-    blocks: Any, atol: float, rtol: float, pool: BufferPool
-) -> dict[str, np.ndarray]:
-    """Statistics of one task: two read blocks (given back to ``pool``) or aligned views."""
+def _reduce_task(task: _Task, atol: float, rtol: float, pool: BufferPool) -> dict[str, np.ndarray]:
+    """Statistics of one task's records (read blocks are given back to ``pool``)."""
+    blocks = _load(task, pool)
     if isinstance(blocks, _Aligned):
         parts = [_block_partial(va, vb, atol, rtol) for _, _, va, vb in blocks.pieces]
         m = int(np.prod(blocks.pieces[0][2].shape[1:], dtype=np.int64))
@@ -702,36 +638,29 @@ def _reduce_blocks(
             pool.give(block)
 
 
-def _reduce_in_threads(
-    produced: Iterator[tuple[_SiteResult, _Task | None, Any]],
-    atol: float,
-    rtol: float,
-    pool: BufferPool,
-) -> Iterator[tuple[_SiteResult, _Task | None, Any]]:
-    """Reduce the blocks on a few threads (numpy releases the GIL), yielding in order."""
-    workers = max(1, min(4, (os.cpu_count() or 1)))
+def _reduce_all(
+    tasks: Sequence[_Task], atol: float, rtol: float
+) -> Iterator[tuple[_Task, dict[str, np.ndarray]]]:
+    """Each task with its statistics, as they complete, reduced on a few threads.
+
+    A task reads its records when it runs (so memory holds a few blocks at a
+    time) and its numpy work releases the GIL.  The sites were indexed before
+    (:class:`_SiteResult`): that HDF5 work holds the GIL, and interleaving it
+    with the reductions would stall them on every switch.
+    """
+    pool = BufferPool()
+    workers = max(1, min(4, os.cpu_count() or 1))
     if workers == 1:
-        for result, task, blocks in produced:
-            stats = None if task is None else _reduce_blocks(blocks, atol, rtol, pool)
-            yield result, task, stats
+        for task in tasks:
+            yield task, _reduce_task(task, atol, rtol, pool)
         return
-    pending: collections.deque[tuple[_SiteResult, _Task | None, Any]] = collections.deque()
-    with concurrent.futures.ThreadPoolExecutor(workers, "vartrace-compare") as threads:
-        for result, task, blocks in produced:
-            future = (
-                None if task is None else threads.submit(_reduce_blocks, blocks, atol, rtol, pool)
-            )
-            pending.append((result, task, future))
-            while len(pending) > workers or (pending and _settled(pending[0][2])):
-                done_result, done_task, done = pending.popleft()
-                yield done_result, done_task, None if done is None else done.result()
-        while pending:
-            done_result, done_task, done = pending.popleft()
-            yield done_result, done_task, None if done is None else done.result()
-
-
-def _settled(future: concurrent.futures.Future[Any] | None) -> bool:
-    return future is None or future.done()
+    threads = concurrent.futures.ThreadPoolExecutor(workers, "vartrace-compare")
+    try:
+        futures = {threads.submit(_reduce_task, task, atol, rtol, pool): task for task in tasks}
+        for future in concurrent.futures.as_completed(futures):
+            yield futures[future], future.result()
+    finally:
+        threads.shutdown(cancel_futures=True)
 
 
 def _select(names: Iterable[str], patterns: Sequence[str] | None) -> list[str]:
@@ -782,26 +711,31 @@ def compare(
         only_a = [n for n in names_a if n not in in_b]
         only_b = [n for n in names_b if n not in in_a]
         common = [n for n in names_a if n in in_b]
-        results: list[_SiteResult] = []
         from tqdm.auto import tqdm
 
         with tqdm(
             total=len(common),
             unit="site",
-            desc="compare",
+            desc="compare: index",
             disable=not progress or not common,
             file=sys.stderr,
             leave=False,
             delay=1.0,
         ) as bar:
-            pool = BufferPool()
-            produced = _ahead(_produce(common, source_a, source_b, atol, rtol, pool))
-            for result, task, stats in _reduce_in_threads(produced, atol, rtol, pool):
-                if task is None:
-                    results.append(result)
-                    bar.update(1)
-                else:
-                    result.fill(task, stats)
+            results = []
+            for name in common:
+                results.append(
+                    _SiteResult(name, source_a.site(name), source_b.site(name), atol, rtol)
+                )
+                bar.update(1)
+            owner = {id(task): result for result in results for task in result.tasks}
+            tasks = [task for result in results for task in result.tasks]
+            bar.reset(total=len(tasks))
+            bar.set_description("compare")
+            bar.unit = "block"
+            for task, stats in _reduce_all(tasks, atol, rtol):
+                owner[id(task)].fill(task, stats)
+                bar.update(1)
     results.sort(key=_SiteResult.execution_key)
     labels = labels or (source_a.label, source_b.label)
     return Comparison(results, only_a, only_b, atol, rtol, labels)
