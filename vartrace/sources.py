@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import mmap
@@ -370,11 +371,14 @@ class _FileSiteView(SiteView):
             if blocky
             else np.zeros(count, dtype=bool)
         )
-        shapes = np.asarray(site.shapes, dtype=np.int64).reshape(count, -1)
+        shapes = np.asarray(site.shapes, dtype=np.int64).reshape(count, -1).tolist()
+        fits = in_values.tolist()
         self.shapes = [
-            tuple(int(d) for d in shapes[i]) if in_values[i] else None for i in range(count)
+            tuple(shape) if fit else None for shape, fit in zip(shapes, fits, strict=True)
         ]
-        self.dtypes = [self._dtype if in_values[i] else str(kinds[i]) for i in range(count)]
+        self.dtypes = [
+            self._dtype if fit else str(kind) for kind, fit in zip(kinds, fits, strict=True)
+        ]
 
     def read(
         self, rows: np.ndarray, shape: tuple[int, ...], pool: BufferPool | None = None
@@ -504,40 +508,38 @@ class FileMaps:
     """
 
     def __init__(self) -> None:
-        self._maps: dict[str, mmap.mmap | None] = {}
+        self._maps: dict[bytes, mmap.mmap | None] = {}
         self._lock = threading.Lock()
 
-    def _file(self, filename: str) -> mmap.mmap | None:
+    def _file(self, dataset: h5py.Dataset) -> mmap.mmap | None:
+        """A map of the file holding ``dataset``; ``None`` unless it is a plain (sec2) file."""
+        filename = h5py.h5f.get_name(dataset.id)  # cheaper than dataset.file
         with self._lock:
             if filename not in self._maps:
-                try:
-                    with open(filename, "rb") as handle:
+                self._maps[filename] = None
+                if dataset.file.driver == "sec2":
+                    with contextlib.suppress(OSError, ValueError), open(filename, "rb") as handle:
                         self._maps[filename] = mmap.mmap(
                             handle.fileno(), 0, access=mmap.ACCESS_READ
                         )
-                except (OSError, ValueError):
-                    self._maps[filename] = None
             return self._maps[filename]
 
     def chunk_map(self, dataset: Any) -> _ChunkMap | None:
         """Views of ``dataset``'s records, or ``None`` when it does not qualify."""
-        if not isinstance(dataset, h5py.Dataset) or dataset.chunks is None or dataset.ndim == 0:
+        if not isinstance(dataset, h5py.Dataset) or dataset.ndim == 0:
+            return None
+        layout = dataset.id.get_create_plist()
+        if layout.get_layout() != h5py.h5d.CHUNKED or layout.get_nfilters() != 0:
             return None
         record_shape = tuple(int(d) for d in dataset.shape[1:])
+        chunk_rows, *chunk_shape = layout.get_chunk()
         dtype = dataset.dtype
-        if (
-            tuple(dataset.chunks[1:]) != record_shape
-            or dtype.kind not in "biufc"
-            or not dtype.isnative
-            or dataset.id.get_create_plist().get_nfilters() != 0
-            or dataset.file.driver != "sec2"
-        ):
+        if tuple(chunk_shape) != record_shape or dtype.kind not in "biufc" or not dtype.isnative:
             return None
-        buffer = self._file(dataset.file.filename)
-        chunks = _chunk_table(dataset)
+        buffer = self._file(dataset)
+        chunks = None if buffer is None else _chunk_table(dataset)
         if buffer is None or chunks is None:
             return None
-        chunk_rows = int(dataset.chunks[0])
         size = chunk_rows * int(np.prod(record_shape, dtype=np.int64)) * dtype.itemsize
         first_rows, offsets, sizes = chunks
         if np.any(sizes != size) or np.any(offsets + size > len(buffer)):

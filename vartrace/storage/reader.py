@@ -139,7 +139,11 @@ def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
     dims = space.get_simple_extent_dims()
     shape = (min(rows, dims[0]), *dims[1:])
     out = np.empty(shape, dataset.dtype)
-    if out.size:
+    if not out.size:
+        return out
+    if shape == dims:
+        dataset.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
+    else:
         space.select_hyperslab((0,) * len(shape), shape)
         dataset.read(h5py.h5s.create_simple(shape), space, out)
     return out
@@ -334,6 +338,8 @@ class Site:
     def shapes(self) -> np.ndarray:
         """The true shape of each record, (records, ndim); -1 rows: record not in ``values``."""
         shapes = [part.shapes for part in self._parts]
+        if len(shapes) == 1:
+            return shapes[0]
         width = max(s.shape[1] for s in shapes)
         rows = [np.pad(s, ((0, 0), (0, width - s.shape[1])), constant_values=-1) for s in shapes]
         return np.concatenate(rows)[[self._index(p, r) for p, r in self._where]]
