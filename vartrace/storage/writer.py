@@ -215,7 +215,7 @@ class _Site:
             self._write_block(block.data, trace.shapes, start, stop)
             kinds = np.full(count, block.kind, np.uint8)
         else:
-            leaves = [self._encode(value) for value in _records(trace)]
+            leaves = [self._encode(value) for value in trace.records()]
             kinds = self._write_leaves(leaves, start, stop)
         tags = (trace.iterations, trace.ranks, trace.order)
         for name, data in zip(TAGS, (*(_int64(tag) for tag in tags), kinds), strict=True):
@@ -351,20 +351,6 @@ def _objects(rows: list[str | bytes]) -> np.ndarray:
     for index, row in enumerate(rows):
         array[index] = np.frombuffer(row, np.uint8) if isinstance(row, bytes) else row
     return array
-
-
-def _records(trace: Trace) -> list[Any]:
-    """Each record's value, cut to its true shape when ``values`` was padded."""
-    values, shapes = trace.values, trace.shapes
-    if isinstance(values, (list, tuple)) and shapes is None:
-        return list(values)
-    records = []
-    for index in range(len(trace)):
-        value = values[index]
-        if shapes is not None:
-            value = value[tuple(slice(0, size) for size in shapes[index])]
-        records.append(value)
-    return records
 
 
 class H5PYSaverCallback:
