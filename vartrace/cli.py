@@ -64,7 +64,7 @@ def _human_bytes(n: float) -> str:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> str:
-    from vartrace.compare import _table as table
+    from vartrace.compare.report import table
 
     return "\n".join(table(header, rows, right))
 

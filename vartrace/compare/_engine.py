@@ -1,0 +1,402 @@
+"""The comparison engine: match records, plan blocks, read and reduce them.
+
+Every site of both runs is indexed first (records matched by iteration, rank
+and occurrence; shapes and dtypes read), its numeric pairs grouped into
+blocks of equally shaped records (:class:`_Task`); then a few threads read
+and reduce the blocks (:mod:`vartrace.compare._stats`) and each block's
+statistics fill its site's rows (:class:`_SiteResult`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import fnmatch
+import itertools
+import math
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from vartrace.compare._stats import _block_partial, _concatenate, _finish, _numeric_stats
+from vartrace.compare.report import (
+    _FLOAT_COLUMNS,
+    STATUS_DIFFERS,
+    STATUS_OK,
+    STATUS_ONLY_A,
+    STATUS_ONLY_B,
+    STATUS_SHAPE,
+    STATUS_SKIPPED,
+    Comparison,
+    SiteSummary,
+)
+from vartrace.sources import (
+    BufferPool,
+    SiteView,
+    Unreadable,
+    open_source,
+    value_as_array,
+    value_dtype_name,
+)
+
+#: Largest block (bytes per side, counted as float64) read from a file in one go.
+_READ_BYTES = 32 << 20
+
+
+def _occurrence(iterations: np.ndarray, ranks: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Index of each record among the records of its (iteration, rank), by capture order."""
+    count = len(iterations)
+    occ = np.zeros(count, dtype=np.int64)
+    if count == 0:
+        return occ
+    idx = np.lexsort((order, ranks, iterations))
+    it, rk = iterations[idx], ranks[idx]
+    start = np.ones(count, dtype=bool)
+    start[1:] = (it[1:] != it[:-1]) | (rk[1:] != rk[:-1])
+    positions = np.arange(count)
+    group_start = np.maximum.accumulate(np.where(start, positions, 0))
+    occ[idx] = positions - group_start
+    return occ
+
+
+def _match(a: SiteView, b: SiteView) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pair records by (iteration, rank, occurrence): (ia, ib, only_a, only_b) row indices."""
+    occ_a = _occurrence(a.iterations, a.ranks, a.order)
+    occ_b = _occurrence(b.iterations, b.ranks, b.order)
+    keys_a = np.stack([a.iterations, a.ranks, occ_a], axis=1)
+    keys_b = np.stack([b.iterations, b.ranks, occ_b], axis=1)
+    if np.array_equal(keys_a, keys_b):  # the usual case: both runs recorded the same steps
+        rows = np.lexsort((occ_a, a.ranks, a.iterations)).astype(np.int64)
+        empty = np.empty(0, dtype=np.int64)
+        return rows, rows, empty, empty
+    both = np.concatenate([keys_a, keys_b])
+    if len(both) == 0:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty, empty
+    _, inverse = np.unique(both, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    ka, kb = inverse[: len(keys_a)], inverse[len(keys_a) :]
+    _, ia, ib = np.intersect1d(ka, kb, assume_unique=True, return_indices=True)
+    only_a = np.setdiff1d(np.arange(len(ka)), ia)
+    only_b = np.setdiff1d(np.arange(len(kb)), ib)
+    return ia.astype(np.int64), ib.astype(np.int64), only_a, only_b
+
+
+def _objects_equal(x: Any, y: Any) -> bool:
+    if type(x) is not type(y):
+        return False
+    try:
+        return bool(x == y)
+    except Exception:  # an opaque object whose == is not a plain bool
+        return False
+
+
+@dataclass
+class _Task:
+    """One block of matched numeric records to read and reduce."""
+
+    a: SiteView
+    b: SiteView
+    pairs: np.ndarray  # positions in the site's pair list
+    rows_a: np.ndarray
+    rows_b: np.ndarray
+    shape: tuple[int, ...]
+
+
+class _SiteResult:
+    """Columns of one site's records while they are being filled."""
+
+    def __init__(self, name: str, a: SiteView, b: SiteView, atol: float, rtol: float) -> None:
+        self.name = name
+        self.atol, self.rtol = atol, rtol
+        ia, ib, only_a, only_b = _match(a, b)
+        n_pairs = len(ia)
+        self.n_pairs = n_pairs
+        n = n_pairs + len(only_a) + len(only_b)
+        nan = np.full(n, math.nan)
+        self.iteration = np.concatenate(
+            [a.iterations[ia], a.iterations[only_a], b.iterations[only_b]]
+        )
+        self.rank = np.concatenate([a.ranks[ia], a.ranks[only_a], b.ranks[only_b]])
+        occ_a = _occurrence(a.iterations, a.ranks, a.order)
+        occ_b = _occurrence(b.iterations, b.ranks, b.order)
+        self.occurrence = np.concatenate([occ_a[ia], occ_a[only_a], occ_b[only_b]])
+        missing = np.full(len(only_b), -1, dtype=np.int64)
+        self.order_a = np.concatenate([a.order[ia], a.order[only_a], missing])
+        missing_a = np.full(len(only_a), -1, dtype=np.int64)
+        self.order_b = np.concatenate([b.order[ib], missing_a, b.order[only_b]])
+        rows_a = np.concatenate([ia, only_a, np.full(len(only_b), -1, dtype=np.int64)])
+        rows_b = np.concatenate([ib, np.full(len(only_a), -1, dtype=np.int64), only_b])
+        self.shape_a = [a.shapes[r] if r >= 0 else None for r in rows_a]
+        self.shape_b = [b.shapes[r] if r >= 0 else None for r in rows_b]
+        self.dtype_a = [a.dtypes[r] if r >= 0 else "" for r in rows_a]
+        self.dtype_b = [b.dtypes[r] if r >= 0 else "" for r in rows_b]
+        self.floats = {name: nan.copy() for name in _FLOAT_COLUMNS}
+        self.allclose = np.zeros(n, dtype=bool)
+        self.shape_match = np.zeros(n, dtype=bool)
+        self.status = np.array(
+            [STATUS_DIFFERS] * n_pairs
+            + [STATUS_ONLY_A] * len(only_a)
+            + [STATUS_ONLY_B] * len(only_b),
+            dtype=object,
+        )
+        self.tasks: list[_Task] = []
+        self._plan(a, b, ia, ib)
+
+    def _plan(self, a: SiteView, b: SiteView, ia: np.ndarray, ib: np.ndarray) -> None:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        object_pairs: list[int] = []
+        for p in range(self.n_pairs):
+            sa, sb = self.shape_a[p], self.shape_b[p]
+            if sa is None or sb is None:
+                object_pairs.append(p)
+            elif sa != sb:
+                self.status[p] = STATUS_SHAPE
+            else:
+                self.shape_match[p] = True
+                groups.setdefault(sa, []).append(p)
+        if object_pairs:
+            pos = np.asarray(object_pairs)
+            values_a = a.objects(ia[pos])
+            values_b = b.objects(ib[pos])
+            for p, x, y in zip(object_pairs, values_a, values_b, strict=True):
+                self._compare_values(p, x, y)
+        for shape, members in groups.items():
+            pairs = np.asarray(members, dtype=np.int64)
+            pairs = pairs[np.argsort(ia[pairs], kind="stable")]
+            record_bytes = max(1, int(np.prod(shape, dtype=np.int64)) * 8)
+            per_task = max(1, _READ_BYTES // record_bytes)
+            for start in range(0, len(pairs), per_task):
+                chunk = pairs[start : start + per_task]
+                self.tasks.append(_Task(a, b, chunk, ia[chunk], ib[chunk], shape))
+
+    def _compare_values(self, p: int, x: Any, y: Any) -> None:
+        """Compare one pair of values read one by one (non-numeric, or outside a block)."""
+        self.dtype_a[p], self.dtype_b[p] = value_dtype_name(x), value_dtype_name(y)
+        if isinstance(x, Unreadable) or isinstance(y, Unreadable):
+            self.status[p] = STATUS_SKIPPED
+            return
+        array_a, array_b = value_as_array(x), value_as_array(y)
+        self.shape_a[p] = None if array_a is None else tuple(array_a.shape)
+        self.shape_b[p] = None if array_b is None else tuple(array_b.shape)
+        if array_a is None or array_b is None:
+            self.shape_match[p] = array_a is None and array_b is None
+            self.allclose[p] = _objects_equal(x, y)
+        elif array_a.shape != array_b.shape:
+            self.status[p] = STATUS_SHAPE
+            return
+        else:
+            self.shape_match[p] = True
+            stats = _numeric_stats(array_a[None], array_b[None], self.atol, self.rtol)
+            for name in _FLOAT_COLUMNS:
+                self.floats[name][p] = stats[name][0]
+            self.allclose[p] = bool(stats["allclose"][0])
+        self.status[p] = STATUS_OK if self.allclose[p] else STATUS_DIFFERS
+
+    def fill(self, task: _Task, stats: dict[str, np.ndarray]) -> None:
+        for name in _FLOAT_COLUMNS:
+            self.floats[name][task.pairs] = stats[name]
+        close = stats["allclose"].astype(bool)
+        self.allclose[task.pairs] = close
+        self.status[task.pairs] = np.where(close, STATUS_OK, STATUS_DIFFERS)
+
+    def _failing(self) -> np.ndarray:
+        return (self.status != STATUS_OK) & (self.status != STATUS_SKIPPED)
+
+    def summary(self) -> SiteSummary:
+        bad = self._failing()
+        statuses = set(self.status.tolist())
+        status = STATUS_OK
+        for candidate in (
+            STATUS_SKIPPED,
+            STATUS_ONLY_B,
+            STATUS_ONLY_A,
+            STATUS_DIFFERS,
+            STATUS_SHAPE,
+        ):
+            if candidate in statuses:
+                status = candidate
+        return SiteSummary(
+            site=self.name,
+            records=self.n_pairs,
+            differing=int(bad.sum()),
+            max_abs_diff=_worst(np.nanmax, self.floats["max_abs_diff"][: self.n_pairs]),
+            max_rel_diff=_worst(np.nanmax, self.floats["max_rel_diff"][: self.n_pairs]),
+            min_cosine=_worst(np.nanmin, self.floats["cosine"][: self.n_pairs]),
+            status=status,
+        )
+
+    def first_key(self) -> tuple[int, int, int] | None:
+        """(iteration, order, rank) of the earliest record that differs."""
+        bad = np.flatnonzero(self._failing())
+        if len(bad) == 0:
+            return None
+        order = np.where(self.order_a[bad] >= 0, self.order_a[bad], self.order_b[bad])
+        best = np.lexsort((self.rank[bad], order, self.iteration[bad]))[0]
+        return int(self.iteration[bad][best]), int(order[best]), int(self.rank[bad][best])
+
+    def execution_key(self) -> tuple[int, int]:
+        orders = np.where(self.order_a >= 0, self.order_a, self.order_b)
+        if len(orders) == 0:
+            return (sys.maxsize, sys.maxsize)
+        i = np.lexsort((orders, self.iteration))[0]
+        return int(self.iteration[i]), int(orders[i])
+
+
+def _worst(reduce: Callable[[np.ndarray], Any], values: np.ndarray) -> float:
+    """``reduce`` (nanmax / nanmin) over the numeric rows; NaN when there are none."""
+    values = values[~np.isnan(values)]
+    return float(reduce(values)) if len(values) else math.nan
+
+
+def _load(task: _Task, pool: BufferPool) -> Any:
+    """The task's records on both sides: aligned zero-copy views, or blocks read into ``pool``."""
+    views_a = task.a.views(task.rows_a, task.shape)
+    views_b = None if views_a is None else task.b.views(task.rows_b, task.shape)
+    if views_a is not None and views_b is not None:
+        return _align(views_a, views_b, len(task.rows_a))
+    return task.a.read(task.rows_a, task.shape, pool), task.b.read(task.rows_b, task.shape, pool)
+
+
+class _Aligned(NamedTuple):
+    """Zero-copy views of a task's records on both sides, cut at the same positions."""
+
+    count: int
+    pieces: list[tuple[int, int, np.ndarray, np.ndarray]]
+
+
+def _align(
+    views_a: list[tuple[int, np.ndarray]], views_b: list[tuple[int, np.ndarray]], count: int
+) -> _Aligned:
+    """Cut both sides' runs of records at the union of their boundaries."""
+    cuts = sorted({p for p, _ in views_a} | {p for p, _ in views_b} | {count})
+    pieces = []
+    ia = ib = 0
+    for start, stop in itertools.pairwise(cuts):
+        while views_a[ia][0] + len(views_a[ia][1]) <= start:
+            ia += 1
+        while views_b[ib][0] + len(views_b[ib][1]) <= start:
+            ib += 1
+        (pa, va), (pb, vb) = views_a[ia], views_b[ib]
+        pieces.append((start, stop, va[start - pa : stop - pa], vb[start - pb : stop - pb]))
+    return _Aligned(count, pieces)
+
+
+def _reduce_task(task: _Task, atol: float, rtol: float, pool: BufferPool) -> dict[str, np.ndarray]:
+    """Statistics of one task's records (read blocks are given back to ``pool``)."""
+    blocks = _load(task, pool)
+    if isinstance(blocks, _Aligned):
+        parts = [_block_partial(va, vb, atol, rtol) for _, _, va, vb in blocks.pieces]
+        m = int(np.prod(blocks.pieces[0][2].shape[1:], dtype=np.int64))
+        return _finish(m, parts[0] if len(parts) == 1 else _concatenate(parts))
+    try:
+        return _numeric_stats(*blocks, atol, rtol)
+    finally:
+        for block in blocks:
+            pool.give(block)
+
+
+def _reduce_all(
+    tasks: Sequence[_Task], atol: float, rtol: float
+) -> Iterator[tuple[_Task, dict[str, np.ndarray]]]:
+    """Each task with its statistics, as they complete, reduced on a few threads.
+
+    A task reads its records when it runs (so memory holds a few blocks at a
+    time) and its numpy work releases the GIL.  The sites were indexed before
+    (:class:`_SiteResult`): that HDF5 work holds the GIL, and interleaving it
+    with the reductions would stall them on every switch.
+    """
+    pool = BufferPool()
+    workers = max(1, min(4, os.cpu_count() or 1))
+    if workers == 1:
+        for task in tasks:
+            yield task, _reduce_task(task, atol, rtol, pool)
+        return
+    threads = concurrent.futures.ThreadPoolExecutor(workers, "vartrace-compare")
+    try:
+        futures = {threads.submit(_reduce_task, task, atol, rtol, pool): task for task in tasks}
+        for future in concurrent.futures.as_completed(futures):
+            yield futures[future], future.result()
+    finally:
+        threads.shutdown(cancel_futures=True)
+
+
+def _select(names: Iterable[str], patterns: Sequence[str] | None) -> list[str]:
+    if patterns is None:
+        return list(names)
+    return [n for n in names if any(n == p or fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+def compare(
+    a: Any,
+    b: Any,
+    *,
+    atol: float = 1e-8,
+    rtol: float = 1e-5,
+    names: str | Iterable[str] | None = None,
+    progress: bool = False,
+    labels: tuple[str, str] | None = None,
+) -> Comparison:
+    """Compare two runs record by record.
+
+    ``a`` and ``b`` are each a path or glob of an HDF5 run, an open run
+    (:func:`vartrace.open`), a :class:`~vartrace.tracer.ModelTracer` (its
+    ``results``) or a mapping of site name -> :class:`~vartrace.trace.Trace`.
+    Records are matched by site, iteration, rank and occurrence within that
+    iteration and rank; ``b`` is the reference of the relative tolerance,
+    as in :func:`numpy.isclose`.  ``names`` restricts the comparison to
+    these site names or glob patterns.  Sites present in one run only are
+    listed in ``only_in_a`` / ``only_in_b`` and do not make the comparison
+    fail; a record present on one side only does.  ``progress`` shows a tqdm
+    bar on stderr for long comparisons; ``labels`` names the two runs in the
+    report (default: their paths).
+
+    Example::
+
+        report = vartrace.compare("fp64.h5", tracer, atol=1e-5, rtol=1e-3)
+        print(report)
+        assert report.ok, report.first_divergence
+    """
+    if atol < 0 or rtol < 0:
+        raise ValueError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}")
+    patterns = [names] if isinstance(names, str) else (None if names is None else list(names))
+    with open_source(a) as source_a, open_source(b) as source_b:
+        names_a = _select(source_a.names, patterns)
+        names_b = _select(source_b.names, patterns)
+        if patterns is not None and not names_a and not names_b:
+            raise ValueError(f"no site matches {', '.join(map(repr, patterns))} in either run")
+        in_a, in_b = set(names_a), set(names_b)
+        only_a = [n for n in names_a if n not in in_b]
+        only_b = [n for n in names_b if n not in in_a]
+        common = [n for n in names_a if n in in_b]
+        from tqdm.auto import tqdm
+
+        with tqdm(
+            total=len(common),
+            unit="site",
+            desc="compare: index",
+            disable=not progress or not common,
+            file=sys.stderr,
+            leave=False,
+            delay=1.0,
+        ) as bar:
+            results = []
+            for name in common:
+                results.append(
+                    _SiteResult(name, source_a.site(name), source_b.site(name), atol, rtol)
+                )
+                bar.update(1)
+            owner = {id(task): result for result in results for task in result.tasks}
+            tasks = [task for result in results for task in result.tasks]
+            bar.reset(total=len(tasks))
+            bar.set_description("compare")
+            bar.unit = "block"
+            for task, stats in _reduce_all(tasks, atol, rtol):
+                owner[id(task)].fill(task, stats)
+                bar.update(1)
+    results.sort(key=_SiteResult.execution_key)
+    labels = labels or (source_a.label, source_b.label)
+    return Comparison(results, only_a, only_b, atol, rtol, labels)

@@ -1,0 +1,291 @@
+"""What :func:`vartrace.compare.compare` returns, and how it prints.
+
+:class:`Comparison` holds one row per record pair (columns :data:`COLUMNS`)
+and a :class:`SiteSummary` per site; :func:`table` aligns the columns of the
+printed report (and of the command line's tables).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from vartrace.compare._engine import _SiteResult
+
+#: Record status values, in the order the report ranks them.
+STATUS_OK = "ok"
+STATUS_DIFFERS = "differs"
+STATUS_SHAPE = "shape mismatch"
+STATUS_ONLY_A = "only in a"
+STATUS_ONLY_B = "only in b"
+STATUS_SKIPPED = "not compared"
+
+COLUMNS: tuple[str, ...] = (
+    "site",
+    "iteration",
+    "rank",
+    "occurrence",
+    "order_a",
+    "order_b",
+    "status",
+    "shape_a",
+    "shape_b",
+    "dtype_a",
+    "dtype_b",
+    "shape_match",
+    "allclose",
+    "max_abs_diff",
+    "max_rel_diff",
+    "cosine",
+    "mean_a",
+    "mean_b",
+    "mean_diff",
+    "std_a",
+    "std_b",
+    "std_diff",
+    "var_a",
+    "var_b",
+    "var_diff",
+)
+_FLOAT_COLUMNS = (
+    "max_abs_diff",
+    "max_rel_diff",
+    "cosine",
+    "mean_a",
+    "mean_b",
+    "std_a",
+    "std_b",
+    "var_a",
+    "var_b",
+)
+
+
+class Divergence(NamedTuple):
+    """Where two runs first differ: ``(site, iteration, rank)``."""
+
+    site: str
+    iteration: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class SiteSummary:
+    """One line of the report: how a site compared over all its records.
+
+    Attributes:
+        site: the site name.
+        records: record pairs compared (matched in both runs).
+        differing: records beyond tolerance, with a shape mismatch, or present
+            in one run only.
+        max_abs_diff: the largest absolute difference over the site's numeric
+            records (NaN when none was compared).
+        max_rel_diff: the largest relative difference ``|a - b| / |b|``.
+        min_cosine: the smallest cosine similarity over the site's records.
+        status: ``"ok"`` or the worst record status.
+    """
+
+    site: str
+    records: int
+    differing: int
+    max_abs_diff: float
+    max_rel_diff: float
+    min_cosine: float
+    status: str
+
+
+def _fmt(x: float) -> str:
+    if math.isnan(x):
+        return "-"
+    return f"{x:.3g}"
+
+
+def _fmt_cosine(x: float) -> str:
+    """Six decimals, so 0.9999995 does not read as a perfect 1."""
+    if math.isnan(x):
+        return "-"
+    return f"{x:.6f}"
+
+
+class Comparison:
+    """The result of :func:`compare`.
+
+    Example::
+
+        report = vartrace.compare("a.h5", "b.h5")
+        report.ok                  # True when every compared record is within tolerance
+        report.first_divergence    # Divergence(site, iteration, rank) or None
+        report.only_in_a, report.only_in_b
+        df = report.to_frame()     # one row per record pair
+        report.to_csv("diff.csv")
+
+    Attributes:
+        ok: every compared record has matching shapes, is within tolerance,
+            and has a partner in the other run.
+        first_divergence: the earliest differing record in execution order
+            (iteration, then capture order), or ``None``.
+        only_in_a / only_in_b: sites present in one run only.
+        sites: a :class:`SiteSummary` per compared site, in execution order.
+        atol / rtol: the tolerances used.
+    """
+
+    def __init__(
+        self,
+        results: list[_SiteResult],
+        only_in_a: list[str],
+        only_in_b: list[str],
+        atol: float,
+        rtol: float,
+        labels: tuple[str, str] = ("a", "b"),
+    ) -> None:
+        self.atol = atol
+        self.rtol = rtol
+        self.labels = labels
+        self.only_in_a = only_in_a
+        self.only_in_b = only_in_b
+        self.sites = [r.summary() for r in results]
+        self._columns = self._gather_columns(results)
+        firsts = [(key, r.name) for r in results if (key := r.first_key()) is not None]
+        if firsts:
+            (iteration, _, rank), site = min(firsts)
+            self.first_divergence: Divergence | None = Divergence(site, iteration, rank)
+        else:
+            self.first_divergence = None
+        self.ok = self.first_divergence is None
+
+    @staticmethod
+    def _gather_columns(results: list[_SiteResult]) -> dict[str, list[Any]]:
+        columns: dict[str, list[Any]] = {name: [] for name in COLUMNS}
+        for r in results:
+            n = len(r.status)
+            columns["site"].extend([r.name] * n)
+            for name in ("iteration", "rank", "occurrence", "order_a", "order_b"):
+                columns[name].extend(getattr(r, name).tolist())
+            columns["status"].extend(r.status.tolist())
+            columns["shape_a"].extend(r.shape_a)
+            columns["shape_b"].extend(r.shape_b)
+            columns["dtype_a"].extend(r.dtype_a)
+            columns["dtype_b"].extend(r.dtype_b)
+            columns["shape_match"].extend(r.shape_match.tolist())
+            columns["allclose"].extend(r.allclose.tolist())
+            for name in _FLOAT_COLUMNS:
+                columns[name].extend(r.floats[name].tolist())
+            for stat in ("mean", "std", "var"):
+                diff = r.floats[f"{stat}_a"] - r.floats[f"{stat}_b"]
+                columns[f"{stat}_diff"].extend(diff.tolist())
+        return columns
+
+    def __len__(self) -> int:
+        """Number of rows: record pairs plus records present on one side only."""
+        return len(self._columns["site"])
+
+    def __repr__(self) -> str:
+        return (
+            f"<Comparison ok={self.ok} sites={len(self.sites)} rows={len(self)} "
+            f"first_divergence={self.first_divergence}>"
+        )
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        """Yield one dict per row, keys as in :data:`COLUMNS`."""
+        cols = [self._columns[name] for name in COLUMNS]
+        for values in zip(*cols, strict=True):
+            yield dict(zip(COLUMNS, values, strict=True))
+
+    def to_frame(self) -> Any:
+        """A pandas DataFrame with one row per record pair (columns :data:`COLUMNS`).
+
+        ``*_diff`` columns are ``a - b``; a record present in one run only has
+        ``status`` ``"only in a"``/``"only in b"`` and NaN statistics.
+        """
+        try:
+            import pandas as pd
+        except ImportError as exc:
+            raise ImportError(
+                "Comparison.to_frame() needs pandas: pip install 'vartrace[pandas]'"
+            ) from exc
+        return pd.DataFrame(self._columns, columns=list(COLUMNS))
+
+    def to_csv(self, path: str | os.PathLike[str]) -> Path:
+        """Write one row per record pair to ``path`` (works without pandas); return the path."""
+        path = Path(path)
+        with path.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(COLUMNS)
+            for row in self.rows():
+                writer.writerow(_csv_value(row[name]) for name in COLUMNS)
+        return path
+
+    def __str__(self) -> str:
+        header = (
+            "site",
+            "records",
+            "differing",
+            "max abs diff",
+            "max rel diff",
+            "min cosine",
+            "status",
+        )
+        body = [
+            (
+                s.site,
+                str(s.records),
+                str(s.differing),
+                _fmt(s.max_abs_diff),
+                _fmt(s.max_rel_diff),
+                _fmt_cosine(s.min_cosine),
+                s.status if s.status == STATUS_OK else s.status.upper(),
+            )
+            for s in self.sites
+        ]
+        a, b = self.labels
+        lines = [f"comparing {a} with {b} (atol={self.atol:g}, rtol={self.rtol:g})"]
+        lines.extend(table(header, body, right=(1, 2, 3, 4, 5)))
+        differing = sum(1 for s in self.sites if s.status not in (STATUS_OK, STATUS_SKIPPED))
+        lines.append("")
+        lines.append(
+            f"{_plural(len(self.sites), 'site')} compared, {differing} differ, "
+            f"{_plural(sum(s.records for s in self.sites), 'record pair')}"
+        )
+        if self.first_divergence is None:
+            lines.append("first divergence: none")
+        else:
+            d = self.first_divergence
+            lines.append(f"first divergence: {d.site} at iteration {d.iteration}, rank {d.rank}")
+        if self.only_in_a:
+            lines.append(f"only in a ({len(self.only_in_a)}): " + ", ".join(self.only_in_a))
+        if self.only_in_b:
+            lines.append(f"only in b ({len(self.only_in_b)}): " + ", ".join(self.only_in_b))
+        return "\n".join(lines)
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _csv_value(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return str(tuple(int(d) for d in value))
+    if value is None:
+        return ""
+    return value
+
+
+def table(
+    header: Sequence[str], body: Sequence[Sequence[str]], right: Sequence[int] = ()
+) -> list[str]:
+    """Align columns: left-justified text, right-justified numbers (column indices ``right``)."""
+    widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        cells = [
+            cell.rjust(w) if i in right else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in body)]
