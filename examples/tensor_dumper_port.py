@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 import vartrace
+from vartrace import compare
 from vartrace.cli import main as vartrace_cli
-from vartrace.compare import compare
 from vartrace.storage.writer import H5PYSaverCallback
 from vartrace.tracer import ModelTracer
 

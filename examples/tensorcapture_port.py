@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import vartrace
-from vartrace.compare import compare
+from vartrace import compare
 from vartrace.tracer import ModelTracer
 
 WIDTH, DEPTH = 64, 4

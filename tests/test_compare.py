@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from vartrace.compare import Comparison, Divergence, compare
+from vartrace.comparison import Comparison, Divergence, compare
 from vartrace.sources import results_frame
 from vartrace.trace import Trace
 
@@ -545,7 +545,7 @@ def test_buffer_pool_reuses_memory() -> None:
 
 def test_blocks_reduced_on_threads_fill_their_own_rows(monkeypatch) -> None:
     """Many small blocks per site, finishing in any order, give the one-thread report."""
-    from vartrace.compare import _engine as compare_module
+    from vartrace.comparison import _engine as compare_module
 
     monkeypatch.setattr(compare_module, "_READ_BYTES", 4 * 6 * 8 * 2)  # two records a block
     perturb = {(name, it): 1e-3 * it for name in SITES[1:3] for it in (2, 5, 7)}
@@ -561,3 +561,11 @@ def test_blocks_reduced_on_threads_fill_their_own_rows(monkeypatch) -> None:
     assert (threaded["status"] == single["status"]).all()
     differing = threaded[~threaded["allclose"].astype(bool)]
     assert sorted(zip(differing["site"], differing["iteration"], strict=True)) == sorted(perturb)
+
+
+def test_vartrace_compare_stays_the_function_after_submodule_imports() -> None:
+    import vartrace
+    import vartrace.comparison.report  # importing the subpackage must not shadow the function
+
+    assert callable(vartrace.compare)
+    assert vartrace.compare is compare and vartrace.Comparison is Comparison

@@ -29,7 +29,7 @@ import h5py
 import numpy as np
 import torch
 
-from vartrace.compare import compare
+from vartrace import compare
 from vartrace.storage.writer import H5PYSaverCallback
 from vartrace.trace import Trace
 

@@ -36,8 +36,8 @@ _LAZY = {
     "reduce_chunk": "vartrace.callbacks",
     "H5PYSaverCallback": "vartrace.storage.writer",
     "open": "vartrace.storage.reader:open_run",
-    "compare": "vartrace.compare",
-    "Comparison": "vartrace.compare",
+    "compare": "vartrace.comparison",
+    "Comparison": "vartrace.comparison",
 }
 
 __all__ = [
@@ -61,7 +61,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from vartrace.callbacks import reduce_chunk, stack_padded_tensors, stack_tensors
-    from vartrace.compare import Comparison, compare
+    from vartrace.comparison import Comparison, compare
     from vartrace.results import Results
     from vartrace.sites import list_sites, sites_of_type
     from vartrace.storage.reader import open_run as open

@@ -64,7 +64,7 @@ def _human_bytes(n: float) -> str:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> str:
-    from vartrace.compare.report import table
+    from vartrace.comparison.report import table
 
     return "\n".join(table(header, rows, right))
 
@@ -378,7 +378,7 @@ def _cmd_sites(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from vartrace.compare import compare
+    from vartrace.comparison import compare
 
     run_a = _open(args.a)
     try:
@@ -425,7 +425,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         if similarity:
             other = _open(rest[0])
             try:
-                from vartrace.compare import compare
+                from vartrace.comparison import compare
 
                 report = compare(
                     run,

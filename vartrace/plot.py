@@ -198,7 +198,7 @@ def plot_similarity(
     (``atol``/``rtol``, or a shape mismatch, or a record missing on one side)
     carry a red ``x``; grey cells have no record.  Non-numeric records count
     as 1 when equal.  Sites are in execution
-    order.  Pass ``comparison`` (a :class:`~vartrace.compare.Comparison`)
+    order.  Pass ``comparison`` (a :class:`~vartrace.comparison.Comparison`)
     to reuse one already computed.
 
     Example::
@@ -209,7 +209,7 @@ def plot_similarity(
     from matplotlib.colors import Normalize
 
     if comparison is None:
-        from vartrace.compare import compare
+        from vartrace.comparison import compare
 
         comparison = compare(a, b, atol=atol, rtol=rtol, names=names)
     sites = [s.site for s in comparison.sites]

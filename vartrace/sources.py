@@ -5,7 +5,7 @@ glob of shards, or an open :class:`~vartrace.storage.reader.Run`), a
 :class:`~vartrace.tracer.ModelTracer`, or ``tracer.results`` (any mapping of
 site name -> :class:`~vartrace.trace.Trace`).  :func:`open_source` wraps each
 in a :class:`Source` whose sites are :class:`SiteView` objects with numpy
-tags and block reads, which :mod:`vartrace.compare` and :mod:`vartrace.plot`
+tags and block reads, which :mod:`vartrace.comparison` and :mod:`vartrace.plot`
 build on.
 
 :func:`results_frame` turns ``tracer.results`` into the same table that

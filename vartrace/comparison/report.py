@@ -1,4 +1,4 @@
-"""What :func:`vartrace.compare.compare` returns, and how it prints.
+"""What :func:`vartrace.compare` returns, and how it prints.
 
 :class:`Comparison` holds one row per record pair (columns :data:`COLUMNS`)
 and a :class:`SiteSummary` per site; :func:`table` aligns the columns of the
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from vartrace.compare._engine import _SiteResult
+    from vartrace.comparison._engine import _SiteResult
 
 #: Record status values, in the order the report ranks them.
 STATUS_OK = "ok"

@@ -3,7 +3,7 @@
 Every site of both runs is indexed first (records matched by iteration, rank
 and occurrence; shapes and dtypes read), its numeric pairs grouped into
 blocks of equally shaped records (:class:`_Task`); then a few threads read
-and reduce the blocks (:mod:`vartrace.compare._stats`) and each block's
+and reduce the blocks (:mod:`vartrace.comparison._stats`) and each block's
 statistics fill its site's rows (:class:`_SiteResult`).
 """
 
@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vartrace.compare._stats import _block_partial, _concatenate, _finish, _numeric_stats
-from vartrace.compare.report import (
+from vartrace.comparison._stats import _block_partial, _concatenate, _finish, _numeric_stats
+from vartrace.comparison.report import (
     _FLOAT_COLUMNS,
     STATUS_DIFFERS,
     STATUS_OK,

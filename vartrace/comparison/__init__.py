@@ -31,7 +31,7 @@ Example::
 
 from __future__ import annotations
 
-from vartrace.compare._engine import compare
-from vartrace.compare.report import Comparison, Divergence, SiteSummary
+from vartrace.comparison._engine import compare
+from vartrace.comparison.report import Comparison, Divergence, SiteSummary
 
 __all__ = ["Comparison", "Divergence", "SiteSummary", "compare"]
