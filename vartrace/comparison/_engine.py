@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vartrace.comparison._stats import _block_partial, _concatenate, _finish, _numeric_stats
+from vartrace.comparison._stats import block_partial, concatenate, finish, numeric_stats
 from vartrace.comparison.report import (
-    _FLOAT_COLUMNS,
+    FLOAT_COLUMNS,
     STATUS_DIFFERS,
     STATUS_OK,
     STATUS_ONLY_A,
@@ -134,7 +134,7 @@ class _SiteResult:
         self.shape_b = [b.shapes[r] if r >= 0 else None for r in rows_b]
         self.dtype_a = [a.dtypes[r] if r >= 0 else "" for r in rows_a]
         self.dtype_b = [b.dtypes[r] if r >= 0 else "" for r in rows_b]
-        self.floats = {name: nan.copy() for name in _FLOAT_COLUMNS}
+        self.floats = {name: nan.copy() for name in FLOAT_COLUMNS}
         self.allclose = np.zeros(n, dtype=bool)
         self.shape_match = np.zeros(n, dtype=bool)
         self.status = np.array(
@@ -190,14 +190,14 @@ class _SiteResult:
             return
         else:
             self.shape_match[p] = True
-            stats = _numeric_stats(array_a[None], array_b[None], self.atol, self.rtol)
-            for name in _FLOAT_COLUMNS:
+            stats = numeric_stats(array_a[None], array_b[None], self.atol, self.rtol)
+            for name in FLOAT_COLUMNS:
                 self.floats[name][p] = stats[name][0]
             self.allclose[p] = bool(stats["allclose"][0])
         self.status[p] = STATUS_OK if self.allclose[p] else STATUS_DIFFERS
 
     def fill(self, task: _Task, stats: dict[str, np.ndarray]) -> None:
-        for name in _FLOAT_COLUMNS:
+        for name in FLOAT_COLUMNS:
             self.floats[name][task.pairs] = stats[name]
         close = stats["allclose"].astype(bool)
         self.allclose[task.pairs] = close
@@ -289,11 +289,11 @@ def _reduce_task(task: _Task, atol: float, rtol: float, pool: BufferPool) -> dic
     """Statistics of one task's records (read blocks are given back to ``pool``)."""
     blocks = _load(task, pool)
     if isinstance(blocks, _Aligned):
-        parts = [_block_partial(va, vb, atol, rtol) for _, _, va, vb in blocks.pieces]
+        parts = [block_partial(va, vb, atol, rtol) for _, _, va, vb in blocks.pieces]
         m = int(np.prod(blocks.pieces[0][2].shape[1:], dtype=np.int64))
-        return _finish(m, parts[0] if len(parts) == 1 else _concatenate(parts))
+        return finish(m, parts[0] if len(parts) == 1 else concatenate(parts))
     try:
-        return _numeric_stats(*blocks, atol, rtol)
+        return numeric_stats(*blocks, atol, rtol)
     finally:
         for block in blocks:
             pool.give(block)

@@ -7,10 +7,10 @@ and whether ``|a - b| <= atol + rtol * |b|`` holds elementwise, NaN equal to
 NaN at the same place.  Rows are reduced in groups, and long records in
 column slices, through per-thread scratch buffers.
 
-Entry points for the engine: :func:`_numeric_stats` (two stacks -> the
+Entry points for the engine: :func:`numeric_stats` (two stacks -> the
 report's statistics columns), and for blocks cut in pieces
-:func:`_block_partial` per piece, :func:`_concatenate` to join them and
-:func:`_finish` to turn the sums into columns.
+:func:`block_partial` per piece, :func:`concatenate` to join them and
+:func:`finish` to turn the sums into columns.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _power_sums(
     return sums[0], sums[1], saa, _piecewise_dot(y, y, piece), _piecewise_dot(x, y, piece)
 
 
-class _Partial(NamedTuple):
+class Partial(NamedTuple):
     """What a slice of columns contributes to each row's statistics."""
 
     sums: tuple[np.ndarray, ...]  # sum a, sum b, sum a*a, sum b*b, sum a*b (float64)
@@ -126,9 +126,9 @@ class _Partial(NamedTuple):
     close: np.ndarray
 
 
-def _combine(left: _Partial, right: _Partial) -> _Partial:
+def _combine(left: Partial, right: Partial) -> Partial:
     """The contribution of two column slices of the same rows."""
-    return _Partial(
+    return Partial(
         tuple(x + y for x, y in zip(left.sums, right.sums, strict=True)),
         np.maximum(left.max_abs, right.max_abs),  # a NaN (a NaN met a number) stays
         np.maximum(left.max_rel, right.max_rel),
@@ -136,15 +136,15 @@ def _combine(left: _Partial, right: _Partial) -> _Partial:
     )
 
 
-def _numeric_stats(
+def numeric_stats(
     block_a: np.ndarray, block_b: np.ndarray, atol: float, rtol: float
 ) -> dict[str, np.ndarray]:
     """Per-record statistics of two equally shaped stacks of records."""
     m = int(np.prod(block_a.shape[1:], dtype=np.int64))
-    return _finish(m, _block_partial(block_a, block_b, atol, rtol))
+    return finish(m, block_partial(block_a, block_b, atol, rtol))
 
 
-def _block_partial(block_a: np.ndarray, block_b: np.ndarray, atol: float, rtol: float) -> _Partial:
+def block_partial(block_a: np.ndarray, block_b: np.ndarray, atol: float, rtol: float) -> Partial:
     """Row sums, largest differences and closeness of two equally shaped stacks of records."""
     k = block_a.shape[0]
     m = int(np.prod(block_a.shape[1:], dtype=np.int64))
@@ -153,7 +153,7 @@ def _block_partial(block_a: np.ndarray, block_b: np.ndarray, atol: float, rtol: 
     b2 = block_b.reshape(k, m).astype(work, copy=False)
     if m == 0:
         zeros = np.zeros(k)
-        return _Partial((zeros,) * 5, zeros, zeros, np.ones(k, dtype=bool))
+        return Partial((zeros,) * 5, zeros, zeros, np.ones(k, dtype=bool))
     width = min(m, _COLUMNS)
     step = max(1, _STEP_ELEMENTS // width)
     scratch = _scratch(min(step, k), width, work)
@@ -168,7 +168,7 @@ def _block_partial(block_a: np.ndarray, block_b: np.ndarray, atol: float, rtol: 
                 more = partial_of(a2[rows, columns], b2[rows, columns], atol, rtol, scratch)
                 partial = _combine(partial, more)
             groups.append(partial)
-    partial = groups[0] if len(groups) == 1 else _concatenate(groups)
+    partial = groups[0] if len(groups) == 1 else concatenate(groups)
     if block_a.dtype.kind in "iu" and block_b.dtype.kind in "iu":
         # float64 cannot tell integers above 2**53 apart: check equality exactly.
         same = np.all(block_a.reshape(k, m) == block_b.reshape(k, m), axis=1)
@@ -176,9 +176,9 @@ def _block_partial(block_a: np.ndarray, block_b: np.ndarray, atol: float, rtol: 
     return partial
 
 
-def _concatenate(parts: list[_Partial]) -> _Partial:
+def concatenate(parts: list[Partial]) -> Partial:
     """The partials of consecutive row groups as one."""
-    return _Partial(
+    return Partial(
         tuple(np.concatenate(column) for column in zip(*(p.sums for p in parts), strict=True)),
         np.concatenate([p.max_abs for p in parts]),
         np.concatenate([p.max_rel for p in parts]),
@@ -186,7 +186,7 @@ def _concatenate(parts: list[_Partial]) -> _Partial:
     )
 
 
-def _finish(m: int, partial: _Partial) -> dict[str, np.ndarray]:
+def finish(m: int, partial: Partial) -> dict[str, np.ndarray]:
     """Turn the row sums of ``partial`` (records of ``m`` elements) into the report's columns."""
     sa, sb, saa, sbb, sab = partial.sums
     out: dict[str, np.ndarray] = {}
@@ -212,7 +212,7 @@ def _finish(m: int, partial: _Partial) -> dict[str, np.ndarray]:
 
 def _real_partial(
     a: np.ndarray, b: np.ndarray, atol: float, rtol: float, scratch: _Scratch
-) -> _Partial:
+) -> Partial:
     """Row contributions of real columns ``a``, ``b`` of shape (k, width), float32 or float64."""
     rows, m = a.shape
     diff = np.subtract(a, b, out=scratch.diff[:rows, :m])
@@ -220,7 +220,7 @@ def _real_partial(
     max_abs = diff.max(axis=1)
     if not np.any(max_abs):  # identical rows (a NaN makes max_abs NaN, which is truthy)
         zeros = np.zeros(rows)
-        return _Partial(_power_sums(a, b, scratch, same=True), zeros, zeros, np.ones(rows, bool))
+        return Partial(_power_sums(a, b, scratch, same=True), zeros, zeros, np.ones(rows, bool))
     sums = _power_sums(a, b, scratch)
     absb = np.abs(b, out=scratch.other[:rows, :m])
     rel = np.divide(diff, absb, out=scratch.rel[:rows, :m])  # 0/0 -> NaN, which fmax skips
@@ -234,7 +234,7 @@ def _real_partial(
     for i in np.flatnonzero(np.isnan(max_abs)):
         row_a, row_b = a[i].astype(np.float64), b[i].astype(np.float64)
         max_abs[i], max_rel[i], close[i] = _nonfinite_row(row_a, row_b, atol, rtol)
-    return _Partial(sums, max_abs, max_rel, close)
+    return Partial(sums, max_abs, max_rel, close)
 
 
 def _nonfinite_row(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[float, ...]:
@@ -249,7 +249,7 @@ def _nonfinite_row(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tu
 
 def _complex_partial(
     a: np.ndarray, b: np.ndarray, atol: float, rtol: float, scratch: _Scratch
-) -> _Partial:
+) -> Partial:
     """Complex columns: differences on the complex values, statistics of the magnitudes."""
     mag_a, mag_b = np.abs(a), np.abs(b)
     sums = _power_sums(mag_a, mag_b, scratch)
@@ -258,4 +258,4 @@ def _complex_partial(
     diff = np.where(same, 0.0, np.abs(a - b))
     rel = np.where(same, 0.0, diff / mag_b)
     close = np.all(same | (diff <= atol + rtol * mag_b), axis=1)
-    return _Partial((*sums[:4], sab), diff.max(axis=1), rel.max(axis=1), close)
+    return Partial((*sums[:4], sab), diff.max(axis=1), rel.max(axis=1), close)

@@ -53,7 +53,7 @@ COLUMNS: tuple[str, ...] = (
     "var_b",
     "var_diff",
 )
-_FLOAT_COLUMNS = (
+FLOAT_COLUMNS = (
     "max_abs_diff",
     "max_rel_diff",
     "cosine",
@@ -173,7 +173,7 @@ class Comparison:
             columns["dtype_b"].extend(r.dtype_b)
             columns["shape_match"].extend(r.shape_match.tolist())
             columns["allclose"].extend(r.allclose.tolist())
-            for name in _FLOAT_COLUMNS:
+            for name in FLOAT_COLUMNS:
                 columns[name].extend(r.floats[name].tolist())
             for stat in ("mean", "std", "var"):
                 diff = r.floats[f"{stat}_a"] - r.floats[f"{stat}_b"]
