@@ -324,6 +324,21 @@ def _reduce_all(
         threads.shutdown(cancel_futures=True)
 
 
+def _progress(show: bool, total: int, desc: str, unit: str) -> Any:
+    """A tqdm bar on stderr, shown only when ``show`` and the work lasts over a second."""
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        unit=unit,
+        desc=desc,
+        disable=not show or not total,
+        file=sys.stderr,
+        leave=False,
+        delay=1.0,
+    )
+
+
 def _select(names: Iterable[str], patterns: Sequence[str] | None) -> list[str]:
     if patterns is None:
         return list(names)
@@ -372,28 +387,16 @@ def compare(
         only_a = [n for n in names_a if n not in in_b]
         only_b = [n for n in names_b if n not in in_a]
         common = [n for n in names_a if n in in_b]
-        from tqdm.auto import tqdm
-
-        with tqdm(
-            total=len(common),
-            unit="site",
-            desc="compare: index",
-            disable=not progress or not common,
-            file=sys.stderr,
-            leave=False,
-            delay=1.0,
-        ) as bar:
-            results = []
+        results = []
+        with _progress(progress, len(common), "compare: index", "site") as bar:
             for name in common:
                 results.append(
                     _SiteResult(name, source_a.site(name), source_b.site(name), atol, rtol)
                 )
                 bar.update(1)
-            owner = {id(task): result for result in results for task in result.tasks}
-            tasks = [task for result in results for task in result.tasks]
-            bar.reset(total=len(tasks))
-            bar.set_description("compare")
-            bar.unit = "block"
+        owner = {id(task): result for result in results for task in result.tasks}
+        tasks = [task for result in results for task in result.tasks]
+        with _progress(progress, len(tasks), "compare", "block") as bar:
             for task, stats in _reduce_all(tasks, atol, rtol):
                 owner[id(task)].fill(task, stats)
                 bar.update(1)
