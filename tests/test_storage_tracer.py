@@ -50,10 +50,11 @@ def _equal(got: Any, want: Any) -> bool:
     return type(got) is type(want) and got == want
 
 
-def test_the_file_holds_exactly_what_the_tracer_recorded(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
+def test_the_file_holds_exactly_what_the_tracer_recorded(tmp_path: Path, background: bool) -> None:
     reference = _train({}).results
     path = tmp_path / "run.h5"
-    with H5PYSaverCallback(path) as saver:
+    with H5PYSaverCallback(path, background=background) as saver:
         tracer = _train({"post_gather_callbacks": [saver]})
         assert set(saver.datasets) <= set(reference)
     assert sum(len(trace) for trace in tracer.results.values()) == 0, "saved records are dropped"
@@ -112,3 +113,25 @@ def test_compressed_and_float16_runs_read_back(tmp_path: Path) -> None:
         "print(run['layers.1.attn.forward.scores'].values[0].sum())"
     )
     subprocess.run([sys.executable, "-c", code, str(path)], check=True, capture_output=True)
+
+
+def test_a_background_writer_error_is_raised_and_earlier_gathers_stay(tmp_path: Path) -> None:
+    from vartrace.storage._worker import WorkerError
+    from vartrace.trace import Trace
+
+    path = tmp_path / "run.h5"
+    saver = H5PYSaverCallback(path, background=True, metadata=False)
+    saver("x", Trace([torch.ones(3)], [1], [0], [0]))
+    saver.flush(wait=True)
+    with vartrace.open(path) as run:  # written and committed while the writer runs
+        assert run["x"].iterations.tolist() == [1]
+    saver("x", Trace([lambda: None], [2], [0], [1]))  # cannot be pickled: fails on the thread
+    saver.flush()
+    with pytest.raises(WorkerError, match="background job failed") as raised:
+        saver.close()
+    assert "pickle" in repr(raised.value.__cause__).lower()
+    with pytest.raises(RuntimeError, match="closed"):
+        saver("x", Trace([torch.ones(3)], [3], [0], [2]))
+    with vartrace.open(path) as run:  # closed cleanly, the first gather intact
+        assert run["x"].iterations.tolist() == [1]
+        assert torch.equal(run["x"].get(1), torch.ones(3))

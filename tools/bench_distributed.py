@@ -16,15 +16,19 @@ Contenders, run round-robin so that machine noise hits them alike:
 - ``gather``: ``layers.*.attn.forward.scores`` traced, gathered to rank 0
   every 8 iterations and streamed into one HDF5 file by rank 0 (``metadata=False``:
   metadata is written when the file opens, outside the timed windows anyway);
+- ``gather-bg``: as ``gather``, with ``H5PYSaverCallback(background=True)``: rank 0
+  writes on a thread while the ranks train on;
 - ``shards``: the same with ``gather=False``: every rank writes its own shard.
 
 ``--no-save`` replaces the saver by a callback that empties each chunk, to
 separate the cost of the gather from the cost of writing.
 
 A gather runs once every 8 steps, so a per-step median would miss it: each
-sample is a window of 8 consecutive steps (holding exactly one gather), and
-every round runs one window of each contender, in a rotating order, each in a
-fresh tracer and file (deleted afterwards).  The table shows rank 0's median
+sample is a window of 16 consecutive steps (holding two gathers) that ends
+when rank 0's saver has written everything (so a background writer gets
+credit only for the writes it overlaps with training), and every round runs
+one window of each contender, in a rotating order, each in a fresh tracer
+and file (deleted afterwards).  The table shows rank 0's median
 wall time per step and its ratio to the untraced one (the bars of the issue
 apply to it), and, as a figure that shared or oversubscribed machines disturb
 less, the median CPU time per step summed over all ranks.
@@ -59,7 +63,8 @@ from vartrace import H5PYSaverCallback, ModelTracer, Trace
 
 PATHS = ["layers.*.attn.forward.scores"]
 INTERVAL = 8
-CONTENDERS = ("untraced", "gather", "shards")
+WINDOW = 2 * INTERVAL
+CONTENDERS = ("untraced", "gather", "gather-bg", "shards")
 
 
 def _worker(rank: int, world: int, port: int, out: str, rounds: int, save: bool) -> None:
@@ -98,6 +103,9 @@ class _Discard:
     def __call__(self, name: str, trace: Trace) -> None:
         trace.clear()
 
+    def flush(self, *, wait: bool = False) -> None:
+        return None
+
     def close(self) -> None:
         return None
 
@@ -118,8 +126,12 @@ def _measure(
         optimizer.step()
 
     @contextlib.contextmanager
-    def traced(stem: str, gather: bool) -> Iterator[None]:
-        saver: Any = H5PYSaverCallback(out / f"{stem}.h5", metadata=False) if save else _Discard()
+    def traced(stem: str, gather: bool, background: bool = False) -> Iterator[Callable[[], None]]:
+        saver: Any = (
+            H5PYSaverCallback(out / f"{stem}.h5", metadata=False, background=background)
+            if save
+            else _Discard()
+        )
         try:
             with ModelTracer(
                 ddp,
@@ -128,15 +140,16 @@ def _measure(
                 gathering_interval=INTERVAL,
                 gather=gather,
             ):
-                yield
+                yield lambda: saver.flush(wait=True)
         finally:
             saver.close()
             if rank == 0 or not gather:
                 Path(saver.path).unlink(missing_ok=True)
 
-    contexts: dict[str, Callable[[int], contextlib.AbstractContextManager[None]]] = {
-        "untraced": lambda _: contextlib.nullcontext(),
+    contexts: dict[str, Callable[[int], contextlib.AbstractContextManager[Any]]] = {
+        "untraced": lambda _: contextlib.nullcontext(lambda: None),
         "gather": lambda i: traced(f"gather{i}", True),
+        "gather-bg": lambda i: traced(f"gatherbg{i}", True, background=True),
         "shards": lambda i: traced(f"shards{i}", False),
     }
     for _ in range(2):
@@ -146,13 +159,14 @@ def _measure(
     for index in range(rounds):
         shift = index % len(CONTENDERS)
         for name in CONTENDERS[shift:] + CONTENDERS[:shift]:
-            with contexts[name](index):
+            with contexts[name](index) as drain:
                 dist.barrier()
                 start, start_cpu = time.perf_counter(), time.process_time()
-                for _ in range(INTERVAL):
+                for _ in range(WINDOW):
                     step()
-                wall[name].append((time.perf_counter() - start) / INTERVAL)
-                cpu[name].append((time.process_time() - start_cpu) / INTERVAL)
+                drain()
+                wall[name].append((time.perf_counter() - start) / WINDOW)
+                cpu[name].append((time.process_time() - start_cpu) / WINDOW)
     return wall, cpu
 
 
@@ -180,7 +194,7 @@ def _table(results: dict[int, dict[str, dict[str, float]]], save: bool) -> str:
         f"{'ranks':>5}  {'contender':<9}  {'wall/step':>10}  {'ratio':>6}  {'bar':<8}"
         f"  {'CPU/step, all ranks':>19}  {'ratio':>6}",
     ]
-    bars = {"untraced": None, "gather": 1.15, "shards": 1.08}
+    bars = {"untraced": None, "gather": 1.15, "gather-bg": 1.15, "shards": 1.08}
     for world, medians in results.items():
         base = medians["untraced"]
         for name in CONTENDERS:

@@ -20,6 +20,7 @@ while it is being written.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
 import socket
@@ -44,6 +45,7 @@ from vartrace.storage._layout import (
     unescape,
     writer_alive,
 )
+from vartrace.storage._worker import Worker
 from vartrace.trace import RunContext, Trace
 
 __all__ = ["COMPRESSIONS", "H5PYSaverCallback", "recover"]
@@ -382,6 +384,15 @@ class H5PYSaverCallback:
             the shortcuts need ``pip install hdf5plugin``.  gzip and lzf compress on one
             core inside the training step: far slower.
         metadata: store the run's metadata under ``/meta`` when the file is created.
+        background: write on a thread of the saver's own.  Each call only takes the
+            records over; :meth:`flush` (once per gather) hands the gather to the
+            thread and returns, so the training step does not wait for the disk.  It
+            waits only when the previous gather is still being written (at most two
+            gathers are held).  A process killed meanwhile loses the gathers not yet
+            written, besides what the tracer buffered; what was written stays readable.
+            Worth it where the writes would stall other processes too: rank 0 of a
+            gathered multi-rank run.  An error of the thread is raised by the next
+            :meth:`flush` or by :meth:`close`.
 
     The file is opened lazily: by :meth:`on_start` (the tracer calls it when it starts)
     or by the first call.  In a gathered multi-rank run only rank 0 writes; the saver
@@ -401,6 +412,7 @@ class H5PYSaverCallback:
         compression_opts: Any = None,
         shuffle: bool = False,
         metadata: bool = True,
+        background: bool = False,
     ) -> None:
         if overwrite and append:
             raise ValueError("overwrite=True and append=True exclude each other")
@@ -421,6 +433,9 @@ class H5PYSaverCallback:
         self._context = RunContext()
         self._idle = False
         self._closed = False
+        self.background = background
+        self._pending: list[tuple[str, Trace]] = []  # taken over, not yet handed to the thread
+        self._worker: Worker | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -490,14 +505,38 @@ class H5PYSaverCallback:
             _write_tree(handle.create_group("meta"), meta)
         return handle
 
-    def flush(self) -> None:
-        """Make every record written so far durable in the file (once per gather).
+    def flush(self, *, wait: bool = False) -> None:
+        """Make every record taken so far durable in the file (the tracer calls it per gather).
 
         HDF5 writes out the records first; then the per-site record counts that
         readers trust are rewritten in place.  A process killed at any moment
         leaves every record of the last completed flush readable, and nothing
-        half-written visible.
+        half-written visible.  With ``background=True`` the records are handed
+        to the writer thread, which writes and commits them; ``wait=True`` then
+        also waits until it has.
         """
+        if not self.background:
+            self._commit()
+            return
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self._submit(batch)
+        if wait and self._worker is not None:
+            self._worker.join()
+
+    def _submit(self, batch: list[tuple[str, Trace]]) -> None:
+        if self._worker is None:
+            self._worker = Worker(f"vartrace-writer {self.path.name}")
+            atexit.register(self.close)
+
+        def write() -> None:
+            for name, trace in batch:
+                self._append(name, trace)
+            self._commit()
+
+        self._worker.submit(write)
+
+    def _commit(self) -> None:
         if self._file is None or not self._dirty:
             return
         committed = self._file[COMMITTED]
@@ -516,13 +555,24 @@ class H5PYSaverCallback:
         self._dirty = False
 
     def close(self) -> None:
-        """Flush and close the file; later records raise.  Safe to call twice."""
-        if self._file is not None:
-            self.flush()
-            self._file.close()
-            self._file = None
-        self._sites.clear()
-        self._closed = True
+        """Flush and close the file; later records raise.  Safe to call twice.
+
+        With ``background=True`` it first waits for the writer thread, and raises
+        its error, if it had one, after closing the file.
+        """
+        try:
+            if self._worker is not None:
+                self.flush()
+                worker, self._worker = self._worker, None
+                atexit.unregister(self.close)
+                worker.stop()
+        finally:
+            if self._file is not None:
+                self._commit()
+                self._file.close()
+                self._file = None
+            self._sites.clear()
+            self._closed = True
 
     def __enter__(self) -> H5PYSaverCallback:
         return self
@@ -538,9 +588,18 @@ class H5PYSaverCallback:
 
     def __call__(self, name: str, trace: Trace) -> None:
         """Append the chunk's records of site ``name`` to the file and empty the chunk."""
-        handle = self._open()
+        self._open()
         if not len(trace):
             return
+        if self.background:
+            taken = Trace(trace.values, trace.iterations, trace.ranks, trace.order, trace.shapes)
+            self._pending.append((name, taken))
+        else:
+            self._append(name, trace)
+        trace.clear()
+
+    def _append(self, name: str, trace: Trace) -> None:
+        handle = self._open()
         site = self._sites.pop(name, None)
         if site is None:
             group = handle["vars"].get(escape(name))
@@ -557,11 +616,15 @@ class H5PYSaverCallback:
         site.append(trace)
         self._committed[site.slot] = site.rows
         self._dirty = True
-        trace.clear()
 
     @property
     def datasets(self) -> Mapping[str, h5py.Dataset]:
-        """Site name -> its ``values`` dataset (opened when looked up), while the file is open."""
+        """Site name -> its ``values`` dataset (opened when looked up), while the file is open.
+
+        With ``background=True``, it first waits for the records handed to the thread.
+        """
+        if self._worker is not None:
+            self._worker.join()
         return _Datasets(self._file)
 
 
