@@ -135,3 +135,14 @@ def test_a_background_writer_error_is_raised_and_earlier_gathers_stay(tmp_path: 
     with vartrace.open(path) as run:  # closed cleanly, the first gather intact
         assert run["x"].iterations.tolist() == [1]
         assert torch.equal(run["x"].get(1), torch.ones(3))
+
+
+def test_a_background_saver_closed_without_a_flush_writes_what_it_took(tmp_path: Path) -> None:
+    from vartrace.trace import Trace
+
+    path = tmp_path / "run.h5"
+    with H5PYSaverCallback(path, background=True, metadata=False) as saver:
+        saver("x", Trace([torch.arange(3), torch.arange(5)], [1, 2], [0, 0], [0, 1]))
+    with vartrace.open(path) as run:
+        assert run["x"].iterations.tolist() == [1, 2]
+        assert torch.equal(run["x"].get(2), torch.arange(5))

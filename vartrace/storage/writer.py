@@ -561,8 +561,9 @@ class H5PYSaverCallback:
         its error, if it had one, after closing the file.
         """
         try:
+            if self.background:
+                self.flush()  # hands over what was taken since the last flush
             if self._worker is not None:
-                self.flush()
                 worker, self._worker = self._worker, None
                 atexit.unregister(self.close)
                 worker.stop()
