@@ -5,6 +5,7 @@ Usage::
     python tools/bench_storage.py throughput   # saver vs numpy tofile, with and without compression
     python tools/bench_storage.py memory       # peak RSS of 200 vs 2000 streamed iterations
     python tools/bench_storage.py overhead --size small   # training step traced into HDF5
+    python tools/bench_storage.py pagecache    # what the kernel charges per MiB as a file grows
 
 ``throughput`` writes the same records (float32 tensors captured from the GPT
 of ``tools/bench_overhead.py``) through ``H5PYSaverCallback`` in gathers of 8,
@@ -184,6 +185,33 @@ _CONTENDERS = (
 )
 
 
+def bench_pagecache(total_mib: int) -> str:
+    """CPU time of plain ``os.write`` calls of 64 MiB as one file grows: the machine's floor.
+
+    On some virtual machines a file growing into page-cache pages the host has
+    not backed yet costs several times what the first writes cost; every
+    writer (the saver, ``tofile``) pays it, so it bounds the ``overhead`` mode.
+    """
+    import numpy as np
+
+    block = np.random.default_rng(0).standard_normal(16 << 20, dtype=np.float32)  # 64 MiB
+    lines = [f"{'written so far':>15} {'write of 64 MiB':>16} {'CPU':>9} {'per MiB':>9}"]
+    with tempfile.TemporaryDirectory() as folder:
+        fd = os.open(Path(folder) / "floor.bin", os.O_WRONLY | os.O_CREAT)
+        try:
+            for index in range(max(1, total_mib // 64)):
+                start, cpu = time.perf_counter(), time.process_time()
+                os.write(fd, memoryview(block).cast("B"))
+                wall, used = time.perf_counter() - start, time.process_time() - cpu
+                lines.append(
+                    f"{index * 64:>11} MiB {wall * 1e3:>13.1f} ms {used * 1e3:>6.1f} ms "
+                    f"{wall * 1e3 / 64:>6.2f} ms"
+                )
+        finally:
+            os.close(fd)
+    return "\n".join(lines)
+
+
 def bench_memory(counts: list[int]) -> str:
     tools = str(Path(__file__).resolve().parent)
     lines = [
@@ -301,8 +329,10 @@ def bench_overhead(size: str, rounds: int, block: int, compressions: list[str]) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=["throughput", "memory", "overhead"])
-    parser.add_argument("--mib", type=int, default=256, help="throughput: MiB per measurement")
+    parser.add_argument("mode", choices=["throughput", "memory", "overhead", "pagecache"])
+    parser.add_argument(
+        "--mib", type=int, default=256, help="throughput: MiB per measurement; pagecache: in all"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
         "--no-fsync", action="store_true", help="throughput: leave out the final fsync"
@@ -320,6 +350,8 @@ def main() -> None:
     compressions = [name for name in (args.compressions or default).split(",") if name]
     if args.mode == "throughput":
         print(bench_throughput(args.mib, args.rounds, compressions, not args.no_fsync))
+    elif args.mode == "pagecache":
+        print(bench_pagecache(args.mib))
     elif args.mode == "memory":
         print(bench_memory([int(count) for count in args.counts.split(",")]))
     else:
