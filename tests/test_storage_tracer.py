@@ -116,7 +116,7 @@ def test_compressed_and_float16_runs_read_back(tmp_path: Path) -> None:
 
 
 def test_a_background_writer_error_is_raised_and_earlier_gathers_stay(tmp_path: Path) -> None:
-    from vartrace.storage._worker import WorkerError
+    from vartrace.storage import WorkerError
     from vartrace.trace import Trace
 
     path = tmp_path / "run.h5"

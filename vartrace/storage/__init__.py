@@ -17,6 +17,7 @@ converted where they are read or written.
 """
 
 from vartrace.storage._codec import PickleNotAllowedError
+from vartrace.storage._worker import WorkerError
 from vartrace.storage.metadata import collect_metadata
 from vartrace.storage.reader import Run, Site, open_run
 from vartrace.storage.writer import COMPRESSIONS, H5PYSaverCallback, recover
@@ -27,6 +28,7 @@ __all__ = [
     "PickleNotAllowedError",
     "Run",
     "Site",
+    "WorkerError",
     "collect_metadata",
     "open_run",
     "recover",

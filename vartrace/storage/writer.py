@@ -392,7 +392,8 @@ class H5PYSaverCallback:
             written, besides what the tracer buffered; what was written stays readable.
             Worth it where the writes would stall other processes too: rank 0 of a
             gathered multi-rank run.  An error of the thread is raised by the next
-            :meth:`flush` or by :meth:`close`.
+            :meth:`flush` or by :meth:`close`, as :class:`vartrace.storage.WorkerError`
+            (the original exception is its ``__cause__``).
 
     The file is opened lazily: by :meth:`on_start` (the tracer calls it when it starts)
     or by the first call.  In a gathered multi-rank run only rank 0 writes; the saver
