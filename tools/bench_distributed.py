@@ -91,6 +91,9 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int, save: bool)
                 for name in CONTENDERS
             }
             (Path(out) / "medians.json").write_text(json.dumps(medians))
+        # Every rank is done with its collectives before any tears its connections down:
+        # gloo aborts a process whose peer closes a connection under a pending operation.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
