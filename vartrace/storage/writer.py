@@ -390,8 +390,9 @@ class H5PYSaverCallback:
             waits only when the previous gather is still being written (at most two
             gathers are held).  A process killed meanwhile loses the gathers not yet
             written, besides what the tracer buffered; what was written stays readable.
-            Worth it where the writes would stall other processes too: rank 0 of a
-            gathered multi-rank run.  An error of the thread is raised by the next
+            Worth it where writes block on a slow disk or network file system (h5py
+            releases the GIL while HDF5 writes); where writing costs CPU and the cores
+            are busy training, it gains nothing.  An error of the thread is raised by the next
             :meth:`flush` or by :meth:`close`, as :class:`vartrace.storage.WorkerError`
             (the original exception is its ``__cause__``).
 
