@@ -332,3 +332,55 @@ def test_traced_calls_leave_no_reference_cycles(core: FrameCore) -> None:
         detach(calc, "loop", hook)
     assert len(rec.sites()["loop.acc"]) == 51
     assert unreachable == 0
+
+
+@pytest.mark.parametrize("profile_first", [False, True], ids=["tracer-first", "profiler-first"])
+def test_cprofile_runs_while_tracing(core: FrameCore, profile_first: bool) -> None:
+    import cProfile
+    import pstats
+
+    calc = Calc()
+    profiler = cProfile.Profile()
+    if profile_first:
+        profiler.enable()
+    hook, rec = _attach(calc, "loop", _probe("loop", "acc:exit", "i:every"))
+    try:
+        if not profile_first:
+            profiler.enable()  # raised "Another profiling tool is already active" (3.12+)
+        calc.loop(3)
+        profiler.disable()
+    finally:
+        profiler.disable()
+        detach(calc, "loop", hook)
+    calls = {func[2]: stat[1] for func, stat in pstats.Stats(profiler).stats.items()}
+    assert calls["loop"] == 1
+    assert rec.sites() == {"loop.acc": [3], "loop.i": [0, 1, 2]}
+
+
+@pytest.mark.skipif(not hasattr(sys, "monitoring"), reason="sys.monitoring needs Python >= 3.12")
+def test_monitoring_leaves_the_assigned_tool_ids_to_their_owners() -> None:
+    from vartrace.engine import patching
+    from vartrace.engine.frames import MonitoringCore
+
+    monitoring = sys.monitoring
+    previous = patching.core()
+    patching.set_core(MonitoringCore())
+    calc = Calc()
+    try:
+        hook, rec = _attach(calc, "loop", _probe("loop", "acc:exit"))
+        assert [monitoring.get_tool(i) for i in range(6)] == [None] * 3 + ["vartrace"] + [None] * 2
+        detach(calc, "loop", hook)
+        monitoring.use_tool_id(3, "another tool")
+        monitoring.use_tool_id(4, "a third tool")
+        with pytest.warns(RuntimeWarning, match=r"using id 5, which Python assigns to optimizers"):
+            hook, rec = _attach(calc, "loop", _probe("loop", "acc:exit"))
+        assert monitoring.get_tool(5) == "vartrace"
+        calc.loop(3)
+        detach(calc, "loop", hook)
+        assert monitoring.get_tool(5) is None
+    finally:
+        for tool in (3, 4):
+            if monitoring.get_tool(tool) in ("another tool", "a third tool"):
+                monitoring.free_tool_id(tool)
+        patching.set_core(previous)
+    assert rec.sites() == {"loop.acc": [3]}

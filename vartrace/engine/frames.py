@@ -9,9 +9,15 @@ when it returned.  How the frame is observed depends on the Python:
   *local* events (``PY_RETURN``, and ``LINE`` for ``@every``) on exactly
   the code objects being traced.  Other code runs at full speed, and the
   ``sys.settrace`` / ``sys.monitoring`` use of other tools is untouched.
-* :class:`SettraceCore` (older Pythons) arms ``sys.settrace`` only for the
-  duration of a traced call and chains to any trace function already
-  installed (a debugger, coverage.py), restoring it afterwards.
+* :class:`SettraceCore` (older Pythons) arms ``sys.settrace`` only until the
+  traced call's frame starts (for its whole duration with ``@every``), chains
+  every event to the trace function already installed (a debugger,
+  coverage.py), and reads the locals from the finished frame afterwards.
+
+Both cores leave other tools' state alone: the ``sys.monitoring`` tool ids
+that Python assigns to debuggers, coverage, profilers and optimizers are
+taken only when the free ones are not, and a trace function that another
+tool installs during a traced call (``breakpoint()``) stays installed.
 
 A frame is recognised as the traced call when its code object is the
 method's and its caller chain reaches the :meth:`~FrameCore.run` frame
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
@@ -125,25 +132,36 @@ class FrameCore:
 
 
 class SettraceCore(FrameCore):
-    """``sys.settrace`` armed only while a traced method runs (Python < 3.12)."""
+    """``sys.settrace`` armed only until a traced method's frame starts (Python < 3.12).
+
+    The trace function is installed just before the call and sees the frame's
+    ``call`` event; the frame is then held and its locals are read once the call
+    has returned (a finished frame keeps them), so no return event is needed and,
+    without ``@every``, the previous trace function is back in place for the
+    whole body of the method.  Every event is chained to the trace function that
+    was installed (a debugger, coverage.py), which also stays in charge of what
+    the method's own code does: a debugger started inside it (``breakpoint()``)
+    keeps running after the method returns.
+    """
 
     name = "settrace"
 
     def run(self, code, names, every, on_line, function, args, kwargs):  # type: ignore[no-untyped-def]
         watch = _Watch(code, sys._getframe(), names, every, on_line)
-        previous = sys.gettrace()
-        tracer = _ChainedTracer(watch, previous)
-        sys.settrace(tracer.global_trace)
+        tracer = _ChainedTracer(watch, sys.gettrace())
+        sys.settrace(tracer)
         try:
             result = function(*args, **kwargs)
-        finally:
-            sys.settrace(previous)
-            tracer.release()
+        except BaseException:
+            tracer.release(returned=False)
+            raise
+        tracer.release(returned=True)
         return result, watch.snapshot
 
 
 class _ChainedTracer:
-    """A global trace function that watches one frame and defers to ``previous``."""
+    """A global trace function (the object itself) that finds one frame and defers
+    everything to ``previous``."""
 
     __slots__ = ("previous", "previous_local", "target", "watch")
 
@@ -153,45 +171,56 @@ class _ChainedTracer:
         self.previous_local: Any = None
         self.target: FrameType | None = None
 
-    def global_trace(self, frame: FrameType, event: str, arg: Any) -> Any:
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
         watch = self.watch
+        local = None if self.previous is None else self.previous(frame, event, arg)
         if self.target is None and frame.f_code is watch.code and _called_from(frame, watch.caller):
             self.target = frame
-            if self.previous is not None:
-                self.previous_local = self.previous(frame, event, arg)
-            else:
-                frame.f_trace_lines = bool(watch.every)
-            return self.local_trace
-        if self.previous is not None:
-            return self.previous(frame, event, arg)
-        return None
-
-    def release(self) -> None:
-        """Drop the frames this tracer holds, so that no reference cycle outlives the call."""
-        if self.target is not None:
-            self.target.f_trace = None
-        self.target = None
-        self.previous_local = None
-        self.watch.caller = None
+            if not watch.every:
+                sys.settrace(self.previous)  # found: the body runs under the previous tool alone
+                return local
+            self.previous_local = local
+            local = self.local_trace
+        current = sys.gettrace()
+        if current is not self:
+            # The tool called above installed itself (coverage's C tracer does when a
+            # Python trace function calls it): chain to it and stay in front.
+            self.previous = current
+            sys.settrace(self)
+        return local
 
     def local_trace(self, frame: FrameType, event: str, arg: Any) -> Any:
         if self.previous_local is not None:
             self.previous_local = self.previous_local(frame, event, arg)
-        watch = self.watch
-        if event == "line" and watch.every:
-            watch.line(frame)
-        elif event == "return":
-            # Also fires when an exception unwinds the frame; the caller then
-            # discards the snapshot because ``function`` raised.
-            watch.returned(frame)
+        if event == "line":
+            self.watch.line(frame)
         return self.local_trace
+
+    def release(self, returned: bool) -> None:
+        """Hand tracing back, read the finished frame if the call returned, drop every frame.
+
+        The trace function installed now stays when it is not this one: a
+        debugger started inside the method keeps running.
+        """
+        if sys.gettrace() is self:
+            sys.settrace(self.previous)
+        if returned and self.target is not None:
+            self.watch.returned(self.target)
+        if self.target is not None and self.target.f_trace == self.local_trace:
+            self.target.f_trace = None
+        self.target = None
+        self.previous_local = None
+        self.watch.caller = None
 
 
 class MonitoringCore(FrameCore):
     """``sys.monitoring`` local events on exactly the traced code objects (Python >= 3.12)."""
 
     name = "monitoring"
-    _TOOL_IDS = (2, 3, 4, 5)  # PROFILER_ID first; DEBUGGER_ID and COVERAGE_ID stay free
+    # The free ids first; then the ones Python assigns to OPTIMIZER_ID (5), PROFILER_ID (2),
+    # COVERAGE_ID (1) and DEBUGGER_ID (0), least used first.
+    _TOOL_IDS = (3, 4, 5, 2, 1, 0)
+    _OWNERS = {0: "debuggers", 1: "coverage tools", 2: "profilers (cProfile)", 5: "optimizers"}
 
     def __init__(self) -> None:
         self._tool: int | None = None
@@ -204,13 +233,19 @@ class MonitoringCore(FrameCore):
         for tool in self._TOOL_IDS:
             if monitoring.get_tool(tool) is None:
                 monitoring.use_tool_id(tool, "vartrace")
+                if tool in self._OWNERS:
+                    warnings.warn(
+                        f"vartrace: sys.monitoring tool ids 3 and 4 are taken; using id {tool}, "
+                        f"which Python assigns to {self._OWNERS[tool]}: such a tool cannot "
+                        "start while vartrace traces",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
                 events = monitoring.events
                 monitoring.register_callback(tool, events.PY_RETURN, self._on_return)
                 monitoring.register_callback(tool, events.LINE, self._on_line)
                 return tool
-        raise RuntimeError(
-            "vartrace: every sys.monitoring tool id it can use (2-5) is taken by other tools"
-        )
+        raise RuntimeError("vartrace: every sys.monitoring tool id (0-5) is taken by other tools")
 
     def _apply(self, code: CodeType) -> None:
         monitoring = sys.monitoring  # type: ignore[attr-defined]
