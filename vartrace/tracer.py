@@ -9,6 +9,7 @@ end.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
@@ -135,6 +136,8 @@ class ModelTracer:
         self._started = False
         self._finished = False
         self._gradients = GradientWatcher(self._store)
+        # Threads calling the model store records and gather one at a time.
+        self._lock = threading.RLock()
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -295,16 +298,17 @@ class ModelTracer:
             if value is DROP:
                 return
         record = copy_leaf(value, self.device)
-        if self.change_detection:
-            last = self._last.get(site, _MISSING)
-            if last is not _MISSING and same(record, last):
-                return
-            self._last[site] = record
-        self._order += 1
-        trace = self._chunk.get(site)
-        if trace is None:
-            trace = self._chunk[site] = Trace()
-        trace.append(record, iteration, self._rank, self._order)
+        with self._lock:
+            if self.change_detection:
+                last = self._last.get(site, _MISSING)
+                if last is not _MISSING and same(record, last):
+                    return
+                self._last[site] = record
+            self._order += 1
+            trace = self._chunk.get(site)
+            if trace is None:
+                trace = self._chunk[site] = Trace()
+            trace.append(record, iteration, self._rank, self._order)
 
     def _record_manual(self, name: str, value: Any) -> None:
         if self._recording and (self._depth == 0 or self._in_mode):
@@ -312,6 +316,10 @@ class ModelTracer:
                 self._store(site, leaf, self._iteration)
 
     def _flush(self) -> None:
+        with self._lock:
+            self._gather()
+
+    def _gather(self) -> None:
         chunk, self._chunk = self._chunk, {}
         for name, trace in chunk.items():
             _run_callbacks(self.pre_gather_callbacks, name, trace)

@@ -24,6 +24,7 @@ import atexit
 import errno
 import os
 import socket
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -438,6 +439,9 @@ class H5PYSaverCallback:
         self.background = background
         self._pending: list[tuple[str, Trace]] = []  # taken over, not yet handed to the thread
         self._worker: Worker | None = None
+        # Callers (tracers in several threads) take records and flush one at a time; the
+        # writer thread never takes it, so a caller waiting for the thread cannot block it.
+        self._lock = threading.RLock()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -517,12 +521,13 @@ class H5PYSaverCallback:
         to the writer thread, which writes and commits them; ``wait=True`` then
         also waits until it has.
         """
-        if not self.background:
-            self._commit()
-            return
-        if self._pending:
-            batch, self._pending = self._pending, []
-            self._submit(batch)
+        with self._lock:
+            if not self.background:
+                self._commit()
+                return
+            if self._pending:
+                batch, self._pending = self._pending, []
+                self._submit(batch)
         if wait and self._worker is not None:
             self._worker.join()
 
@@ -562,20 +567,21 @@ class H5PYSaverCallback:
         With ``background=True`` it first waits for the writer thread, and raises
         its error, if it had one, after closing the file.
         """
-        try:
-            if self.background:
-                self.flush()  # hands over what was taken since the last flush
-            if self._worker is not None:
-                worker, self._worker = self._worker, None
-                atexit.unregister(self.close)
-                worker.stop()
-        finally:
-            if self._file is not None:
-                self._commit()
-                self._file.close()
-                self._file = None
-            self._sites.clear()
-            self._closed = True
+        with self._lock:
+            try:
+                if self.background:
+                    self.flush()  # hands over what was taken since the last flush
+                if self._worker is not None:
+                    worker, self._worker = self._worker, None
+                    atexit.unregister(self.close)
+                    worker.stop()
+            finally:
+                if self._file is not None:
+                    self._commit()
+                    self._file.close()
+                    self._file = None
+                self._sites.clear()
+                self._closed = True
 
     def __enter__(self) -> H5PYSaverCallback:
         return self
@@ -591,15 +597,18 @@ class H5PYSaverCallback:
 
     def __call__(self, name: str, trace: Trace) -> None:
         """Append the chunk's records of site ``name`` to the file and empty the chunk."""
-        self._open()
-        if not len(trace):
-            return
-        if self.background:
-            taken = Trace(trace.values, trace.iterations, trace.ranks, trace.order, trace.shapes)
-            self._pending.append((name, taken))
-        else:
-            self._append(name, trace)
-        trace.clear()
+        with self._lock:
+            self._open()
+            if not len(trace):
+                return
+            if self.background:
+                taken = Trace(
+                    trace.values, trace.iterations, trace.ranks, trace.order, trace.shapes
+                )
+                self._pending.append((name, taken))
+            else:
+                self._append(name, trace)
+            trace.clear()
 
     def _append(self, name: str, trace: Trace) -> None:
         handle = self._open()
