@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -73,3 +76,38 @@ def test_threads_with_a_saver_lose_nothing(tmp_path: Path, background: bool) -> 
         assert len(outputs) == threads * calls
         order = np.concatenate([np.asarray(run[name].order) for name in run.names])
         assert len(np.unique(order)) == 2 * threads * calls
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+@pytest.mark.parametrize(
+    ("background", "exit_call"),
+    [(False, "_exit"), (True, "exit")],
+    ids=["inline-os._exit", "background-sys.exit"],  # sys.exit runs atexit and HDF5's clean-up
+)
+def test_forked_child_records_nothing_and_never_writes_the_parents_file(
+    tmp_path: Path, background: bool, exit_call: str
+) -> None:
+    script = Path(__file__).with_name("_fork_scenario.py")
+    mode = "background" if background else "inline"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), mode, exit_call],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(script.parents[1])},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    parent = json.loads(done.stdout.split("PARENT ", 1)[1])
+    assert parent["status"] == 0, "the child's model calls, own tracer and exit all succeed"
+    assert parent["unchanged"], "the child left the parent's file byte for byte as it was"
+    child = json.loads((tmp_path / "child.json").read_text())
+    assert len(child["outputs"]) == 3
+    assert "is a fork of it" in child["parent_saver"]
+    with vartrace.open(tmp_path / "parent.h5") as run:
+        assert run.names == ["forward.x"]
+        assert np.asarray(run["forward.x"].iterations).tolist() == [1, 2]
+        assert np.asarray(run["forward.x"].values)[:, 0, 0].tolist() == [0.0, 1.0]
+    with vartrace.open(tmp_path / "child.h5") as run:
+        assert np.asarray(run["forward.x"].iterations).tolist() == [1, 2]
+        assert np.asarray(run["forward.x"].values)[:, 0, 0].tolist() == [200.0, 201.0]

@@ -9,8 +9,10 @@ end.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -44,6 +46,18 @@ def _run_callbacks(callbacks: Sequence[GatherCallback], name: str, trace: Trace)
     for callback in callbacks:
         callback(name, trace)
         trace.check_lengths(_name(callback))
+
+
+_running: weakref.WeakSet[ModelTracer] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    for tracer in list(_running):
+        tracer._forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _positive(name: str, value: int) -> int:
@@ -179,6 +193,7 @@ class ModelTracer:
             self._detach()
             raise
         subscribe(self._record_manual)
+        _running.add(self)
         return self
 
     def stop(self, *, flush: bool = True) -> None:
@@ -186,6 +201,7 @@ class ModelTracer:
         if not self._started or self._finished:
             return
         self._finished = True
+        _running.discard(self)
         unsubscribe(self._record_manual)
         self._detach()
         self._gradients.close()
@@ -193,6 +209,16 @@ class ModelTracer:
             self._flush()
             for name in list(self.results):
                 _run_callbacks(self.post_trace_callbacks, name, self.results[name])
+
+    def _forget(self) -> None:
+        """In a forked child (a DataLoader worker...): restore the model, record nothing.
+
+        What the parent buffered is the parent's to write; the child may start a
+        tracer of its own.
+        """
+        self._lock = threading.RLock()  # a thread of the parent may have held it at the fork
+        self._chunk = {}
+        self.stop(flush=False)
 
     def __enter__(self) -> ModelTracer:
         return self.start()

@@ -24,7 +24,9 @@ import atexit
 import errno
 import os
 import socket
+import tempfile
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -356,6 +358,18 @@ def _objects(rows: list[str | bytes]) -> np.ndarray:
     return array
 
 
+_writing: weakref.WeakSet[H5PYSaverCallback] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    for saver in list(_writing):
+        saver._forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class H5PYSaverCallback:
     """Post-gather callback streaming every record into an HDF5 file.
 
@@ -442,11 +456,15 @@ class H5PYSaverCallback:
         # Callers (tracers in several threads) take records and flush one at a time; the
         # writer thread never takes it, so a caller waiting for the thread cannot block it.
         self._lock = threading.RLock()
+        self._owner = os.getpid()
+        self._descriptor = -1  # the file's descriptor in this process, once open
+        self._parent_file: h5py.File | None = None  # in a forked child: the parent's, never used
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def on_start(self, context: RunContext) -> None:
         """Open the file for this rank (called by the tracer before the first record)."""
+        self._check_process()
         if self._file is not None or self._closed:
             return
         self._context = context
@@ -457,7 +475,32 @@ class H5PYSaverCallback:
             return
         self._open()
 
+    def _check_process(self) -> None:
+        if self._owner != os.getpid():
+            raise RuntimeError(
+                f"H5PYSaverCallback for {self.path} belongs to process {self._owner}; this "
+                "process is a fork of it and never writes that file: give a tracer started "
+                "here a saver of its own"
+            )
+
+    def _forget(self) -> None:
+        """In a forked child: let go of the parent's file without writing it, even at exit.
+
+        HDF5 keeps the file open in the child too and would write it when it closes
+        it (when the child exits): its descriptor is pointed at a scratch file instead.
+        """
+        self._lock = threading.RLock()  # a thread of the parent may have held it at the fork
+        if self._file is not None and self._descriptor >= 0:
+            with tempfile.TemporaryFile() as scratch:
+                os.dup2(scratch.fileno(), self._descriptor)
+        self._parent_file, self._file = self._file, None  # kept: closing would write
+        self._sites = {}
+        self._pending = []
+        self._worker = None
+        self._closed = True
+
     def _open(self) -> h5py.File:
+        self._check_process()
         if self._closed:
             raise RuntimeError(f"H5PYSaverCallback for {self.path} is closed")
         if self._idle:
@@ -490,7 +533,9 @@ class H5PYSaverCallback:
         self._committed[: len(committed)] = committed
         self._capacity = len(committed)
         handle.swmr_mode = True  # from here on, a killed process leaves a consistent file
+        self._descriptor = handle.id.get_vfd_handle()
         self._file = handle
+        _writing.add(self)
         return handle
 
     def _create(self, path: Path) -> h5py.File:
@@ -580,6 +625,7 @@ class H5PYSaverCallback:
                     self._commit()
                     self._file.close()
                     self._file = None
+                    _writing.discard(self)
                 self._sites.clear()
                 self._closed = True
 
