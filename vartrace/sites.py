@@ -19,7 +19,7 @@ from torch import nn
 
 from vartrace.engine.code import CALLEE_SEPARATOR, MethodInfo, methods_of
 from vartrace.engine.patching import Probe, Selector
-from vartrace.engine.paths import Pattern, States, parse
+from vartrace.engine.paths import Pattern, States, is_glob, parse
 from vartrace.engine.structures import register_container
 
 __all__ = [
@@ -314,15 +314,26 @@ def _parameter_sites(model: nn.Module) -> Iterator[tuple[str, int]]:
 
 def _closest(pattern: Pattern, modules: list[tuple[str, nn.Module]]) -> list[str]:
     body = ".".join(pattern.segments)
-    candidates = list(dict.fromkeys(s for s, _ in _static_sites(modules)))
-    candidates += [s for s, _ in _parameter_sites(modules[0][1])]
+    sites = dict(_static_sites(modules))
+    sites.update(_parameter_sites(modules[0][1]))
+    candidates = list(sites)
     close = difflib.get_close_matches(body, candidates, n=5, cutoff=0.6)
+    if close and not any(is_glob(s) for s in pattern.segments):
+        return close
+    # A wildcard pattern: the sites it would match with its last segment spelt as a site's.
+    last = pattern.segments[-1]
+    tails = {c.rpartition(".")[2] for c in candidates}
+    for near in difflib.get_close_matches(last, tails, n=3, cutoff=0.6):
+        fixed = parse(".".join((*pattern.segments[:-1], near)))
+        matched = [c for c in candidates if fixed.matches(c.split("."), plain=sites[c])]
+        if matched:
+            return matched[:5]
     if close:
         return close
     # Fall back on the sites below the longest prefix that still matches something.
     for cut in range(len(pattern.segments) - 1, 0, -1):
         prefix = parse(".".join(pattern.segments[:cut]) + ".**")
-        below = [c for c in candidates if prefix.matches(c.split("."), plain=c.count("."))]
+        below = [c for c in candidates if prefix.matches(c.split("."), plain=sites[c])]
         if below:
             return below[:5]
     return candidates[:5]

@@ -31,6 +31,7 @@ __all__ = [
     "Pattern",
     "States",
     "When",
+    "is_glob",
     "parse",
 ]
 
@@ -41,7 +42,8 @@ GLOB_CHARS = frozenset("*?[")
 States = frozenset[int]
 
 
-def _is_glob(segment: str) -> bool:
+def is_glob(segment: str) -> bool:
+    """Whether a pattern segment is a wildcard (``*``, ``?``, ``[...]``, ``**``)."""
     return not GLOB_CHARS.isdisjoint(segment)
 
 
@@ -179,6 +181,6 @@ def parse(text: str) -> Pattern:
         if segment.count("[") != segment.count("]"):
             raise ValueError(f"pattern {text!r}: unbalanced brackets in segment {segment!r}")
     regexes = tuple(
-        re.compile(translate(s)) if _is_glob(s) and s != "**" else None for s in segments
+        re.compile(translate(s)) if is_glob(s) and s != "**" else None for s in segments
     )
     return Pattern(text, segments, when if at else None, regexes)  # type: ignore[arg-type]
