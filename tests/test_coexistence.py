@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import json
 import os
+import pickle
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import vartrace
+from tests._models import TinyTransformer, tokens
 from vartrace.storage import H5PYSaverCallback
 from vartrace.tracer import ModelTracer
 
@@ -111,3 +117,50 @@ def test_forked_child_records_nothing_and_never_writes_the_parents_file(
     with vartrace.open(tmp_path / "child.h5") as run:
         assert np.asarray(run["forward.x"].iterations).tolist() == [1, 2]
         assert np.asarray(run["forward.x"].values)[:, 0, 0].tolist() == [200.0, 201.0]
+
+
+def _torch_save_load(model: nn.Module) -> nn.Module:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+COPIES = {
+    "deepcopy": copy.deepcopy,
+    "pickle": lambda model: pickle.loads(pickle.dumps(model)),
+    "torch.save": _torch_save_load,
+    "AveragedModel": lambda model: AveragedModel(model).module,
+}
+
+
+@pytest.mark.parametrize("make_copy", COPIES.values(), ids=COPIES.keys())
+def test_copies_of_a_traced_model_are_clean_untraced_copies(make_copy: Any) -> None:
+    model = TinyTransformer()
+    attributes = {name: set(vars(module)) for name, module in model.named_modules()}
+    paths = ["layers.*.attn._scores.scale", "forward", "head.forward.self.weight@grad"]
+    with ModelTracer(model, paths) as tracer:
+        model(tokens(0)).logits.sum().backward()
+        twin = make_copy(model)
+        recorded = {name: len(trace) for name, trace in tracer.results.items()}
+        assert {name: set(vars(module)) for name, module in twin.named_modules()} == attributes
+        twin(tokens(1)).logits.sum().backward()  # untraced: records nothing
+        assert {name: len(trace) for name, trace in tracer.results.items()} == recorded
+        model(tokens(2))
+    assert {name: set(vars(module)) for name, module in model.named_modules()} == attributes
+    assert torch.equal(twin(tokens(3)).logits, model(tokens(3)).logits)
+
+
+def test_averaged_model_updates_while_tracing() -> None:
+    model = TinyTransformer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ModelTracer(model, ["forward"]) as tracer:
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+        for step in range(3):
+            model(tokens(step)).logits.square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ema.update_parameters(model)
+        ema(tokens(0))
+    assert tracer.results["forward.logits"].iterations == [1, 2, 3]
+    assert not torch.equal(ema.module.head.weight, model.head.weight)

@@ -433,3 +433,36 @@ def test_function_called_from_a_method_is_read_per_call(core: FrameCore) -> None
         "twice>_halve": [4, 20],
     }
     assert "_halve" not in vars(Caller) and "twice" not in vars(caller)
+
+
+class _OwnReduce(Calc):
+    """A class whose reduction copies its ``__dict__`` as it is (no ``__getstate__``)."""
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (), dict(vars(self)))
+
+
+@pytest.mark.parametrize("cls", [Calc, _OwnReduce])
+def test_copies_and_pickles_of_a_patched_object_are_untraced(core: FrameCore, cls: type) -> None:
+    import copy
+    import pickle
+
+    calc = cls()
+    calc.offset = 5
+    hook, rec = _attach(calc, "run", _probe("run", "total:exit"))
+    try:
+        copies = [copy.deepcopy(calc), pickle.loads(pickle.dumps(calc))]
+        if cls is Calc:  # a shallow copy of _OwnReduce shares the __dict__'s values
+            copies.append(copy.copy(calc))
+        calc.run(1)
+        for other in copies:
+            assert other.run(2) == (10, {"total": 9, "rest": []})
+            assert copy.deepcopy(other).run(3) == (11, {"total": 10, "rest": []})
+            if cls is Calc:  # the patch and its __getstate__ are left out
+                assert vars(other) == {"offset": 5}
+            else:  # the untraced method, of the copy
+                assert other.run.__self__ is other
+    finally:
+        detach(calc, "run", hook)
+    assert rec.sites() == {"run.total": [9]}, "only the traced object's call was recorded"
+    assert vars(calc) == {"offset": 5}

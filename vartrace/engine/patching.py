@@ -12,11 +12,15 @@ exactly what was there.  Several hooks (several tracers) share one patch,
 so tracers may start and stop in any order.
 
 Only the patched object is affected: other instances of the class run the
-original method untouched.
+original method untouched.  Copies and pickles of a patched object
+(``copy.deepcopy``, ``pickle``, ``torch.save``, EMA / SWA averaged models)
+are of the object as it is untraced: while it is patched, its ``__dict__``
+also holds a ``__getstate__`` that leaves the patches out.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -154,6 +158,81 @@ class _Binder:
         return dict(bound.arguments)
 
 
+class _Wrapper(wrapt.FunctionWrapper):
+    """A patched method; a copy or pickle of it is of the untraced method (of the copy).
+
+    Reached only for objects whose own ``__reduce__`` copies their ``__dict__`` as it
+    is; :class:`_CleanState` keeps the wrapper out of every other copy.
+    """
+
+    def __copy__(self) -> Any:
+        return self.__wrapped__
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self.__wrapped__, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.__wrapped__.__reduce_ex__(protocol)
+
+
+class _CleanState:
+    """The ``__getstate__`` of a patched object: its state as it is untraced.
+
+    ``copy``, ``pickle`` and ``torch.save`` look ``__getstate__`` up on the
+    object, so this one (in the object's ``__dict__``) takes the place of the
+    class's, which it calls, and drops the patches from what that returns.
+    """
+
+    __slots__ = ("instance", "originals", "previous")
+
+    def __init__(self, instance: Any) -> None:
+        self.instance = instance
+        self.previous = vars(instance).get("__getstate__", _MISSING)
+        self.originals: dict[str, Any] = {}  # patched name -> what the __dict__ held before
+
+    @classmethod
+    def of(cls, instance: Any) -> _CleanState:
+        """The object's clean state, installed on first use."""
+        found = vars(instance).get("__getstate__")
+        if not isinstance(found, _CleanState):
+            found = vars(instance)["__getstate__"] = cls(instance)
+        return found
+
+    def forget(self, name: str) -> None:
+        """``name`` is restored; the last one out restores the ``__getstate__`` entry too."""
+        del self.originals[name]
+        if not self.originals:
+            if self.previous is _MISSING:
+                del vars(self.instance)["__getstate__"]
+            else:
+                vars(self.instance)["__getstate__"] = self.previous
+
+    def __call__(self) -> Any:
+        instance = self.instance
+        if self.previous is not _MISSING:
+            state = self.previous()
+        else:  # the class's (object's since Python 3.11), else the plain __dict__
+            getstate = getattr(type(instance), "__getstate__", None)
+            state = vars(instance) if getstate is None else getstate(instance)
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):
+            return self._clean(state[0]), state[1]  # (__dict__, slots)
+        return self._clean(state) if isinstance(state, dict) else state
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Copied with an object whose own reduction copies its __dict__ as it is: the
+        # copy's entry knows no patches, so it only leaves itself out of further copies.
+        return _CleanState, (self.instance,)
+
+    def _clean(self, state: dict[str, Any]) -> dict[str, Any]:
+        state = dict(state)
+        for name, original in [*self.originals.items(), ("__getstate__", self.previous)]:
+            if original is _MISSING:
+                state.pop(name, None)
+            else:
+                state[name] = original
+        return state
+
+
 class _Patch:
     """The wrapper installed on one ``(object, method)`` pair."""
 
@@ -172,7 +251,8 @@ class _Patch:
         self.callees: dict[CodeType, tuple[str, ...]] = {}
         self.armed: tuple[bool, bool] = (False, False)
         call = self._call if decorate is None else decorate(self._call)
-        vars(instance)[name] = wrapt.FunctionWrapper(bound, call)
+        _CleanState.of(instance).originals[name] = self.original
+        vars(instance)[name] = _Wrapper(bound, call)
 
     def set_hooks(self, hooks: tuple[Hook, ...]) -> None:
         self.hooks = hooks
@@ -205,6 +285,7 @@ class _Patch:
             del vars(self.instance)[self.name]
         else:
             vars(self.instance)[self.name] = self.original
+        vars(self.instance)["__getstate__"].forget(self.name)
 
     def _call(self, wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         hooks = self.hooks
