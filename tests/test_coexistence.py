@@ -164,3 +164,41 @@ def test_averaged_model_updates_while_tracing() -> None:
         ema(tokens(0))
     assert tracer.results["forward.logits"].iterations == [1, 2, 3]
     assert not torch.equal(ema.module.head.weight, model.head.weight)
+
+
+def test_lightning_stochastic_weight_averaging_while_tracing() -> None:
+    """Lightning's SWA callback deep-copies the LightningModule when averaging starts."""
+    lightning = pytest.importorskip("lightning")
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    class Regression(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return h
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            x, y = batch
+            return (self(x) - y).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
+    module = Regression()
+    trainer = lightning.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        callbacks=[StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with ModelTracer(module, ["forward.h"]) as tracer:
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    assert tracer.results["forward.h"].iterations == [1, 2, 3, 4, 5, 6]
+    assert not {"forward", "__getstate__"} & set(vars(module)), "restored"
