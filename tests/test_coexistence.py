@@ -21,6 +21,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import vartrace
+from tests._env import child_env
 from tests._models import TinyTransformer, tokens
 from vartrace.storage import H5PYSaverCallback
 from vartrace.tracer import ModelTracer
@@ -99,7 +100,7 @@ def test_forked_child_records_nothing_and_never_writes_the_parents_file(
         [sys.executable, str(script), str(tmp_path), mode, exit_call],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(script.parents[1])},
+        env=child_env(),
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -202,3 +203,55 @@ def test_lightning_stochastic_weight_averaging_while_tracing() -> None:
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
     assert tracer.results["forward.h"].iterations == [1, 2, 3, 4, 5, 6]
     assert not {"forward", "__getstate__"} & set(vars(module)), "restored"
+
+
+_COVERED_SCRIPT = """
+import json
+import torch
+from torch import nn
+from vartrace.tracer import ModelTracer
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.lin(x)
+        y = h * 2
+        return y.sum()
+
+model = Net()
+with ModelTracer(model, ["forward.h", "forward.y@every"]) as tracer:
+    for step in range(3):
+        model(torch.full((1, 3), float(step)))
+print("RECORDS", json.dumps({name: len(trace) for name, trace in tracer.results.items()}))
+"""
+
+
+@pytest.mark.parametrize("coverage_core", ["ctrace", "pytrace", "sysmon"])
+def test_model_tracer_under_coverage_run(tmp_path: Path, coverage_core: str) -> None:
+    """``coverage run`` (as pytest-cov runs tests): both record everything at once."""
+    coverage = pytest.importorskip("coverage")
+    if coverage_core == "sysmon" and not hasattr(sys, "monitoring"):
+        pytest.skip("coverage's sysmon core needs sys.monitoring (Python >= 3.12)")
+    script = tmp_path / "covered.py"
+    script.write_text(_COVERED_SCRIPT)
+    data_file = tmp_path / "coverage.data"
+    done = subprocess.run(
+        [sys.executable, "-m", "coverage", "run", f"--data-file={data_file}", str(script)],
+        capture_output=True,
+        text=True,
+        env=child_env(COVERAGE_CORE=coverage_core),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = json.loads(done.stdout.split("RECORDS ", 1)[1])
+    assert records == {"forward.h": 3, "forward.y": 3}
+    data = coverage.CoverageData(basename=str(data_file))
+    data.read()
+    lines = data.lines(str(script))
+    source = _COVERED_SCRIPT.splitlines()
+    body = [i for i, row in enumerate(source, 1) if row.strip() in ("h = self.lin(x)", "y = h * 2")]
+    assert len(body) == 2
+    assert set(body) <= set(lines)

@@ -8,15 +8,15 @@ driven through stdin.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests._env import ROOT, child_env
+
 SCENARIO = Path(__file__).with_name("_scenario.py")
-ROOT = SCENARIO.parents[2]
 FRAME_CORES = ["settrace"] + (["monitoring"] if hasattr(sys, "monitoring") else [])
 COVERAGE_CORES = ["ctrace", "pytrace"] + (["sysmon"] if hasattr(sys, "monitoring") else [])
 EXPECTED = {"step.y": [60, 30]}
@@ -25,13 +25,12 @@ EXPECTED_EVERY = {"step.acc": [0, 1, 3, 6, 0, 1, 3], "step.y": [60, 30]}
 
 def _run(args: list[str], stdin: str = "", **env: str) -> tuple[str, dict]:
     """Run the scenario (after ``args``); return its output and the state it printed."""
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     done = subprocess.run(
         [sys.executable, *args],
         input=stdin,
         capture_output=True,
         text=True,
-        env=environment,
+        env=child_env(**env),
         cwd=ROOT,
         timeout=120,
     )
