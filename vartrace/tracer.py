@@ -9,17 +9,15 @@ end.
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from vartrace import distributed
+from vartrace import _forks, distributed
 from vartrace.engine.code import MethodInfo
 from vartrace.engine.patching import Hook, Probe, attach, detach
 from vartrace.engine.structures import leaves
@@ -47,18 +45,6 @@ def _run_callbacks(callbacks: Sequence[GatherCallback], name: str, trace: Trace)
     for callback in callbacks:
         callback(name, trace)
         trace.check_lengths(_name(callback))
-
-
-_running: weakref.WeakSet[ModelTracer] = weakref.WeakSet()
-
-
-def _forget_in_child() -> None:
-    for tracer in list(_running):
-        tracer._forget()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _positive(name: str, value: int) -> int:
@@ -196,7 +182,7 @@ class ModelTracer:
             self._detach()
             raise
         subscribe(self._record_manual)
-        _running.add(self)
+        _forks.watch(self)
         return self
 
     def stop(self, *, flush: bool = True) -> None:
@@ -204,7 +190,7 @@ class ModelTracer:
         if not self._started or self._finished:
             return
         self._finished = True
-        _running.discard(self)
+        _forks.unwatch(self)
         unsubscribe(self._record_manual)
         self._detach()
         self._gradients.close()

@@ -26,7 +26,6 @@ import os
 import socket
 import tempfile
 import threading
-import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from vartrace import _forks
 from vartrace.storage._codec import IN_OTHER, Kind, Leaf, dtype_name, encode, to_blob
 from vartrace.storage._layout import (
     COMMITTED,
@@ -358,18 +358,6 @@ def _objects(rows: list[str | bytes]) -> np.ndarray:
     return array
 
 
-_writing: weakref.WeakSet[H5PYSaverCallback] = weakref.WeakSet()
-
-
-def _forget_in_child() -> None:
-    for saver in list(_writing):
-        saver._forget()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
-
-
 class H5PYSaverCallback:
     """Post-gather callback streaming every record into an HDF5 file.
 
@@ -535,7 +523,7 @@ class H5PYSaverCallback:
         handle.swmr_mode = True  # from here on, a killed process leaves a consistent file
         self._descriptor = handle.id.get_vfd_handle()
         self._file = handle
-        _writing.add(self)
+        _forks.watch(self)
         return handle
 
     def _create(self, path: Path) -> h5py.File:
@@ -625,7 +613,7 @@ class H5PYSaverCallback:
                     self._commit()
                     self._file.close()
                     self._file = None
-                    _writing.discard(self)
+                    _forks.unwatch(self)
                 self._sites.clear()
                 self._closed = True
 
