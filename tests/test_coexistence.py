@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import multiprocessing
 import os
 import pickle
 import subprocess
@@ -118,6 +119,24 @@ def test_forked_child_records_nothing_and_never_writes_the_parents_file(
     with vartrace.open(tmp_path / "child.h5") as run:
         assert np.asarray(run["forward.x"].iterations).tolist() == [1, 2]
         assert np.asarray(run["forward.x"].values)[:, 0, 0].tolist() == [200.0, 201.0]
+
+
+def _trace_into(saver: H5PYSaverCallback) -> None:
+    model = Net()
+    with saver, torch.no_grad(), ModelTracer(model, ["forward.x"], post_gather_callbacks=[saver]):
+        model(torch.ones(1, 3))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+def test_a_saver_made_before_a_fork_writes_from_the_child(tmp_path: Path) -> None:
+    """A saver belongs to the process that opens its file, not to the one that made it."""
+    saver = H5PYSaverCallback(tmp_path / "run.h5", metadata=False)
+    child = multiprocessing.get_context("fork").Process(target=_trace_into, args=(saver,))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    with vartrace.open(tmp_path / "run.h5") as run:
+        assert np.asarray(run["forward.x"].values).tolist() == [[[1.0, 1.0, 1.0]]]
 
 
 def _torch_save_load(model: nn.Module) -> nn.Module:

@@ -444,7 +444,7 @@ class H5PYSaverCallback:
         # Callers (tracers in several threads) take records and flush one at a time; the
         # writer thread never takes it, so a caller waiting for the thread cannot block it.
         self._lock = threading.RLock()
-        self._owner = os.getpid()
+        self._owner: int | None = None  # the process that opened the file
         self._descriptor = -1  # the file's descriptor in this process, once open
         self._parent_file: h5py.File | None = None  # in a forked child: the parent's, never used
 
@@ -464,7 +464,7 @@ class H5PYSaverCallback:
         self._open()
 
     def _check_process(self) -> None:
-        if self._owner != os.getpid():
+        if self._owner is not None and self._owner != os.getpid():
             raise RuntimeError(
                 f"H5PYSaverCallback for {self.path} belongs to process {self._owner}; this "
                 "process is a fork of it and never writes that file: give a tracer started "
@@ -522,6 +522,7 @@ class H5PYSaverCallback:
         self._capacity = len(committed)
         handle.swmr_mode = True  # from here on, a killed process leaves a consistent file
         self._descriptor = handle.id.get_vfd_handle()
+        self._owner = os.getpid()
         self._file = handle
         _forks.watch(self)
         return handle
