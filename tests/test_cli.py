@@ -193,8 +193,8 @@ def test_show_errors(runs: Path) -> None:
         "did you mean layers.",
     )
     assert_error(
-        vartrace("show", runs / "a.h5", "forward", "--iteration", "99"),
-        "no record at iteration 99",
+        vartrace("show", runs / "a.h5", "forward", "--iteration", "0"),
+        "no record at or before iteration 0",
         "iterations 1..6",
     )
     assert_error(vartrace("show", runs / "a.h5", "forward", "--iteration", "x"), "invalid int")
@@ -230,7 +230,7 @@ def test_sites_errors(runs: Path) -> None:
     assert_error(vartrace("sites", "no_such_module:f", cwd=runs), "cannot import module")
     assert_error(vartrace("sites", "models:missing", cwd=runs), "has no attribute 'missing'")
     assert_error(vartrace("sites", "models:number", cwd=runs), "returned int, not a torch.nn")
-    assert_error(vartrace("sites", "models:broken", cwd=runs), "RuntimeError: cannot build")
+    assert_error(vartrace("sites", "models:broken", cwd=runs), "models:broken() failed: cannot build")
     assert_error(vartrace("sites", "models:build", "zz*", cwd=runs), "no site of Sequential")
 
 

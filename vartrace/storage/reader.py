@@ -55,12 +55,14 @@ def _mean(x: np.ndarray) -> Any:
 STATS: dict[str, Callable[[np.ndarray], Any]] = {
     "mean": _mean,
     "std": lambda x: x.std(),
+    "var": lambda x: x.var(),
     "min": lambda x: x.min(),
     "max": lambda x: x.max(),
     "norm": lambda x: float(np.sqrt(np.sum(np.abs(x) ** 2))),
     "absmax": lambda x: np.abs(x).max(),
 }
-"""Named statistics of :meth:`Run.to_frame`, computed in float64 (``std`` is the population std)."""
+"""Named statistics of :meth:`Run.to_frame`, computed in float64 (``std`` and ``var`` are the
+population ones), the same names as ``vartrace plot --stat`` takes."""
 
 
 def _missing(path: Path) -> FileNotFoundError:
@@ -588,7 +590,7 @@ class Run:
         """A pandas DataFrame with one row per record and a statistic column.
 
         Columns: site, iteration, rank, order, shape, dtype and the statistic
-        (named after ``stat``).  ``stat`` is one of ``mean``, ``std``, ``min``,
+        (named after ``stat``).  ``stat`` is one of ``mean``, ``std``, ``var``, ``min``,
         ``max``, ``norm``, ``absmax`` (float64; NaN for non-numeric records) or
         a callable receiving each record's value as :meth:`Site.get` returns it.
 
