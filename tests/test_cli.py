@@ -230,7 +230,9 @@ def test_sites_errors(runs: Path) -> None:
     assert_error(vartrace("sites", "no_such_module:f", cwd=runs), "cannot import module")
     assert_error(vartrace("sites", "models:missing", cwd=runs), "has no attribute 'missing'")
     assert_error(vartrace("sites", "models:number", cwd=runs), "returned int, not a torch.nn")
-    assert_error(vartrace("sites", "models:broken", cwd=runs), "models:broken() failed: cannot build")
+    assert_error(
+        vartrace("sites", "models:broken", cwd=runs), "models:broken() failed: cannot build"
+    )
     assert_error(vartrace("sites", "models:build", "zz*", cwd=runs), "no site of Sequential")
 
 

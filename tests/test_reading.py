@@ -37,7 +37,11 @@ def _frozen_weight_run(path: Path, steps: int = 6) -> None:
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     with (
         H5PYSaverCallback(path, metadata=False) as saver,
-        ModelTracer(model, ["head.forward.self.weight", "blocks.*", "forward"], post_gather_callbacks=[saver]),
+        ModelTracer(
+            model,
+            ["head.forward.self.weight", "blocks.*", "forward"],
+            post_gather_callbacks=[saver],
+        ),
     ):
         for _ in range(steps):
             model(torch.randn(3, 4)).backward()
