@@ -211,8 +211,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 def _format_value(value: Any, dtype: str) -> list[str]:
     """Lines showing one record: the full value when small, a summary when big."""
-    from vartrace.sources import value_as_array
+    from vartrace.sources import Unreadable, value_as_array
 
+    if isinstance(value, Unreadable):
+        return ["  a pickled object: pass --allow-pickle to read it (it runs code from the file)"]
     array = value_as_array(value)
     if array is None:
         text = repr(value)
