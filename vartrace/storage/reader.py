@@ -663,6 +663,6 @@ def open_run(
     Example::
 
         with vartrace.open("run.h5") as run:
-            print(run.names, run.meta["git"]["commit"])
+            print(run.names, run.meta["git"].get("commit"))
     """
     return Run(_expand(path_or_glob), allow_pickle=allow_pickle)
