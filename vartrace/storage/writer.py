@@ -636,8 +636,9 @@ class H5PYSaverCallback:
                     self.path.unlink(missing_ok=True)
                     warnings.warn(
                         f"vartrace: H5PYSaverCallback received no record, so it removed the "
-                        f"empty {self.path} it had created; did the model run in the traced "
-                        "mode, with the saver in post_gather_callbacks?",
+                        f"empty {self.path} it had created (a model that never ran in the "
+                        "traced mode, a saver missing from post_gather_callbacks, or a failed "
+                        "first write)",
                         stacklevel=2,
                     )
             self._sites.clear()
