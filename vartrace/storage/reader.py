@@ -205,7 +205,7 @@ class _Part:
     def check(self, name: str) -> None:
         """Raise ``OSError`` naming the missing filter when the values cannot be read."""
         if self.unreadable is not None:
-            raise OSError(errno.ENOPROTOOPT, f"site {name!r}: {self.unreadable}")
+            raise OSError(f"site {name!r}: {self.unreadable}")
 
     def read(self, row: int, allow_pickle: bool, where: str) -> Any:
         code = int(self.tags["kinds"][row])
