@@ -106,6 +106,7 @@ def test_forked_child_records_nothing_and_never_writes_the_parents_file(
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+    assert "vartrace" not in done.stderr, "the child warns nothing (the parent's tracer is not its)"
     parent = json.loads(done.stdout.split("PARENT ", 1)[1])
     assert parent["status"] == 0, "the child's model calls, own tracer and exit all succeed"
     assert parent["unchanged"], "the child left the parent's file byte for byte as it was"
