@@ -95,6 +95,18 @@ def test_a_path_continues_into_a_function_the_method_calls(core: FrameCore) -> N
     torch.testing.assert_close(returned.values[1], tracer.results[name.format(0)].values[1])
 
 
+def test_every_value_in_a_called_function_gives_the_pre_softmax_scores(core: FrameCore) -> None:
+    model = LlamaLike()
+    name = "layers.0.self_attn.forward>eager_attention_forward.attn_weights"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(model, [name, f"{name}@every"]) as tracer:
+            model(tokens(0))
+    scores, probabilities = tracer.results[f"{name}@every"].values
+    torch.testing.assert_close(scores.softmax(-1), probabilities)
+    torch.testing.assert_close(tracer.results[name].values, [probabilities])
+
+
 def test_function_sites_are_listed_validated_and_matched_by_wildcards() -> None:
     model = LlamaLike()
     sites = vartrace.list_sites(model, "layers.0.**")
@@ -107,6 +119,8 @@ def test_function_sites_are_listed_validated_and_matched_by_wildcards() -> None:
         ModelTracer(model, ["layers.0.self_attn.forward>eager_attention_forwrd.attn_weights"])
     with pytest.raises(ValueError, match="called function"):
         ModelTracer(model, ["layers.0.self_attn.forward>eager_attention_forward.query@entry"])
+    with pytest.raises(ValueError, match="called function"):
+        ModelTracer(model, ["layers.0.self_attn.forward>eager_attention_forward@every"])
 
 
 # -- issue 14 and item 4: '**' patches only code that binds the name, and is validated ----------

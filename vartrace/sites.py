@@ -249,8 +249,8 @@ def _add(target: Target, pattern: Pattern, selection: _Selection) -> str | None:
     when = pattern.when
     target.origins.setdefault(pattern.text, []).append(site)
     if callee is not None:
-        if when in ("entry", "every"):
-            return f"{site} is read in a called function, only when it returns (not @{when})"
+        if when == "entry" or (when == "every" and variable is None):
+            return f"{site} is read in a called function when it returns or @every, not @{when}"
         target.calls.append(selector)
         return None
     if variable is None:
@@ -274,8 +274,8 @@ def _tag_timings(target: Target) -> None:
     """Give distinct keys to one variable read at two timings (``x`` and ``x@return``).
 
     The variable's default timing (entry for an argument, return for a
-    local) keeps the plain key; the other timing's key ends in ``@entry``,
-    ``@return`` or ``@every``.
+    local; return in a called function) keeps the plain key; the other
+    timing's key ends in ``@entry``, ``@return`` or ``@every``.
     """
     lists = {"entry": target.entry, "return": target.exit, "every": target.every}
     for timing, selectors in lists.items():
@@ -287,6 +287,14 @@ def _tag_timings(target: Target) -> None:
             others = [t for t, s in lists.items() if any(o.variable == variable for o in s)]
             if timing != default and len(others) > 1:
                 selectors[i] = replace(selector, tag=f"@{timing}")
+    for i, selector in enumerate(target.calls):
+        if selector.pattern.when == "every" and any(
+            other.callee is selector.callee
+            and other.variable == selector.variable
+            and other.pattern.when in (None, "return")
+            for other in target.calls
+        ):
+            target.calls[i] = replace(selector, tag="@every")
 
 
 def _static_sites(modules: Iterable[tuple[str, nn.Module]]) -> Iterator[tuple[str, int]]:
