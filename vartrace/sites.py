@@ -284,7 +284,9 @@ def _tag_timings(target: Target) -> None:
             if variable in (None, "self") or selector.grad:
                 continue
             default = "entry" if variable in target.method.arguments else "return"
-            others = [t for t, s in lists.items() if any(o.variable == variable for o in s)]
+            others = [
+                t for t, s in lists.items() if any(o.variable == variable and not o.grad for o in s)
+            ]
             if timing != default and len(others) > 1:
                 selectors[i] = replace(selector, tag=f"@{timing}")
     for i, selector in enumerate(target.calls):
