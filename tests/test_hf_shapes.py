@@ -11,7 +11,14 @@ import torch
 from torch import nn
 
 import vartrace
-from tests._hf_shapes import BertLike, LlamaLike, Wrapper, eager_attention_forward, tokens
+from tests._hf_shapes import (
+    BatchWrapper,
+    BertLike,
+    LlamaLike,
+    Wrapper,
+    eager_attention_forward,
+    tokens,
+)
 from tests._models import WithBatchNorm
 from vartrace import ModelTracer
 from vartrace.engine import patching
@@ -278,3 +285,7 @@ def test_keys_below_an_opaque_return_are_resolved_at_run_time() -> None:
     message = r"'forward\.lgoits' recorded nothing"
     with pytest.warns(UserWarning, match=message), ModelTracer(model, ["forward.lgoits"]):
         model(ids)
+    batched = BatchWrapper(LlamaLike())
+    with ModelTracer(batched, ["forward.loss"]) as tracer:
+        batched({"input_ids": ids, "labels": ids})
+    assert list(tracer.results) == ["forward.loss"]
