@@ -300,15 +300,21 @@ def _tag_timings(target: Target) -> None:
             target.calls[i] = replace(selector, tag="@every")
 
 
-def _static_sites(modules: Iterable[tuple[str, nn.Module]]) -> Iterator[tuple[str, int]]:
-    """Every static site with the number of its module path segments."""
+def _static_sites(
+    modules: Iterable[tuple[str, nn.Module]], literal: frozenset[str] | set[str] = frozenset()
+) -> Iterator[tuple[str, int]]:
+    """Every static site with the number of its module path segments.
+
+    Methods from an installed library's base classes are left out unless
+    their name is in ``literal`` (the names a pattern spells out).
+    """
     for path, module in modules:
         depth = path.count(".") + 1 if path else 0
         methods = module_methods(module)
         if path and "forward" in methods:
             yield path, depth
         for info in methods.values():
-            if info.library:
+            if info.library and info.name not in literal:
                 continue
             for callee in (None, *info.callees):
                 segment = _segment(info, callee)
@@ -410,8 +416,9 @@ def list_sites(model: nn.Module, pattern: str = "**") -> list[str]:
     parsed = parse(pattern)
     root = unwrap(model)
     modules = list(root.named_modules())
-    hidden = _torch_helpers(modules, pattern)
-    sites = [*_static_sites(modules), *_parameter_sites(root)]
+    literal = set(re.split(r"[.>@]", pattern))
+    hidden = _torch_helpers(modules, literal)
+    sites = [*_static_sites(modules, literal), *_parameter_sites(root)]
     return [
         s
         for s, depth in sites
@@ -419,11 +426,10 @@ def list_sites(model: nn.Module, pattern: str = "**") -> list[str]:
     ]
 
 
-def _torch_helpers(modules: list[tuple[str, nn.Module]], pattern: str) -> set[str]:
+def _torch_helpers(modules: list[tuple[str, nn.Module]], literal: set[str]) -> set[str]:
     """Sites of torch's own helper methods (``reset_parameters``, ``extra_repr``,
     ``_conv_forward``...): methods other than ``forward`` that a class of the ``torch``
-    package defines, unless ``pattern`` names the method literally."""
-    literal = set(re.split(r"[.>@]", pattern))
+    package defines, unless the pattern names the method literally (in ``literal``)."""
     hidden = set()
     for path, module in modules:
         for name in module_methods(module):
