@@ -400,14 +400,14 @@ class Caller:
         return first + second
 
 
-def _callee_probe(*variables: str | None) -> Probe:
+def _callee_probe(*variables: str | None, when: str = "") -> Probe:
     info = methods_of(Caller)["twice"]
     (callee,) = info.callees
     segment = f"twice>{callee.name}"
     selectors = []
     for variable in variables:
         text = f"{segment}.{variable}" if variable else segment
-        pattern = parse(text)
+        pattern = parse(text + when)
         states = pattern.step(pattern.start, segment)
         if variable:
             states = pattern.step(states, variable)
@@ -466,3 +466,19 @@ def test_copies_and_pickles_of_a_patched_object_are_untraced(core: FrameCore, cl
         detach(calc, "run", hook)
     assert rec.sites() == {"run.total": [9]}, "only the traced object's call was recorded"
     assert vars(calc) == {"offset": 5}
+
+
+def test_every_value_of_a_callee_variable(core: FrameCore) -> None:
+    caller = Caller()
+    hook, rec = _attach(caller, "twice", _callee_probe("value", "half", when="@every"))
+    try:
+        caller.twice(8)
+    finally:
+        detach(caller, "twice", hook)
+    # value is bound at entry; half once per call: each call of each frame, in order.
+    assert rec.records == [
+        ("twice>_halve.value", 8),
+        ("twice>_halve.half", 4),
+        ("twice>_halve.value", 40),
+        ("twice>_halve.half", 20),
+    ]
