@@ -1,7 +1,11 @@
 """Detached copies of captured leaves, and bit-exact change detection.
 
 A record must not change when the live value does, must not keep an
-autograd graph alive, and must live on the tracer's ``device``.  Change
+autograd graph alive, and must live on the tracer's ``device``.  An object
+that holds tensors in its attributes (a Hugging Face ``DynamicCache``) is
+never recorded live: :func:`split_object` splits it into its tensors, and
+an object that can be neither split nor copied is recorded as the string
+``<vartrace: uncopyable TYPE>`` (with a warning).  Change
 detection compares a new copy with the last one recorded for the site,
 bit for bit: in-place writes that do not bump a tensor's version counter
 (BatchNorm running statistics, writes through ``.data``) are still seen,
@@ -12,18 +16,81 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["copy_leaf", "same"]
+from vartrace.engine.structures import children
+
+__all__ = ["copy_leaf", "same", "split_object", "uncopyable"]
 
 _IMMUTABLE: frozenset[type] = frozenset(
     {int, float, bool, complex, str, bytes, type(None), type(Ellipsis)}
 )
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _uncopyable_warned: set[type] = set()
+_MAX_STATE_DEPTH = 8
+
+
+def uncopyable(value: Any) -> str:
+    """The marker recorded in place of an object that can be neither copied nor split.
+
+    Example::
+
+        uncopyable(lock)   # '<vartrace: uncopyable lock>'
+    """
+    return f"<vartrace: uncopyable {type(value).__name__}>"
+
+
+def _tensor_state(value: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
+    """The tensors reachable from ``value`` through containers and attributes, with their paths."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+        return
+    if depth >= _MAX_STATE_DEPTH or type(value) in _IMMUTABLE or isinstance(value, type):
+        return
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    kids = children(value)
+    if kids is None:
+        kids = getattr(value, "__dict__", {}).items()
+    for key, child in kids:
+        yield from _tensor_state(child, f"{path}.{key}", depth + 1, seen)
+
+
+def split_object(site: str, value: Any, warned: set[type]) -> Iterator[tuple[str, Any]]:
+    """``(site, value)`` itself, or, for an object whose attributes hold tensors, those tensors.
+
+    Recording such an object live (a ``DynamicCache`` refuses ``deepcopy``)
+    would keep every tensor it holds, and their autograd graph, alive; its
+    tensors are recorded instead, as leaves named by attribute path
+    (``forward.past_key_values.layers.0.keys``).  Warns once per type
+    (``warned`` holds the types already named).
+
+    Example::
+
+        list(split_object("forward.cache", cache, set()))
+        # [('forward.cache.keys.0', tensor(...)), ('forward.cache.values.0', tensor(...))]
+    """
+    if type(value) in _IMMUTABLE or isinstance(value, (torch.Tensor, np.ndarray)):
+        yield site, value
+        return
+    tensors = list(_tensor_state(value, site, 0, set()))
+    if not tensors:
+        yield site, value
+        return
+    if type(value) not in warned:
+        warned.add(type(value))
+        warnings.warn(
+            f"vartrace: {site} is a {type(value).__name__} holding tensors; recording its "
+            f"{len(tensors)} tensors ({tensors[0][0]}, ...) instead of the live object, "
+            "which would keep their autograd graph alive",
+            stacklevel=2,
+        )
+    yield from tensors
 
 
 def copy_leaf(value: Any, device: torch.device) -> Any:
@@ -45,14 +112,15 @@ def copy_leaf(value: Any, device: torch.device) -> Any:
     try:
         return copy.deepcopy(value)
     except Exception as error:  # an object that refuses to be copied is kept as is
+        marker = uncopyable(value)
         if type(value) not in _uncopyable_warned:
             _uncopyable_warned.add(type(value))
             warnings.warn(
-                f"vartrace: cannot copy a {type(value).__name__} ({error}); recording the live "
-                "object, which later changes will alter",
+                f"vartrace: cannot copy a {type(value).__name__} ({error}); recording the "
+                f"marker {marker!r} instead of the live object",
                 stacklevel=2,
             )
-        return value
+        return marker
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

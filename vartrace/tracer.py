@@ -9,22 +9,24 @@ end.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from vartrace import distributed
-from vartrace.engine.code import MethodInfo
-from vartrace.engine.patching import Hook, Probe, attach, detach
+from vartrace.engine.patching import Hook, attach, detach
 from vartrace.engine.structures import leaves
 from vartrace.gradients import GradientWatcher
+from vartrace.iterations import IterationCounter
 from vartrace.record import DROP, subscribe, unsubscribe
 from vartrace.results import Results
-from vartrace.sites import Target, is_compiled, module_methods, resolve, unwrap
-from vartrace.tensors import copy_leaf, same
+from vartrace.sites import Target, is_compiled, resolve, unwrap
+from vartrace.tensors import copy_leaf, same, split_object
 from vartrace.trace import RunContext, Trace
 
 __all__ = ["ModelTracer"]
@@ -79,6 +81,9 @@ class ModelTracer:
         trace_interval: record iterations 1, 1 + k, 1 + 2k, ...
         mode: which outermost model calls are iterations: ``"train"``,
             ``"eval"`` (by ``model.training``) or ``"any"``.
+        optimizer: number iterations by this optimizer's steps (its
+            completed ``step()`` calls plus one) instead of by model calls;
+            see :mod:`vartrace.iterations` for every rule.
         change_detection: record a site only when its value changed.
         device: where recorded copies live.
         gather: ``False`` keeps each rank's records on that rank (shard files).
@@ -101,6 +106,7 @@ class ModelTracer:
         device: str | torch.device = "cpu",
         gather: bool = True,
         strict: bool = True,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -120,16 +126,21 @@ class ModelTracer:
         self.gather = gather
         self._targets = resolve(self.model, paths, strict=strict)
         self.results = Results()
-        self._hooks: list[tuple[Target | None, Hook]] = []
+        self._hooks: list[tuple[Target, Hook]] = []
+        self._handles: list[RemovableHandle] = []
+        self._part_handles: list[RemovableHandle] = []  # until the root is first called
+        self._optimizer = optimizer
+        self._iterations = IterationCounter(
+            self.model,
+            mode,
+            trace_interval=self.trace_interval,
+            gathering_interval=self.gathering_interval,
+            set_enabled=self._set_enabled,
+            flush=self._flush,
+        )
         self._chunk: dict[str, Trace] = {}
         self._last: dict[str, Any] = {}
-        self._counts: dict[str, int] = {}
-        self._calls = 0
-        self._depth = 0
-        self._in_mode = False
-        self._iteration = 0
-        self._user_iteration: int | None = None
-        self._recording = True
+        self._split_warned: set[type] = set()
         self._order = 0
         self._rank = 0
         self._started = False
@@ -140,8 +151,8 @@ class ModelTracer:
 
     @property
     def iteration(self) -> int:
-        """The iteration that records are tagged with now (0 before the first)."""
-        return self._iteration
+        """The iteration that this thread's records are tagged with now (0 before the first)."""
+        return self._iterations.state.iteration
 
     def set_iteration(self, iteration: int) -> None:
         """Tag every record with ``iteration`` until the next call (user-driven iterations).
@@ -155,8 +166,7 @@ class ModelTracer:
         """
         if not isinstance(iteration, int) or isinstance(iteration, bool):
             raise TypeError(f"iteration must be an int, not {type(iteration).__name__}")
-        self._user_iteration = iteration
-        self._set_iteration(iteration)
+        self._iterations.set_user(iteration)
 
     def start(self) -> ModelTracer:
         """Patch the model and start recording (``with`` does this for you)."""
@@ -210,84 +220,103 @@ class ModelTracer:
         ]
 
     def _attach(self) -> None:
-        decorate = None
+        # A frame tracer sees nothing inside compiled code: traced methods always run
+        # eagerly, whether the model is compiled before or after the tracer starts.
+        eager = torch._dynamo.disable
         if self._compiled:
-            # A frame tracer sees nothing inside compiled code: run the traced methods eagerly.
-            decorate = torch._dynamo.disable
-            names = ", ".join(f"{t.path or '<root>'}.{t.method.name}" for t in self._targets)
-            warnings.warn(
-                f"vartrace: the model is compiled; these traced methods run eagerly while "
-                f"tracing (excluded from torch.compile): {names}",
-                stacklevel=4,
-            )
-        root_forward: MethodInfo | None = None
+            self._warn_compiled()
+        counter = self._iterations
         for target in self._targets:
-            is_root = target.module is self.model and target.method.name == "forward"
-            hook = Hook(
-                target.probe(),
-                self._capture,
-                self._enter if is_root else None,
-                self._exit if is_root else None,
-            )
-            attach(target.module, target.method.name, target.method.code, hook, decorate)
+            hook = Hook(target.probe(), self._capture, self._enter_method, counter.exit)
+            attach(target.module, target.method.name, target.method.code, hook, eager)
             self._hooks.append((target, hook))
-            if is_root:
-                root_forward = target.method
-        if root_forward is None:
-            methods = module_methods(self.model)
-            if "forward" not in methods:
-                raise TypeError(f"{type(self.model).__name__} has no forward method to trace")
-            info = methods["forward"]
-            hook = Hook(Probe(), self._capture, self._enter, self._exit)
-            attach(self.model, "forward", info.code, hook, decorate)
-            self._hooks.append((None, hook))
+        enter_root = eager(self._enter_root)
+        enter_part = eager(self._enter_method)
+        leave = eager(self._leave)
+
+        def before_root(module: nn.Module, args: Any) -> None:
+            enter_root(torch.compiler.is_compiling())
+
+        def before_part(module: nn.Module, args: Any) -> None:
+            enter_part()
+
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            leave()
+
+        self._handles += [
+            self.model.register_forward_pre_hook(before_root),
+            self.model.register_forward_hook(after, always_call=True),
+        ]
+        for part in self._counting_parts():
+            self._part_handles += [
+                part.register_forward_pre_hook(before_part),
+                part.register_forward_hook(after, always_call=True),
+            ]
+        if self._optimizer is not None:
+            counter.follow_steps()
+            self._handles.append(
+                self._optimizer.register_step_post_hook(lambda *_: counter.stepped())
+            )
+
+    def _counting_parts(self) -> list[nn.Module]:
+        """The root's children that hold traced sites: their outermost calls count until
+        the root itself is called (a LightningModule's ``self.model``)."""
+        heads = {t.path.split(".", 1)[0] for t in self._targets if t.path}
+        return [child for name, child in self.model.named_children() if name in heads]
+
+    def _warn_compiled(self) -> None:
+        names = ", ".join(f"{t.path or '<root>'}.{t.method.name}" for t in self._targets)
+        warnings.warn(
+            f"vartrace: the model is compiled; these traced methods run eagerly while "
+            f"tracing (excluded from torch.compile): {names}",
+            stacklevel=4,
+        )
+
+    def _remove_part_hooks(self) -> None:
+        while self._part_handles:
+            self._part_handles.pop().remove()
 
     def _detach(self) -> None:
+        self._remove_part_hooks()
+        while self._handles:
+            self._handles.pop().remove()
         while self._hooks:
             target, hook = self._hooks.pop()
-            module = self.model if target is None else target.module
-            name = "forward" if target is None else target.method.name
-            detach(module, name, hook)
+            detach(target.module, target.method.name, hook)
 
-    # -- iterations ---------------------------------------------------------------------------
+    # -- iterations (rules: vartrace.iterations) ------------------------------------------------
 
-    def _set_iteration(self, iteration: int) -> None:
-        self._iteration = iteration
-        self._recording = (iteration - 1) % self.trace_interval == 0
+    def _set_enabled(self, enabled: bool) -> None:
         for _, hook in self._hooks:
-            hook.enabled = self._recording
+            hook.enabled = enabled
 
-    def _enter(self) -> None:
-        self._depth += 1
-        if self._depth > 1:
-            return
-        mode = self.mode
-        self._in_mode = mode == "any" or self.model.training == (mode == "train")
-        if not self._in_mode:
-            for _, hook in self._hooks:
-                hook.enabled = False
-            return
-        self._counts[mode] = self._counts.get(mode, 0) + 1
-        iteration = self._user_iteration
-        self._set_iteration(self._counts[mode] if iteration is None else iteration)
+    def _enter_root(self, compiling: bool) -> None:
+        if compiling and not self._compiled:
+            self._compiled = True  # compiled after the tracer started
+            self._warn_compiled()
+        self._remove_part_hooks()  # the root is called: only its calls count from now on
+        self._iterations.enter(root=True)
 
-    def _exit(self, failed: bool) -> None:
-        self._depth -= 1
-        if self._depth or not self._in_mode:
-            return
-        self._calls += 1
-        if not failed and self._calls % self.gathering_interval == 0:
-            self._flush()
+    def _enter_method(self) -> None:
+        self._iterations.enter(root=False)
+
+    def _leave(self) -> None:
+        # A forward hook registered with always_call runs inside ``except`` when forward raised.
+        self._iterations.exit(failed=sys.exc_info()[0] is not None)
 
     # -- the record path ----------------------------------------------------------------------
 
     def _capture(self, site: str, value: Any, grad: bool) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a forward recomputed during backward (activation checkpointing)
+        if not self._iterations.captures():
+            return  # another thread's iteration enabled the hooks
+        iteration = self._iterations.state.iteration
         if grad:
-            self._gradients.watch(site, value, self._iteration)
+            self._gradients.watch(site, value, iteration)
         else:
-            self._store(site, value, self._iteration)
+            for name, leaf in split_object(site, value, self._split_warned):
+                self._store(name, leaf, iteration)
 
     def _store(self, site: str, value: Any, iteration: int) -> None:
         for callback in self.pre_save_callbacks:
@@ -307,9 +336,11 @@ class ModelTracer:
         trace.append(record, iteration, self._rank, self._order)
 
     def _record_manual(self, name: str, value: Any) -> None:
-        if self._recording and (self._depth == 0 or self._in_mode):
+        if self._iterations.records_manual():
+            iteration = self._iterations.state.iteration
             for site, leaf in leaves(value, name):
-                self._store(site, leaf, self._iteration)
+                for part, piece in split_object(site, leaf, self._split_warned):
+                    self._store(part, piece, iteration)
 
     def _flush(self) -> None:
         chunk, self._chunk = self._chunk, {}
