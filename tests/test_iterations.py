@@ -185,3 +185,16 @@ def test_real_lightning_trainer_counts_training_steps(tmp_path: Path) -> None:
     saver.close()
     with vartrace.open(tmp_path / "run.h5") as run:
         assert run["model.layers.0.attn.forward.scores"].iterations.tolist() == [1, 2, 3]
+
+
+def test_root_forward_called_directly_still_counts_and_eval_calls_do_not() -> None:
+    model = TinyTransformer()
+    with ModelTracer(model, ["forward.x", "layers.0.attn.forward.scores"]) as tracer:
+        for step in range(2):
+            model.forward(tokens(step))  # no module hooks run
+        model.eval()
+        model(tokens(5))  # mode="train": not an iteration, nothing recorded
+        model.train()
+        model(tokens(6))
+    assert tracer.results["forward.x"].iterations == [1, 2, 3]
+    assert tracer.results["layers.0.attn.forward.scores"].iterations == [1, 2, 3]

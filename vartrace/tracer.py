@@ -9,7 +9,9 @@ end.
 
 from __future__ import annotations
 
+import functools
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
@@ -110,6 +112,10 @@ class ModelTracer:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+        if optimizer is not None and not hasattr(optimizer, "register_step_post_hook"):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}"
+            )
         if mode not in ("train", "eval", "any"):
             raise ValueError(f"mode must be 'train', 'eval' or 'any', not {mode!r}")
         self.model = unwrap(model)
@@ -142,6 +148,7 @@ class ModelTracer:
         self._last: dict[str, Any] = {}
         self._split_warned: set[type] = set()
         self._order = 0
+        self._lock = threading.Lock()  # threads calling the model at once share the chunk
         self._rank = 0
         self._started = False
         self._finished = False
@@ -227,7 +234,10 @@ class ModelTracer:
             self._warn_compiled()
         counter = self._iterations
         for target in self._targets:
-            hook = Hook(target.probe(), self._capture, self._enter_method, counter.exit)
+            # The root's own forward counts even when called as ``model.forward(x)``.
+            is_root = target.module is self.model and target.method.name == "forward"
+            enter = functools.partial(self._enter_root, False) if is_root else self._enter_method
+            hook = Hook(target.probe(), self._capture, enter, counter.exit)
             attach(target.module, target.method.name, target.method.code, hook, eager)
             self._hooks.append((target, hook))
         enter_root = eager(self._enter_root)
@@ -273,8 +283,9 @@ class ModelTracer:
         )
 
     def _remove_part_hooks(self) -> None:
-        while self._part_handles:
-            self._part_handles.pop().remove()
+        handles, self._part_handles = self._part_handles, []
+        for handle in handles:
+            handle.remove()
 
     def _detach(self) -> None:
         self._remove_part_hooks()
@@ -329,11 +340,12 @@ class ModelTracer:
             if last is not _MISSING and same(record, last):
                 return
             self._last[site] = record
-        self._order += 1
-        trace = self._chunk.get(site)
-        if trace is None:
-            trace = self._chunk[site] = Trace()
-        trace.append(record, iteration, self._rank, self._order)
+        with self._lock:
+            self._order += 1
+            trace = self._chunk.get(site)
+            if trace is None:
+                trace = self._chunk[site] = Trace()
+            trace.append(record, iteration, self._rank, self._order)
 
     def _record_manual(self, name: str, value: Any) -> None:
         if self._iterations.records_manual():
@@ -343,7 +355,8 @@ class ModelTracer:
                     self._store(part, piece, iteration)
 
     def _flush(self) -> None:
-        chunk, self._chunk = self._chunk, {}
+        with self._lock:
+            chunk, self._chunk = self._chunk, {}
         for name, trace in chunk.items():
             _run_callbacks(self.pre_gather_callbacks, name, trace)
         gathered = distributed.gather_chunk(chunk) if self.gather else chunk
