@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ _IMMUTABLE: frozenset[type] = frozenset(
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _uncopyable_warned: set[type] = set()
 _MAX_STATE_DEPTH = 8
+_MAX_STATE_OBJECTS = 4096  # an object reaching a whole program (a trainer) is not walked further
 
 
 def uncopyable(value: Any) -> str:
@@ -49,14 +51,16 @@ def _tensor_state(value: Any, path: str, depth: int, seen: set[int]) -> Iterator
     if isinstance(value, torch.Tensor):
         yield path, value
         return
-    if depth >= _MAX_STATE_DEPTH or type(value) in _IMMUTABLE or isinstance(value, type):
+    if depth >= _MAX_STATE_DEPTH or type(value) in _IMMUTABLE:
         return
-    if id(value) in seen:
+    if id(value) in seen or len(seen) >= _MAX_STATE_OBJECTS:
         return
     seen.add(id(value))
     kids = children(value)
     if kids is None:
-        kids = getattr(value, "__dict__", {}).items()
+        # Plain objects only: never walk the namespace of a class, module or function.
+        plain = not isinstance(value, ModuleType) and not callable(value)
+        kids = getattr(value, "__dict__", {}).items() if plain else ()
     for key, child in kids:
         yield from _tensor_state(child, f"{path}.{key}", depth + 1, seen)
 
