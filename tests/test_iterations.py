@@ -198,3 +198,18 @@ def test_root_forward_called_directly_still_counts_and_eval_calls_do_not() -> No
         model(tokens(6))
     assert tracer.results["forward.x"].iterations == [1, 2, 3]
     assert tracer.results["layers.0.attn.forward.scores"].iterations == [1, 2, 3]
+
+
+def test_checkpointed_recompute_during_backward_is_not_an_iteration() -> None:
+    lit = LitLike()
+    name = "model.layers.0.attn.forward.scores"
+
+    def step(batch: torch.Tensor) -> torch.Tensor:
+        x = lit.model.embed(batch)
+        x = torch.utils.checkpoint.checkpoint(lit.model.layers[0], x, use_reentrant=False)
+        return x.pow(2).mean()
+
+    with ModelTracer(lit, [name], change_detection=False) as tracer:
+        for i in range(3):
+            step(tokens(i)).backward()
+    assert tracer.results[name].iterations == [1, 2, 3]

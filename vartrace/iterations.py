@@ -124,11 +124,15 @@ class IterationCounter:
         self._count += 1
         return self._count
 
-    def enter(self, *, root: bool) -> None:
-        """A call of the root module (``root``), a counting submodule or a traced method begins."""
+    def enter(self, *, root: bool, replay: bool = False) -> None:
+        """A call of the root module (``root``), a counting submodule or a traced method begins.
+
+        ``replay``: a forward recomputed during backward (activation
+        checkpointing), which belongs to the iteration that ran it first.
+        """
         state = self._thread
         state.depth += 1
-        if state.depth > 1:
+        if state.depth > 1 or replay:
             return
         if root:
             self._root_called = True

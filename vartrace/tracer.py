@@ -49,6 +49,11 @@ def _run_callbacks(callbacks: Sequence[GatherCallback], name: str, trace: Trace)
         trace.check_lengths(_name(callback))
 
 
+def _in_backward() -> bool:
+    """Whether autograd's backward runs now (a checkpointed forward being recomputed)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _positive(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, not {value!r}")
@@ -67,6 +72,12 @@ class ModelTracer:
                 loss = model(batch).sum()
                 loss.backward()
         saver.close()
+
+    Gradient accumulation, or a trainer that never calls ``model`` itself:
+    number iterations by optimizer steps::
+
+        with ModelTracer(model, ["**.scores"], optimizer=opt) as tracer:
+            trainer_loop()   # every record is tagged with opt's completed steps + 1
 
     Args:
         model: the model; DDP / DataParallel / FSDP / compile wrappers are
@@ -306,10 +317,10 @@ class ModelTracer:
             self._compiled = True  # compiled after the tracer started
             self._warn_compiled()
         self._remove_part_hooks()  # the root is called: only its calls count from now on
-        self._iterations.enter(root=True)
+        self._iterations.enter(root=True, replay=_in_backward())
 
     def _enter_method(self) -> None:
-        self._iterations.enter(root=False)
+        self._iterations.enter(root=False, replay=_in_backward())
 
     def _leave(self) -> None:
         # A forward hook registered with always_call runs inside ``except`` when forward raised.
@@ -318,7 +329,7 @@ class ModelTracer:
     # -- the record path ----------------------------------------------------------------------
 
     def _capture(self, site: str, value: Any, grad: bool) -> None:
-        if torch._C._current_graph_task_id() != -1:
+        if _in_backward():
             return  # a forward recomputed during backward (activation checkpointing)
         if not self._iterations.captures():
             return  # another thread's iteration enabled the hooks
