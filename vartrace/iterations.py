@@ -80,6 +80,8 @@ class IterationCounter:
         self._root_called = False
         self._user: int | None = None
         self._active = 0
+        self.in_mode_calls = 0  # counted calls in the traced mode ...
+        self.other_mode_calls = 0  # ... and in the other one
         self.latest = 0
         self.latest_recording = True
         self._thread = _ThreadState(self)
@@ -143,7 +145,10 @@ class IterationCounter:
             state.counted = True
             state.in_mode = mode == "any" or bool(self._model.training) == (mode == "train")
             if state.in_mode:
+                self.in_mode_calls += 1
                 self._assign(state, self._next())
+            else:
+                self.other_mode_calls += 1
             state.active = state.in_mode and state.recording
             self._active += state.active
             enabled = self._active > 0

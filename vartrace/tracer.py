@@ -27,6 +27,7 @@ from vartrace.gradients import GradientWatcher
 from vartrace.iterations import IterationCounter
 from vartrace.record import DROP, subscribe, unsubscribe
 from vartrace.results import Results
+from vartrace.silence import SilenceWatch
 from vartrace.sites import Target, is_compiled, resolve, unwrap
 from vartrace.tensors import copy_leaf, same, split_object
 from vartrace.trace import RunContext, Trace
@@ -47,6 +48,14 @@ def _run_callbacks(callbacks: Sequence[GatherCallback], name: str, trace: Trace)
     for callback in callbacks:
         callback(name, trace)
         trace.check_lengths(_name(callback))
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
 
 
 def _in_backward() -> bool:
@@ -142,6 +151,7 @@ class ModelTracer:
         self.device = torch.device(device)
         self.gather = gather
         self._targets = resolve(self.model, paths, strict=strict)
+        self._silence = SilenceWatch(self._targets, mode, self.model)
         self.results = Results()
         self._hooks: list[tuple[Target, Hook]] = []
         self._handles: list[RemovableHandle] = []
@@ -214,6 +224,8 @@ class ModelTracer:
         unsubscribe(self._record_manual)
         self._detach()
         self._gradients.close()
+        counter = self._iterations
+        self._silence.report(counter.in_mode_calls > 0, counter.other_mode_calls)
         if flush:
             self._flush()
             for name in list(self.results):
@@ -247,7 +259,8 @@ class ModelTracer:
         for target in self._targets:
             # The root's own forward counts even when called as ``model.forward(x)``.
             is_root = target.module is self.model and target.method.name == "forward"
-            enter = functools.partial(self._enter_root, False) if is_root else self._enter_method
+            count = functools.partial(self._enter_root, False) if is_root else self._enter_method
+            enter = _both(self._silence.entered(target), count)
             hook = Hook(target.probe(), self._capture, enter, counter.exit)
             attach(target.module, target.method.name, target.method.code, hook, eager)
             self._hooks.append((target, hook))
@@ -329,6 +342,7 @@ class ModelTracer:
     # -- the record path ----------------------------------------------------------------------
 
     def _capture(self, site: str, value: Any, grad: bool) -> None:
+        self._silence.saw(site, value)
         if _in_backward():
             return  # a forward recomputed during backward (activation checkpointing)
         if not self._iterations.captures():
