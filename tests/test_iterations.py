@@ -3,6 +3,7 @@ steps, threads, and models compiled after the tracer started."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from pathlib import Path
@@ -213,3 +214,28 @@ def test_checkpointed_recompute_during_backward_is_not_an_iteration() -> None:
         for i in range(3):
             step(tokens(i)).backward()
     assert tracer.results[name].iterations == [1, 2, 3]
+
+
+class Interruptible(nn.Module):
+    """Raises ``KeyboardInterrupt`` (which skips ``always_call`` forward hooks) on demand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.interrupt = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.interrupt:
+            raise KeyboardInterrupt
+        return h
+
+
+def test_an_interrupted_call_does_not_leave_later_calls_nested() -> None:
+    model = Interruptible()
+    with ModelTracer(model, ["lin.forward.input"], change_detection=False) as tracer:
+        for step in range(4):
+            model.interrupt = step == 1
+            with contextlib.suppress(KeyboardInterrupt):
+                model(torch.full((3,), float(step)))
+    assert tracer.results["lin.forward.input"].iterations == [1, 2, 3, 4]

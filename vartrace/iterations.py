@@ -47,6 +47,7 @@ class _ThreadState(threading.local):
         self.iteration = counter.latest
         self.recording = counter.latest_recording
         self.in_mode = True
+        self.open: set[int] = set()  # modules whose hooked call has not reported its end
 
 
 class IterationCounter:
@@ -126,13 +127,21 @@ class IterationCounter:
         self._count += 1
         return self._count
 
-    def enter(self, *, root: bool, replay: bool = False) -> None:
+    def enter(self, *, root: bool, replay: bool = False, module: object = None) -> None:
         """A call of the root module (``root``), a counting submodule or a traced method begins.
 
         ``replay``: a forward recomputed during backward (activation
         checkpointing), which belongs to the iteration that ran it first.
+        ``module``: the module whose forward hook will report the end; if its
+        previous call never did (an exception that skips ``always_call``
+        hooks: ``KeyboardInterrupt``, or any exception in compiled code),
+        this thread's depth is reset instead of staying stuck inside that call.
         """
         state = self._thread
+        if module is not None:
+            if id(module) in state.open:
+                self._reset(state)
+            state.open.add(id(module))
         state.depth += 1
         if state.depth > 1 or replay:
             return
@@ -154,9 +163,18 @@ class IterationCounter:
             enabled = self._active > 0
         self._set_enabled(enabled)
 
-    def exit(self, failed: bool) -> None:
+    def _reset(self, state: _ThreadState) -> None:
+        with self._lock:
+            self._active -= state.active
+        state.active = state.counted = False
+        state.depth = 0
+        state.open.clear()
+
+    def exit(self, failed: bool, module: object = None) -> None:
         """The call that :meth:`enter` saw ends (``failed``: by an exception)."""
         state = self._thread
+        if module is not None:
+            state.open.discard(id(module))
         state.depth -= 1
         if state.depth or not state.counted:
             return

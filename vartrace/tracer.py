@@ -269,13 +269,13 @@ class ModelTracer:
         leave = eager(self._leave)
 
         def before_root(module: nn.Module, args: Any) -> None:
-            enter_root(torch.compiler.is_compiling())
+            enter_root(torch.compiler.is_compiling(), module)
 
         def before_part(module: nn.Module, args: Any) -> None:
-            enter_part()
+            enter_part(module)
 
         def after(module: nn.Module, args: Any, output: Any) -> None:
-            leave()
+            leave(module)
 
         self._handles += [
             self.model.register_forward_pre_hook(before_root),
@@ -325,19 +325,19 @@ class ModelTracer:
         for _, hook in self._hooks:
             hook.enabled = enabled
 
-    def _enter_root(self, compiling: bool) -> None:
+    def _enter_root(self, compiling: bool, module: nn.Module | None = None) -> None:
         if compiling and not self._compiled:
             self._compiled = True  # compiled after the tracer started
             self._warn_compiled()
         self._remove_part_hooks()  # the root is called: only its calls count from now on
-        self._iterations.enter(root=True, replay=_in_backward())
+        self._iterations.enter(root=True, replay=_in_backward(), module=module)
 
-    def _enter_method(self) -> None:
-        self._iterations.enter(root=False, replay=_in_backward())
+    def _enter_method(self, module: nn.Module | None = None) -> None:
+        self._iterations.enter(root=False, replay=_in_backward(), module=module)
 
-    def _leave(self) -> None:
+    def _leave(self, module: nn.Module) -> None:
         # A forward hook registered with always_call runs inside ``except`` when forward raised.
-        self._iterations.exit(failed=sys.exc_info()[0] is not None)
+        self._iterations.exit(failed=sys.exc_info()[0] is not None, module=module)
 
     # -- the record path ----------------------------------------------------------------------
 
