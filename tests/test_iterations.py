@@ -87,7 +87,7 @@ class Rendezvous(nn.Module):
         return h
 
 
-def test_outermost_calls_are_counted_per_thread() -> None:
+def test_outermost_calls_are_counted_per_thread(tmp_path: Path) -> None:
     calls = 20
     model = Rendezvous(threading.Barrier(2))
     errors: list[BaseException] = []
@@ -99,20 +99,26 @@ def test_outermost_calls_are_counted_per_thread() -> None:
         except BaseException as error:
             errors.append(error)
 
-    with ModelTracer(model, ["forward.x", "forward.h"], change_detection=False) as tracer:
+    saver = H5PYSaverCallback(tmp_path / "run.h5")
+    with ModelTracer(
+        model, ["forward.x", "forward.h"], change_detection=False, post_gather_callbacks=[saver]
+    ):
         threads = [threading.Thread(target=worker, args=(k * 1000,)) for k in range(2)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
+    saver.close()
     assert not errors
-    xs, hs = tracer.results["forward.x"], tracer.results["forward.h"]
-    assert sorted(xs.iterations) == list(range(1, 2 * calls + 1))
-    assert sorted(hs.iterations) == list(range(1, 2 * calls + 1))
-    # Records of one call share its tag: h == 2 * x at every iteration.
-    x_of = dict(zip(xs.iterations, xs.values, strict=True))
-    for iteration, h in zip(hs.iterations, hs.values, strict=True):
-        torch.testing.assert_close(h, 2 * x_of[iteration])
+    # Both threads' chunks reached the file (one gather at a time), each call its own tag,
+    # and records of one call share it: h == 2 * x at every iteration.
+    with vartrace.open(tmp_path / "run.h5") as run:
+        xs, hs = run["forward.x"], run["forward.h"]
+        assert sorted(xs.iterations.tolist()) == list(range(1, 2 * calls + 1))
+        assert sorted(hs.iterations.tolist()) == list(range(1, 2 * calls + 1))
+        x_of = {int(i): xs.values[row] for row, i in enumerate(xs.iterations)}
+        for row, iteration in enumerate(hs.iterations):
+            assert (hs.values[row] == 2 * x_of[int(iteration)]).all()
 
 
 class _Graphs:

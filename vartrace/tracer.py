@@ -170,6 +170,7 @@ class ModelTracer:
         self._split_warned: set[type] = set()
         self._order = 0
         self._lock = threading.Lock()  # threads calling the model at once share the chunk
+        self._flush_lock = threading.Lock()
         self._rank = 0
         self._started = False
         self._finished = False
@@ -380,6 +381,11 @@ class ModelTracer:
                     self._store(part, piece, iteration)
 
     def _flush(self) -> None:
+        # Threads that end iterations at once hand their chunks to the callbacks one by one.
+        with self._flush_lock:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
         with self._lock:
             chunk, self._chunk = self._chunk, {}
         for name, trace in chunk.items():
