@@ -18,13 +18,14 @@ from torch import nn
 
 from vartrace import distributed
 from vartrace.engine.code import MethodInfo
+from vartrace.engine.frames import set_change_test
 from vartrace.engine.patching import Hook, Probe, attach, detach
 from vartrace.engine.structures import leaves
 from vartrace.gradients import GradientWatcher
 from vartrace.record import DROP, subscribe, unsubscribe
 from vartrace.results import Results
 from vartrace.sites import Target, is_compiled, module_methods, resolve, unwrap
-from vartrace.tensors import copy_leaf, same
+from vartrace.tensors import copy_leaf, same, snapshot, unchanged
 from vartrace.trace import RunContext, Trace
 
 __all__ = ["ModelTracer"]
@@ -33,6 +34,10 @@ PreSave = Callable[[str, Any, int], Any]
 GatherCallback = Callable[[str, Trace], None]
 Mode = Literal["train", "eval", "any"]
 _MISSING = object()
+
+# ``@every`` sees in-place changes (``.data`` writes, numpy writes, list appends), not only
+# rebinding and version bumps.
+set_change_test(snapshot, unchanged)
 
 
 def _name(callback: object) -> str:

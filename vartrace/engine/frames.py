@@ -28,9 +28,11 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["FrameCore", "MonitoringCore", "SettraceCore", "default_core"]
+__all__ = ["FrameCore", "MonitoringCore", "SettraceCore", "default_core", "set_change_test"]
 
 LineCallback = Callable[[str, Any], None]
+Snapshot = Callable[[Any], Any]
+Unchanged = Callable[[Any, Any], bool]
 _MISSING = object()
 _MAX_DECORATOR_FRAMES = 8
 
@@ -52,6 +54,28 @@ def _identity(value: Any) -> tuple[int, Any]:
     return id(value), getattr(value, "_version", None)
 
 
+def _same_identity(snapshot: Any, value: Any) -> bool:
+    return bool(snapshot == _identity(value))
+
+
+_change_test: tuple[Snapshot, Unchanged] = (_identity, _same_identity)
+
+
+def set_change_test(snapshot: Snapshot, unchanged: Unchanged) -> None:
+    """Set how ``@every`` tells a new value of a variable from the one it last sent.
+
+    ``snapshot(value)`` keeps what the next comparison needs;
+    ``unchanged(snapshot, value)`` says whether ``value`` still equals it.  The
+    default compares identity and ``_version`` only, which misses in-place
+    changes of mutable objects; the torch edge installs a content comparison.
+    Example::
+
+        set_change_test(copy.deepcopy, lambda old, new: old == new)
+    """
+    global _change_test
+    _change_test = (snapshot, unchanged)
+
+
 class _Watch:
     """The state of one traced call: what to read and what was read."""
 
@@ -70,19 +94,20 @@ class _Watch:
         self.names = names
         self.every = every
         self.on_line = on_line
-        self.last: dict[str, tuple[int, Any]] = {}
+        self.last: dict[str, Any] = {}
         self.snapshot: dict[str, Any] | None = None
         self.done = False
 
     def line(self, frame: FrameType) -> None:
         f_locals = frame.f_locals
+        snapshot, unchanged = _change_test
         for name in self.every:
             value = f_locals.get(name, _MISSING)
             if value is _MISSING:
                 continue
-            key = _identity(value)
-            if self.last.get(name) != key:
-                self.last[name] = key
+            last = self.last.get(name, _MISSING)
+            if last is _MISSING or not unchanged(last, value):
+                self.last[name] = snapshot(value)
                 self.on_line(name, value)  # type: ignore[misc]
 
     def returned(self, frame: FrameType) -> None:
