@@ -33,7 +33,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vartrace import ModelTracer  # noqa: E402
+from vartrace import ModelTracer
 
 VARIANTS = ("traced-nobarrier", "untraced-nobarrier", "traced-barrier", "untraced-barrier")
 STEPS = 6
