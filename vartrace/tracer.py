@@ -26,7 +26,7 @@ from vartrace.record import DROP, subscribe, unsubscribe
 from vartrace.results import Results
 from vartrace.sites import Target, is_compiled, module_methods, resolve, unwrap
 from vartrace.tensors import copy_leaf, same, snapshot, unchanged
-from vartrace.trace import RunContext, Trace
+from vartrace.trace import RunContext, Trace, report_during
 
 __all__ = ["ModelTracer"]
 
@@ -199,10 +199,19 @@ class ModelTracer:
     def __enter__(self) -> ModelTracer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, *_: object
+    ) -> None:
         # After an exception on one rank of several, a final gather would wait
         # for ranks that are not coming: keep the chunk local instead.
-        self.stop(flush=exc_type is None or distributed.world_size() == 1)
+        flush = exc is None or distributed.world_size() == 1
+        if exc is None:
+            self.stop(flush=flush)
+            return
+        try:
+            self.stop(flush=flush)
+        except Exception as error:  # the step's exception goes on, unchanged
+            report_during(exc, "the tracer's final flush failed", error)
 
     # -- patching -----------------------------------------------------------------------------
 

@@ -21,8 +21,10 @@ while it is being written.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import os
+import re
 import socket
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -46,7 +48,7 @@ from vartrace.storage._layout import (
     writer_alive,
 )
 from vartrace.storage._worker import Worker
-from vartrace.trace import RunContext, Trace
+from vartrace.trace import RunContext, Trace, report_during
 
 __all__ = ["COMPRESSIONS", "H5PYSaverCallback", "recover"]
 
@@ -438,6 +440,7 @@ class H5PYSaverCallback:
         self.background = background
         self._pending: list[tuple[str, Trace]] = []  # taken over, not yet handed to the thread
         self._worker: Worker | None = None
+        self._failure: OSError | None = None  # the write failure that ended the file
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -454,6 +457,11 @@ class H5PYSaverCallback:
         self._open()
 
     def _open(self) -> h5py.File:
+        if self._failure is not None:
+            raise RuntimeError(
+                f"H5PYSaverCallback for {self.path} stopped writing after a failed write: "
+                f"{self._failure.strerror}"
+            ) from self._failure
         if self._closed:
             raise RuntimeError(f"H5PYSaverCallback for {self.path} is closed")
         if self._idle:
@@ -518,7 +526,8 @@ class H5PYSaverCallback:
         also waits until it has.
         """
         if not self.background:
-            self._commit()
+            with self._guard():
+                self._commit()
             return
         if self._pending:
             batch, self._pending = self._pending, []
@@ -532,9 +541,10 @@ class H5PYSaverCallback:
             atexit.register(self.close)
 
         def write() -> None:
-            for name, trace in batch:
-                self._append(name, trace)
-            self._commit()
+            with self._guard():
+                for name, trace in batch:
+                    self._append(name, trace)
+                self._commit()
 
         self._worker.submit(write)
 
@@ -560,7 +570,10 @@ class H5PYSaverCallback:
         """Flush and close the file; later records raise.  Safe to call twice.
 
         With ``background=True`` it first waits for the writer thread, and raises
-        its error, if it had one, after closing the file.
+        its error, if it had one, after closing the file.  The file is closed
+        whatever happens; a write that fails (a full disk) raises ``OSError``
+        naming the file and the cause, once, and the records of every flush
+        before it stay readable.
         """
         try:
             if self.background:
@@ -570,18 +583,60 @@ class H5PYSaverCallback:
                 atexit.unregister(self.close)
                 worker.stop()
         finally:
-            if self._file is not None:
-                self._commit()
-                self._file.close()
-                self._file = None
-            self._sites.clear()
             self._closed = True
+            try:
+                if self._file is not None:
+                    with self._guard():
+                        self._commit()
+                    self._file.close()
+                    self._file = None
+            finally:
+                self._sites.clear()
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Turn a failed write into a closed file and an ``OSError`` naming the file and cause.
+
+        After a failed write HDF5 can neither flush the file nor close its
+        datasets; closing them anyway, or leaving it to the process's exit,
+        crashes the process (SIGSEGV).  So the file's descriptor is first pointed
+        at the null device, where the close writes what it still must, and the
+        file on disk keeps what was written before.
+        """
+        try:
+            yield
+        except Exception as error:
+            handle, cause = self._file, _os_error(error)
+            if handle is None or cause is None:
+                raise
+            self._file = None
+            size = _claimed_size(handle)
+            _discard_writes(handle)
+            self._sites.clear()
+            with contextlib.suppress(Exception):
+                handle.close()
+            _pad_to(self.path, size)
+            self._failure = OSError(
+                cause[0],
+                f"writing the run file failed ({cause[1]}); it is closed and holds the "
+                "records of every flush before this one",
+                str(self.path),
+            )
+            raise self._failure from error
 
     def __enter__(self) -> H5PYSaverCallback:
         return self
 
-    def __exit__(self, *_: object) -> None:
-        self.close()
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, *_: object
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as error:  # the exception of the with-block goes on, not this one
+            report_during(exc, f"H5PYSaverCallback.close() failed for {self.path}", error)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open" if self._file is not None else "not opened"
@@ -598,7 +653,8 @@ class H5PYSaverCallback:
             taken = Trace(trace.values, trace.iterations, trace.ranks, trace.order, trace.shapes)
             self._pending.append((name, taken))
         else:
-            self._append(name, trace)
+            with self._guard():
+                self._append(name, trace)
         trace.clear()
 
     def _append(self, name: str, trace: Trace) -> None:
@@ -649,6 +705,48 @@ class _Datasets(Mapping[str, h5py.Dataset]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+_HDF5_OS_ERROR = re.compile(r"errno = (\d+), error message = '([^']*)'")
+
+
+def _os_error(error: Exception) -> tuple[int, str] | None:
+    """``(errno, message)`` of the operating-system failure behind an HDF5 write error."""
+    found = _HDF5_OS_ERROR.search(str(error))
+    if found is not None:
+        return int(found.group(1)), found.group(2)
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return error.errno, os.strerror(error.errno)
+    return None
+
+
+def _claimed_size(handle: h5py.File) -> int:
+    """The size HDF5 believes the file has (its superblock may already say so)."""
+    try:
+        return int(handle.id.get_filesize())
+    except Exception:
+        return 0
+
+
+def _pad_to(path: Path, size: int) -> None:
+    """Extend ``path`` to ``size`` bytes with a hole (no disk space taken), so that HDF5,
+    which refuses a file shorter than its superblock records, opens it."""
+    with contextlib.suppress(OSError):
+        if os.path.getsize(path) < size:
+            os.truncate(path, size)
+
+
+def _discard_writes(handle: h5py.File) -> None:
+    """Send every later write of ``handle`` to the null device (its file keeps what it holds)."""
+    try:
+        fd = handle.id.get_vfd_handle()
+        null = os.open(os.devnull, os.O_RDWR)
+    except (AttributeError, OSError, TypeError, ValueError, RuntimeError):
+        return  # not a plain file descriptor: the close is attempted as it is
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 def _vartrace_version() -> str:
