@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import h5py
+import torch
 
 from vartrace.storage import H5PYSaverCallback, open_run
 from vartrace.storage.metadata import looks_secret
@@ -117,6 +118,8 @@ def test_metadata_records_the_run_context_and_git_state(tmp_path: Path) -> None:
     assert versions["python"] == sys.version
     assert {"torch", "numpy", "h5py", "vartrace", "hdf5"} <= set(versions)
     assert versions["h5py"] == h5py.__version__
+    # The version users compare against, local tag included (``2.15.0+cu132``, ``2.13.0+cpu``).
+    assert versions["torch"] == torch.__version__
     assert any(package.lower().startswith("h5py==") for package in meta["packages"])
     git = meta["git"]
     assert git["available"] and git["commit"] == commit and git["branch"] == "trunk"

@@ -13,13 +13,13 @@ from __future__ import annotations
 import difflib
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from vartrace.engine.code import MethodInfo, methods_of
+from vartrace.engine.code import CALLEE_SEPARATOR, MethodInfo, methods_of
 from vartrace.engine.patching import Probe, Selector
-from vartrace.engine.paths import Pattern, States, parse
+from vartrace.engine.paths import Pattern, States, is_glob, parse
 from vartrace.engine.structures import register_container
 
 __all__ = [
@@ -36,8 +36,9 @@ _WRAPPER_NAMES = ("DistributedDataParallel", "DataParallel", "FullyShardedDataPa
 
 
 def _module_children(module: nn.Module) -> Iterator[tuple[str, object]]:
-    yield from module._parameters.items()
-    yield from module._buffers.items()
+    # A parameter or buffer slot set to None (``bias=False``) is no value: skip it quietly.
+    yield from ((k, v) for k, v in module._parameters.items() if v is not None)
+    yield from ((k, v) for k, v in module._buffers.items() if v is not None)
     yield from module._modules.items()
 
 
@@ -84,7 +85,11 @@ def _has_forward(module: nn.Module) -> bool:
 
 @dataclass
 class Target:
-    """One method of one module to patch, with what to capture from it."""
+    """One method of one module to patch, with what to capture from it.
+
+    ``origins`` maps each pattern's text to the site names of the selectors
+    it contributed (a tracer uses it to say which pattern recorded nothing).
+    """
 
     path: str
     module: nn.Module
@@ -93,9 +98,35 @@ class Target:
     exit: list[Selector] = field(default_factory=list)
     every: list[Selector] = field(default_factory=list)
     returns: list[Selector] = field(default_factory=list)
+    calls: list[Selector] = field(default_factory=list)
+    origins: dict[str, list[str]] = field(default_factory=dict)
 
     def probe(self) -> Probe:
-        return Probe(tuple(self.entry), tuple(self.exit), tuple(self.every), tuple(self.returns))
+        return Probe(
+            tuple(self.entry),
+            tuple(self.exit),
+            tuple(self.every),
+            tuple(self.returns),
+            tuple(self.calls),
+        )
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """One static match: a variable (or return value) of a method or of a function it calls."""
+
+    path: str
+    module: nn.Module
+    method: MethodInfo
+    callee: MethodInfo | None
+    variable: str | None
+    states: States
+    site: str = ""
+    pattern: Pattern | None = None
+
+
+def _segment(method: MethodInfo, callee: MethodInfo | None) -> str:
+    return method.name if callee is None else f"{method.name}{CALLEE_SEPARATOR}{callee.name}"
 
 
 class _Resolver:
@@ -108,13 +139,17 @@ class _Resolver:
     def _module_states(self, path: str) -> States:
         states = self.pattern.start
         for segment in path.split(".") if path else ():
-            states = self.pattern.step(states, segment)
+            states = self.pattern.step(states, segment, plain=True)
             if not states:
                 break
         return states
 
-    def selections(self) -> Iterator[tuple[str, nn.Module, MethodInfo, str | None, States]]:
-        """Yield ``(module path, module, method, variable or None, states)`` for each match."""
+    def _names_key(self, info: MethodInfo, states: States) -> bool:
+        """Whether a key the code names (a constant, an index, a field) can come next."""
+        return any(self.pattern.explicit(states, key) for key in info.return_keys)
+
+    def selections(self) -> Iterator[_Selection]:
+        """Every static match of the pattern, in module order."""
         p = self.pattern
         for path, module in self.modules:
             states = self._module_states(path)
@@ -122,27 +157,102 @@ class _Resolver:
                 continue
             methods = module_methods(module)
             if p.accepts(states) and "forward" in methods:
-                yield path, module, methods["forward"], None, states
+                yield _Selection(path, module, methods["forward"], None, None, states)
+            literal = p.literal_next(states)
             for name, info in methods.items():
-                after = p.step(states, name)
-                if not after:
+                if info.library and name not in literal:
                     continue
-                if p.accepts(after):
-                    yield path, module, info, None, after
+                yield from self._code(path, module, info, None, states)
+                for callee in info.callees:
+                    yield from self._code(path, module, info, callee, states)
+        yield from self._parameters()
+
+    def _code(
+        self,
+        path: str,
+        module: nn.Module,
+        method: MethodInfo,
+        callee: MethodInfo | None,
+        states: States,
+    ) -> Iterator[_Selection]:
+        p = self.pattern
+        segment = _segment(method, callee)
+        after = p.step(states, segment)
+        if not after:
+            return
+        if p.accepts(after):
+            yield _Selection(path, module, method, callee, None, after)
+            return
+        info = callee or method
+        for variable in info.variables:
+            var_states = p.step(after, variable)
+            if not var_states:
+                continue
+            # A variable swallowed by ``**`` matters only if the rest can name a key in it.
+            if (
+                p.accepts(var_states)
+                or p.explicit(after, variable)
+                or self._names_key(info, var_states)
+            ):
+                yield _Selection(path, module, method, callee, variable, var_states)
+        named = segment in p.literal_next(states)
+        open_keys = info.open_return and named and not self._typo(info, after)
+        if self._names_key(info, after) or open_keys:
+            yield _Selection(path, module, method, callee, None, after)
+
+    def _typo(self, info: MethodInfo, states: States) -> bool:
+        """Whether the next literal segment looks like a misspelt variable of ``info``."""
+        return any(
+            difflib.get_close_matches(name, info.variables, n=1, cutoff=0.75)
+            for name in self.pattern.literal_next(states)
+            if name not in info.variables
+        )
+
+    def _parameters(self) -> Iterator[_Selection]:
+        """Parameters and buffers named as ``named_parameters()`` gives them, read through self."""
+        p = self.pattern
+        modules = dict(self.modules)
+        for path, module in self.modules:
+            names = [*module._parameters, *module._buffers]
+            tensors = {**module._parameters, **module._buffers}
+            for name in names:
+                full = _join(path, name)
+                depth = full.count(".")
+                if tensors[name] is None or not p.matches(full.split("."), plain=depth):
                     continue
-                for variable in info.variables:
-                    var_states = p.step(after, variable)
-                    if var_states:
-                        yield path, module, info, variable, var_states
-                if any(p.step(after, key) for key in info.return_keys):
-                    yield path, module, info, None, after
+                owner = path
+                while "forward" not in module_methods(modules[owner]) and owner:
+                    owner = owner.rpartition(".")[0]
+                literal = parse(full + (f"@{p.when}" if p.when else ""))
+                states = literal.start
+                for segment in owner.split(".") if owner else ():
+                    states = literal.step(states, segment, plain=True)
+                forward = module_methods(modules[owner]).get("forward")
+                if forward is not None:
+                    found = _Selection(owner, modules[owner], forward, None, "self", states)
+                    yield replace(found, site=full, pattern=literal)
 
 
-def _add(target: Target, pattern: Pattern, variable: str | None, states: States) -> str | None:
+def _add(target: Target, pattern: Pattern, selection: _Selection) -> str | None:
     """Add one selection to ``target``; return an error message for a bad timing."""
-    site = _join(target.path, target.method.name, variable or "")
-    selector = Selector(variable, site, pattern, states, grad=pattern.when == "grad")
+    variable, states, callee = selection.variable, selection.states, selection.callee
+    site = selection.site or _join(target.path, _segment(target.method, callee), variable or "")
+    # A parameter selection walks from its owner module (named by its path) to the tensor.
+    selector = Selector(
+        variable,
+        target.path if selection.site else site,
+        selection.pattern or pattern,
+        states,
+        grad=pattern.when == "grad",
+        callee=None if callee is None else callee.code,
+    )
     when = pattern.when
+    target.origins.setdefault(pattern.text, []).append(site)
+    if callee is not None:
+        if when in ("entry", "every"):
+            return f"{site} is read in a called function, only when it returns (not @{when})"
+        target.calls.append(selector)
+        return None
     if variable is None:
         if when == "entry":
             return f"{site} is a return value, which does not exist at entry"
@@ -160,28 +270,70 @@ def _add(target: Target, pattern: Pattern, variable: str | None, states: States)
     return None
 
 
-def _static_sites(modules: Iterable[tuple[str, nn.Module]]) -> Iterator[str]:
+def _tag_timings(target: Target) -> None:
+    """Give distinct keys to one variable read at two timings (``x`` and ``x@return``).
+
+    The variable's default timing (entry for an argument, return for a
+    local) keeps the plain key; the other timing's key ends in ``@entry``,
+    ``@return`` or ``@every``.
+    """
+    lists = {"entry": target.entry, "return": target.exit, "every": target.every}
+    for timing, selectors in lists.items():
+        for i, selector in enumerate(selectors):
+            variable = selector.variable
+            if variable in (None, "self") or selector.grad:
+                continue
+            default = "entry" if variable in target.method.arguments else "return"
+            others = [t for t, s in lists.items() if any(o.variable == variable for o in s)]
+            if timing != default and len(others) > 1:
+                selectors[i] = replace(selector, tag=f"@{timing}")
+
+
+def _static_sites(modules: Iterable[tuple[str, nn.Module]]) -> Iterator[tuple[str, int]]:
+    """Every static site with the number of its module path segments."""
     for path, module in modules:
+        depth = path.count(".") + 1 if path else 0
         methods = module_methods(module)
         if path and "forward" in methods:
-            yield path
-        for name, info in methods.items():
-            yield _join(path, name)
-            for variable in info.variables:
-                if variable != "self":
-                    yield _join(path, name, variable)
+            yield path, depth
+        for info in methods.values():
+            if info.library:
+                continue
+            for callee in (None, *info.callees):
+                segment = _segment(info, callee)
+                yield _join(path, segment), depth
+                for variable in (callee or info).variables:
+                    if variable != "self":
+                        yield _join(path, segment, variable), depth
+
+
+def _parameter_sites(model: nn.Module) -> Iterator[tuple[str, int]]:
+    for name, _ in (*model.named_parameters(), *model.named_buffers()):
+        yield name, name.count(".")
 
 
 def _closest(pattern: Pattern, modules: list[tuple[str, nn.Module]]) -> list[str]:
     body = ".".join(pattern.segments)
-    candidates = list(dict.fromkeys(_static_sites(modules)))
+    sites = dict(_static_sites(modules))
+    sites.update(_parameter_sites(modules[0][1]))
+    candidates = list(sites)
     close = difflib.get_close_matches(body, candidates, n=5, cutoff=0.6)
+    if close and not any(is_glob(s) for s in pattern.segments):
+        return close
+    # A wildcard pattern: the sites it would match with its last segment spelt as a site's.
+    last = pattern.segments[-1]
+    tails = {c.rpartition(".")[2] for c in candidates}
+    for near in difflib.get_close_matches(last, tails, n=3, cutoff=0.6):
+        fixed = parse(".".join((*pattern.segments[:-1], near)))
+        matched = [c for c in candidates if fixed.matches(c.split("."), plain=sites[c])]
+        if matched:
+            return matched[:5]
     if close:
         return close
     # Fall back on the sites below the longest prefix that still matches something.
     for cut in range(len(pattern.segments) - 1, 0, -1):
         prefix = parse(".".join(pattern.segments[:cut]) + ".**")
-        below = [c for c in candidates if prefix.matches(c.split("."))]
+        below = [c for c in candidates if prefix.matches(c.split("."), plain=sites[c])]
         if below:
             return below[:5]
     return candidates[:5]
@@ -201,12 +353,12 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
     for pattern in parsed:
         found = 0
         errors: list[str] = []
-        for path, module, info, variable, states in _Resolver(modules, pattern).selections():
-            key = (id(module), info.name)
+        for selection in _Resolver(modules, pattern).selections():
+            key = (id(selection.module), selection.method.name)
             target = targets.get(key)
             if target is None:
-                target = targets[key] = Target(path, module, info)
-            error = _add(target, pattern, variable, states)
+                target = targets[key] = Target(selection.path, selection.module, selection.method)
+            error = _add(target, pattern, selection)
             if error is None:
                 found += 1
             else:
@@ -225,6 +377,8 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
         if strict:
             raise ValueError(message)
         warnings.warn(message, stacklevel=3)
+    for target in targets.values():
+        _tag_timings(target)
     return [t for t in targets.values() if t.probe()]
 
 
@@ -232,16 +386,21 @@ def list_sites(model: nn.Module, pattern: str = "**") -> list[str]:
     """Every capturable site of ``model`` that ``pattern`` matches, in module order.
 
     Lists module outputs (``encoder.1``), method return values
-    (``encoder.1.forward``) and each method's arguments and locals
-    (``encoder.1.forward.x``); keys inside runtime values are not listed.
-    Example::
+    (``encoder.1.forward``), each method's arguments and locals
+    (``encoder.1.forward.x``), the same for the functions each method calls
+    by global name (``attn.forward>eager_attention_forward.attn_weights``),
+    then parameters and buffers (``encoder.1.weight``); keys inside runtime
+    values are not listed, nor methods inherited from an installed library's
+    base classes (name those literally).  Example::
 
         >>> vartrace.list_sites(model, "layers.0.attn.forward.*")
         ['layers.0.attn.forward.x', 'layers.0.attn.forward.q', ...]
     """
     parsed = parse(pattern)
-    modules = list(unwrap(model).named_modules())
-    return [s for s in _static_sites(modules) if parsed.matches(s.split("."))]
+    root = unwrap(model)
+    modules = list(root.named_modules())
+    sites = [*_static_sites(modules), *_parameter_sites(root)]
+    return [s for s, depth in sites if parsed.matches(s.split("."), plain=depth)]
 
 
 def sites_of_type(model: nn.Module, *types: type[nn.Module]) -> list[str]:

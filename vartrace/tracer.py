@@ -24,6 +24,7 @@ from vartrace.engine.structures import leaves
 from vartrace.gradients import GradientWatcher
 from vartrace.record import DROP, subscribe, unsubscribe
 from vartrace.results import Results
+from vartrace.silence import SilenceWatch
 from vartrace.sites import Target, is_compiled, module_methods, resolve, unwrap
 from vartrace.tensors import copy_leaf, same, snapshot, unchanged
 from vartrace.trace import RunContext, Trace, report_during
@@ -124,6 +125,8 @@ class ModelTracer:
         self.device = torch.device(device)
         self.gather = gather
         self._targets = resolve(self.model, paths, strict=strict)
+        self._silence = SilenceWatch(self._targets, mode, self.model)
+        self._other_mode_calls = 0
         self.results = Results()
         self._hooks: list[tuple[Target | None, Hook]] = []
         self._chunk: dict[str, Trace] = {}
@@ -191,6 +194,7 @@ class ModelTracer:
         unsubscribe(self._record_manual)
         self._detach()
         self._gradients.close()
+        self._silence.report(bool(self._counts), self._other_mode_calls)
         if flush:
             self._flush()
             for name in list(self.results):
@@ -240,7 +244,7 @@ class ModelTracer:
             hook = Hook(
                 target.probe(),
                 self._capture,
-                self._enter if is_root else None,
+                self._enter if is_root else self._silence.entered(target),
                 self._exit if is_root else None,
             )
             attach(target.module, target.method.name, target.method.code, hook, decorate)
@@ -278,6 +282,7 @@ class ModelTracer:
         mode = self.mode
         self._in_mode = mode == "any" or self.model.training == (mode == "train")
         if not self._in_mode:
+            self._other_mode_calls += 1
             for _, hook in self._hooks:
                 hook.enabled = False
             return
@@ -296,6 +301,7 @@ class ModelTracer:
     # -- the record path ----------------------------------------------------------------------
 
     def _capture(self, site: str, value: Any, grad: bool) -> None:
+        self._silence.saw(site, value)
         if torch._C._current_graph_task_id() != -1:
             return  # a forward recomputed during backward (activation checkpointing)
         if grad:

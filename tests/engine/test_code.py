@@ -53,3 +53,46 @@ def test_engine_imports_no_torch() -> None:
     code = "import sys, vartrace, vartrace.engine; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _scale(value: int) -> int:
+    return value * 2
+
+
+class Mixed:
+    @classmethod
+    def build(cls, size: int) -> Mixed:
+        return cls()
+
+    @staticmethod
+    def pure(a: int) -> int:
+        return a
+
+    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return self.inner(*args, **kwargs)
+
+    def scaled(self, x: int) -> dict:
+        y = _scale(x)
+        return {"y": y}
+
+    def named(self, x: int) -> dict:
+        return dict(loss=x, logits=x)
+
+
+def test_class_and_static_methods_are_left_out() -> None:
+    assert set(methods_of(Mixed)) == {"forward", "scaled", "named"}
+
+
+def test_functions_called_by_global_name_are_callees() -> None:
+    methods = methods_of(Mixed)
+    (callee,) = methods["scaled"].callees
+    assert callee.name == "_scale" and callee.code is _scale.__code__
+    assert callee.arguments == ("value",)
+    assert methods["forward"].callees == ()
+
+
+def test_a_returned_call_result_is_open() -> None:
+    methods = methods_of(Mixed)
+    assert methods["forward"].open_return
+    assert not methods["scaled"].open_return
+    assert not methods["named"].open_return  # keyword names are constants of the code

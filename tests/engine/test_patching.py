@@ -332,3 +332,52 @@ def test_traced_calls_leave_no_reference_cycles(core: FrameCore) -> None:
         detach(calc, "loop", hook)
     assert len(rec.sites()["loop.acc"]) == 51
     assert unreachable == 0
+
+
+def _halve(value: int) -> int:
+    half = value // 2
+    if value < 0:
+        raise ValueError(value)
+    return half
+
+
+class Caller:
+    def twice(self, x: int) -> int:
+        first = _halve(x)
+        second = _halve(first * 10)
+        return first + second
+
+
+def _callee_probe(*variables: str | None) -> Probe:
+    info = methods_of(Caller)["twice"]
+    (callee,) = info.callees
+    segment = f"twice>{callee.name}"
+    selectors = []
+    for variable in variables:
+        text = f"{segment}.{variable}" if variable else segment
+        pattern = parse(text)
+        states = pattern.step(pattern.start, segment)
+        if variable:
+            states = pattern.step(states, variable)
+        selectors.append(Selector(variable, text, pattern, states, callee=callee.code))
+    return Probe(calls=tuple(selectors))
+
+
+def test_function_called_from_a_method_is_read_per_call(core: FrameCore) -> None:
+    caller = Caller()
+    hook, rec = _attach(caller, "twice", _callee_probe("half", "value", None))
+    try:
+        assert caller.twice(8) == 24
+        _halve(100)  # called from elsewhere: not the traced method's call
+        with pytest.raises(ValueError):
+            caller.twice(-4)
+    finally:
+        detach(caller, "twice", hook)
+    sites = rec.sites()
+    # One record per call; a call that raised returned nothing and is not read.
+    assert sites == {
+        "twice>_halve.half": [4, 20],
+        "twice>_halve.value": [8, 40],
+        "twice>_halve": [4, 20],
+    }
+    assert "_halve" not in vars(Caller) and "twice" not in vars(caller)

@@ -18,13 +18,18 @@ method's and its caller chain reaches the :meth:`~FrameCore.run` frame
 (through at most a few decorator frames, never through another frame of
 the same code): calls of the same code on untraced instances, or nested
 recursive calls, are not mistaken for it.
+
+*Callees* are plain functions the traced method calls (Hugging Face's
+``eager_attention_forward``): a frame of a callee's code whose caller is
+the traced call's frame is read when it returns, once per call, and handed
+to ``on_call(code, snapshot, return_value)`` at once.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import CodeType, FrameType
 from typing import Any
 
@@ -33,6 +38,8 @@ __all__ = ["FrameCore", "MonitoringCore", "SettraceCore", "default_core", "set_c
 LineCallback = Callable[[str, Any], None]
 Snapshot = Callable[[Any], Any]
 Unchanged = Callable[[Any, Any], bool]
+CallCallback = Callable[[CodeType, dict[str, Any], Any], None]
+"""``on_call(code, snapshot, return_value)``: one call of a callee returned."""
 _MISSING = object()
 _MAX_DECORATOR_FRAMES = 8
 
@@ -79,7 +86,18 @@ def set_change_test(snapshot: Snapshot, unchanged: Unchanged) -> None:
 class _Watch:
     """The state of one traced call: what to read and what was read."""
 
-    __slots__ = ("caller", "code", "done", "every", "last", "names", "on_line", "snapshot")
+    __slots__ = (
+        "callees",
+        "caller",
+        "code",
+        "done",
+        "every",
+        "last",
+        "names",
+        "on_call",
+        "on_line",
+        "snapshot",
+    )
 
     def __init__(
         self,
@@ -88,15 +106,25 @@ class _Watch:
         names: tuple[str, ...],
         every: tuple[str, ...],
         on_line: LineCallback | None,
+        callees: Mapping[CodeType, tuple[str, ...]] | None = None,
+        on_call: CallCallback | None = None,
     ) -> None:
         self.code = code
         self.caller: FrameType | None = caller
         self.names = names
         self.every = every
         self.on_line = on_line
+        self.callees = callees or {}
+        self.on_call = on_call
         self.last: dict[str, Any] = {}
         self.snapshot: dict[str, Any] | None = None
         self.done = False
+
+    def called(self, frame: FrameType, value: Any) -> None:
+        """A callee's frame returned ``value``: hand its variables over."""
+        f_locals = frame.f_locals
+        names = self.callees[frame.f_code]
+        self.on_call(frame.f_code, {n: f_locals[n] for n in names if n in f_locals}, value)  # type: ignore[misc]
 
     def line(self, frame: FrameType) -> None:
         f_locals = frame.f_locals
@@ -122,10 +150,12 @@ class FrameCore:
     """The interface both cores implement.
 
     ``arm(code, lines)`` / ``disarm(code, lines)`` are reference counted and
-    bracket the time a code object may be traced; ``run`` calls ``function``
-    and returns ``(result, snapshot)``, where ``snapshot`` maps each name in
-    ``names`` still bound at return to its value (``None`` if the call was
-    not observed, which cannot happen for a plain Python method).
+    bracket the time a code object may be traced (callees' code included);
+    ``run`` calls ``function`` and returns ``(result, snapshot)``, where
+    ``snapshot`` maps each name in ``names`` still bound at return to its
+    value (``None`` if the call was not observed, which cannot happen for a
+    plain Python method).  ``callees`` maps the code of each function to
+    watch inside the call to the names to read when it returns.
     """
 
     name = "abstract"
@@ -145,6 +175,8 @@ class FrameCore:
         function: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        callees: Mapping[CodeType, tuple[str, ...]] | None = None,
+        on_call: CallCallback | None = None,
     ) -> tuple[Any, dict[str, Any] | None]:
         raise NotImplementedError
 
@@ -154,8 +186,8 @@ class SettraceCore(FrameCore):
 
     name = "settrace"
 
-    def run(self, code, names, every, on_line, function, args, kwargs):  # type: ignore[no-untyped-def]
-        watch = _Watch(code, sys._getframe(), names, every, on_line)
+    def run(self, code, names, every, on_line, function, args, kwargs, callees=None, on_call=None):  # type: ignore[no-untyped-def]
+        watch = _Watch(code, sys._getframe(), names, every, on_line, callees, on_call)
         previous = sys.gettrace()
         tracer = _ChainedTracer(watch, previous)
         sys.settrace(tracer.global_trace)
@@ -187,9 +219,10 @@ class _ChainedTracer:
             else:
                 frame.f_trace_lines = bool(watch.every)
             return self.local_trace
-        if self.previous is not None:
-            return self.previous(frame, event, arg)
-        return None
+        previous_local = self.previous(frame, event, arg) if self.previous is not None else None
+        if frame.f_back is self.target is not None and frame.f_code in watch.callees:
+            return _CalleeTracer(watch, previous_local).trace
+        return previous_local
 
     def release(self) -> None:
         """Drop the frames this tracer holds, so that no reference cycle outlives the call."""
@@ -210,6 +243,28 @@ class _ChainedTracer:
             # discards the snapshot because ``function`` raised.
             watch.returned(frame)
         return self.local_trace
+
+
+class _CalleeTracer:
+    """The local trace function of one callee frame: reads it when it returns normally."""
+
+    __slots__ = ("previous", "unwinding", "watch")
+
+    def __init__(self, watch: _Watch, previous: Any) -> None:
+        self.watch = watch
+        self.previous = previous
+        self.unwinding = False
+
+    def trace(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if self.previous is not None:
+            self.previous = self.previous(frame, event, arg)
+        if event == "return":
+            # An exception unwinding the frame reports 'exception' then 'return' (None).
+            if not (self.unwinding and arg is None):
+                self.watch.called(frame, arg)
+        else:
+            self.unwinding = event == "exception"
+        return self.trace
 
 
 class MonitoringCore(FrameCore):
@@ -288,6 +343,11 @@ class MonitoringCore(FrameCore):
         watch = self._find(frame)
         if watch is not None:
             watch.returned(frame)
+            return
+        caller = frame.f_back
+        watch = None if caller is None else self._find(caller)
+        if watch is not None and code in watch.callees:
+            watch.called(frame, retval)
 
     def _on_line(self, code: CodeType, line: int) -> None:
         frame = sys._getframe(1)
@@ -295,9 +355,9 @@ class MonitoringCore(FrameCore):
         if watch is not None and watch.every:
             watch.line(frame)
 
-    def run(self, code, names, every, on_line, function, args, kwargs):  # type: ignore[no-untyped-def]
+    def run(self, code, names, every, on_line, function, args, kwargs, callees=None, on_call=None):  # type: ignore[no-untyped-def]
         # No local may hold this frame (a frame -> locals -> frame cycle outlives the call).
-        watch = _Watch(code, sys._getframe(), names, every, on_line)
+        watch = _Watch(code, sys._getframe(), names, every, on_line, callees, on_call)
         self._pending[watch.caller] = watch  # type: ignore[index]
         try:
             result = function(*args, **kwargs)

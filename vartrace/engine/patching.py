@@ -54,7 +54,10 @@ class Selector:
     ``site`` is the concrete name of the selected object
     (``layers.0.attn.forward.scores``, or ``encoder.1.forward`` for a return
     value); ``states`` is the pattern's automaton state after that name, used
-    to follow keys into the runtime value.
+    to follow keys into the runtime value.  ``callee`` is the code of a
+    function the method calls, when the variable is that function's
+    (``forward>eager_attention_forward.attn_weights``).  ``tag`` is appended
+    to every key (``@return`` when one variable is read at two timings).
     """
 
     variable: str | None
@@ -62,10 +65,12 @@ class Selector:
     pattern: Pattern
     states: States
     grad: bool = False
+    callee: CodeType | None = None
+    tag: str = ""
 
     def emit(self, value: Any, sink: Sink, seen: set[str]) -> None:
         """Send every selected leaf of ``value`` to ``sink`` once per call."""
-        suffix = "@grad" if self.grad else ""
+        suffix = self.tag + ("@grad" if self.grad else "")
         for site, leaf in select(value, self.pattern, self.states, self.site):
             name = site + suffix
             if name not in seen:
@@ -81,6 +86,7 @@ class Probe:
     exit: tuple[Selector, ...] = ()
     every: tuple[Selector, ...] = ()
     returns: tuple[Selector, ...] = ()
+    calls: tuple[Selector, ...] = ()
     frame_names: tuple[str, ...] = field(init=False)
     every_names: tuple[str, ...] = field(init=False)
 
@@ -90,8 +96,17 @@ class Probe:
         every = {s.variable for s in self.every}
         object.__setattr__(self, "every_names", tuple(sorted(n for n in every if n)))
 
+    def callee_names(self) -> dict[CodeType, set[str]]:
+        """The variables to read from each callee's frames (``calls`` selectors)."""
+        names: dict[CodeType, set[str]] = {}
+        for selector in self.calls:
+            wanted = names.setdefault(selector.callee, set())  # type: ignore[arg-type]
+            if selector.variable is not None:
+                wanted.add(selector.variable)
+        return names
+
     def __bool__(self) -> bool:
-        return bool(self.entry or self.exit or self.every or self.returns)
+        return bool(self.entry or self.exit or self.every or self.returns or self.calls)
 
 
 class Hook:
@@ -154,6 +169,7 @@ class _Patch:
         self.binder = _Binder(bound)
         self.frame_names: tuple[str, ...] = ()
         self.every_names: tuple[str, ...] = ()
+        self.callees: dict[CodeType, tuple[str, ...]] = {}
         self.armed: tuple[bool, bool] = (False, False)
         call = self._call if decorate is None else decorate(self._call)
         vars(instance)[name] = wrapt.FunctionWrapper(bound, call)
@@ -162,11 +178,19 @@ class _Patch:
         self.hooks = hooks
         frame: set[str] = set()
         every: set[str] = set()
+        callees: dict[CodeType, set[str]] = {}
         for hook in hooks:
             frame.update(hook.probe.frame_names)
             every.update(hook.probe.every_names)
+            for code, names in hook.probe.callee_names().items():
+                callees.setdefault(code, set()).update(names)
         self.frame_names = tuple(sorted(frame))
         self.every_names = tuple(sorted(every))
+        for code in callees.keys() - self.callees.keys():
+            _core.arm(code, False)
+        for code in self.callees.keys() - callees.keys():
+            _core.disarm(code, False)
+        self.callees = {code: tuple(sorted(names)) for code, names in callees.items()}
         armed = (bool(frame), bool(every))
         if armed != self.armed:
             if armed[0]:
@@ -215,7 +239,7 @@ class _Patch:
                 if selector.variable in arguments:
                     selector.emit(arguments[selector.variable], hook.sink, hook_seen)
 
-        if not self.frame_names:
+        if not self.frame_names and not self.callees:
             result = wrapped(*args, **kwargs)
             snapshot: dict[str, Any] = {}
         else:
@@ -229,8 +253,27 @@ class _Patch:
                                 hook_seen.clear()
                                 selector.emit(value, hook.sink, hook_seen)
 
+            def on_call(code: CodeType, variables: dict[str, Any], value: Any) -> None:
+                for hook in active:
+                    call_seen: set[str] = set()
+                    for selector in hook.probe.calls:
+                        if selector.callee is not code:
+                            continue
+                        if selector.variable is None:
+                            selector.emit(value, hook.sink, call_seen)
+                        elif selector.variable in variables:
+                            selector.emit(variables[selector.variable], hook.sink, call_seen)
+
             result, snap = _core.run(
-                self.code, self.frame_names, self.every_names, on_line, wrapped, args, kwargs
+                self.code,
+                self.frame_names,
+                self.every_names,
+                on_line,
+                wrapped,
+                args,
+                kwargs,
+                self.callees,
+                on_call if self.callees else None,
             )
             snapshot = snap or {}
 

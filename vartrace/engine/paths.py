@@ -12,8 +12,10 @@ Matching is incremental: a :class:`Pattern` is a small non-deterministic
 automaton whose state is a frozenset of positions in the segment list.
 The static part of a site (module path, method, variable) is matched once
 when a tracer starts; the dynamic part (keys inside runtime values) is
-matched while walking a captured value.  Wildcards never match the segment
-``self``: only a literal ``self`` does.
+matched while walking a captured value.  Wildcards never match the
+*variable* ``self`` (the module object): only a literal ``self`` does.  A
+module path segment named ``self`` (Hugging Face BERT's ``attention.self``)
+is an ordinary name: callers step module path segments with ``plain=True``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "Pattern",
     "States",
     "When",
+    "is_glob",
     "parse",
 ]
 
@@ -39,7 +42,8 @@ GLOB_CHARS = frozenset("*?[")
 States = frozenset[int]
 
 
-def _is_glob(segment: str) -> bool:
+def is_glob(segment: str) -> bool:
+    """Whether a pattern segment is a wildcard (``*``, ``?``, ``[...]``, ``**``)."""
     return not GLOB_CHARS.isdisjoint(segment)
 
 
@@ -78,10 +82,14 @@ class Pattern:
                 out.add(j)
         return frozenset(out)
 
-    def step(self, states: States, segment: str) -> States:
-        """The states after consuming ``segment`` (empty when the pattern cannot match)."""
+    def step(self, states: States, segment: str, *, plain: bool = False) -> States:
+        """The states after consuming ``segment`` (empty when the pattern cannot match).
+
+        A segment reading ``self`` is matched only by a literal ``self``,
+        unless ``plain`` says it is an ordinary name (a module path segment).
+        """
         nxt: set[int] = set()
-        is_self = segment == "self"
+        is_self = segment == "self" and not plain
         for i in states:
             if i >= len(self.segments):
                 continue
@@ -114,11 +122,31 @@ class Pattern:
             if i < len(self.segments) and self._regexes[i] is None and self.segments[i] != "**"
         }
 
-    def matches(self, segments: list[str] | tuple[str, ...]) -> bool:
-        """Whether the whole sequence ``segments`` matches."""
+    def explicit(self, states: States, segment: str) -> bool:
+        """Whether a segment other than ``**`` can consume ``segment`` from ``states``.
+
+        ``False`` means that only a ``**`` would swallow it: the pattern names
+        something further down, not ``segment`` itself.
+        """
+        for i in states:
+            if i >= len(self.segments) or self.segments[i] == "**":
+                continue
+            regex = self._regexes[i]
+            if (regex is None and self.segments[i] == segment) or (
+                regex is not None and segment != "self" and regex.match(segment)
+            ):
+                return True
+        return False
+
+    def matches(self, segments: list[str] | tuple[str, ...], *, plain: int = 0) -> bool:
+        """Whether the whole sequence ``segments`` matches.
+
+        The first ``plain`` segments are ordinary names (a module path), so
+        wildcards match them even where one reads ``self``.
+        """
         states = self.start
-        for segment in segments:
-            states = self.step(states, segment)
+        for position, segment in enumerate(segments):
+            states = self.step(states, segment, plain=position < plain)
             if not states:
                 return False
         return self.accepts(states)
@@ -153,6 +181,6 @@ def parse(text: str) -> Pattern:
         if segment.count("[") != segment.count("]"):
             raise ValueError(f"pattern {text!r}: unbalanced brackets in segment {segment!r}")
     regexes = tuple(
-        re.compile(translate(s)) if _is_glob(s) and s != "**" else None for s in segments
+        re.compile(translate(s)) if is_glob(s) and s != "**" else None for s in segments
     )
     return Pattern(text, segments, when if at else None, regexes)  # type: ignore[arg-type]

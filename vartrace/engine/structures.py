@@ -125,7 +125,11 @@ def leaves(value: Any, path: str, _depth: int = 0) -> Iterator[tuple[str, Any]]:
         yield path, value
         return
     for key, child in kids:
-        yield from leaves(child, f"{path}.{key}", _depth + 1)
+        yield from leaves(child, _join(path, key), _depth + 1)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
 
 
 def _attribute(value: Any, name: str) -> Any:
@@ -157,7 +161,7 @@ def select(
             seen.add(key)
             after = pattern.step(states, key)
             if after:
-                yield from select(child, pattern, after, f"{path}.{key}", _depth + 1)
+                yield from select(child, pattern, after, _join(path, key), _depth + 1)
         if isinstance(value, (Mapping, list, tuple)):
             return
     for name in pattern.literal_next(states) - seen:
@@ -165,4 +169,4 @@ def select(
             child = _attribute(value, name)
         except AttributeError:
             continue
-        yield from select(child, pattern, pattern.step(states, name), f"{path}.{name}", _depth + 1)
+        yield from select(child, pattern, pattern.step(states, name), _join(path, name), _depth + 1)

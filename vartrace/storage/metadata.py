@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import datetime
+import importlib
 import importlib.metadata
 import os
 import platform
@@ -163,11 +164,20 @@ def _git_state() -> dict[str, Any]:
     }
 
 
-def _version(distribution: str) -> str:
+def _version(name: str) -> str:
+    """The version a module reports about itself, as users compare it.
+
+    ``torch.__version__`` keeps its local tag (``2.15.0+cu132``), which the
+    distribution's version (``2.15.0``) drops; the distribution's version is
+    the fallback for a module that cannot be imported.
+    """
     try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return ""
+        return str(importlib.import_module(name).__version__)
+    except (ImportError, AttributeError):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return ""
 
 
 def _packages() -> list[str]:

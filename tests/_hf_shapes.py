@@ -1,0 +1,176 @@
+"""Small models with the code shapes of Hugging Face transformers, without the library.
+
+* ``BertLike``: the self-attention module is registered under the name
+  ``self`` (``encoder.layer.0.attention.self``), as in BERT / RoBERTa / ELECTRA;
+* ``LlamaLike``: the attention's ``forward`` computes its weights in a
+  module-level function (``eager_attention_forward``) that it calls through
+  a local (``attention_interface``), as modern HF attention does; the
+  attention projection has ``bias=False``;
+* ``Wrapper``: a user's ``forward(self, *args, **kwargs)`` returning the
+  wrapped model's output, whose keys no static analysis can see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    attn_weights = torch.matmul(query, key.transpose(-2, -1)) * scaling
+    attn_weights = attn_weights.softmax(dim=-1)
+    attn_output = torch.matmul(attn_weights, value)
+    return attn_output, attn_weights
+
+
+def sdpa_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, None]:
+    out = nn.functional.scaled_dot_product_attention(query, key, value, scale=scaling)
+    return out, None
+
+
+ATTENTION_FUNCTIONS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {
+    "sdpa": sdpa_attention_forward
+}
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.query = nn.Linear(d, d)
+        self.key = nn.Linear(d, d)
+        self.value = nn.Linear(d, d)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = self.query(hidden_states), self.key(hidden_states), self.value(hidden_states)
+        attn_weights = (q @ k.transpose(-2, -1)).softmax(-1)
+        context = attn_weights @ v
+        return context, attn_weights
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.self = SelfAttention(d)
+        self.output = nn.Linear(d, d)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        context, _ = self.self(hidden_states)
+        return self.output(context) + hidden_states
+
+
+class BertLayer(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.attention = Attention(d)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.attention(hidden_states)
+
+
+class Encoder(nn.Module):
+    def __init__(self, d: int = 8, layers: int = 2) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(d) for _ in range(layers))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        for layer in self.layer:
+            hidden_states = layer(hidden_states)
+        return hidden_states
+
+
+class BertLike(nn.Module):
+    def __init__(self, d: int = 8, vocab: int = 16) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(vocab, d)
+        self.encoder = Encoder(d)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.encoder(self.embeddings(input_ids))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, d: int = 8, implementation: str = "eager") -> None:
+        super().__init__()
+        self.implementation = implementation
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        query = self.q_proj(hidden_states)
+        key = self.k_proj(hidden_states)
+        value = self.v_proj(hidden_states)
+        attention_interface = eager_attention_forward
+        if self.implementation != "eager":
+            attention_interface = ATTENTION_FUNCTIONS[self.implementation]
+        attn_output, attn_weights = attention_interface(
+            self, query, key, value, query.shape[-1] ** -0.5
+        )
+        return self.o_proj(attn_output), attn_weights
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, d: int = 8, implementation: str = "eager") -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(d, implementation)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        attn_output, _ = self.self_attn(self.norm(hidden_states))
+        return hidden_states + attn_output
+
+
+class LlamaLike(nn.Module):
+    def __init__(self, d: int = 8, vocab: int = 16, implementation: str = "eager") -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(LlamaLayer(d, implementation) for _ in range(2))
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return ModelOutput(logits=logits, loss=loss)
+
+
+class Wrapper(nn.Module):
+    """A user's wrapper: its forward returns the wrapped model's output."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return self.model(*args, **kwargs)
+
+
+def tokens(seed: int, batch: int = 2, length: int = 5) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 16, (batch, length), generator=generator)

@@ -1,0 +1,266 @@
+"""Paths on models shaped like Hugging Face code (issue 11 items 1, 2, 4, 7, 8; issue 14 '**')."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import vartrace
+from tests._hf_shapes import BertLike, LlamaLike, Wrapper, eager_attention_forward, tokens
+from tests._models import WithBatchNorm
+from vartrace import ModelTracer
+from vartrace.engine import patching
+from vartrace.engine.frames import FrameCore, MonitoringCore, SettraceCore
+from vartrace.sites import resolve
+
+CORES = [SettraceCore] + ([MonitoringCore] if hasattr(sys, "monitoring") else [])
+
+
+@pytest.fixture(params=CORES, ids=lambda c: c.name)
+def core(request: pytest.FixtureRequest) -> Iterator[FrameCore]:
+    previous = patching.core()
+    patching.set_core(request.param())
+    yield patching.core()
+    patching.set_core(previous)
+
+
+# -- item 1: a submodule registered under the name ``self`` -------------------------------------
+
+
+def test_a_module_named_self_is_an_ordinary_path_segment(core: FrameCore) -> None:
+    model = BertLike()
+    patterns = ["**.attn_weights", "encoder.layer.*.attention.*.forward.context"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(model, patterns) as tracer:
+            model(tokens(0))
+    assert sorted(tracer.results) == [
+        "encoder.layer.0.attention.self.forward.attn_weights",
+        "encoder.layer.0.attention.self.forward.context",
+        "encoder.layer.1.attention.self.forward.attn_weights",
+        "encoder.layer.1.attention.self.forward.context",
+    ]
+    weights = tracer.results["encoder.layer.0.attention.self.forward.attn_weights"].values[0]
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 5))
+
+
+def test_list_sites_lists_sites_below_a_module_named_self() -> None:
+    sites = vartrace.list_sites(BertLike(), "**")
+    assert "encoder.layer.0.attention.self" in sites
+    assert "encoder.layer.0.attention.self.forward.attn_weights" in sites
+    assert "encoder.layer.0.attention.self.query.weight" in sites
+    # The *variable* self is still never matched by a wildcard.
+    assert not any(s.endswith("forward.self") for s in sites)
+    assert "encoder.layer.0.attention.self.forward.self" not in vartrace.list_sites(
+        BertLike(), "encoder.layer.0.attention.self.forward.*"
+    )
+
+
+# -- item 2: values inside functions called from a traced method --------------------------------
+
+
+def _reference_weights(model: LlamaLike, ids: torch.Tensor, layer: int) -> torch.Tensor:
+    hidden = model.embed_tokens(ids)
+    for block in model.layers[:layer]:
+        hidden = block(hidden)
+    block = model.layers[layer]
+    normed = block.norm(hidden)
+    attn = block.self_attn
+    query, key, value = attn.q_proj(normed), attn.k_proj(normed), attn.v_proj(normed)
+    return eager_attention_forward(attn, query, key, value, query.shape[-1] ** -0.5)[1]
+
+
+def test_a_path_continues_into_a_function_the_method_calls(core: FrameCore) -> None:
+    model = LlamaLike()
+    pattern = "layers.*.self_attn.forward>eager_attention_forward.attn_weights"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(model, [pattern, "layers.0.self_attn.forward>*.1"]) as tracer:
+            for step in range(2):
+                model(tokens(step))
+    name = "layers.{}.self_attn.forward>eager_attention_forward.attn_weights"
+    for layer in (0, 1):
+        trace = tracer.results[name.format(layer)]
+        assert trace.iterations == [1, 2]
+        with torch.no_grad():
+            expected = _reference_weights(model, tokens(1), layer)
+        torch.testing.assert_close(trace.values[1], expected)
+    # The function's return value and its keys, under the calling module's site name.
+    returned = tracer.results["layers.0.self_attn.forward>eager_attention_forward.1"]
+    torch.testing.assert_close(returned.values[1], tracer.results[name.format(0)].values[1])
+
+
+def test_function_sites_are_listed_validated_and_matched_by_wildcards() -> None:
+    model = LlamaLike()
+    sites = vartrace.list_sites(model, "layers.0.**")
+    assert "layers.0.self_attn.forward>eager_attention_forward.attn_weights" in sites
+    assert "layers.0.self_attn.forward>eager_attention_forward.query" in sites
+    every = vartrace.list_sites(model, "**.attn_weights")
+    assert "layers.1.self_attn.forward.attn_weights" in every
+    assert "layers.1.self_attn.forward>eager_attention_forward.attn_weights" in every
+    with pytest.raises(ValueError, match=r"closest.*forward>eager_attention_forward\.attn_weights"):
+        ModelTracer(model, ["layers.0.self_attn.forward>eager_attention_forwrd.attn_weights"])
+    with pytest.raises(ValueError, match="called function"):
+        ModelTracer(model, ["layers.0.self_attn.forward>eager_attention_forward.query@entry"])
+
+
+# -- issue 14 and item 4: '**' patches only code that binds the name, and is validated ----------
+
+
+def test_star_star_patches_exactly_the_methods_that_bind_the_name() -> None:
+    model = LlamaLike()
+    targets = resolve(model, ["**.attn_weights"])
+    assert sorted((t.path, t.method.name) for t in targets) == [
+        ("layers.0.self_attn", "forward"),
+        ("layers.1.self_attn", "forward"),
+    ]
+    with ModelTracer(model, ["**.attn_weights"]):
+        patched = [path for path, m in model.named_modules() if "forward" in vars(m)]
+        assert patched == ["", "layers.0.self_attn", "layers.1.self_attn"]  # root: iterations
+
+
+def test_star_star_patterns_are_validated_like_others() -> None:
+    model = LlamaLike()
+    with pytest.raises(ValueError, match=r"'\*\*\.attn_wieghts'.*closest.*attn_weights"):
+        ModelTracer(model, ["**.attn_wieghts"])
+    with pytest.raises(ValueError, match=r"'\*\*\.eager_attention_forward\.\*' matches no site"):
+        ModelTracer(model, ["**.eager_attention_forward.*"])
+
+
+# -- item 4: nothing recorded is never silent ---------------------------------------------------
+
+
+def _messages(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught]
+
+
+def test_a_model_in_eval_mode_with_mode_train_warns() -> None:
+    model = LlamaLike().eval()
+    pattern = "layers.*.self_attn.forward.attn_weights"
+    message = r"only in eval mode.*mode='train'.*mode='eval'"
+    with pytest.warns(UserWarning, match=message), ModelTracer(model, [pattern]) as tracer:
+        model(tokens(0))
+    assert not tracer.results
+
+
+def test_patterns_that_recorded_nothing_warn_once_with_the_reason() -> None:
+    model = LlamaLike(implementation="sdpa")
+    patterns = [
+        "layers.*.self_attn.forward.attn_weights",  # always None under SDPA
+        "layers.*.self_attn.forward>eager_attention_forward.attn_weights",  # never called
+        "layers.0.self_attn.forward.query",  # records: no warning
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ModelTracer(model, patterns):
+            for step in range(3):
+                model(tokens(step))
+    messages = _messages(caught)
+    assert len(messages) == 2, messages
+    assert (
+        "'layers.*.self_attn.forward.attn_weights' recorded nothing: its value was None"
+        in (messages[0])
+    )
+    assert "forward>eager_attention_forward.attn_weights' recorded nothing" in messages[1]
+    assert "never bound" in messages[1]
+
+
+def test_a_method_never_called_is_named() -> None:
+    model = Wrapper(LlamaLike())
+    with pytest.warns(UserWarning, match=r"its method was never called \(model\.layers\.0\.norm"):
+        patterns = ["model.layers.0.norm.forward.input", "model.layers.1.norm.forward.input"]
+        with ModelTracer(model, patterns):
+            model.model.layers[1](torch.zeros(1, 2, 8))  # only the other layer runs
+
+
+def test_one_variable_at_two_timings_keeps_both_keys() -> None:
+    model = BertLike()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(
+            model, ["encoder.forward.hidden_states", "encoder.forward.hidden_states@return"]
+        ) as tracer:
+            model(tokens(0))
+    entry = tracer.results["encoder.forward.hidden_states"].values[0]
+    final = tracer.results["encoder.forward.hidden_states@return"].values[0]
+    torch.testing.assert_close(entry, model.embeddings(tokens(0)))
+    assert not torch.equal(entry, final)
+
+
+# -- item 7: parameter names as named_parameters() gives them; None skipped; listing ----------
+
+
+def test_parameter_and_buffer_names_are_sites(core: FrameCore) -> None:
+    model = LlamaLike()
+    names = ["layers.0.self_attn.q_proj.weight@grad", "layers.*.norm.weight", "lm_head.weight"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(model, names) as tracer:
+            model(tokens(0)).logits.sum().backward()
+    assert sorted(tracer.results) == [
+        "layers.0.norm.weight",
+        "layers.0.self_attn.q_proj.weight@grad",
+        "layers.1.norm.weight",
+        "lm_head.weight",
+    ]
+    grad = tracer.results["layers.0.self_attn.q_proj.weight@grad"].values[0]
+    torch.testing.assert_close(grad, model.layers[0].self_attn.q_proj.weight.grad)
+    torch.testing.assert_close(tracer.results["lm_head.weight"].values[0], model.lm_head.weight)
+    bn = WithBatchNorm()
+    with ModelTracer(bn, ["bn.running_mean"], change_detection=False) as tracer:
+        for _ in range(2):
+            bn(torch.randn(4, 4))
+    assert len(tracer.results["bn.running_mean"].values) == 2
+
+
+def test_module_self_grad_skips_a_missing_bias_quietly() -> None:
+    model = LlamaLike()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(model, ["layers.0.self_attn.q_proj.forward.self@grad"]) as tracer:
+            model(tokens(0)).logits.sum().backward()
+    assert list(tracer.results) == ["layers.0.self_attn.q_proj.forward.self.weight@grad"]
+
+
+class _Layer(nn.TransformerEncoderLayer):
+    """A user's subclass of a library module: the library's helpers are machinery."""
+
+    @classmethod
+    def from_config(cls, size: int) -> _Layer:
+        return cls(size, 2, dim_feedforward=16, batch_first=True)
+
+    @staticmethod
+    def describe() -> str:
+        return "layer"
+
+
+def test_list_sites_leaves_out_class_methods_and_library_machinery() -> None:
+    layer = _Layer.from_config(8)
+    sites = vartrace.list_sites(layer)
+    assert "forward.src" in sites
+    assert not any(s.startswith(("from_config", "describe", "_sa_block")) for s in sites)
+    # Named literally, a library base's method is still reached.
+    with ModelTracer(layer, ["_sa_block.x"]) as tracer:
+        layer(torch.randn(2, 3, 8))
+    assert list(tracer.results) == ["_sa_block.x"]
+
+
+# -- item 8: keys below a return value that static analysis cannot see --------------------------
+
+
+def test_keys_below_an_opaque_return_are_resolved_at_run_time() -> None:
+    model = Wrapper(LlamaLike())
+    ids = tokens(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(model, ["forward.loss", "forward.logits"]) as tracer:
+            model(ids, labels=ids)
+    assert sorted(tracer.results) == ["forward.logits", "forward.loss"]
+    message = r"'forward\.lgoits' recorded nothing"
+    with pytest.warns(UserWarning, match=message), ModelTracer(model, ["forward.lgoits"]):
+        model(ids)

@@ -1,0 +1,111 @@
+"""Paths on real Hugging Face models built from tiny configs (random weights, no downloads).
+
+Skipped where transformers is not installed; tests/test_hf_shapes.py covers
+the same code shapes with models of our own.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import vartrace
+from vartrace import ModelTracer
+from vartrace.sites import resolve
+
+transformers = pytest.importorskip("transformers")
+
+_SMALL = {"vocab_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+
+
+def _bert() -> torch.nn.Module:
+    config = transformers.BertConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        attention_probs_dropout_prob=0.0,
+        **_SMALL,
+    )
+    config._attn_implementation = "eager"
+    return transformers.BertModel(config)
+
+
+def _llama() -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        **_SMALL,
+    )
+    config._attn_implementation = "eager"
+    return transformers.LlamaForCausalLM(config)
+
+
+def _gpt2() -> torch.nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=16, bos_token_id=0
+    )
+    config.eos_token_id = 0
+    config._attn_implementation = "eager"
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(0))
+
+
+def test_bert_attention_self_is_reached_by_wildcards_and_listed() -> None:
+    model = _bert()
+    name = "encoder.layer.{}.attention.self.forward>eager_attention_forward.attn_weights"
+    assert name.format(0) in vartrace.list_sites(model, "**")
+    patterns = ["**.attn_weights", "encoder.layer.*.attention.*.forward.query_layer"]
+    with ModelTracer(model, patterns) as tracer:
+        model(_ids())
+    for layer in (0, 1):
+        assert f"encoder.layer.{layer}.attention.self.forward.query_layer" in tracer.results
+        probabilities = tracer.results[name.format(layer)].values[0]
+        torch.testing.assert_close(probabilities.sum(-1), torch.ones(2, 2, 6))
+
+
+def test_llama_eager_attention_function_and_star_star_narrowing() -> None:
+    model = _llama()
+    targets = resolve(model, ["**.attn_weights"])
+    assert sorted((t.path, t.method.name) for t in targets) == [
+        ("model.layers.0.self_attn", "forward"),
+        ("model.layers.1.self_attn", "forward"),
+    ]
+    pattern = "model.layers.*.self_attn.forward>eager_attention_forward.attn_weights"
+    with ModelTracer(model, [pattern]) as tracer:
+        model(_ids())
+    weights = tracer.results[pattern.replace("*", "1")]
+    assert weights.values[0].shape == (2, 2, 6, 6)
+    with pytest.raises(ValueError, match=r"closest.*attn_weights"):
+        ModelTracer(model, ["**.attn_wieghts"])
+
+
+def test_llama_generate_in_eval_with_mode_train_warns() -> None:
+    model = _llama().eval()
+    with (
+        pytest.warns(UserWarning, match=r"only in eval mode"),
+        ModelTracer(model, ["**.attn_weights"]) as tracer,
+    ):
+        model.generate(_ids(), max_new_tokens=2, do_sample=False)
+    assert not tracer.results
+
+
+def test_gpt2_parameter_names_and_listing_without_machinery() -> None:
+    model = _gpt2()
+    sites = vartrace.list_sites(model, "**")
+    assert "transformer.h.0.attn.c_attn.weight" in sites
+    assert not any(s.startswith(("from_pretrained", "generate", "save_pretrained")) for s in sites)
+    assert not any(s.endswith(".cls") for s in sites)
+    ids = _ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with ModelTracer(model, ["transformer.h.0.attn.c_attn.weight@grad"]) as tracer:
+            model(ids, labels=ids).loss.backward()
+    grad = tracer.results["transformer.h.0.attn.c_attn.weight@grad"].values[0]
+    torch.testing.assert_close(grad, model.transformer.h[0].attn.c_attn.weight.grad)

@@ -1,0 +1,112 @@
+"""Saying why a pattern recorded nothing, once, when a tracer stops.
+
+Patterns are checked statically before the first step, but some can only
+fail at run time: a local that is never bound on the path the model takes
+(nanoGPT's ``att`` when it uses scaled-dot-product attention), a value that
+is always ``None`` (Hugging Face's ``attn_weights`` under SDPA), a method
+that is never called, a key below a return value that the run does not
+have, or a model that only ran in a mode the tracer does not trace.  A
+:class:`SilenceWatch` notes what each patched method and each site saw,
+and :meth:`SilenceWatch.report` warns once per pattern that recorded
+nothing (or only ``None``), saying which of these applies.
+
+Example::
+
+    with ModelTracer(model, ["layers.*.attn.forward.att"]) as tracer:
+        model(x)
+    # UserWarning: vartrace: pattern 'layers.*.attn.forward.att' recorded nothing:
+    # the variable or key was never bound when its method returned ...
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vartrace.sites import Target
+
+__all__ = ["SilenceWatch"]
+
+
+class SilenceWatch:
+    """What the patched methods of one tracer saw, to explain patterns that recorded nothing."""
+
+    def __init__(self, targets: Sequence[Target], mode: str, root: object) -> None:
+        self._targets = list(targets)
+        self._root = root
+        self._mode = mode
+        self._called: set[int] = set()
+        self._values: set[str] = set()
+        self._nones: set[str] = set()
+
+    def entered(self, target: Target) -> Callable[[], None]:
+        """An ``on_enter`` observer that marks ``target``'s method as called."""
+        key = id(target)
+        called = self._called
+
+        def on_enter() -> None:
+            called.add(key)
+
+        return on_enter
+
+    def saw(self, site: str, value: Any) -> None:
+        """Note a captured leaf (``None`` counts apart)."""
+        (self._nones if value is None else self._values).add(site)
+
+    def _seen(self, sites: set[str], names: set[str]) -> bool:
+        return any(
+            name == site or name.startswith((f"{site}.", f"{site}@"))
+            for name in names
+            for site in sites
+        )
+
+    def report(self, in_mode: bool, other_calls: int) -> None:
+        """Warn once per pattern that recorded nothing, or once for a mode that never ran.
+
+        ``in_mode`` says whether any outermost model call ran in the traced
+        mode; ``other_calls`` counts those that ran in the other one.  A
+        tracer during which the model never ran says nothing.
+        """
+        patterns: dict[str, tuple[set[str], list[Target]]] = {}
+        for target in self._targets:
+            for text, sites in target.origins.items():
+                entry = patterns.setdefault(text, (set(), []))
+                entry[0].update(sites)
+                entry[1].append(target)
+        if not patterns or not (in_mode or other_calls or self._called):
+            return  # the model never ran while the tracer was active
+        if not in_mode and other_calls and not (self._values or self._nones):
+            other = "eval" if self._mode == "train" else "train"
+            warnings.warn(
+                f"vartrace: recorded nothing: the model ran {other_calls} time(s), only in "
+                f"{other} mode, and this tracer has mode={self._mode!r}; pass "
+                f"mode={other!r} or mode='any' (patterns: {', '.join(map(repr, patterns))})",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
+        if in_mode:
+            root = self._root
+            self._called.update(
+                id(t) for t in self._targets if t.module is root and t.method.name == "forward"
+            )
+        for text, (sites, targets) in patterns.items():
+            if self._seen(sites, self._values):
+                continue
+            warnings.warn(
+                f"vartrace: pattern {text!r} recorded nothing: {self._why(sites, targets)}",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def _why(self, sites: set[str], targets: list[Target]) -> str:
+        if self._seen(sites, self._nones):
+            return "its value was None at every call (e.g. attention weights under SDPA)"
+        if not any(id(t) in self._called for t in targets):
+            methods = ", ".join(sorted({f"{t.path or '<root>'}.{t.method.name}" for t in targets}))
+            return f"its method was never called ({methods})"
+        return (
+            "the variable was never bound when its method (or function) returned, or the key "
+            "was not in the value (a branch the run did not take, a function not called)"
+        )
