@@ -194,3 +194,13 @@ def test_stacking_refuses_records_it_would_convert(stack: Any) -> None:
     huge = Trace([2**70], [1], [0], [1])
     with pytest.raises(TypeError, match="site 'h': cannot stack the int 0x4"):
         stack("h", huge)
+
+
+def test_a_big_endian_array_keeps_its_byte_order_in_the_file(tmp_path: Path) -> None:
+    value = {"a": np.arange(3, dtype=">i4"), "s": np.array(5, dtype=">i4"), "f": np.float64(-0.0)}
+    value["b"] = np.array([-0.0, 1.5], dtype=">f8")
+    with _trace_to_file(tmp_path / "run.h5", [value]) as run:
+        got = {key: run[f"forward.{key}"].get(iteration=1) for key in value}
+    for key, want in value.items():
+        assert type(got[key]) is type(want) and got[key].dtype == want.dtype, key
+        assert got[key].tobytes() == want.tobytes(), key
