@@ -10,9 +10,12 @@ DDP model for a few steps (traced: ``forward.x`` and ``forward`` gathered to
 rank 0 every 2 iterations and at exit; untraced: the same steps without a
 tracer) and tear the group down, either at once (``nobarrier``: rank 0 may
 still be unpacking the last gather when rank 1 closes its connections) or
-after a ``dist.barrier()`` (``barrier``).  A run counts as aborted when a rank
-exits with a signal (``terminate called without an active exception`` is
-SIGABRT) or a non-zero status.  The counts per variant are printed as JSON.
+after a ``dist.barrier()`` (``barrier``).  A run counts as ``hung`` when a
+rank is still running at the deadline (it is killed), else as ``failed``
+when a rank exits with a signal (``terminate called without an active
+exception`` is SIGABRT, exit code -6) or a non-zero status.  The counts and
+the exit codes of the runs that did not succeed are printed per variant as
+JSON.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,7 +82,7 @@ def _rank(rank: int, port: int, variant: str) -> None:
     os._exit(0)
 
 
-def _one_run(variant: str) -> list[int | None]:
+def _one_run(variant: str) -> tuple[list[int | None], bool]:
     ctx = mp.get_context("fork")
     port = _free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, variant)) for r in range(2)]
@@ -87,11 +91,12 @@ def _one_run(variant: str) -> list[int | None]:
     end = time.monotonic() + DEADLINE_S
     for proc in procs:
         proc.join(max(0.0, end - time.monotonic()))
+    hung = any(proc.is_alive() for proc in procs)
     for proc in procs:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    return [proc.exitcode for proc in procs]
+    return [proc.exitcode for proc in procs], hung
 
 
 def main() -> None:
@@ -99,14 +104,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=25, help="runs per variant")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = parser.parse_args()
-    counts = {v: {"runs": 0, "aborted": 0, "exit_codes": {}} for v in args.variants}
+    counts: dict[str, dict[str, Any]] = {
+        v: {"runs": 0, "failed": 0, "hung": 0, "exit_codes": {}} for v in args.variants
+    }
     for _ in range(args.runs):
         for variant in args.variants:  # interleaved, so that machine load hits all alike
-            codes = _one_run(variant)
+            codes, hung = _one_run(variant)
             entry = counts[variant]
             entry["runs"] += 1
-            if any(code != 0 for code in codes):
-                entry["aborted"] += 1
+            if hung or any(code != 0 for code in codes):
+                entry["hung" if hung else "failed"] += 1
                 key = ",".join(str(code) for code in codes)
                 entry["exit_codes"][key] = entry["exit_codes"].get(key, 0) + 1
     print(json.dumps(counts, indent=2))
