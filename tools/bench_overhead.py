@@ -5,11 +5,20 @@ Usage::
     python tools/bench_overhead.py --size tiny      # Python-bound step (stands in for a GPU step)
     python tools/bench_overhead.py --size small     # compute-bound step
     python tools/bench_overhead.py --engine         # torch-free: settrace vs sys.monitoring core
+    python tools/bench_overhead.py --markdown       # the table as Markdown, for the README
 
 Contenders run round-robin (a block of steps each, many rounds) so that
 machine noise hits them alike; the table shows the median step time and
 its ratio to the untraced median.  Traced contenders discard each chunk
 after the gather (as the HDF5 saver does), so memory stays flat.
+
+Each vartrace contender has a *bare floor* beside it: a hand-written
+capture through the same mechanism as vartrace's frame core on this Python
+(a ``sys.monitoring`` ``PY_RETURN`` callback on 3.12+, ``sys.settrace``
+return events before) that clones the same variables of the same code
+objects and does nothing else.  The floor is what the mechanism itself
+costs; the column "extra per record" is vartrace's time above its floor,
+per record it keeps in a step.
 """
 
 from __future__ import annotations
@@ -19,8 +28,10 @@ import contextlib
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import CodeType, FrameType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -29,8 +40,15 @@ SIZES = {
     "small": {"blocks": 4, "d_model": 256, "heads": 4, "seq": 128, "batch": 8},
 }
 TRACED_PATHS = ["forward.x", "layers.*.attn.forward.scores", "layers.*.mlp.forward.h"]
+ALL_LOCALS_PATHS = ["layers.*.attn.forward.*"]
 IDLE_PATHS = ["generate.prompt"]
 Context = Callable[[], contextlib.AbstractContextManager[None]]
+# Variables a floor reads at return, by the name of the class whose forward holds them
+# (None: every argument and local), mirroring TRACED_PATHS and ALL_LOCALS_PATHS.
+FLOOR_READS: dict[str, dict[str, tuple[str, ...] | None]] = {
+    "traced": {"GPT": ("x",), "Attention": ("scores",), "MLP": ("h",)},
+    "all locals": {"Attention": None},
+}
 
 
 def build_model(size: str, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -46,7 +64,6 @@ def build_model(size: str, seed: int = 0):  # type: ignore[no-untyped-def]
             super().__init__()
             self.qkv = nn.Linear(d, 3 * d)
             self.proj = nn.Linear(d, d)
-            self.floor: list[torch.Tensor] | None = None
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             b, t, _ = x.shape
@@ -55,8 +72,6 @@ def build_model(size: str, seed: int = 0):  # type: ignore[no-untyped-def]
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
             scores = scores.masked_fill(mask, float("-inf"))
             attn = scores.softmax(dim=-1)
-            if self.floor is not None:
-                self.floor.append(scores.detach().clone())
             return self.proj((attn @ v).transpose(1, 2).reshape(b, t, d))
 
     class MLP(nn.Module):
@@ -64,12 +79,9 @@ def build_model(size: str, seed: int = 0):  # type: ignore[no-untyped-def]
             super().__init__()
             self.fc = nn.Linear(d, 4 * d)
             self.out = nn.Linear(4 * d, d)
-            self.floor: list[torch.Tensor] | None = None
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = nn.functional.gelu(self.fc(x))
-            if self.floor is not None:
-                self.floor.append(h.detach().clone())
             return self.out(h)
 
     class Block(nn.Module):
@@ -90,11 +102,8 @@ def build_model(size: str, seed: int = 0):  # type: ignore[no-untyped-def]
             self.layers = nn.ModuleList(Block() for _ in range(cfg["blocks"]))
             self.norm = nn.LayerNorm(d)
             self.head = nn.Linear(d, vocab)
-            self.floor: list[torch.Tensor] | None = None
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if self.floor is not None:
-                self.floor.append(x.detach().clone())
             h = self.embed(x) + self.pos[: x.shape[1]]
             for layer in self.layers:
                 h = layer(h)
@@ -111,14 +120,46 @@ def build_model(size: str, seed: int = 0):  # type: ignore[no-untyped-def]
     return model, tokens
 
 
-def table(title: str, rows: list[tuple[str, float]], base: float) -> str:
-    """Format ``(contender, median seconds)`` rows with their ratio to ``base``."""
-    width = max(len(name) for name, _ in rows)
-    lines = [title, f"{'contender':<{width}}  {'median step':>12}  {'ratio':>6}"]
-    for name, seconds in rows:
-        unit = f"{seconds * 1e3:9.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:9.2f} us"
-        lines.append(f"{name:<{width}}  {unit:>12}  {seconds / base:6.3f}x")
-    return "\n".join(lines)
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.2f} us"
+
+
+def table(
+    title: str,
+    rows: list[tuple[str, float]],
+    base: float,
+    extra: dict[str, str] | None = None,
+    markdown: bool = False,
+) -> str:
+    """Format ``(contender, median seconds)`` rows with their ratio to ``base``.
+
+    ``extra`` maps a contender to the text of a last column (blank for others).
+    """
+    extra = extra or {}
+    header = ["contender", "median step", "ratio", *(["extra per record"] if extra else [])]
+    cells = [
+        [
+            name,
+            _duration(seconds),
+            f"{seconds / base:.3f}x",
+            *([extra.get(name, "")] if extra else []),
+        ]
+        for name, seconds in rows
+    ]
+    if markdown:
+        lines = [f"**{title}**", "", "| " + " | ".join(header) + " |"]
+        lines.append("|" + "|".join(["---", *["---:"] * (len(header) - 1)]) + "|")
+        lines += ["| " + " | ".join(row) + " |" for row in cells]
+        return "\n".join(lines)
+    widths = [max(len(row[i]) for row in [header, *cells]) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        first = f"{row[0]:<{widths[0]}}"
+        return "  ".join(
+            [first, *(f"{cell:>{w}}" for cell, w in zip(row[1:], widths[1:], strict=True))]
+        )
+
+    return "\n".join([title, line(header), *(line(row) for row in cells)])
 
 
 def round_robin(
@@ -140,19 +181,35 @@ def round_robin(
 
 
 def step_table(
-    size: str, contenders: dict[str, Context], step: Callable[[], None], rounds: int, block: int
+    size: str,
+    contenders: dict[str, Context],
+    step: Callable[[], None],
+    rounds: int,
+    block: int,
+    floors: dict[str, tuple[str, int]] | None = None,
+    markdown: bool = False,
 ) -> str:
-    """Warm up, time ``step`` under each contender, and format the table of ratios."""
+    """Warm up, time ``step`` under each contender, and format the table of ratios.
+
+    ``floors`` maps a contender to its floor contender and the number of
+    values both read per step: the table then shows the contender's time
+    above its floor per value.
+    """
     import torch
 
     for _ in range(3):
         step()
     medians = round_robin(contenders, step, rounds, block)
+    extra = {
+        name: f"{(medians[name] - medians[floor]) / reads * 1e6:+.1f} us ({reads}/step)"
+        for name, (floor, reads) in (floors or {}).items()
+    }
     title = (
         f"--size {size}: full training step (forward + backward + SGD), Python "
-        f"{sys.version.split()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"{sys.version.split()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"medians of {rounds} interleaved rounds of {block} steps"
     )
-    return table(title, list(medians.items()), medians["untraced"])
+    return table(title, list(medians.items()), medians["untraced"], extra, markdown)
 
 
 def training_step(size: str):  # type: ignore[no-untyped-def]
@@ -171,7 +228,82 @@ def training_step(size: str):  # type: ignore[no-untyped-def]
     return model, step
 
 
-def bench_model(size: str, rounds: int, block: int) -> str:
+Reads = dict[CodeType, tuple[str, ...]]
+
+
+def _clone_locals(frame: FrameType, names: tuple[str, ...], kept: list[object]) -> None:
+    import torch
+
+    values = frame.f_locals
+    for name in names:
+        if name != "self":
+            value = values[name]
+            kept.append(value.detach().clone() if isinstance(value, torch.Tensor) else value)
+    if len(kept) > 1000:
+        kept.clear()
+
+
+@contextlib.contextmanager
+def monitoring_floor(reads: Reads, kept: list[object]) -> Iterator[None]:
+    """A bare ``sys.monitoring`` capture: ``PY_RETURN`` on exactly the ``reads`` code objects."""
+    monitoring = sys.monitoring  # type: ignore[attr-defined]
+    tool = next(t for t in (4, 3) if monitoring.get_tool(t) is None)
+    monitoring.use_tool_id(tool, "bench floor")
+
+    def on_return(code: CodeType, offset: int, value: object) -> None:
+        _clone_locals(sys._getframe(1), reads[code], kept)
+
+    monitoring.register_callback(tool, monitoring.events.PY_RETURN, on_return)
+    for code in reads:
+        monitoring.set_local_events(tool, code, monitoring.events.PY_RETURN)
+    try:
+        yield
+    finally:
+        for code in reads:
+            monitoring.set_local_events(tool, code, 0)
+        monitoring.register_callback(tool, monitoring.events.PY_RETURN, None)
+        monitoring.free_tool_id(tool)
+
+
+@contextlib.contextmanager
+def settrace_floor(reads: Reads, kept: list[object]) -> Iterator[None]:
+    """A bare ``sys.settrace`` capture: return events of frames of the ``reads`` code objects."""
+
+    def local(frame: FrameType, event: str, arg: object) -> Callable[..., object]:
+        if event == "return":
+            _clone_locals(frame, reads[frame.f_code], kept)
+        return local
+
+    def calls(frame: FrameType, event: str, arg: object) -> Callable[..., object] | None:
+        if frame.f_code in reads:
+            frame.f_trace_lines = False
+            return local
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+def bare_floor(
+    model: object, which: str
+) -> tuple[str, Callable[[list[object]], contextlib.AbstractContextManager[None]]]:
+    """This Python's bare floor for one set of :data:`FLOOR_READS`: its name and context.
+
+    The context takes the list that the cloned values go to.
+    """
+    classes = {type(m).__name__: type(m) for m in model.modules()}  # type: ignore[attr-defined]
+    codes = {classes[c].forward.__code__: names for c, names in FLOOR_READS[which].items()}
+    reads = {code: names or code.co_varnames for code, names in codes.items()}
+    if hasattr(sys, "monitoring"):
+        return f"bare sys.monitoring floor ({which})", lambda kept: monitoring_floor(reads, kept)
+    return f"bare settrace floor ({which})", lambda kept: settrace_floor(reads, kept)
+
+
+def bench_model(size: str, rounds: int, block: int, markdown: bool = False) -> str:
     import torch
 
     from vartrace import ModelTracer
@@ -187,8 +319,11 @@ def bench_model(size: str, rounds: int, block: int) -> str:
 
     @contextlib.contextmanager
     def tracer(paths: list[str]) -> Iterator[None]:
-        with ModelTracer(model, paths, post_gather_callbacks=[discard]):
-            yield
+        with warnings.catch_warnings():
+            # The idle contender's pattern records nothing on purpose; the tracer says so.
+            warnings.filterwarnings("ignore", message=".*recorded nothing")
+            with ModelTracer(model, paths, post_gather_callbacks=[discard]):
+                yield
 
     @contextlib.contextmanager
     def forward_hooks() -> Iterator[None]:
@@ -201,23 +336,22 @@ def bench_model(size: str, rounds: int, block: int) -> str:
         for handle in handles:
             handle.remove()
 
-    @contextlib.contextmanager
-    def copy_floor() -> Iterator[None]:
-        owners = [model, *(b.attn for b in model.layers), *(b.mlp for b in model.layers)]
-        for owner in owners:
-            owner.floor = []
-        yield
-        for owner in owners:
-            owner.floor = None
-
-    contenders = {
+    contenders: dict[str, Context] = {
         "untraced": untraced,
         "idle tracer (never-called method)": lambda: tracer(IDLE_PATHS),
         "forward hooks cloning block outputs": forward_hooks,
-        "copy floor (clone the traced tensors)": copy_floor,
-        "vartrace: " + ", ".join(TRACED_PATHS): lambda: tracer(TRACED_PATHS),
     }
-    return step_table(size, contenders, step, rounds, block)
+    floors: dict[str, tuple[str, int]] = {}
+    for which, paths in (("traced", TRACED_PATHS), ("all locals", ALL_LOCALS_PATHS)):
+        floor_name, floor = bare_floor(model, which)
+        cloned: list[object] = []
+        with floor(cloned):
+            step()
+        contenders[floor_name] = lambda floor=floor: floor([])  # type: ignore[misc]
+        name = "vartrace: " + ", ".join(paths)
+        contenders[name] = lambda paths=paths: tracer(paths)  # type: ignore[misc]
+        floors[name] = (floor_name, len(cloned))
+    return step_table(size, contenders, step, rounds, block, floors, markdown)
 
 
 class _Workload:
@@ -281,6 +415,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = parser.parse_args()
     if args.engine:
         print(bench_engine(args.rounds, args.block))
@@ -289,7 +424,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    print(bench_model(args.size, args.rounds, args.block))
+    print(bench_model(args.size, args.rounds, args.block, args.markdown))
 
 
 if __name__ == "__main__":
