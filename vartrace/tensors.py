@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import struct
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -100,12 +100,24 @@ def same(a: Any, b: Any) -> bool:
         return False
 
 
+class _Identity(NamedTuple):
+    """What :func:`snapshot` keeps of an opaque object: its identity and version counter."""
+
+    id: int
+    version: Any
+
+
+def _identity(value: Any) -> _Identity:
+    return _Identity(id(value), getattr(value, "_version", None))
+
+
 def snapshot(value: Any) -> Any:
     """A copy of ``value``'s content for :func:`unchanged`: what ``@every`` compares with.
 
-    Tensors are detached and cloned on their device, lists, tuples and dicts
-    are copied element by element, other values as :func:`copy_leaf` does
-    (an object that refuses to be copied is kept as is).  Example::
+    Tensors are detached and cloned on their device, numpy arrays copied, lists,
+    tuples and dicts copied element by element; of other objects (a module, a
+    custom class) only the identity is kept, as copying them on every line
+    would cost too much.  Example::
 
         old = snapshot(hidden)
         hidden.data.add_(1)
@@ -117,18 +129,17 @@ def snapshot(value: Any) -> Any:
         return type(value)(snapshot(item) for item in value)
     if type(value) is dict:
         return {key: snapshot(item) for key, item in value.items()}
-    if type(value) in _IMMUTABLE:
+    if type(value) in _IMMUTABLE or isinstance(value, np.generic):
         return value
-    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
-        return value.copy()
-    try:
-        return copy.deepcopy(value)
-    except Exception:
-        return value
+    if isinstance(value, np.ndarray):
+        return copy.deepcopy(value) if value.dtype.hasobject else value.copy()
+    return _identity(value)
 
 
 def unchanged(old: Any, value: Any) -> bool:
     """Whether ``value`` still holds, bit for bit, what :func:`snapshot` copied into ``old``."""
+    if isinstance(old, _Identity):
+        return old == _identity(value)
     if isinstance(value, torch.Tensor):
         return isinstance(old, torch.Tensor) and same(old, value.detach())
     if type(value) in (list, tuple):

@@ -609,6 +609,13 @@ class H5PYSaverCallback:
             handle, cause = self._file, _os_error(error)
             if handle is None or cause is None:
                 raise
+            # Set first: from here on no thread reopens the file.
+            self._failure = OSError(
+                cause[0],
+                f"writing the run file failed ({cause[1]}); it is closed and holds the "
+                "records of every flush before this one",
+                str(self.path),
+            )
             self._file = None
             size = _claimed_size(handle)
             _discard_writes(handle)
@@ -616,12 +623,6 @@ class H5PYSaverCallback:
             with contextlib.suppress(Exception):
                 handle.close()
             _pad_to(self.path, size)
-            self._failure = OSError(
-                cause[0],
-                f"writing the run file failed ({cause[1]}); it is closed and holds the "
-                "records of every flush before this one",
-                str(self.path),
-            )
             raise self._failure from error
 
     def __enter__(self) -> H5PYSaverCallback:
