@@ -91,6 +91,18 @@ def test_a_site_name_with_a_lone_surrogate_is_stored_with_the_others(tmp_path: P
         assert run["forward.plain"].get(iteration=1).equal(torch.zeros(3))
 
 
+@pytest.mark.filterwarnings("ignore:vartrace. cannot copy a generator")
+def test_a_record_that_cannot_be_stored_becomes_a_marker_with_a_warning(tmp_path: Path) -> None:
+    generator = (n for n in range(3))  # neither storable nor picklable
+    with pytest.warns(RuntimeWarning, match=r"site 'forward.gen': cannot store a generator"):
+        run = _trace_to_file(tmp_path / "run.h5", [{"gen": generator, "x": torch.ones(2)}])
+    with run:
+        marker = run["forward.gen"].get(iteration=1)
+        assert run["forward.x"].get(iteration=1).equal(torch.ones(2))
+    assert isinstance(marker, vartrace.Unstored)
+    assert marker.startswith("generator: cannot store a generator record")
+
+
 # -- bit-exact change detection ----------------------------------------------------------
 
 

@@ -27,28 +27,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import vartrace
+from tests.test_storage_roundtrip import TORCH_DTYPES
 from vartrace import H5PYSaverCallback, ModelTracer
 from vartrace.engine.structures import leaves
 
-TORCH_DTYPES = [
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint16,
-    torch.uint32,
-    torch.uint64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.complex128,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-]
 NUMPY_DTYPES = ["?", "u1", "i1", "<i2", ">i4", "<u4", "<i8", "<u8", "<f2", "<f4", ">f8"]
 NUMPY_DTYPES += ["<c8", "<c16", "<U3", "S4"]
 

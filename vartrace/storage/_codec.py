@@ -33,11 +33,13 @@ __all__ = [
     "Kind",
     "Leaf",
     "PickleNotAllowedError",
+    "Unstored",
     "dtype_name",
     "encode",
     "from_array",
     "from_blob",
     "to_blob",
+    "unstored",
 ]
 
 
@@ -58,6 +60,7 @@ class Kind:
     BYTES = 11
     PICKLE = 12
     TENSOR_SAVED = 13  # a sparse, meta, quantized or nested tensor, in torch.save form
+    UNSTORED = 14  # a value that could not be stored: the marker text says what and why
 
 
 IN_OTHER = 0x80
@@ -78,6 +81,7 @@ KIND_NAMES = (
     "bytes",
     "pickle",
     "tensor",
+    "unstored",
 )
 _NUMERIC_KINDS = "biufc"
 _PY_SCALARS = {int: Kind.INT, float: Kind.FLOAT, bool: Kind.BOOL, complex: Kind.COMPLEX}
@@ -87,6 +91,28 @@ _INT64 = np.iinfo(np.int64)
 
 class PickleNotAllowedError(ValueError):
     """A record holds a pickled object and the run was opened without ``allow_pickle=True``."""
+
+
+class Unstored(str):
+    """What a file holds where a record could not be stored: a text saying what and why.
+
+    The saver writes it (with a warning naming the site) instead of failing
+    the step; reading gives it back.  Example::
+
+        value = run["forward.gen"].get(iteration=1)
+        if isinstance(value, vartrace.Unstored):
+            print(value)   # "generator: cannot pickle 'generator' object"
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"vartrace.Unstored({str.__repr__(self)})"
+
+
+def unstored(value: Any, error: Exception) -> Leaf:
+    """The marker leaf of a record that cannot be stored."""
+    return Leaf(Kind.UNSTORED, f"{type(value).__qualname__}: {error}")
 
 
 class Leaf(NamedTuple):
@@ -254,6 +280,8 @@ def from_blob(kind: int, blob: bytes, allow_pickle: bool, where: str) -> Any:
         return blob
     if kind == Kind.BIGINT:
         return int(blob, 0)  # hexadecimal; files of older versions hold decimal
+    if kind == Kind.UNSTORED:
+        return Unstored(blob.decode("utf-8", "surrogatepass"))
     if kind == Kind.TENSOR_SAVED:
         import torch
 

@@ -26,6 +26,7 @@ import errno
 import os
 import re
 import socket
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,15 @@ from typing import Any
 import h5py
 import numpy as np
 
-from vartrace.storage._codec import IN_OTHER, Kind, Leaf, dtype_name, encode, to_blob
+from vartrace.storage._codec import (
+    IN_OTHER,
+    Kind,
+    Leaf,
+    dtype_name,
+    encode,
+    to_blob,
+    unstored,
+)
 from vartrace.storage._layout import (
     COMMITTED,
     FORMAT_ATTR,
@@ -153,6 +162,7 @@ class _Site:
         self.padded: tuple[int, ...] = () if self.values is None else self.values.shape[1:]
         self.storage = "" if self.values is None else str(self.values.attrs["storage"])
         self.key = "" if self.values is None else str(self.values.attrs.get("key", ""))
+        self.warned = False  # about a record that could not be stored
 
     @classmethod
     def create(cls, parent: h5py.Group, name: str, options: dict[str, Any], slot: int) -> _Site:
@@ -166,7 +176,20 @@ class _Site:
         return cls(group, options, 0)
 
     def _encode(self, value: Any) -> Leaf:
-        return encode(value, self.options["float_dtype"], self.options["int_dtype"])
+        try:
+            return encode(value, self.options["float_dtype"], self.options["int_dtype"])
+        except TypeError as error:  # neither storable nor picklable: a marker, not a failed step
+            leaf = unstored(value, error)
+            if not self.warned:
+                self.warned = True
+                name = unescape(self.group.name.rsplit("/", 1)[-1])
+                warnings.warn(
+                    f"vartrace: site {name!r}: {error}; the file holds a vartrace.Unstored "
+                    f"marker instead ({leaf.data!r})",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return leaf
 
     def _fits(self, leaf: Leaf) -> bool:
         if self.storage == "array":
