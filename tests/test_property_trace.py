@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -129,9 +129,9 @@ LEAVES = st.one_of(
 VALUES = st.recursive(
     LEAVES,
     lambda inner: st.one_of(
-        st.lists(inner, min_size=1, max_size=3),
-        st.lists(inner, min_size=1, max_size=3).map(tuple),
-        st.dictionaries(KEYS, inner, min_size=1, max_size=3),
+        st.lists(inner, max_size=3),
+        st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(KEYS, inner, max_size=3),
     ),
     max_leaves=6,
 )
@@ -171,6 +171,7 @@ def _assert_same(got: Any, want: Any, site: str) -> None:
 @given(VALUES)
 def test_any_nested_value_comes_back_from_the_file_bit_exact(value: Any) -> None:
     expected = list(leaves(value, "forward"))
+    assume(expected)  # an empty container has no leaf to record
     names = [name for name, _ in expected]
     assert len(set(names)) == len(names), f"two leaves share a site name: {names}"
     model = Echo()
