@@ -193,8 +193,8 @@ def test_show_errors(runs: Path) -> None:
         "did you mean layers.",
     )
     assert_error(
-        vartrace("show", runs / "a.h5", "forward", "--iteration", "99"),
-        "no record at iteration 99",
+        vartrace("show", runs / "a.h5", "forward", "--iteration", "0"),
+        "no record at or before iteration 0",
         "iterations 1..6",
     )
     assert_error(vartrace("show", runs / "a.h5", "forward", "--iteration", "x"), "invalid int")
@@ -230,7 +230,9 @@ def test_sites_errors(runs: Path) -> None:
     assert_error(vartrace("sites", "no_such_module:f", cwd=runs), "cannot import module")
     assert_error(vartrace("sites", "models:missing", cwd=runs), "has no attribute 'missing'")
     assert_error(vartrace("sites", "models:number", cwd=runs), "returned int, not a torch.nn")
-    assert_error(vartrace("sites", "models:broken", cwd=runs), "RuntimeError: cannot build")
+    assert_error(
+        vartrace("sites", "models:broken", cwd=runs), "models:broken() failed: cannot build"
+    )
     assert_error(vartrace("sites", "models:build", "zz*", cwd=runs), "no site of Sequential")
 
 
@@ -299,3 +301,102 @@ def test_plot_errors(runs: Path, tmp_path: Path) -> None:
     )
     assert not out.exists()
     assert os.listdir(tmp_path) == []
+
+
+def _odd_run(path: Path, iterations: int = 4) -> None:
+    """A run a newcomer meets: a big weight stored once, mixed dtypes, a pickled object."""
+    from fractions import Fraction
+
+    from vartrace.trace import Trace
+
+    def trace(values: list[object], its: list[int]) -> Trace:
+        out = Trace()
+        for order, (value, iteration) in enumerate(zip(values, its, strict=True)):
+            out.append(value, iteration, 0, order)
+        return out
+
+    big = torch.arange(32 * 32, dtype=torch.float32).reshape(32, 32)
+    mixed = [torch.ones(3) if i % 2 else torch.ones(3, dtype=torch.bfloat16) for i in range(4)]
+    with H5PYSaverCallback(path, metadata=False) as saver:
+        saver("big", trace([big, big * 2][: 1 + (iterations > 3)], [1, 4][: 1 + (iterations > 3)]))
+        saver("mixed", trace(mixed[:iterations], list(range(1, iterations + 1))))
+        saver("object", trace([Fraction(1, 3)], [1]))
+
+
+def test_version_and_help_for_every_argument() -> None:
+    import argparse
+
+    from vartrace import __version__
+    from vartrace.cli import _parser
+
+    result = vartrace("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"vartrace {__version__}"
+    parser = _parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in commands.choices.items():
+        for action in sub._actions:
+            assert action.help, f"vartrace {name}: {action.dest} has no help text"
+        shown = vartrace(name, "--help")
+        assert shown.returncode == 0 and "usage: vartrace" in shown.stdout
+
+
+def test_show_prints_the_value_held_at_an_iteration_as_a_bounded_preview(tmp_path: Path) -> None:
+    path = tmp_path / "odd.h5"
+    _odd_run(path)
+    result = vartrace("show", path, "big", "-i", "3")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "big @ iteration 3, rank 0: unchanged since iteration 1 (capture order 0)"
+    assert "shape (32, 32)  dtype float32" in lines[1] and "mean 511.5" in lines[2]
+    assert len(lines) <= 30, f"{len(lines)} lines"
+    assert "..." in result.stdout
+    changed = vartrace("show", path, "big", "-i", "4")
+    assert (
+        changed.returncode == 0 and "big @ iteration 4, rank 0 (capture order 1)" in changed.stdout
+    )
+
+
+def test_show_accepts_globs_like_plot(runs: Path) -> None:
+    result = vartrace("show", runs / "a.h5", "layers.*.forward", "-i", "2")
+    assert result.returncode == 0, result.stderr
+    headers = [line for line in result.stdout.splitlines() if " @ iteration 2" in line]
+    assert [h.split()[0] for h in headers] == [f"layers.{i}.forward" for i in range(3)]
+    assert_error(vartrace("show", runs / "a.h5", "nothing.*"), "has no site 'nothing.*'")
+
+
+def test_allow_pickle_reads_pickled_records(tmp_path: Path) -> None:
+    path = tmp_path / "odd.h5"
+    _odd_run(path)
+    refused = vartrace("show", path, "object", "-i", "1")
+    assert refused.returncode == 0 and "pass --allow-pickle" in refused.stdout
+    assert "Fraction(1, 3)" not in refused.stdout
+    allowed = vartrace("show", path, "object", "-i", "1", "--allow-pickle")
+    assert allowed.returncode == 0 and "Fraction(1, 3)" in allowed.stdout
+    for command in ("compare", "plot"):
+        assert "--allow-pickle" in vartrace(command, "--help").stdout
+
+
+def test_ls_shows_every_dtype_of_a_site(tmp_path: Path) -> None:
+    path = tmp_path / "odd.h5"
+    _odd_run(path)
+    result = vartrace("ls", path)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[3:]}
+    assert rows["mixed"][3] == "bfloat16,float32"
+    assert [line.split()[0] for line in result.stdout.splitlines()[3:]] == [
+        "big",
+        "mixed",
+        "object",
+    ]
+
+
+def test_compare_counts_pairs_differing_pairs_and_unpaired_records_apart(tmp_path: Path) -> None:
+    long, short = tmp_path / "long.h5", tmp_path / "short.h5"
+    _odd_run(long, iterations=4)
+    _odd_run(short, iterations=2)
+    result = vartrace("compare", long, short)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1].split()[:4] == ["site", "pairs", "differing", "unpaired"]
+    row = next(line.split() for line in lines if line.startswith("mixed "))
+    assert row[1:4] == ["2", "0", "2"], row

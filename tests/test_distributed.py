@@ -322,10 +322,10 @@ def test_ddp_tracer_hdf5_file_is_written_by_rank0_only(traced: Any) -> None:
     assert all(result["left_after_saver"] == {} for result in results)
     want = _gathered(world, 3, workers.PATHS)
     with vartrace.open(out / "gather" / "run.h5") as run:
-        assert run.names == sorted(workers.PATHS)
+        assert sorted(run.names) == sorted(workers.PATHS)
         for name in workers.PATHS:
             _assert_records(_file_records(run[name]), want[name], f"run.h5 {name}")
-        assert run["block.helper.doubled"].get(2, rank=1)[1].sum().item() == (
+        assert run["block.helper.doubled"].calls(2, rank=1)[1].sum().item() == (
             (workers.rank_input(1, 2) * 4).sum().item()
         )
 
@@ -341,7 +341,7 @@ def test_ddp_tracer_shards_one_file_per_rank_read_as_one_run(traced: Any) -> Non
     assert files == sorted(f"run.rank{r}.h5" for r in range(world))
     per_rank = [_rank_records(r, workers.PATHS) for r in range(world)]
     with vartrace.open(str(out / "shards" / "run.rank*.h5")) as run:
-        assert run.names == sorted(workers.PATHS)
+        assert sorted(run.names) == sorted(workers.PATHS)
         for name in workers.PATHS:
             want = sorted(
                 (

@@ -99,3 +99,20 @@ def test_plot_similarity_fifty_sites(tmp_path) -> None:
 def test_plot_similarity_needs_common_sites() -> None:
     with pytest.raises(ValueError, match="no site in common"):
         plot_similarity({"x": Trace([np.ones(2)], [1], [0], [0])}, {"y": Trace()})
+
+
+def test_plot_stat_of_forty_sites_names_them_on_a_colour_bar_in_execution_order(tmp_path) -> None:
+    run = make_run(n_sites=40, iterations=3)
+    path = tmp_path / "many.png"
+    fig = plot_stat(run, "layers.*", "mean", path)
+    assert_png(path)
+    assert not fig.legends, "a 40-entry legend would be cut off"
+    bar = fig.axes[-1]
+    assert bar.get_ylabel() == "40 sites, in execution order"
+    labels = [tick.get_text() for tick in bar.get_yticklabels()]
+    assert labels[0] == "layers.0.attn.forward.scores"
+    assert labels[-1] == "layers.39.attn.forward.scores"
+    numbers = [int(label.split(".")[1]) for label in labels]
+    assert numbers == sorted(numbers), "blocks.2 before blocks.10: execution order"
+    lines = fig.axes[0].get_lines()
+    assert len(lines) == 40 and lines[0].get_color() != lines[-1].get_color()

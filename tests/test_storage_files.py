@@ -133,17 +133,17 @@ def test_unknown_site_raises_key_error_with_close_matches(tmp_path: Path) -> Non
         assert "layers.0.attn.forward.scores" in run and len(run) == 3
 
 
-def test_get_returns_a_list_when_several_records_share_an_iteration(tmp_path: Path) -> None:
+def test_get_returns_one_value_and_calls_every_record_of_an_iteration(tmp_path: Path) -> None:
     path = tmp_path / "run.h5"
     with H5PYSaverCallback(path) as saver:
         saver("shared.forward.x", _trace([10, 11, 20, 30], [1, 1, 2, 1], first=5))
     with open_run(path) as run:
         site = run["shared.forward.x"]
-        assert site.get(1) == [10, 11, 30]
-        assert site.get(2) == 20
-        with pytest.raises(KeyError, match=r"iterations 1\.\.2"):
-            site.get(3)
-        with pytest.raises(KeyError, match="rank 1 has no records"):
+        assert site.get(1) == 30, "the last record of iteration 1 in capture order"
+        assert site.calls(1) == [10, 11, 30]
+        assert site.get(2) == 20 and site.calls(2) == [20]
+        assert site.get(3) == 20 and site.calls(3) == [], "as of iteration 3: unchanged since 2"
+        with pytest.raises(KeyError, match="no record on rank 1"):
             site.get(1, rank=1)
 
 
@@ -197,7 +197,8 @@ def test_a_sharded_saver_writes_its_rank_file_and_a_glob_reads_them_as_one_run(
             3.0,
             30.0,
         ]
-        assert site.get(2) == [torch.tensor(1.0), torch.tensor(2.0)]
+        assert site.calls(2) == [torch.tensor(1.0), torch.tensor(2.0)]
+        assert site.get(2) == torch.tensor(2.0)
         assert site.get(3, rank=1) == torch.tensor(30.0)
         assert site.values.shape == (7,) and site.values[4] == 20.0
         assert site.values[[1, 6]].tolist() == [10.0, 30.0]

@@ -59,7 +59,7 @@ def test_the_file_holds_exactly_what_the_tracer_recorded(tmp_path: Path, backgro
         assert set(saver.datasets) <= set(reference)
     assert sum(len(trace) for trace in tracer.results.values()) == 0, "saved records are dropped"
     with vartrace.open(path) as run:
-        assert run.names == sorted(reference)
+        assert run.names == list(reference), "both in execution order"
         for name in reference:
             want, site = reference[name], run[name]
             assert site.iterations.tolist() == list(want.iterations), name
@@ -70,15 +70,16 @@ def test_the_file_holds_exactly_what_the_tracer_recorded(tmp_path: Path, backgro
         assert run.meta["world_size"] == 1
 
 
-def test_a_layer_called_twice_per_step_gives_a_list_per_iteration(tmp_path: Path) -> None:
+def test_a_layer_called_twice_per_step_gives_two_calls_per_iteration(tmp_path: Path) -> None:
     path = tmp_path / "run.h5"
     with H5PYSaverCallback(path) as saver:
         _train({"post_gather_callbacks": [saver]}, steps=3)
     with vartrace.open(path) as run:
-        pair = run["shared.forward.input"].get(2)
+        pair = run["shared.forward.input"].calls(2)
         assert isinstance(pair, list) and len(pair) == 2
         assert pair[0].shape == pair[1].shape
         assert not torch.equal(pair[0], pair[1])
+        assert torch.equal(run["shared.forward.input"].get(2), pair[1])
         assert type(run["layers.0.forward.self.step_count"].get(3)) is int
 
 

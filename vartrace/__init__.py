@@ -28,6 +28,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "ModelTracer": "vartrace.tracer",
+    "CallbackError": "vartrace.tracer",
     "Results": "vartrace.results",
     "list_sites": "vartrace.sites",
     "sites_of_type": "vartrace.sites",
@@ -43,6 +44,7 @@ _LAZY = {
 
 __all__ = [
     "DROP",
+    "CallbackError",
     "Comparison",
     "H5PYSaverCallback",
     "ModelTracer",
@@ -69,7 +71,7 @@ if TYPE_CHECKING:
     from vartrace.storage._codec import Unstored
     from vartrace.storage.reader import open_run as open
     from vartrace.storage.writer import H5PYSaverCallback
-    from vartrace.tracer import ModelTracer
+    from vartrace.tracer import CallbackError, ModelTracer
 
 
 def __getattr__(name: str) -> Any:

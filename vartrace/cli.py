@@ -3,7 +3,7 @@
 Subcommands::
 
     vartrace ls RUN                         sites, records, shapes, dtypes, iterations, bytes
-    vartrace show RUN SITE [--iteration I] [--rank R]
+    vartrace show RUN SITE... [--iteration I] [--rank R]
     vartrace meta RUN [KEY]                 command, packages, git state, ...
     vartrace sites MODULE:FACTORY [PATTERN] capturable sites of a model
     vartrace compare A B [--atol --rtol --csv OUT --names PATTERN ...]
@@ -11,7 +11,10 @@ Subcommands::
     vartrace plot A B -o out.png            similarity heat map
 
 ``RUN`` is an HDF5 file or a glob of per-rank shards (quote it:
-``'run.rank*.h5'``).  ``compare`` exits 1 when anything differs beyond
+``'run.rank*.h5'``); ``SITE`` may be a glob (``'layers.*.forward'``).  Sites
+are listed in execution order.  ``show --iteration K`` prints the value each
+site held at iteration K: its last record at or before K (change detection
+stores a value only when it changes).  ``compare`` exits 1 when anything differs beyond
 tolerance, so it can guard numerics in CI.  Errors print one line to
 stderr and exit 2.
 
@@ -37,8 +40,10 @@ import numpy as np
 
 __all__ = ["main"]
 
-#: Tensors with more elements than this are summarised by ``show``, not printed in full.
-_FULL_PRINT = 1000
+#: Values with more elements than this are previewed by ``show`` (edge items only).
+_FULL_PRINT = 100
+#: Most lines of one value's preview.
+_PREVIEW_LINES = 24
 #: Records whose values ``show`` prints inline in its per-record table.
 _INLINE = 6
 
@@ -69,7 +74,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence
     return "\n".join(table(header, rows, right))
 
 
-def _open(path: str) -> Any:
+def _open(path: str, allow_pickle: bool = False) -> Any:
     """Open a run, turning the usual failures into one-line messages."""
     from vartrace.storage.reader import open_run
 
@@ -78,7 +83,7 @@ def _open(path: str) -> Any:
     if glob.has_magic(path) and not glob.glob(path):
         raise _UserError(f"no file matches {path}")
     try:
-        return open_run(path)
+        return open_run(path, allow_pickle=allow_pickle)
     except ValueError as exc:  # not a vartrace file, or a newer format
         raise _UserError(_message(exc)) from exc
     except OSError as exc:
@@ -91,6 +96,27 @@ def _site(run: Any, path: str, name: str) -> Any:
         hint = f"; did you mean {close}?" if close else f" (see vartrace ls {path})"
         raise _UserError(f"{path} has no site {name!r}{hint}")
     return run[name]
+
+
+def _matching(run: Any, path: str, patterns: Sequence[str]) -> list[str]:
+    """The sites named by ``patterns`` (exact names or globs), in execution order."""
+    import fnmatch
+
+    for pattern in patterns:
+        if pattern not in run.names and not fnmatch.filter(run.names, pattern):
+            _site(run, path, pattern)
+    return [
+        name
+        for name in run.names
+        if any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)
+    ]
+
+
+def _progress(items: Sequence[Any], what: str) -> Any:
+    """``items`` with a progress bar on a terminal's stderr, shown after one second."""
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=what, disable=not sys.stderr.isatty(), delay=1.0, leave=False)
 
 
 def _closest(name: str, names: Sequence[str]) -> str:
@@ -115,6 +141,26 @@ def _shapes_summary(view: Any) -> str:
         biggest = tuple(max(dims) for dims in zip(*shapes, strict=True))
         return f"ragged <= {_shape_text(biggest)}"
     return f"{len(shapes)} shapes"
+
+
+def _dtypes(view: Any) -> list[str]:
+    """Every dtype among a site's records, in order of first appearance.
+
+    Numeric records kept outside the site's ``values`` dataset (another dtype
+    than the first record's) are read to name theirs.
+    """
+    from vartrace.sources import value_dtype_name
+
+    found: dict[str, None] = {}
+    for row, (dtype, shape) in enumerate(zip(view.dtypes, view.shapes, strict=True)):
+        if shape is None and dtype in _NUMERIC_KINDS:
+            dtype = value_dtype_name(view.objects(np.asarray([row]))[0])
+        found[dtype] = None
+    return list(found)
+
+
+#: Kind names of numeric records that ``ls`` reads to name their dtype.
+_NUMERIC_KINDS = frozenset({"tensor", "ndarray", "numpy scalar"})
 
 
 def _range_text(values: np.ndarray) -> str:
@@ -150,7 +196,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                     name,
                     str(len(view.iterations)),
                     _shapes_summary(view),
-                    view.dtypes[0] if view.dtypes else "-",
+                    ",".join(_dtypes(view)) or "-",
                     _range_text(view.iterations),
                     _range_text(view.ranks),
                     "-" if nbytes is None else _human_bytes(nbytes),
@@ -165,8 +211,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 def _format_value(value: Any, dtype: str) -> list[str]:
     """Lines showing one record: the full value when small, a summary when big."""
-    from vartrace.sources import value_as_array
+    from vartrace.sources import Unreadable, value_as_array
 
+    if isinstance(value, Unreadable):
+        return ["  a pickled object: pass --allow-pickle to read it (it runs code from the file)"]
     array = value_as_array(value)
     if array is None:
         text = repr(value)
@@ -176,9 +224,16 @@ def _format_value(value: Any, dtype: str) -> list[str]:
     lines = [f"  shape {_shape_text(array.shape)}  dtype {dtype}"]
     if array.size and array.dtype.kind in "fciub":
         lines.append("  " + _stats_text(array))
-    threshold = sys.maxsize if array.size <= _FULL_PRINT else 200
-    body = np.array2string(array, threshold=threshold, edgeitems=3, max_line_width=100)
-    lines.extend("  " + line for line in body.splitlines())
+    with np.printoptions(threshold=_FULL_PRINT, edgeitems=3, linewidth=100, precision=6):
+        body = np.array2string(array).splitlines()
+    if len(body) > _PREVIEW_LINES:
+        cut = len(body) - _PREVIEW_LINES
+        body = [
+            *body[: _PREVIEW_LINES // 2],
+            f"... ({cut} more lines)",
+            *body[-_PREVIEW_LINES // 2 :],
+        ]
+    lines.extend("  " + line for line in body)
     return lines
 
 
@@ -201,39 +256,72 @@ def _stats_text(array: np.ndarray) -> str:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from vartrace.sources import open_source, record_stats
+    from vartrace.sources import open_source
 
-    with _open(args.run) as run, open_source(run) as source:
-        _site(run, args.run, args.site)
-        view = source.site(args.site)
-        keep = np.ones(len(view.iterations), dtype=bool)
-        if args.iteration is not None:
-            keep &= view.iterations == args.iteration
-        if args.rank is not None:
-            keep &= view.ranks == args.rank
-        rows = np.flatnonzero(keep)
-        if len(rows) == 0:
-            where = []
-            if args.iteration is not None:
-                where.append(f"iteration {args.iteration}")
-            if args.rank is not None:
-                where.append(f"rank {args.rank}")
+    with _open(args.run, args.allow_pickle) as run, open_source(run) as source:
+        names = _matching(run, args.run, args.sites)
+        shown = 0
+        for name in _progress(names, "show"):
+            if len(names) > 1 and shown:
+                print()
+            shown += _show_site(source.site(name), name, args, single=len(names) == 1)
+        if not shown:
             raise _UserError(
-                f"site {args.site!r} has no record at {' and '.join(where)} "
-                f"(iterations {_range_text(view.iterations)}, ranks {_range_text(view.ranks)})"
+                f"no site of {', '.join(args.sites)} has a record at or before iteration "
+                f"{args.iteration}" + ("" if args.rank is None else f" on rank {args.rank}")
             )
-        if args.iteration is None:
-            print(f"{args.site}: {len(rows)} records, dtype {view.dtypes[0]}")
-            print(_record_table(view, rows, record_stats))
-            return 0
-        for r in rows:
-            label = (
-                f"{args.site} @ iteration {view.iterations[r]}, rank {view.ranks[r]}"
-                f" (capture order {view.order[r]})"
-            )
-            print(label)
-            print("\n".join(_format_value(_record_value(view, int(r)), view.dtypes[r])))
     return 0
+
+
+def _show_site(view: Any, name: str, args: argparse.Namespace, single: bool) -> int:
+    """Print one site (a table of its records, or its value as of an iteration); 1 if printed."""
+    from vartrace.sources import record_stats
+
+    ranks = sorted(set(view.ranks.tolist())) if args.rank is None else [args.rank]
+    if args.iteration is None:
+        rows = np.flatnonzero(np.isin(view.ranks, ranks))
+        if not len(rows):
+            if single:
+                raise _UserError(
+                    f"site {name!r} has no record on rank {args.rank} ({_where(view)})"
+                )
+            return 0
+        print(f"{name}: {len(rows)} records, dtype {','.join(_dtypes(view))}")
+        print(_record_table(view, rows, record_stats))
+        return 1
+    printed = 0
+    for rank in ranks:
+        mine = np.flatnonzero(view.ranks == rank)
+        mine = mine[np.lexsort((view.order[mine], view.iterations[mine]))]
+        at = mine[view.iterations[mine] == args.iteration]
+        before = mine[view.iterations[mine] < args.iteration]
+        if len(at):
+            label = f"{name} @ iteration {args.iteration}, rank {rank}"
+            for call, r in enumerate(at, 1):
+                count = f", call {call} of {len(at)}" if len(at) > 1 else ""
+                print(f"{label}{count} (capture order {view.order[r]})")
+                print("\n".join(_format_value(_record_value(view, int(r)), view.dtypes[r])))
+        elif len(before):
+            r = before[-1]
+            print(
+                f"{name} @ iteration {args.iteration}, rank {rank}: unchanged since "
+                f"iteration {view.iterations[r]} (capture order {view.order[r]})"
+            )
+            print("\n".join(_format_value(_record_value(view, int(r)), view.dtypes[r])))
+        else:
+            continue
+        printed = 1
+    if not printed and single:
+        on = "" if args.rank is None else f" on rank {args.rank}"
+        raise _UserError(
+            f"site {name!r} has no record at or before iteration {args.iteration}{on} "
+            f"({_where(view)})"
+        )
+    return printed
+
+
+def _where(view: Any) -> str:
+    return f"iterations {_range_text(view.iterations)}, ranks {_range_text(view.ranks)}"
 
 
 def _record_value(view: Any, row: int) -> Any:
@@ -363,7 +451,10 @@ def _load_factory(spec: str) -> Any:
 
 def _cmd_sites(args: argparse.Namespace) -> int:
     factory = _load_factory(args.factory)
-    model = factory()
+    try:
+        model = factory()
+    except Exception as exc:
+        raise _UserError(f"{args.factory}() failed: {_message(exc)}") from exc
     from torch import nn
 
     from vartrace.sites import list_sites
@@ -380,9 +471,9 @@ def _cmd_sites(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from vartrace.comparison import compare
 
-    run_a = _open(args.a)
+    run_a = _open(args.a, args.allow_pickle)
     try:
-        run_b = _open(args.b)
+        run_b = _open(args.b, args.allow_pickle)
         try:
             report = compare(
                 run_a,
@@ -414,7 +505,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     first, rest = args.inputs[0], args.inputs[1:]
     if not rest:
         raise _UserError("plot needs SITE names after RUN, or a second RUN for a similarity map")
-    run = _open(first)
+    run = _open(first, args.allow_pickle)
     try:
         similarity = (
             args.stat is None
@@ -423,7 +514,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
             and _is_run_path(rest[0])
         )
         if similarity:
-            other = _open(rest[0])
+            other = _open(rest[0], args.allow_pickle)
             try:
                 from vartrace.comparison import compare
 
@@ -462,42 +553,76 @@ def _fnmatch(name: str, pattern: str) -> bool:
 # --------------------------------------------------------------------------- parser
 
 
+_RUN_HELP = "an HDF5 run file, or a quoted glob of per-rank shards ('run.rank*.h5')"
+_PICKLE_HELP = (
+    "unpickle records stored as pickled objects (runs code stored in the file: "
+    "only for files you trust)"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
+    from vartrace import __version__
+
     parser = _Parser(
         prog="vartrace",
         description="Look at vartrace runs: list, show, compare and plot recorded values.",
     )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    p = sub.add_parser("ls", help="list the sites of a run")
-    p.add_argument("run", metavar="RUN", help="HDF5 file or glob of shards")
+    p = sub.add_parser("ls", help="list the sites of a run, in execution order")
+    p.add_argument("run", metavar="RUN", help=_RUN_HELP)
     p.set_defaults(func=_cmd_ls)
 
-    p = sub.add_parser("show", help="print the recorded value(s) of a site")
-    p.add_argument("run", metavar="RUN")
-    p.add_argument("site", metavar="SITE")
-    p.add_argument("--iteration", "-i", type=int, help="show the full value(s) at this iteration")
-    p.add_argument("--rank", "-r", type=int, help="only records of this rank")
+    p = sub.add_parser(
+        "show",
+        help="print the recorded values of sites",
+        description="Without --iteration: a table of every record.  With --iteration K: the "
+        "value each site held at K, i.e. its last record at or before K.",
+    )
+    p.add_argument("run", metavar="RUN", help=_RUN_HELP)
+    p.add_argument(
+        "sites", metavar="SITE", nargs="+", help="site names or quoted globs ('layers.*')"
+    )
+    p.add_argument(
+        "--iteration",
+        "-i",
+        type=int,
+        help="print the value held at this iteration (its last record at or before it)",
+    )
+    p.add_argument("--rank", "-r", type=int, help="only records of this rank (default: all)")
+    p.add_argument("--allow-pickle", action="store_true", help=_PICKLE_HELP)
     p.set_defaults(func=_cmd_show)
 
     p = sub.add_parser("meta", help="print a run's metadata (command, packages, git, ...)")
-    p.add_argument("run", metavar="RUN")
-    p.add_argument("key", metavar="KEY", nargs="?", help="print only this entry (dotted)")
+    p.add_argument("run", metavar="RUN", help=_RUN_HELP)
+    p.add_argument(
+        "key", metavar="KEY", nargs="?", help="print only this entry, dotted (git.commit)"
+    )
     p.set_defaults(func=_cmd_meta)
 
     p = sub.add_parser("sites", help="list the capturable sites of a model built by a factory")
-    p.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. mypkg.models:build_model")
-    p.add_argument("pattern", metavar="PATTERN", nargs="?", default="**")
+    p.add_argument(
+        "factory",
+        metavar="MODULE:FACTORY",
+        help="a callable returning the model: mypkg.models:build or path/to/file.py:build",
+    )
+    p.add_argument(
+        "pattern", metavar="PATTERN", nargs="?", default="**", help="a path pattern (default **)"
+    )
     p.set_defaults(func=_cmd_sites)
 
     p = sub.add_parser("compare", help="compare two runs; exit 1 when they differ")
-    p.add_argument("a", metavar="A")
-    p.add_argument("b", metavar="B", help="the reference of the relative tolerance")
+    p.add_argument("a", metavar="A", help="the first run: " + _RUN_HELP)
+    p.add_argument("b", metavar="B", help="the second run, the reference of --rtol")
     p.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (1e-8)")
     p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (1e-5)")
     p.add_argument("--csv", metavar="OUT", help="write one row per record pair to OUT")
     p.add_argument("--names", nargs="+", metavar="PATTERN", help="compare only these sites")
+    p.add_argument("--allow-pickle", action="store_true", help=_PICKLE_HELP)
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser(
@@ -505,11 +630,19 @@ def _parser() -> argparse.ArgumentParser:
         help="plot statistics over iterations, or a similarity heat map of two runs",
         description="plot RUN SITE... [--stat mean,std] -o out.png | plot A B -o out.png",
     )
-    p.add_argument("inputs", nargs="+", metavar="RUN [SITE...] | A B")
-    p.add_argument("--stat", help="statistics, comma separated (default mean,std)")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="RUN [SITE...] | A B",
+        help="a run and site names or quoted globs; or two runs for a similarity map",
+    )
+    p.add_argument(
+        "--stat", help="statistics, comma separated (default mean,std; also var, norm, ...)"
+    )
     p.add_argument("-o", "--output", required=True, help="image file to write (.png, .pdf, .svg)")
     p.add_argument("--atol", type=float, default=1e-8, help="similarity map: absolute tolerance")
     p.add_argument("--rtol", type=float, default=1e-5, help="similarity map: relative tolerance")
+    p.add_argument("--allow-pickle", action="store_true", help=_PICKLE_HELP)
     p.set_defaults(func=_cmd_plot)
     return parser
 
@@ -541,7 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except Exception as exc:
-        sys.stderr.write(f"vartrace {args.command}: error: {type(exc).__name__}: {_message(exc)}\n")
+        sys.stderr.write(f"vartrace {args.command}: error: {_message(exc)}\n")
     return 2
 
 

@@ -84,6 +84,24 @@ def _colors(count: int) -> list[Any]:
     return [colormaps["turbo"](x) for x in np.linspace(0.05, 0.95, count)]
 
 
+#: Beyond this many sites a plot colours them by execution order, with a colour bar, not a legend.
+_LEGEND_SITES = 16
+
+
+def _site_colour_bar(fig: Any, axes: Any, names: list[str]) -> None:
+    """A colour bar naming sites by execution order (first, some between, last)."""
+    from matplotlib import colormaps
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    mappable = ScalarMappable(Normalize(-0.5, len(names) - 0.5), colormaps["turbo"])
+    bar = fig.colorbar(mappable, ax=list(axes), location="right", fraction=0.04, pad=0.01)
+    spread = np.linspace(0, len(names) - 1, min(len(names), 12)).round().astype(int)
+    ticks = sorted(set(spread.tolist()))
+    bar.set_ticks(ticks, labels=[names[t] for t in ticks], fontsize=7)
+    bar.set_label(f"{len(names)} sites, in execution order")
+
+
 def _short(label: str) -> str:
     return os.path.basename(label) or label
 
@@ -102,7 +120,8 @@ def plot_stat(
     results; ``sites`` names sites or glob patterns; ``stats`` are names from
     :data:`vartrace.sources.STATS` (``"mean,std"`` works too).  Saves to
     ``path`` when given and returns the figure; ``progress`` shows tqdm bars
-    on stderr for sites that take more than a second to read.
+    on stderr for work that takes more than a second.  Up to 16 sites get a
+    legend; more are coloured by execution order, named on a colour bar.
 
     Example::
 
@@ -110,15 +129,19 @@ def plot_stat(
         len(fig.axes)   # 2
     """
     Figure = _matplotlib()
+    from matplotlib import colormaps
+
     stat_names = [s.strip() for s in stats.split(",")] if isinstance(stats, str) else list(stats)
     if not stat_names:
         raise ValueError("name at least one statistic")
     for stat in stat_names:
         stat_function(stat)
+    from tqdm.auto import tqdm
+
     with open_source(run) as source:
         names = _expand(source, sites)
         curves = []
-        for name in names:
+        for name in tqdm(names, desc="plot", unit="site", disable=not progress, delay=1.0):
             view = source.site(name)
             if all(shape is None for shape in view.shapes):
                 raise ValueError(f"site {name!r} holds no numeric values to plot")
@@ -128,7 +151,12 @@ def plot_stat(
         label = source.label
     all_ranks = sorted({int(r) for _, ranks, _, _ in curves for r in np.unique(ranks)})
     multi_rank = len(all_ranks) > 1
-    colors = _colors(len(curves))
+    many = len(curves) > _LEGEND_SITES
+    colors = (
+        _colors(len(curves))
+        if not many
+        else [colormaps["turbo"](x) for x in np.linspace(0, 1, len(curves))]
+    )
     styles = ("-", "--", ":", "-.")
     fig = Figure(figsize=(10.0, 1.2 + 2.6 * len(stat_names)), layout="constrained")
     axes = fig.subplots(len(stat_names), 1, sharex=True, squeeze=False)[:, 0]
@@ -152,8 +180,10 @@ def plot_stat(
     axes[-1].set_xlabel("iteration")
     axes[-1].xaxis.get_major_locator().set_params(integer=True)
     axes[0].set_title(f"{', '.join(stat_names)} over iterations — {_short(label)}")
-    # beside the plots, so it never hides a curve
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
+    if many:  # a legend of that many entries would be cut off
+        _site_colour_bar(fig, axes, [name for name, *_ in curves])
+    else:  # beside the plots, so it never hides a curve
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
     if path is not None:
         fig.savefig(os.fspath(path), dpi=120)
     return fig

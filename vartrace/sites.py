@@ -11,6 +11,7 @@ existing sites.
 from __future__ import annotations
 
 import difflib
+import re
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -399,8 +400,35 @@ def list_sites(model: nn.Module, pattern: str = "**") -> list[str]:
     parsed = parse(pattern)
     root = unwrap(model)
     modules = list(root.named_modules())
+    hidden = _torch_helpers(modules, pattern)
     sites = [*_static_sites(modules), *_parameter_sites(root)]
-    return [s for s, depth in sites if parsed.matches(s.split("."), plain=depth)]
+    return [
+        s
+        for s, depth in sites
+        if parsed.matches(s.split("."), plain=depth) and not _below(s, hidden)
+    ]
+
+
+def _torch_helpers(modules: list[tuple[str, nn.Module]], pattern: str) -> set[str]:
+    """Sites of torch's own helper methods (``reset_parameters``, ``extra_repr``,
+    ``_conv_forward``...): methods other than ``forward`` that a class of the ``torch``
+    package defines, unless ``pattern`` names the method literally."""
+    literal = set(re.split(r"[.>@]", pattern))
+    hidden = set()
+    for path, module in modules:
+        for name in module_methods(module):
+            if name == "forward" or name in literal:
+                continue
+            owner = next(c for c in type(module).__mro__ if name in vars(c))
+            if owner.__module__.split(".")[0] == "torch":
+                hidden.add(_join(path, name))
+    return hidden
+
+
+def _below(site: str, methods: set[str]) -> bool:
+    """Whether ``site`` is one of ``methods``, or a variable or called function of one."""
+    cuts = [match.start() for match in re.finditer(r"[.>]", site)]
+    return any(site[:cut] in methods for cut in [*cuts, len(site)])
 
 
 def sites_of_type(model: nn.Module, *types: type[nn.Module]) -> list[str]:

@@ -9,6 +9,8 @@ end.
 
 from __future__ import annotations
 
+import inspect
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
@@ -29,7 +31,7 @@ from vartrace.sites import Target, is_compiled, module_methods, resolve, unwrap
 from vartrace.tensors import copy_leaf, same, snapshot, unchanged
 from vartrace.trace import RunContext, Trace, report_during
 
-__all__ = ["ModelTracer"]
+__all__ = ["CallbackError", "ModelTracer"]
 
 PreSave = Callable[[str, Any, int], Any]
 GatherCallback = Callable[[str, Trace], None]
@@ -41,14 +43,102 @@ _MISSING = object()
 set_change_test(snapshot, unchanged)
 
 
+class CallbackError(RuntimeError):
+    """A callback raised: the message names the callback, its stage and the site.
+
+    The callback's own exception is ``__cause__``.
+
+    Example::
+
+        try:
+            with ModelTracer(model, ["head"], pre_save_callbacks=[reduce_scores]):
+                model(x)
+        except vartrace.CallbackError as error:
+            original = error.__cause__
+    """
+
+
 def _name(callback: object) -> str:
-    return getattr(callback, "__qualname__", None) or type(callback).__qualname__
+    return getattr(callback, "__qualname__", None) or repr(callback)
 
 
-def _run_callbacks(callbacks: Sequence[GatherCallback], name: str, trace: Trace) -> None:
+def _failed(stage: str, callback: object, site: str, error: Exception) -> CallbackError:
+    return CallbackError(
+        f"{stage} callback {_name(callback)} raised on site {site!r}: "
+        f"{type(error).__name__}: {error}"
+    )
+
+
+def _run_callbacks(
+    stage: str, callbacks: Sequence[GatherCallback], name: str, trace: Trace
+) -> None:
     for callback in callbacks:
-        callback(name, trace)
+        try:
+            callback(name, trace)
+        except Exception as error:
+            raise _failed(stage, callback, name, error) from error
         trace.check_lengths(_name(callback))
+
+
+def _check_callbacks(stage: str, callbacks: list[Any], arguments: tuple[str, ...]) -> None:
+    """Raise ``TypeError`` naming a callback that cannot be called with ``arguments``."""
+    for index, callback in enumerate(callbacks):
+        if not callable(callback):
+            raise TypeError(f"{stage}[{index}] is a {type(callback).__name__}, not callable")
+        try:
+            signature = inspect.signature(callback)
+        except (TypeError, ValueError):  # a builtin without a signature: trust it
+            continue
+        try:
+            signature.bind(*arguments)
+        except TypeError:
+            wanted = f"cb({', '.join(arguments)})"
+            hint = ""
+            if stage == "pre_save_callbacks" and _binds(signature, 2):
+                hint = "; it takes (name, trace): pass it in post_gather_callbacks"
+            elif stage != "pre_save_callbacks" and _binds(signature, 3):
+                hint = "; it takes (name, value, iteration): pass it in pre_save_callbacks"
+            raise TypeError(
+                f"{stage}[{index}] {_name(callback)} cannot be called as {wanted}{hint}"
+            ) from None
+
+
+def _binds(signature: inspect.Signature, count: int) -> bool:
+    try:
+        signature.bind(*range(count))
+    except TypeError:
+        return False
+    return True
+
+
+def _warn_unused_savers(callbacks: list[Any]) -> None:
+    """Warn about savers created but given to no tracer: they would write nothing."""
+    writer = sys.modules.get("vartrace.storage.writer")
+    if writer is None:
+        return
+    for saver in writer.unused_savers():
+        if not any(saver is callback for callback in callbacks):
+            warnings.warn(
+                f"vartrace: {saver!r} is not among this tracer's callbacks, so it will write "
+                "nothing; pass it as ModelTracer(..., post_gather_callbacks=[saver])",
+                stacklevel=4,
+            )
+
+
+def _check_device(device: torch.device) -> None:
+    """Refuse a device this torch cannot put tensors on, before the first record."""
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = "a CPU-only build" if torch.version.cuda is None else "no visible GPU"
+            raise ValueError(
+                f"device={str(device)!r}: this torch ({torch.__version__}) has {build}; "
+                "record on device='cpu'"
+            )
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device={str(device)!r}: only {count} CUDA device(s) are visible")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device='mps': MPS is not available in this torch")
 
 
 def _positive(name: str, value: int) -> int:
@@ -118,13 +208,20 @@ class ModelTracer:
         self.pre_gather_callbacks = list(pre_gather_callbacks)
         self.post_gather_callbacks = list(post_gather_callbacks)
         self.post_trace_callbacks = list(post_trace_callbacks)
+        _check_callbacks(
+            "pre_save_callbacks", self.pre_save_callbacks, ("name", "value", "iteration")
+        )
+        for stage in ("pre_gather_callbacks", "post_gather_callbacks", "post_trace_callbacks"):
+            _check_callbacks(stage, getattr(self, stage), ("name", "trace"))
         self.gathering_interval = _positive("gathering_interval", gathering_interval)
         self.trace_interval = _positive("trace_interval", trace_interval)
         self.mode = mode
         self.change_detection = change_detection
         self.device = torch.device(device)
+        _check_device(self.device)
         self.gather = gather
         self._targets = resolve(self.model, paths, strict=strict)
+        _warn_unused_savers(self._all_callbacks())
         self._silence = SilenceWatch(self._targets, mode, self.model)
         self._other_mode_calls = 0
         self.results = Results()
@@ -198,7 +295,7 @@ class ModelTracer:
         if flush:
             self._flush()
             for name in list(self.results):
-                _run_callbacks(self.post_trace_callbacks, name, self.results[name])
+                _run_callbacks("post_trace", self.post_trace_callbacks, name, self.results[name])
 
     def __enter__(self) -> ModelTracer:
         return self.start()
@@ -311,7 +408,10 @@ class ModelTracer:
 
     def _store(self, site: str, value: Any, iteration: int) -> None:
         for callback in self.pre_save_callbacks:
-            value = callback(site, value, iteration)
+            try:
+                value = callback(site, value, iteration)
+            except Exception as error:
+                raise _failed("pre_save", callback, site, error) from error
             if value is DROP:
                 return
         record = copy_leaf(value, self.device)
@@ -334,12 +434,12 @@ class ModelTracer:
     def _flush(self) -> None:
         chunk, self._chunk = self._chunk, {}
         for name, trace in chunk.items():
-            _run_callbacks(self.pre_gather_callbacks, name, trace)
+            _run_callbacks("pre_gather", self.pre_gather_callbacks, name, trace)
         gathered = distributed.gather_chunk(chunk) if self.gather else chunk
         if gathered is None:
             return
         for name, trace in gathered.items():
-            _run_callbacks(self.post_gather_callbacks, name, trace)
+            _run_callbacks("post_gather", self.post_gather_callbacks, name, trace)
             self.results.add(name, trace)
         for callback in self.post_gather_callbacks:
             flush = getattr(callback, "flush", None)

@@ -23,6 +23,7 @@ import numpy as np
 
 from vartrace.comparison._stats import block_partial, concatenate, finish, numeric_stats
 from vartrace.comparison.report import (
+    COLUMNS,
     FLOAT_COLUMNS,
     STATUS_DIFFERS,
     STATUS_OK,
@@ -31,6 +32,7 @@ from vartrace.comparison.report import (
     STATUS_SHAPE,
     STATUS_SKIPPED,
     Comparison,
+    Divergence,
     SiteSummary,
 )
 from vartrace.sources import (
@@ -222,7 +224,8 @@ class _SiteResult:
         return SiteSummary(
             site=self.name,
             records=self.n_pairs,
-            differing=int(bad.sum()),
+            differing=int(bad[: self.n_pairs].sum()),
+            unpaired=len(bad) - self.n_pairs,
             max_abs_diff=_worst(np.nanmax, self.floats["max_abs_diff"][: self.n_pairs]),
             max_rel_diff=_worst(np.nanmax, self.floats["max_rel_diff"][: self.n_pairs]),
             min_cosine=_worst(np.nanmin, self.floats["cosine"][: self.n_pairs]),
@@ -402,4 +405,33 @@ def compare(
                 bar.update(1)
     results.sort(key=_SiteResult.execution_key)
     labels = labels or (source_a.label, source_b.label)
-    return Comparison(results, only_a, only_b, atol, rtol, labels)
+    firsts = [(key, r.name) for r in results if (key := r.first_key()) is not None]
+    first = None
+    if firsts:
+        (iteration, _, rank), site = min(firsts)
+        first = Divergence(site, iteration, rank)
+    summaries = [r.summary() for r in results]
+    return Comparison(summaries, _columns(results), first, only_a, only_b, atol, rtol, labels)
+
+
+def _columns(results: list[_SiteResult]) -> dict[str, list[Any]]:
+    """The report's columns (:data:`COLUMNS`): one entry per record pair or unpaired record."""
+    columns: dict[str, list[Any]] = {name: [] for name in COLUMNS}
+    for r in results:
+        n = len(r.status)
+        columns["site"].extend([r.name] * n)
+        for name in ("iteration", "rank", "occurrence", "order_a", "order_b"):
+            columns[name].extend(getattr(r, name).tolist())
+        columns["status"].extend(r.status.tolist())
+        columns["shape_a"].extend(r.shape_a)
+        columns["shape_b"].extend(r.shape_b)
+        columns["dtype_a"].extend(r.dtype_a)
+        columns["dtype_b"].extend(r.dtype_b)
+        columns["shape_match"].extend(r.shape_match.tolist())
+        columns["allclose"].extend(r.allclose.tolist())
+        for name in FLOAT_COLUMNS:
+            columns[name].extend(r.floats[name].tolist())
+        for stat in ("mean", "std", "var"):
+            diff = r.floats[f"{stat}_a"] - r.floats[f"{stat}_b"]
+            columns[f"{stat}_diff"].extend(diff.tolist())
+    return columns

@@ -13,10 +13,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-if TYPE_CHECKING:
-    from vartrace.comparison._engine import _SiteResult
+from typing import Any, NamedTuple
 
 #: Record status values, in the order the report ranks them.
 STATUS_OK = "ok"
@@ -81,8 +78,10 @@ class SiteSummary:
     Attributes:
         site: the site name.
         records: record pairs compared (matched in both runs).
-        differing: records beyond tolerance, with a shape mismatch, or present
-            in one run only.
+        differing: record pairs beyond tolerance or with a shape mismatch
+            (at most ``records``).
+        unpaired: records present in one run only (a missing partner fails the
+            comparison too).
         max_abs_diff: the largest absolute difference over the site's numeric
             records (NaN when none was compared).
         max_rel_diff: the largest relative difference ``|a - b| / |b|``.
@@ -93,6 +92,7 @@ class SiteSummary:
     site: str
     records: int
     differing: int
+    unpaired: int
     max_abs_diff: float
     max_rel_diff: float
     min_cosine: float
@@ -136,7 +136,9 @@ class Comparison:
 
     def __init__(
         self,
-        results: list[_SiteResult],
+        sites: list[SiteSummary],
+        columns: dict[str, list[Any]],
+        first_divergence: Divergence | None,
         only_in_a: list[str],
         only_in_b: list[str],
         atol: float,
@@ -148,37 +150,10 @@ class Comparison:
         self.labels = labels
         self.only_in_a = only_in_a
         self.only_in_b = only_in_b
-        self.sites = [r.summary() for r in results]
-        self._columns = self._gather_columns(results)
-        firsts = [(key, r.name) for r in results if (key := r.first_key()) is not None]
-        if firsts:
-            (iteration, _, rank), site = min(firsts)
-            self.first_divergence: Divergence | None = Divergence(site, iteration, rank)
-        else:
-            self.first_divergence = None
-        self.ok = self.first_divergence is None
-
-    @staticmethod
-    def _gather_columns(results: list[_SiteResult]) -> dict[str, list[Any]]:
-        columns: dict[str, list[Any]] = {name: [] for name in COLUMNS}
-        for r in results:
-            n = len(r.status)
-            columns["site"].extend([r.name] * n)
-            for name in ("iteration", "rank", "occurrence", "order_a", "order_b"):
-                columns[name].extend(getattr(r, name).tolist())
-            columns["status"].extend(r.status.tolist())
-            columns["shape_a"].extend(r.shape_a)
-            columns["shape_b"].extend(r.shape_b)
-            columns["dtype_a"].extend(r.dtype_a)
-            columns["dtype_b"].extend(r.dtype_b)
-            columns["shape_match"].extend(r.shape_match.tolist())
-            columns["allclose"].extend(r.allclose.tolist())
-            for name in FLOAT_COLUMNS:
-                columns[name].extend(r.floats[name].tolist())
-            for stat in ("mean", "std", "var"):
-                diff = r.floats[f"{stat}_a"] - r.floats[f"{stat}_b"]
-                columns[f"{stat}_diff"].extend(diff.tolist())
-        return columns
+        self.sites = sites
+        self._columns = columns
+        self.first_divergence = first_divergence
+        self.ok = first_divergence is None
 
     def __len__(self) -> int:
         """Number of rows: record pairs plus records present on one side only."""
@@ -223,8 +198,9 @@ class Comparison:
     def __str__(self) -> str:
         header = (
             "site",
-            "records",
+            "pairs",
             "differing",
+            "unpaired",
             "max abs diff",
             "max rel diff",
             "min cosine",
@@ -235,6 +211,7 @@ class Comparison:
                 s.site,
                 str(s.records),
                 str(s.differing),
+                str(s.unpaired),
                 _fmt(s.max_abs_diff),
                 _fmt(s.max_rel_diff),
                 _fmt_cosine(s.min_cosine),
@@ -244,7 +221,7 @@ class Comparison:
         ]
         a, b = self.labels
         lines = [f"comparing {a} with {b} (atol={self.atol:g}, rtol={self.rtol:g})"]
-        lines.extend(table(header, body, right=(1, 2, 3, 4, 5)))
+        lines.extend(table(header, body, right=(1, 2, 3, 4, 5, 6)))
         differing = sum(1 for s in self.sites if s.status not in (STATUS_OK, STATUS_SKIPPED))
         lines.append("")
         lines.append(

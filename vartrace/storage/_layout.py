@@ -77,8 +77,12 @@ def unescape(link: str) -> str:
 
 
 def shard_path(path: Path, rank: int) -> Path:
-    """The file one rank writes in a sharded run: ``run.h5`` -> ``run.rank3.h5``."""
-    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+    """The file one rank writes in a sharded run: ``run.h5`` -> ``run.rank3.h5``.
+
+    A path that already names a rank (``f"run.rank{rank}.h5"``) gives the same file.
+    """
+    stem = re.sub(r"\.rank\d+$", "", path.stem)
+    return path.with_name(f"{stem}.rank{rank}{path.suffix}")
 
 
 def writer_alive(host: str, pid: int) -> bool | None:

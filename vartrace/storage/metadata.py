@@ -12,7 +12,7 @@ well-known shapes) are replaced by ``<redacted>``.
 Example::
 
     meta = collect_metadata(world_size=4)
-    meta["git"]["commit"], meta["env"].get("CUDA_VISIBLE_DEVICES")
+    meta["git"].get("commit"), meta["env"].get("CUDA_VISIBLE_DEVICES")
 """
 
 from __future__ import annotations
@@ -128,10 +128,10 @@ def _command_line() -> list[str]:
     return redacted
 
 
-def _git(*args: str) -> bytes | None:
+def _git(*args: str, where: str | None = None) -> bytes | None:
     try:
         done = subprocess.run(
-            ["git", *args],
+            ["git", *(["-C", where] if where else []), *args],
             capture_output=True,
             timeout=_GIT_TIMEOUT_S,
             check=False,
@@ -147,16 +147,27 @@ def _text(raw: bytes | None) -> str:
     return (raw or b"")[:_DIFF_LIMIT].decode("utf-8", "replace")
 
 
+def _script_directory() -> str | None:
+    """The directory of the running script (``python path/train.py``), if there is one."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    return os.path.dirname(os.path.abspath(script)) if script else None
+
+
 def _git_state() -> dict[str, Any]:
-    commit = _git("rev-parse", "HEAD")
-    if commit is None:
+    """Git state of the running script's repository, else of the working directory's."""
+    for where in dict.fromkeys((_script_directory(), None)):
+        commit = _git("rev-parse", "HEAD", where=where)
+        if commit is not None:
+            break
+    else:
         return {"available": False}
-    status = _git("status", "--porcelain") or b""
-    diff = _git("diff", "HEAD") or b""
+    status = _git("status", "--porcelain", where=where) or b""
+    diff = _git("diff", "HEAD", where=where) or b""
     return {
         "available": True,
+        "repository": _text(_git("rev-parse", "--show-toplevel", where=where)).strip(),
         "commit": _text(commit).strip(),
-        "branch": _text(_git("rev-parse", "--abbrev-ref", "HEAD")).strip(),
+        "branch": _text(_git("rev-parse", "--abbrev-ref", "HEAD", where=where)).strip(),
         "dirty": bool(status.strip()),
         "status": _text(status),
         "diff": _text(diff),

@@ -8,7 +8,9 @@ Example::
         site = run["layers.0.attn.forward.scores"]
         site.values            # the h5py dataset (records x padded shape), read lazily
         site.iterations        # numpy int64 array, one entry per record
-        site.get(iteration=8)  # the record of iteration 8 (rank 0), exact shape and dtype
+        site.get(iteration=8)  # the value the site held at iteration 8 (rank 0): its last
+                               # record at or before 8, exact shape and dtype
+        site.calls(iteration=8)  # every record of iteration 8, in capture order (a list)
         run.to_frame(stat="norm")
 
 Opening reads nothing but the root attributes; records are read when asked
@@ -53,12 +55,14 @@ def _mean(x: np.ndarray) -> Any:
 STATS: dict[str, Callable[[np.ndarray], Any]] = {
     "mean": _mean,
     "std": lambda x: x.std(),
+    "var": lambda x: x.var(),
     "min": lambda x: x.min(),
     "max": lambda x: x.max(),
     "norm": lambda x: float(np.sqrt(np.sum(np.abs(x) ** 2))),
     "absmax": lambda x: np.abs(x).max(),
 }
-"""Named statistics of :meth:`Run.to_frame`, computed in float64 (``std`` is the population std)."""
+"""Named statistics of :meth:`Run.to_frame`, computed in float64 (``std`` and ``var`` are the
+population ones), the same names as ``vartrace plot --stat`` takes."""
 
 
 def _missing(path: Path) -> FileNotFoundError:
@@ -119,13 +123,31 @@ def _read_tree(group: h5py.Group) -> dict[str, Any]:
     return tree
 
 
-def _load_filters(dataset: h5py.Dataset) -> None:
-    """Register hdf5plugin's filters (Blosc & co.) when ``dataset`` uses a plugin filter."""
+def _load_filters(dataset: h5py.Dataset) -> str | None:
+    """Register hdf5plugin's filters (Blosc & co.) when ``dataset`` uses a plugin filter.
+
+    Returns why the values cannot be read when a filter stays unavailable
+    (hdf5plugin not installed), naming the filter and how to install it;
+    ``None`` when they can.
+    """
     plist = dataset.id.get_create_plist()
-    plugin = any(plist.get_filter(i)[0] >= 256 for i in range(plist.get_nfilters()))
-    if plugin:
-        with contextlib.suppress(ImportError):
-            import hdf5plugin  # noqa: F401
+    filters = [plist.get_filter(i) for i in range(plist.get_nfilters())]
+    plugins = [(code, name) for code, _, _, name in filters if code >= 256]
+    if not plugins:
+        return None
+    with contextlib.suppress(ImportError):
+        import hdf5plugin  # noqa: F401
+    missing = [(code, name) for code, name in plugins if not h5py.h5z.filter_avail(code)]
+    if not missing:
+        return None
+    names = ", ".join(
+        f"{name.decode(errors='replace') or 'unnamed'} (HDF5 filter {code})"
+        for code, name in missing
+    )
+    return (
+        f"its values are compressed with {names}, a filter this Python lacks: "
+        "install hdf5plugin (pip install 'vartrace[compress]') to read them"
+    )
 
 
 def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
@@ -157,8 +179,7 @@ class _Part:
         slot = int(group.attrs["slot"])
         self.rows = int(committed[slot]) if slot < len(committed) else 0
         self.values: h5py.Dataset | None = group.get("values")
-        if self.values is not None:
-            _load_filters(self.values)
+        self.unreadable = None if self.values is None else _load_filters(self.values)
         self.storage = "" if self.values is None else str(self.values.attrs["storage"])
         self.torch_dtype = (
             "" if self.values is None else str(self.values.attrs.get("torch_dtype", ""))
@@ -184,6 +205,11 @@ class _Part:
             return self.torch_dtype or self.values.dtype.name
         return {"str": "str", "blob": "object"}.get(self.storage, "none")
 
+    def check(self, name: str) -> None:
+        """Raise ``OSError`` naming the missing filter when the values cannot be read."""
+        if self.unreadable is not None:
+            raise OSError(f"site {name!r}: {self.unreadable}")
+
     def read(self, row: int, allow_pickle: bool, where: str) -> Any:
         code = int(self.tags["kinds"][row])
         kind = code & 0x7F
@@ -192,6 +218,7 @@ class _Part:
         if code & IN_OTHER:
             return from_blob(kind, self.group["other"][row].tobytes(), allow_pickle, where)
         assert self.values is not None
+        self.check(where)
         if self.storage == "str":
             return self.values.asstr()[row]
         if self.storage == "blob":
@@ -210,6 +237,7 @@ class _Part:
         rows: list[Any] = [None] * len(kinds)
         if self.storage == "array":
             assert self.values is not None
+            self.check(name)
             record_bytes = self.values.dtype.itemsize * int(np.prod(self.values.shape[1:]))
             step = max(1, _READ_BLOCK // max(1, record_bytes))
             for begin in range(0, len(kinds), step):
@@ -335,6 +363,8 @@ class Site:
         """
         if all(part.values is None for part in self._parts):
             return None
+        for part in self._parts:
+            part.check(self.name)
         single = self._parts[0].values if len(self._parts) == 1 else None
         if single is not None and single.shape[0] == len(self):
             return single
@@ -378,25 +408,65 @@ class Site:
         where = f"record {index} of site {self.name!r}"
         return self._parts[part].read(row, self._allow_pickle, where)
 
-    def get(self, iteration: int, rank: int = 0) -> Any:
-        """The value recorded at ``iteration`` on ``rank``.
+    def _rows(self, rank: int) -> np.ndarray:
+        """Indices of ``rank``'s records, by (iteration, capture order)."""
+        rows = np.flatnonzero(self.ranks == rank)
+        return rows[np.lexsort((self.order[rows], self.iterations[rows]))]
 
-        A torch tensor for tensor records (any dtype, bfloat16 included), the
-        Python or numpy value otherwise.  When several records share the
-        iteration and rank (a method called twice in one step), a list of them
-        in capture order.  ``KeyError`` when there is none.
-        """
-        hits = np.flatnonzero((self.iterations == iteration) & (self.ranks == rank))
-        if not hits.size:
-            found = np.unique(self.iterations[self.ranks == rank])
-            span = f"iterations {found[0]}..{found[-1]}" if found.size else "no records"
-            raise KeyError(
-                f"site {self.name!r} has no record at iteration {iteration} on rank {rank} "
-                f"(rank {rank} has {span}, {found.size} distinct)"
+    def _nothing_before(self, iteration: int, rank: int, rows: np.ndarray) -> KeyError:
+        if not rows.size:
+            ranks = np.unique(self.ranks).tolist()
+            return KeyError(
+                f"site {self.name!r} has no record on rank {rank} (it has records of "
+                f"rank(s) {', '.join(map(str, ranks)) or 'none'})"
             )
-        hits = hits[np.argsort(self.order[hits], kind="stable")]
-        values = [self.record(int(index)) for index in hits]
-        return values[0] if len(values) == 1 else values
+        return KeyError(
+            f"site {self.name!r} has no record at or before iteration {iteration} on rank "
+            f"{rank}: its first record is at iteration {int(self.iterations[rows[0]])}"
+        )
+
+    def get(self, iteration: int, rank: int = 0) -> Any:
+        """The value the site held at ``iteration`` on ``rank``: its last record at or before it.
+
+        Change detection stores a value only when it changes, so a weight
+        recorded at iteration 1 and never changed afterwards is its value at
+        every later iteration: ``get(5)`` returns it.  When iteration
+        ``iteration`` holds several records (a method called twice in one
+        step), the last one in capture order: the value at the end of that
+        iteration; :meth:`calls` gives all of them.  Always one value: a torch
+        tensor for tensor records (any dtype, bfloat16 included), the Python or
+        numpy value otherwise.  ``KeyError`` when ``rank`` recorded nothing at
+        or before ``iteration``.
+
+        Example::
+
+            run["head.weight"].get(iteration=5)   # recorded at 1, unchanged since
+        """
+        rows = self._rows(rank)
+        upto = rows[self.iterations[rows] <= iteration]
+        if not upto.size:
+            raise self._nothing_before(iteration, rank, rows)
+        return self.record(int(upto[-1]))
+
+    def calls(self, iteration: int, rank: int = 0) -> list[Any]:
+        """Every record tagged ``iteration`` on ``rank``, in capture order: always a list.
+
+        One entry per recorded call of the iteration (a shared layer called
+        twice gives two).  An empty list when the iteration recorded nothing
+        on that rank: with change detection, nothing changed, and :meth:`get`
+        gives the value then held.
+
+        Example::
+
+            first, second = run["shared.forward.x"].calls(iteration=3)
+        """
+        rows = self._rows(rank)
+        return [self.record(int(r)) for r in rows[self.iterations[rows] == iteration]]
+
+
+def _first_order(parts: list[_Part]) -> int:
+    """The capture order of a site's first record (each file's records are in capture order)."""
+    return min(int(_leading_rows(part.group, "order", 1)[0]) for part in parts)
 
 
 def _numeric(value: Any) -> np.ndarray | None:
@@ -485,10 +555,14 @@ class Run:
                     links.setdefault(unescape(link), []).append(part)
         return links
 
-    @property
+    @cached_property
     def names(self) -> list[str]:
-        """The site names, sorted."""
-        return sorted(self._links)
+        """The site names in execution order: by the capture order of each site's first record.
+
+        ``blocks.2`` comes before ``blocks.10`` when the model ran it first.
+        Ties (sites of shards with independent counters) go by name.
+        """
+        return sorted(self._links, key=lambda name: (_first_order(self._links[name]), name))
 
     def __getitem__(self, name: str) -> Site:
         site = self._sites.get(name)
@@ -522,7 +596,7 @@ class Run:
         """A pandas DataFrame with one row per record and a statistic column.
 
         Columns: site, iteration, rank, order, shape, dtype and the statistic
-        (named after ``stat``).  ``stat`` is one of ``mean``, ``std``, ``min``,
+        (named after ``stat``).  ``stat`` is one of ``mean``, ``std``, ``var``, ``min``,
         ``max``, ``norm``, ``absmax`` (float64; NaN for non-numeric records) or
         a callable receiving each record's value as :meth:`Site.get` returns it.
 
@@ -595,6 +669,6 @@ def open_run(
     Example::
 
         with vartrace.open("run.h5") as run:
-            print(run.names, run.meta["git"]["commit"])
+            print(run.names, run.meta["git"].get("commit"))
     """
     return Run(_expand(path_or_glob), allow_pickle=allow_pickle)

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import difflib
 import errno
 import os
 import re
 import socket
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -59,7 +61,7 @@ from vartrace.storage._layout import (
 from vartrace.storage._worker import Worker
 from vartrace.trace import RunContext, Trace, report_during
 
-__all__ = ["COMPRESSIONS", "H5PYSaverCallback", "recover"]
+__all__ = ["COMPRESSIONS", "H5PYSaverCallback", "recover", "unused_savers"]
 
 _CHUNK_TARGET = 512 << 10  # bytes of a multi-record chunk
 _CHUNK_MAX = 8 << 20  # a record bigger than this is split into several chunks
@@ -76,7 +78,12 @@ _STR = h5py.string_dtype("utf-8")
 
 
 def _blosc(version: int, cname: str) -> dict[str, Any]:
-    import hdf5plugin
+    try:
+        import hdf5plugin
+    except ImportError as error:
+        raise ImportError(
+            "compression='blosc*' needs hdf5plugin: pip install 'vartrace[compress]'"
+        ) from error
 
     if version == 1:
         return dict(hdf5plugin.Blosc(cname=cname, clevel=1, shuffle=hdf5plugin.Blosc.SHUFFLE))
@@ -93,16 +100,46 @@ fastest: the recommended one), ``"blosc2"`` (Blosc2 + LZ4), ``"blosc2-zstd"`` (B
 Zstd: smaller files, about half the speed).  They need ``pip install hdf5plugin``."""
 
 
+#: Compression names HDF5 itself knows (h5py's), besides the shortcuts of :data:`COMPRESSIONS`.
+_BUILTIN_COMPRESSIONS = ("gzip", "lzf", "szip")
+
+
 def _filters(compression: Any, options: Any, shuffle: bool) -> dict[str, Any]:
+    """The dataset filter options of a compression setting, checked: ``ValueError`` if unusable."""
     if isinstance(compression, str) and compression in COMPRESSIONS:
         filters = COMPRESSIONS[compression]()
+    elif isinstance(compression, str) and compression not in _BUILTIN_COMPRESSIONS:
+        known = [*COMPRESSIONS, *_BUILTIN_COMPRESSIONS]
+        close = difflib.get_close_matches(compression, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(
+            f"unknown compression {compression!r}: {hint}use one of {', '.join(known)}, "
+            "an HDF5 filter number or an hdf5plugin filter object"
+        )
     elif isinstance(compression, Mapping):  # an hdf5plugin filter object
         filters = dict(compression)
     else:
         filters = {"compression": compression, "compression_opts": options}
     if shuffle:
         filters["shuffle"] = True
-    return {key: value for key, value in filters.items() if value is not None}
+    filters = {key: value for key, value in filters.items() if value is not None}
+    _probe(filters, compression)
+    return filters
+
+
+def _probe(filters: dict[str, Any], compression: Any) -> None:
+    """Create a dataset with ``filters`` in memory, so a bad setting fails now, not at a gather."""
+    if not filters:
+        return
+    try:
+        with h5py.File(
+            f"vartrace-probe-{id(filters)}", "w", driver="core", backing_store=False
+        ) as f:
+            f.create_dataset("probe", (1, 4), np.float32, chunks=(1, 4), **filters)
+    except (ValueError, TypeError, OSError, KeyError) as error:
+        plugin = isinstance(compression, int) and compression >= 256
+        hint = " (a plugin filter: pip install 'vartrace[compress]')" if plugin else ""
+        raise ValueError(f"compression {compression!r} cannot be used{hint}: {error}") from None
 
 
 def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
@@ -380,6 +417,18 @@ def _objects(rows: list[str | bytes]) -> np.ndarray:
     return array
 
 
+_UNUSED: weakref.WeakSet[H5PYSaverCallback] = weakref.WeakSet()
+
+
+def unused_savers() -> list[H5PYSaverCallback]:
+    """Savers created but neither started by a tracer, called nor closed yet.
+
+    :class:`~vartrace.tracer.ModelTracer` warns about those it is not given:
+    they would write nothing.
+    """
+    return list(_UNUSED)
+
+
 class H5PYSaverCallback:
     """Post-gather callback streaming every record into an HDF5 file.
 
@@ -460,15 +509,20 @@ class H5PYSaverCallback:
         self._context = RunContext()
         self._idle = False
         self._closed = False
+        self._created = False  # this saver created the file (and removes it if it stays empty)
+        self._shift: tuple[int, int] | None = None  # added to (iterations, order) when appending
+        self._last: tuple[int, int] | None = None  # the file's largest (iteration, order) at open
         self.background = background
         self._pending: list[tuple[str, Trace]] = []  # taken over, not yet handed to the thread
         self._worker: Worker | None = None
         self._failure: OSError | None = None  # the write failure that ended the file
+        _UNUSED.add(self)
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def on_start(self, context: RunContext) -> None:
         """Open the file for this rank (called by the tracer before the first record)."""
+        _UNUSED.discard(self)
         if self._file is not None or self._closed:
             return
         self._context = context
@@ -507,8 +561,10 @@ class H5PYSaverCallback:
         if path.exists():
             _check_appendable(path)
             handle = h5py.File(path, "r+", libver=LIBVER, rdcc_nbytes=_CACHE_BYTES)
+            self._last = _last_tags(handle)
         else:
             handle = self._create(path)
+            self._created = True
         handle.attrs.update(writer_host=socket.gethostname(), writer_pid=os.getpid())
         committed = handle[COMMITTED][()]
         # Sites a killed writer created but never committed hold no records.
@@ -598,6 +654,7 @@ class H5PYSaverCallback:
         naming the file and the cause, once, and the records of every flush
         before it stay readable.
         """
+        _UNUSED.discard(self)
         try:
             if self.background:
                 self.flush()  # hands over what was taken since the last flush
@@ -613,6 +670,15 @@ class H5PYSaverCallback:
                         self._commit()
                     self._file.close()
                     self._file = None
+                    if self._created and not self._committed.any():
+                        self.path.unlink(missing_ok=True)
+                        warnings.warn(
+                            f"vartrace: H5PYSaverCallback received no record, so it removed the "
+                            f"empty {self.path} it had created (a model that never ran in the "
+                            "traced mode, a saver missing from post_gather_callbacks, or a failed "
+                            "first write)",
+                            stacklevel=2,
+                        )
             finally:
                 self._sites.clear()
 
@@ -670,6 +736,7 @@ class H5PYSaverCallback:
 
     def __call__(self, name: str, trace: Trace) -> None:
         """Append the chunk's records of site ``name`` to the file and empty the chunk."""
+        _UNUSED.discard(self)
         self._open()
         if not len(trace):
             return
@@ -696,9 +763,46 @@ class H5PYSaverCallback:
         self._sites[name] = site  # most recently used last
         if len(self._sites) > _OPEN_SITES:
             del self._sites[next(iter(self._sites))]
-        site.append(trace)
+        site.append(self._continued(trace))
         self._committed[site.slot] = site.rows
         self._dirty = True
+
+    def _continued(self, trace: Trace) -> Trace:
+        """``trace`` with tags that continue the file's (appending): never a duplicate iteration.
+
+        The first records appended decide: when they are tagged at or before the
+        file's last iteration (a restarted tracer counts from 1 again), every
+        iteration of this session is moved past it, with a warning naming
+        ``set_iteration``; capture order numbers likewise continue the file's.
+        """
+        if self._shift is None and self._last is None:
+            self._shift = (0, 0)
+        if self._shift is None:
+            assert self._last is not None
+            last_iteration, last_order = self._last
+            first = int(_int64(trace.iterations).min())
+            moved = last_iteration - first + 1 if first <= last_iteration else 0
+            if moved:
+                warnings.warn(
+                    f"vartrace: {self.path} already holds iterations up to {last_iteration} and "
+                    f"the appended records start at iteration {first}: they are stored as "
+                    f"iterations {first + moved}, ... To number them yourself, call "
+                    "tracer.set_iteration(step) each step",
+                    stacklevel=2,
+                )
+            first_order = int(_int64(trace.order).min())
+            orders = last_order - first_order + 1 if first_order <= last_order else 0
+            self._shift = (moved, orders)
+        moved, orders = self._shift
+        if not moved and not orders:
+            return trace
+        return Trace(
+            trace.values,
+            _int64(trace.iterations) + moved,
+            trace.ranks,
+            _int64(trace.order) + orders,
+            trace.shapes,
+        )
 
     @property
     def datasets(self) -> Mapping[str, h5py.Dataset]:
@@ -771,6 +875,22 @@ def _discard_writes(handle: h5py.File) -> None:
         os.dup2(null, fd)
     finally:
         os.close(null)
+
+
+def _last_tags(handle: h5py.File) -> tuple[int, int] | None:
+    """The largest committed iteration and capture order of an open file; ``None`` if empty."""
+    committed = handle[COMMITTED][()]
+    found: list[tuple[int, int]] = []
+    for group in handle["vars"].values():
+        slot = int(group.attrs["slot"])
+        rows = int(committed[slot]) if slot < len(committed) else 0
+        if rows:
+            found.append(
+                (int(np.max(group["iterations"][:rows])), int(np.max(group["order"][:rows])))
+            )
+    if not found:
+        return None
+    return max(i for i, _ in found), max(o for _, o in found)
 
 
 def _vartrace_version() -> str:

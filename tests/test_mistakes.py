@@ -1,0 +1,154 @@
+"""Mistakes a newcomer makes say what is wrong, when it can be said: none passes silently."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import vartrace
+from vartrace import CallbackError, H5PYSaverCallback, ModelTracer
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x))).sum()
+
+
+def _train(tracer: ModelTracer, steps: int = 3) -> None:
+    model = tracer.model
+    with tracer:
+        for _ in range(steps):
+            model(torch.randn(2, 4)).backward()
+
+
+def test_a_saver_outside_the_callbacks_is_reported_when_the_tracer_is_built(
+    tmp_path: Path,
+) -> None:
+    saver = H5PYSaverCallback(tmp_path / "run.h5")
+    with pytest.warns(UserWarning, match=r"not among this tracer's callbacks.*post_gather"):
+        ModelTracer(Net(), ["head"])
+    with pytest.raises(TypeError, match=r"pre_save_callbacks\[0\].*pass it in post_gather"):
+        ModelTracer(Net(), ["head"], pre_save_callbacks=[saver])
+    with pytest.raises(TypeError, match=r"post_gather_callbacks\[1\].*pass it in pre_save"):
+        ModelTracer(Net(), ["head"], post_gather_callbacks=[saver, lambda n, v, i: v])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tracer = ModelTracer(Net(), ["head"], post_gather_callbacks=[saver])
+        _train(tracer)
+    saver.close()
+    with vartrace.open(tmp_path / "run.h5") as run:
+        assert run["head.forward"].iterations.tolist() == [1, 2, 3]
+
+
+def test_a_callback_error_names_the_callback_and_the_site() -> None:
+    def halve(name: str, value: Any, iteration: int) -> Any:
+        raise ZeroDivisionError("no halves today")
+
+    tracer = ModelTracer(Net(), ["head"], pre_save_callbacks=[halve])
+    with pytest.raises(
+        CallbackError, match=r"pre_save callback .*halve raised on site 'head\.forward'"
+    ) as raised:
+        _train(tracer)
+    assert isinstance(raised.value.__cause__, ZeroDivisionError)
+
+    def broken_sink(name: str, trace: Any) -> None:
+        raise KeyError("disk")
+
+    tracer = ModelTracer(Net(), ["head"], post_gather_callbacks=[broken_sink])
+    with pytest.raises(
+        CallbackError,
+        match=r"post_gather callback .*broken_sink raised on site 'head\.forward': KeyError",
+    ) as raised:
+        _train(tracer)
+    assert isinstance(raised.value.__cause__, KeyError)
+
+
+def test_a_bad_compression_fails_in_the_constructor_and_leaves_no_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    with pytest.raises(ValueError, match=r"unknown compression 'bloscc': did you mean 'blosc'"):
+        H5PYSaverCallback(path, compression="bloscc")
+    with pytest.raises(ValueError, match="compression 'gzip' cannot be used"):
+        H5PYSaverCallback(path, compression="gzip", compression_opts=42)
+    with pytest.raises(ValueError, match="compression 54321 cannot be used"):
+        H5PYSaverCallback(path, compression=54321)
+    assert not path.exists()
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["hdf5plugin"] = None  # as if it were not installed
+        from vartrace import H5PYSaverCallback
+        try:
+            H5PYSaverCallback({str(path)!r}, compression="blosc")
+        except ImportError as error:
+            print("ERROR", error)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert "ERROR" in result.stdout, result.stderr
+    assert "pip install 'vartrace[compress]'" in result.stdout
+    assert not path.exists()
+
+
+def test_a_run_that_wrote_no_record_leaves_no_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    model = Net().eval()  # the tracer traces training calls: nothing is recorded
+    with (
+        pytest.warns(UserWarning, match="received no record"),
+        H5PYSaverCallback(path) as saver,
+        ModelTracer(model, ["head"], post_gather_callbacks=[saver]),
+    ):
+        model(torch.randn(2, 4))
+    assert not path.exists()
+    model.train()
+    with H5PYSaverCallback(path) as saver:  # the retry does not meet FileExistsError
+        _train(ModelTracer(model, ["head"], post_gather_callbacks=[saver]))
+    with vartrace.open(path) as run:
+        assert run["head.forward"].iterations.tolist() == [1, 2, 3]
+
+
+def test_append_without_set_iteration_continues_the_numbering(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    model = Net()
+    with H5PYSaverCallback(path) as saver:
+        _train(ModelTracer(model, ["head", "body"], post_gather_callbacks=[saver]))
+    with (
+        pytest.warns(
+            UserWarning, match=r"iterations up to 3.*stored as iterations 4.*set_iteration"
+        ),
+        H5PYSaverCallback(path, append=True) as saver,
+    ):
+        _train(ModelTracer(model, ["head", "body"], post_gather_callbacks=[saver]))
+    with vartrace.open(path) as run:
+        site = run["head.forward"]
+        assert site.iterations.tolist() == [1, 2, 3, 4, 5, 6]
+        assert len(set(site.order.tolist())) == 6 and (site.order[1:] > site.order[:-1]).all()
+    with warnings.catch_warnings():  # numbering of one's own is kept as it is
+        warnings.simplefilter("error")
+        with H5PYSaverCallback(path, append=True) as saver:
+            tracer = ModelTracer(model, ["head"], post_gather_callbacks=[saver])
+            with tracer:
+                tracer.set_iteration(10)
+                model(torch.randn(2, 4))
+    with vartrace.open(path) as run:
+        assert run["head.forward"].iterations.tolist() == [1, 2, 3, 4, 5, 6, 10]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch without a usable GPU")
+def test_a_cuda_device_without_cuda_fails_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"device='cuda'.*device='cpu'"):
+        ModelTracer(Net(), ["head"], device="cuda")

@@ -1,0 +1,45 @@
+"""Uniform views of runs (files or memory) for analysis: the package behind compare and plot.
+
+A run reaches the analysis side in several forms: an HDF5 file (a path, a
+glob of shards, or an open :class:`~vartrace.storage.reader.Run`), a
+:class:`~vartrace.tracer.ModelTracer`, or ``tracer.results`` (any mapping of
+site name -> :class:`~vartrace.trace.Trace`).  :func:`open_source` wraps each
+in a :class:`Source` whose sites are :class:`SiteView` objects with numpy
+tags and block reads, which :mod:`vartrace.comparison` and :mod:`vartrace.plot`
+build on.  One concept per module, data flowing one way:
+
+- :mod:`~vartrace.sources.statistics`: named statistics and numeric views of values;
+- :mod:`~vartrace.sources.frames`: DataFrames of in-memory results;
+- :mod:`~vartrace.sources.buffers`: reusable read buffers;
+- :mod:`~vartrace.sources.chunk_maps`: memory-mapped HDF5 chunks;
+- :mod:`~vartrace.sources.views`: site views (memory, file) and per-record statistics;
+- :mod:`~vartrace.sources.source`: a whole run as a :class:`Source`.
+
+Example::
+
+    with open_source("run.h5") as run:
+        stds = record_stats(run.site("layers.0.out"), "std")["std"]
+"""
+
+from vartrace.sources.buffers import BufferPool
+from vartrace.sources.chunk_maps import FileMaps
+from vartrace.sources.frames import results_frame
+from vartrace.sources.source import Source, open_source
+from vartrace.sources.statistics import STATS, stat_function, value_as_array, value_dtype_name
+from vartrace.sources.views import SiteView, Unreadable, numeric_groups, record_stats
+
+__all__ = [
+    "STATS",
+    "BufferPool",
+    "FileMaps",
+    "SiteView",
+    "Source",
+    "Unreadable",
+    "numeric_groups",
+    "open_source",
+    "record_stats",
+    "results_frame",
+    "stat_function",
+    "value_as_array",
+    "value_dtype_name",
+]

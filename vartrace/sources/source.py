@@ -1,0 +1,94 @@
+"""A run in any form (file, glob of shards, open run, tracer, results) as one :class:`Source`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from vartrace.sources.chunk_maps import FileMaps
+from vartrace.sources.views import FileSiteView, MemorySiteView, SiteView
+
+__all__ = ["Source", "open_source"]
+
+
+class Source:
+    """A run in any form: its site names and a :class:`SiteView` per site.
+
+    A source opened from a path closes its file on :meth:`close` (or when
+    used as a context manager); one wrapping an object the caller opened
+    leaves it open.
+
+    Example::
+
+        with open_source("run.h5") as run:
+            for name in run.names:
+                print(name, len(run.site(name).iterations))
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        view: Callable[[str], SiteView],
+        label: str,
+        close: Callable[[], None] | None = None,
+    ) -> None:
+        self.names = list(names)
+        self.label = label
+        self._view = view
+        self._close = close
+        self._known = set(self.names)
+
+    def site(self, name: str) -> SiteView:
+        """The view of site ``name``; ``KeyError`` naming the run when it has no such site."""
+        if name not in self._known:
+            raise KeyError(f"{self.label} has no site {name!r}")
+        return self._view(name)
+
+    def close(self) -> None:
+        """Close the file this source opened (no-op otherwise)."""
+        if self._close is not None:
+            self._close()
+            self._close = None
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+
+def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
+    """Wrap a path/glob, an open run, a ModelTracer or a mapping name -> Trace as a :class:`Source`.
+
+    Example::
+
+        with open_source(tracer) as run:
+            view = run.site("forward")
+    """
+    if isinstance(source, Source):
+        return Source(source.names, source.site, source.label)
+    if isinstance(source, (str, os.PathLike)):
+        from vartrace.storage.reader import open_run
+
+        run = open_run(source, allow_pickle=allow_pickle)
+        maps = FileMaps()
+        return Source(
+            run.names, lambda n: FileSiteView(n, run[n], maps), os.fspath(source), run.close
+        )
+    if hasattr(source, "names") and hasattr(source, "meta"):
+        paths = [os.fspath(p) for p in getattr(source, "paths", [])] or ["run"]
+        label = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} shards)"
+        maps = FileMaps()
+        return Source(source.names, lambda n: FileSiteView(n, source[n], maps), label)
+    results = getattr(source, "results", source)
+    if isinstance(results, Mapping):
+        label = "tracer results" if results is not source else "results"
+        return Source(list(results), lambda n: MemorySiteView(n, results[n]), label)
+    raise TypeError(
+        "expected a path, an open run, a ModelTracer or a mapping of site name -> Trace, "
+        f"not {type(source).__name__}"
+    )

@@ -1,0 +1,328 @@
+"""Site views: one site of a run, in memory or in a file, seen uniformly.
+
+:class:`SiteView` gives numpy tags and block reads whatever the run's form;
+:func:`numeric_groups` and :func:`record_stats` work on any view.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import h5py
+import numpy as np
+
+from vartrace.sources.buffers import BufferPool
+from vartrace.sources.chunk_maps import ChunkMap, FileMaps
+from vartrace.sources.statistics import (
+    BLOCK_BYTES,
+    reduce_block,
+    stat_function,
+    value_as_array,
+    value_dtype_name,
+)
+from vartrace.trace import Trace
+
+__all__ = [
+    "FileSiteView",
+    "MemorySiteView",
+    "SiteView",
+    "Unreadable",
+    "numeric_groups",
+    "record_stats",
+]
+
+
+class SiteView:
+    """One site of a run, seen uniformly whatever the run's form.
+
+    Tags are 1-D int64 numpy arrays.  ``shapes[i]`` is record ``i``'s true
+    shape, or ``None`` when the record is not numeric (str, bytes, None, an
+    opaque object); ``dtypes[i]`` names its dtype.  :meth:`read` returns
+    numeric records stacked with an exact shape, :meth:`objects` returns the
+    values of non-numeric ones.
+
+    Example::
+
+        with open_source("run.h5") as run:
+            view = run.site("loss")
+            block = view.read(np.arange(len(view.iterations)), view.shapes[0])
+    """
+
+    name: str
+    iterations: np.ndarray
+    ranks: np.ndarray
+    order: np.ndarray
+    shapes: list[tuple[int, ...] | None]
+    dtypes: list[str]
+
+    def read(
+        self, rows: np.ndarray, shape: tuple[int, ...], pool: BufferPool | None = None
+    ) -> np.ndarray:
+        """Records ``rows`` (ascending, all of true shape ``shape``) as one array.
+
+        With a ``pool``, the array may be one of its buffers: hand it back with
+        ``pool.give(array)`` once done (arrays not from the pool are ignored there).
+        """
+        raise NotImplementedError
+
+    def objects(self, rows: np.ndarray) -> list[Any]:
+        """The values of the non-numeric records ``rows``."""
+        raise NotImplementedError
+
+    def views(
+        self, rows: np.ndarray, shape: tuple[int, ...]
+    ) -> list[tuple[int, np.ndarray]] | None:
+        """Records ``rows`` as zero-copy arrays of consecutive records, or ``None``.
+
+        Each entry is ``(position in rows, array of the next len(array) records)``.
+        Only records stored uncompressed in a file, at full padded shape, can
+        be viewed this way (see :class:`FileMaps`); the rest is :meth:`read`.
+        """
+        return None
+
+
+def _int_array(values: Any) -> np.ndarray:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def _crop(block: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if tuple(block.shape[1:]) == tuple(shape):
+        return block
+    return block[(slice(None), *(slice(0, d) for d in shape))]
+
+
+class MemorySiteView(SiteView):
+    """A :class:`~vartrace.trace.Trace` held in memory (list or stacked values)."""
+
+    def __init__(self, name: str, trace: Trace) -> None:
+        self.name = name
+        self.iterations = _int_array(trace.iterations)
+        self.ranks = _int_array(trace.ranks)
+        self.order = _int_array(trace.order)
+        count = len(self.iterations)
+        values = trace.values
+        self._stacked: np.ndarray | None = None
+        if isinstance(values, (list, tuple)):
+            self._objects = list(values)
+            self._arrays = [value_as_array(v) for v in values]
+            self.shapes = [None if a is None else tuple(a.shape) for a in self._arrays]
+            self.dtypes = [value_dtype_name(v) for v in values]
+            return
+        stacked = value_as_array(values)
+        if stacked is None or stacked.ndim == 0 or len(stacked) != count:
+            raise TypeError(f"site {name!r}: cannot read stacked values of {type(values).__name__}")
+        self._stacked = stacked
+        self._objects = []
+        self._arrays = []
+        true = trace.shapes if trace.shapes is not None else [stacked.shape[1:]] * count
+        self.shapes = [tuple(int(d) for d in s) for s in true]
+        self.dtypes = [value_dtype_name(values)] * count
+
+    def read(
+        self, rows: np.ndarray, shape: tuple[int, ...], pool: BufferPool | None = None
+    ) -> np.ndarray:
+        if self._stacked is not None:
+            return _crop(self._stacked[rows], shape)
+        if len(rows) == 0:
+            return np.empty((0, *shape))
+        return np.stack([self._arrays[r] for r in rows])
+
+    def objects(self, rows: np.ndarray) -> list[Any]:
+        if self._stacked is not None:
+            return [_crop(self._stacked[[r]], self.shapes[r])[0] for r in rows]
+        return [self._objects[r] for r in rows]
+
+
+class Unreadable:
+    """Stands for a record value that cannot be read: a pickled object, pickle not allowed.
+
+    Never equal to anything, so a comparison reports the pair instead of
+    running code stored in the file.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"<unreadable: {self.reason}>"
+
+
+def _readable(value: Any) -> Any:
+    return None if isinstance(value, Unreadable) else value
+
+
+#: Record kinds (``Site.kinds``) whose values are numbers or arrays.
+_NUMERIC_KINDS = frozenset({"tensor", "ndarray", "numpy scalar", "int", "float", "bool", "complex"})
+
+
+class FileSiteView(SiteView):
+    """A site of an open run read from HDF5 (``run[name]``).
+
+    Records stored in the site's numeric ``values`` dataset are read in
+    blocks (raw-bit dtypes such as bfloat16 decoded exactly to float32);
+    the others (None, str, blobs, records of another dtype) one by one.
+    """
+
+    def __init__(self, name: str, site: Any, maps: FileMaps | None = None) -> None:
+        self.name = name
+        self._site = site
+        self._maps = maps
+        self._chunks: ChunkMap | bool | None = False  # False: not looked up yet
+        self.iterations = _int_array(site.iterations)
+        self.ranks = _int_array(site.ranks)
+        self.order = _int_array(site.order)
+        count = len(self.iterations)
+        self._dtype = str(site.dtype)
+        values = site.values
+        kinds = np.asarray(site.kinds).astype(str)
+        blocky = values is not None and _numeric_dtype_name(self._dtype)
+        in_values = (
+            np.asarray(site.in_values) & np.isin(kinds, list(_NUMERIC_KINDS))
+            if blocky
+            else np.zeros(count, dtype=bool)
+        )
+        shapes = np.asarray(site.shapes, dtype=np.int64).reshape(count, -1).tolist()
+        fits = in_values.tolist()
+        self.shapes = [
+            tuple(shape) if fit else None for shape, fit in zip(shapes, fits, strict=True)
+        ]
+        self.dtypes = [
+            self._dtype if fit else str(kind) for kind, fit in zip(kinds, fits, strict=True)
+        ]
+
+    def read(
+        self, rows: np.ndarray, shape: tuple[int, ...], pool: BufferPool | None = None
+    ) -> np.ndarray:
+        start, stop = int(rows[0]), int(rows[-1]) + 1
+        if stop - start > 2 * len(rows):
+            return np.concatenate([self.read(np.asarray([r]), shape) for r in rows])
+        values = self._site.values
+        selection = (slice(start, stop), *(slice(0, d) for d in shape))
+        direct = isinstance(values, h5py.Dataset) and values.dtype.name == self._dtype
+        if pool is not None and direct and stop - start == len(rows):
+            out = pool.take((len(rows), *shape), values.dtype)
+            if out.size:
+                values.read_direct(out, selection)
+            return out
+        block = _decode_raw(np.asarray(values[selection]), self._dtype)
+        return block if stop - start == len(rows) else block[rows - start]
+
+    def views(
+        self, rows: np.ndarray, shape: tuple[int, ...]
+    ) -> list[tuple[int, np.ndarray]] | None:
+        if self._chunks is False:
+            values = self._site.values
+            usable = self._maps is not None and values is not None
+            usable = usable and values.dtype.name == self._dtype
+            self._chunks = self._maps.chunk_map(values) if usable else None
+        chunks = self._chunks
+        if not isinstance(chunks, ChunkMap) or tuple(shape) != chunks.record_shape:
+            return None
+        return chunks.groups(rows)
+
+    def objects(self, rows: np.ndarray) -> list[Any]:
+        from vartrace.storage.reader import PickleNotAllowedError
+
+        out: list[Any] = []
+        for r in rows:
+            try:
+                out.append(self._site.record(int(r)))
+            except PickleNotAllowedError:
+                out.append(Unreadable("a pickled object (open the run with allow_pickle=True)"))
+        return out
+
+
+def _decode_raw(block: np.ndarray, dtype: str) -> np.ndarray:
+    """Numeric values of a block stored as raw bits of a torch dtype numpy lacks."""
+    if block.dtype.name == dtype or dtype == "bool":
+        return block
+    if dtype == "bfloat16":
+        return (block.astype(np.uint32) << 16).view(np.float32)
+    import torch
+
+    raw = torch.from_numpy(np.ascontiguousarray(block).view(f"i{block.dtype.itemsize}"))
+    tensor = raw.view(getattr(torch, dtype))
+    return (tensor.to(torch.complex64) if tensor.is_complex() else tensor.float()).numpy()
+
+
+def _numeric_dtype_name(name: str) -> bool:
+    if name in ("bfloat16", "bool") or name.startswith(("float8", "complex32")):
+        return True
+    try:
+        return np.dtype(name).kind in "biufc"
+    except TypeError:
+        return False
+
+
+def numeric_groups(
+    view: SiteView, rows: np.ndarray | None = None
+) -> dict[tuple[int, ...], np.ndarray]:
+    """Numeric record indices of ``view`` (or of ``rows``) grouped by true shape, ascending.
+
+    Example::
+
+        for shape, rows in numeric_groups(view).items():
+            block = view.read(rows, shape)
+    """
+    candidates = range(len(view.iterations)) if rows is None else rows
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r in candidates:
+        shape = view.shapes[int(r)]
+        if shape is not None:
+            groups.setdefault(shape, []).append(int(r))
+    return {shape: np.asarray(sorted(g), dtype=np.int64) for shape, g in groups.items()}
+
+
+def record_stats(
+    view: SiteView, stats: str | Sequence[str] = "mean", *, progress: bool = False
+) -> dict[str, np.ndarray]:
+    """Statistics (:data:`STATS` names) of every record of a site, in one pass over the data.
+
+    Returns name -> one float per record (NaN for non-numeric records).
+    Numeric records are read in large blocks (or viewed in place, see
+    :class:`FileMaps`) and reduced vectorised; ``progress`` shows a tqdm bar
+    on stderr when that takes more than a second.
+
+    Example::
+
+        with open_source("run.h5") as run:
+            stds = record_stats(run.site("layers.0.out"), "std")["std"]
+    """
+    from tqdm.auto import tqdm
+
+    names = [stats] if isinstance(stats, str) else list(stats)
+    reducers = {name: stat_function(name) for name in names}
+    out = {name: np.full(len(view.iterations), math.nan) for name in names}
+
+    def reduce(rows: np.ndarray, block: np.ndarray) -> None:
+        for name, reducer in reducers.items():
+            out[name][rows] = reduce_block(reducer, block)
+
+    groups = numeric_groups(view)
+    total = sum(len(rows) for rows in groups.values())
+    with tqdm(
+        total=total, unit="record", desc=view.name, disable=not progress, delay=1.0, leave=False
+    ) as bar:
+        for shape, rows in groups.items():
+            per_block = max(1, BLOCK_BYTES // max(8, 8 * int(np.prod(shape, dtype=np.int64))))
+            for start in range(0, len(rows), per_block):
+                chunk = rows[start : start + per_block]
+                pieces = view.views(chunk, shape)
+                if pieces is None:
+                    reduce(chunk, view.read(chunk, shape))
+                else:
+                    for position, array in pieces:
+                        reduce(chunk[position : position + len(array)], array)
+                bar.update(len(chunk))
+    for row in range(len(view.iterations)):
+        if view.shapes[row] is None:
+            array = value_as_array(_readable(view.objects(np.asarray([row]))[0]))
+            if array is not None:
+                reduce(np.asarray([row]), array[None])
+    return out
