@@ -171,6 +171,14 @@ class Wrapper(nn.Module):
         return self.model(*args, **kwargs)
 
 
+class BatchWrapper(Wrapper):
+    """A user's wrapper taking a batch dict, returning the output through a local."""
+
+    def forward(self, batch: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
+        out = self.model(**batch)
+        return out
+
+
 def tokens(seed: int, batch: int = 2, length: int = 5) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, 16, (batch, length), generator=generator)

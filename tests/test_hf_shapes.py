@@ -11,7 +11,14 @@ import torch
 from torch import nn
 
 import vartrace
-from tests._hf_shapes import BertLike, LlamaLike, Wrapper, eager_attention_forward, tokens
+from tests._hf_shapes import (
+    BatchWrapper,
+    BertLike,
+    LlamaLike,
+    Wrapper,
+    eager_attention_forward,
+    tokens,
+)
 from tests._models import WithBatchNorm
 from vartrace import ModelTracer
 from vartrace.engine import patching
@@ -95,6 +102,18 @@ def test_a_path_continues_into_a_function_the_method_calls(core: FrameCore) -> N
     torch.testing.assert_close(returned.values[1], tracer.results[name.format(0)].values[1])
 
 
+def test_every_value_in_a_called_function_gives_the_pre_softmax_scores(core: FrameCore) -> None:
+    model = LlamaLike()
+    name = "layers.0.self_attn.forward>eager_attention_forward.attn_weights"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(model, [name, f"{name}@every"]) as tracer:
+            model(tokens(0))
+    scores, probabilities = tracer.results[f"{name}@every"].values
+    torch.testing.assert_close(scores.softmax(-1), probabilities)
+    torch.testing.assert_close(tracer.results[name].values, [probabilities])
+
+
 def test_function_sites_are_listed_validated_and_matched_by_wildcards() -> None:
     model = LlamaLike()
     sites = vartrace.list_sites(model, "layers.0.**")
@@ -107,6 +126,8 @@ def test_function_sites_are_listed_validated_and_matched_by_wildcards() -> None:
         ModelTracer(model, ["layers.0.self_attn.forward>eager_attention_forwrd.attn_weights"])
     with pytest.raises(ValueError, match="called function"):
         ModelTracer(model, ["layers.0.self_attn.forward>eager_attention_forward.query@entry"])
+    with pytest.raises(ValueError, match="called function"):
+        ModelTracer(model, ["layers.0.self_attn.forward>eager_attention_forward@every"])
 
 
 # -- issue 14 and item 4: '**' patches only code that binds the name, and is validated ----------
@@ -244,7 +265,8 @@ def test_list_sites_leaves_out_class_methods_and_library_machinery() -> None:
     sites = vartrace.list_sites(layer)
     assert "forward.src" in sites
     assert not any(s.startswith(("from_config", "describe", "_sa_block")) for s in sites)
-    # Named literally, a library base's method is still reached.
+    # Named literally, a library base's method is still listed and reached.
+    assert "_sa_block.x" in vartrace.list_sites(layer, "_sa_block.*")
     with ModelTracer(layer, ["_sa_block.x"]) as tracer:
         layer(torch.randn(2, 3, 8))
     assert list(tracer.results) == ["_sa_block.x"]
@@ -264,3 +286,7 @@ def test_keys_below_an_opaque_return_are_resolved_at_run_time() -> None:
     message = r"'forward\.lgoits' recorded nothing"
     with pytest.warns(UserWarning, match=message), ModelTracer(model, ["forward.lgoits"]):
         model(ids)
+    batched = BatchWrapper(LlamaLike())
+    with ModelTracer(batched, ["forward.loss"]) as tracer:
+        batched({"input_ids": ids, "labels": ids})
+    assert list(tracer.results) == ["forward.loss"]

@@ -17,31 +17,24 @@ from vartrace.sites import resolve
 
 transformers = pytest.importorskip("transformers")
 
-_SMALL = {"vocab_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+_LAYERS = {"hidden_size": 16, "intermediate_size": 32, "max_position_embeddings": 16}
+_SMALL = {"vocab_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, **_LAYERS}
+
+
+def _eager(model_class: type, config: object) -> torch.nn.Module:
+    """A model with random weights, attention computed by the eager (Python) function."""
+    config._attn_implementation = "eager"  # type: ignore[attr-defined]
+    return model_class(config)
 
 
 def _bert() -> torch.nn.Module:
-    config = transformers.BertConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        max_position_embeddings=16,
-        attention_probs_dropout_prob=0.0,
-        **_SMALL,
-    )
-    config._attn_implementation = "eager"
-    return transformers.BertModel(config)
+    config = transformers.BertConfig(attention_probs_dropout_prob=0.0, **_SMALL)
+    return _eager(transformers.BertModel, config)
 
 
 def _llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-        **_SMALL,
-    )
-    config._attn_implementation = "eager"
-    return transformers.LlamaForCausalLM(config)
+    config = transformers.LlamaConfig(num_key_value_heads=1, **_SMALL)
+    return _eager(transformers.LlamaForCausalLM, config)
 
 
 def _gpt2() -> torch.nn.Module:
@@ -49,8 +42,7 @@ def _gpt2() -> torch.nn.Module:
         vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=16, bos_token_id=0
     )
     config.eos_token_id = 0
-    config._attn_implementation = "eager"
-    return transformers.GPT2LMHeadModel(config)
+    return _eager(transformers.GPT2LMHeadModel, config)
 
 
 def _ids() -> torch.Tensor:

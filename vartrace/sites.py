@@ -250,8 +250,8 @@ def _add(target: Target, pattern: Pattern, selection: _Selection) -> str | None:
     when = pattern.when
     target.origins.setdefault(pattern.text, []).append(site)
     if callee is not None:
-        if when in ("entry", "every"):
-            return f"{site} is read in a called function, only when it returns (not @{when})"
+        if when == "entry" or (when == "every" and variable is None):
+            return f"{site} is read in a called function when it returns or @every, not @{when}"
         target.calls.append(selector)
         return None
     if variable is None:
@@ -275,8 +275,8 @@ def _tag_timings(target: Target) -> None:
     """Give distinct keys to one variable read at two timings (``x`` and ``x@return``).
 
     The variable's default timing (entry for an argument, return for a
-    local) keeps the plain key; the other timing's key ends in ``@entry``,
-    ``@return`` or ``@every``.
+    local; return in a called function) keeps the plain key; the other
+    timing's key ends in ``@entry``, ``@return`` or ``@every``.
     """
     lists = {"entry": target.entry, "return": target.exit, "every": target.every}
     for timing, selectors in lists.items():
@@ -285,20 +285,36 @@ def _tag_timings(target: Target) -> None:
             if variable in (None, "self") or selector.grad:
                 continue
             default = "entry" if variable in target.method.arguments else "return"
-            others = [t for t, s in lists.items() if any(o.variable == variable for o in s)]
+            others = [
+                t for t, s in lists.items() if any(o.variable == variable and not o.grad for o in s)
+            ]
             if timing != default and len(others) > 1:
                 selectors[i] = replace(selector, tag=f"@{timing}")
+    for i, selector in enumerate(target.calls):
+        if selector.pattern.when == "every" and any(
+            other.callee is selector.callee
+            and other.variable == selector.variable
+            and other.pattern.when in (None, "return")
+            for other in target.calls
+        ):
+            target.calls[i] = replace(selector, tag="@every")
 
 
-def _static_sites(modules: Iterable[tuple[str, nn.Module]]) -> Iterator[tuple[str, int]]:
-    """Every static site with the number of its module path segments."""
+def _static_sites(
+    modules: Iterable[tuple[str, nn.Module]], literal: frozenset[str] | set[str] = frozenset()
+) -> Iterator[tuple[str, int]]:
+    """Every static site with the number of its module path segments.
+
+    Methods from an installed library's base classes are left out unless
+    their name is in ``literal`` (the names a pattern spells out).
+    """
     for path, module in modules:
         depth = path.count(".") + 1 if path else 0
         methods = module_methods(module)
         if path and "forward" in methods:
             yield path, depth
         for info in methods.values():
-            if info.library:
+            if info.library and info.name not in literal:
                 continue
             for callee in (None, *info.callees):
                 segment = _segment(info, callee)
@@ -400,8 +416,9 @@ def list_sites(model: nn.Module, pattern: str = "**") -> list[str]:
     parsed = parse(pattern)
     root = unwrap(model)
     modules = list(root.named_modules())
-    hidden = _torch_helpers(modules, pattern)
-    sites = [*_static_sites(modules), *_parameter_sites(root)]
+    literal = set(re.split(r"[.>@]", pattern))
+    hidden = _torch_helpers(modules, literal)
+    sites = [*_static_sites(modules, literal), *_parameter_sites(root)]
     return [
         s
         for s, depth in sites
@@ -409,11 +426,10 @@ def list_sites(model: nn.Module, pattern: str = "**") -> list[str]:
     ]
 
 
-def _torch_helpers(modules: list[tuple[str, nn.Module]], pattern: str) -> set[str]:
+def _torch_helpers(modules: list[tuple[str, nn.Module]], literal: set[str]) -> set[str]:
     """Sites of torch's own helper methods (``reset_parameters``, ``extra_repr``,
     ``_conv_forward``...): methods other than ``forward`` that a class of the ``torch``
-    package defines, unless ``pattern`` names the method literally."""
-    literal = set(re.split(r"[.>@]", pattern))
+    package defines, unless the pattern names the method literally (in ``literal``)."""
     hidden = set()
     for path, module in modules:
         for name in module_methods(module):

@@ -78,9 +78,13 @@ class Mixed:
     def named(self, x: int) -> dict:
         return dict(loss=x, logits=x)
 
+    def stored(self, batch: dict) -> object:
+        out = self.inner(**batch)
+        return out
+
 
 def test_class_and_static_methods_are_left_out() -> None:
-    assert set(methods_of(Mixed)) == {"forward", "scaled", "named"}
+    assert set(methods_of(Mixed)) == {"forward", "scaled", "named", "stored"}
 
 
 def test_functions_called_by_global_name_are_callees() -> None:
@@ -94,5 +98,6 @@ def test_functions_called_by_global_name_are_callees() -> None:
 def test_a_returned_call_result_is_open() -> None:
     methods = methods_of(Mixed)
     assert methods["forward"].open_return
+    assert methods["stored"].open_return  # a local stored straight from a bare call
     assert not methods["scaled"].open_return
     assert not methods["named"].open_return  # keyword names are constants of the code

@@ -375,14 +375,14 @@ class Caller:
         return first + second
 
 
-def _callee_probe(*variables: str | None) -> Probe:
+def _callee_probe(*variables: str | None, when: str = "") -> Probe:
     info = methods_of(Caller)["twice"]
     (callee,) = info.callees
     segment = f"twice>{callee.name}"
     selectors = []
     for variable in variables:
         text = f"{segment}.{variable}" if variable else segment
-        pattern = parse(text)
+        pattern = parse(text + when)
         states = pattern.step(pattern.start, segment)
         if variable:
             states = pattern.step(states, variable)
@@ -408,3 +408,19 @@ def test_function_called_from_a_method_is_read_per_call(core: FrameCore) -> None
         "twice>_halve": [4, 20],
     }
     assert "_halve" not in vars(Caller) and "twice" not in vars(caller)
+
+
+def test_every_value_of_a_callee_variable(core: FrameCore) -> None:
+    caller = Caller()
+    hook, rec = _attach(caller, "twice", _callee_probe("value", "half", when="@every"))
+    try:
+        caller.twice(8)
+    finally:
+        detach(caller, "twice", hook)
+    # value is bound at entry; half once per call: each call of each frame, in order.
+    assert rec.records == [
+        ("twice>_halve.value", 8),
+        ("twice>_halve.half", 4),
+        ("twice>_halve.value", 40),
+        ("twice>_halve.half", 20),
+    ]

@@ -97,23 +97,32 @@ def _annotated_keys(function: object) -> frozenset[str]:
 
 _BARE_CALLS = frozenset({"CALL", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_EX"})
 _SKIPPED = frozenset({"CACHE", "EXTENDED_ARG", "NOP", "PRECALL"})
+_LOAD_FAST = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"})
 
 
 def _returns_a_call(code: CodeType) -> bool:
     """Whether some ``return`` returns a call's result made without keyword names.
 
-    A call with keyword names (``Output(loss=..., logits=...)``) builds a
-    structure whose keys are among the code's constants; a bare call
-    (``self.model(*args, **kwargs)``) returns something only the run knows.
+    Either directly (``return self.model(*args, **kwargs)``) or through a
+    local stored straight from such a call (``out = self.model(**batch)``
+    ... ``return out``).  A call with keyword names (``Output(loss=...,
+    logits=...)``) builds a structure whose keys are among the code's
+    constants; a bare call returns something only the run knows.
     """
-    previous: list[str] = []
+    previous: list[dis.Instruction] = []
+    from_calls: set[str] = set()
     for instruction in dis.get_instructions(code):
         op = instruction.opname
-        bare = bool(previous) and previous[-1] in _BARE_CALLS and "KW_NAMES" not in previous[:-1]
-        if op == "RETURN_VALUE" and bare:
-            return True
+        ops = [p.opname for p in previous]
+        bare = bool(ops) and ops[-1] in _BARE_CALLS and "KW_NAMES" not in ops[:-1]
+        if op == "STORE_FAST" and bare:
+            from_calls.add(instruction.argval)
+        if op == "RETURN_VALUE" and previous:
+            local = ops[-1] in _LOAD_FAST and previous[-1].argval in from_calls
+            if bare or local:
+                return True
         if op not in _SKIPPED:
-            previous = [*previous[-2:], op]
+            previous = [*previous[-2:], instruction]
     return False
 
 

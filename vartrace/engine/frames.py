@@ -20,26 +20,32 @@ the same code): calls of the same code on untraced instances, or nested
 recursive calls, are not mistaken for it.
 
 *Callees* are plain functions the traced method calls (Hugging Face's
-``eager_attention_forward``): a frame of a callee's code whose caller is
-the traced call's frame is read when it returns, once per call, and handed
-to ``on_call(code, snapshot, return_value)`` at once.
+``eager_attention_forward``), each described by a :class:`Callee`: a frame
+of a callee's code whose caller is the traced call's frame is read when it
+returns (and on each line for ``@every``), once per call, and handed to the
+callee's callbacks at once.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["FrameCore", "MonitoringCore", "SettraceCore", "default_core", "set_change_test"]
+__all__ = [
+    "Callee",
+    "FrameCore",
+    "MonitoringCore",
+    "SettraceCore",
+    "default_core",
+    "set_change_test",
+]
 
 LineCallback = Callable[[str, Any], None]
 Snapshot = Callable[[Any], Any]
 Unchanged = Callable[[Any, Any], bool]
-CallCallback = Callable[[CodeType, dict[str, Any], Any], None]
-"""``on_call(code, snapshot, return_value)``: one call of a callee returned."""
 _MISSING = object()
 _MAX_DECORATOR_FRAMES = 8
 
@@ -83,10 +89,53 @@ def set_change_test(snapshot: Snapshot, unchanged: Unchanged) -> None:
     _change_test = (snapshot, unchanged)
 
 
+def _changed(
+    last: dict[str, Any], f_locals: Mapping[str, Any], names: tuple[str, ...]
+) -> Iterator[tuple[str, Any]]:
+    """The variables of ``names`` bound to another object (or changed in place) since ``last``.
+
+    ``last`` holds a snapshot per name, taken and compared by the change test
+    (:func:`set_change_test`).
+    """
+    snapshot, unchanged = _change_test
+    for name in names:
+        value = f_locals.get(name, _MISSING)
+        if value is _MISSING:
+            continue
+        previous = last.get(name, _MISSING)
+        if previous is _MISSING or not unchanged(previous, value):
+            last[name] = snapshot(value)
+            yield name, value
+
+
+class Callee:
+    """A function to watch inside a traced call, and what to do with its frames.
+
+    ``on_return(variables, return_value)`` receives ``names`` read when a
+    call returns; ``on_line(name, value)`` each new value of a name in
+    ``every`` (line events), as for the method's own ``@every``.
+    """
+
+    __slots__ = ("every", "names", "on_line", "on_return")
+
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        every: tuple[str, ...],
+        on_return: Callable[[dict[str, Any], Any], None],
+        on_line: LineCallback | None = None,
+    ) -> None:
+        self.names = names
+        self.every = every
+        self.on_return = on_return
+        self.on_line = on_line
+
+
 class _Watch:
     """The state of one traced call: what to read and what was read."""
 
     __slots__ = (
+        "callee_last",
         "callees",
         "caller",
         "code",
@@ -94,7 +143,6 @@ class _Watch:
         "every",
         "last",
         "names",
-        "on_call",
         "on_line",
         "snapshot",
     )
@@ -106,8 +154,7 @@ class _Watch:
         names: tuple[str, ...],
         every: tuple[str, ...],
         on_line: LineCallback | None,
-        callees: Mapping[CodeType, tuple[str, ...]] | None = None,
-        on_call: CallCallback | None = None,
+        callees: Mapping[CodeType, Callee] | None = None,
     ) -> None:
         self.code = code
         self.caller: FrameType | None = caller
@@ -115,28 +162,30 @@ class _Watch:
         self.every = every
         self.on_line = on_line
         self.callees = callees or {}
-        self.on_call = on_call
+        self.callee_last: dict[FrameType, dict[str, Any]] = {}
         self.last: dict[str, Any] = {}
         self.snapshot: dict[str, Any] | None = None
         self.done = False
 
+    def callee_line(self, frame: FrameType) -> None:
+        """A line of a callee's frame: report the ``every`` variables that changed."""
+        callee = self.callees[frame.f_code]
+        if callee.every:
+            last = self.callee_last.setdefault(frame, {})
+            for name, value in _changed(last, frame.f_locals, callee.every):
+                callee.on_line(name, value)  # type: ignore[misc]
+
     def called(self, frame: FrameType, value: Any) -> None:
         """A callee's frame returned ``value``: hand its variables over."""
+        callee = self.callees[frame.f_code]
+        self.callee_line(frame)
+        self.callee_last.pop(frame, None)
         f_locals = frame.f_locals
-        names = self.callees[frame.f_code]
-        self.on_call(frame.f_code, {n: f_locals[n] for n in names if n in f_locals}, value)  # type: ignore[misc]
+        callee.on_return({n: f_locals[n] for n in callee.names if n in f_locals}, value)
 
     def line(self, frame: FrameType) -> None:
-        f_locals = frame.f_locals
-        snapshot, unchanged = _change_test
-        for name in self.every:
-            value = f_locals.get(name, _MISSING)
-            if value is _MISSING:
-                continue
-            last = self.last.get(name, _MISSING)
-            if last is _MISSING or not unchanged(last, value):
-                self.last[name] = snapshot(value)
-                self.on_line(name, value)  # type: ignore[misc]
+        for name, value in _changed(self.last, frame.f_locals, self.every):
+            self.on_line(name, value)  # type: ignore[misc]
 
     def returned(self, frame: FrameType) -> None:
         if self.every:
@@ -155,7 +204,7 @@ class FrameCore:
     ``snapshot`` maps each name in ``names`` still bound at return to its
     value (``None`` if the call was not observed, which cannot happen for a
     plain Python method).  ``callees`` maps the code of each function to
-    watch inside the call to the names to read when it returns.
+    watch inside the call to its :class:`Callee`.
     """
 
     name = "abstract"
@@ -175,8 +224,7 @@ class FrameCore:
         function: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        callees: Mapping[CodeType, tuple[str, ...]] | None = None,
-        on_call: CallCallback | None = None,
+        callees: Mapping[CodeType, Callee] | None = None,
     ) -> tuple[Any, dict[str, Any] | None]:
         raise NotImplementedError
 
@@ -186,8 +234,8 @@ class SettraceCore(FrameCore):
 
     name = "settrace"
 
-    def run(self, code, names, every, on_line, function, args, kwargs, callees=None, on_call=None):  # type: ignore[no-untyped-def]
-        watch = _Watch(code, sys._getframe(), names, every, on_line, callees, on_call)
+    def run(self, code, names, every, on_line, function, args, kwargs, callees=None):  # type: ignore[no-untyped-def]
+        watch = _Watch(code, sys._getframe(), names, every, on_line, callees)
         previous = sys.gettrace()
         tracer = _ChainedTracer(watch, previous)
         sys.settrace(tracer.global_trace)
@@ -262,8 +310,12 @@ class _CalleeTracer:
             # An exception unwinding the frame reports 'exception' then 'return' (None).
             if not (self.unwinding and arg is None):
                 self.watch.called(frame, arg)
-        else:
-            self.unwinding = event == "exception"
+            else:
+                self.watch.callee_last.pop(frame, None)
+            return self.trace
+        self.unwinding = event == "exception"
+        if event == "line":
+            self.watch.callee_line(frame)
         return self.trace
 
 
@@ -352,12 +404,18 @@ class MonitoringCore(FrameCore):
     def _on_line(self, code: CodeType, line: int) -> None:
         frame = sys._getframe(1)
         watch = self._find(frame)
-        if watch is not None and watch.every:
-            watch.line(frame)
+        if watch is not None:
+            if watch.every:
+                watch.line(frame)
+            return
+        caller = frame.f_back
+        watch = None if caller is None else self._find(caller)
+        if watch is not None and code in watch.callees:
+            watch.callee_line(frame)
 
-    def run(self, code, names, every, on_line, function, args, kwargs, callees=None, on_call=None):  # type: ignore[no-untyped-def]
+    def run(self, code, names, every, on_line, function, args, kwargs, callees=None):  # type: ignore[no-untyped-def]
         # No local may hold this frame (a frame -> locals -> frame cycle outlives the call).
-        watch = _Watch(code, sys._getframe(), names, every, on_line, callees, on_call)
+        watch = _Watch(code, sys._getframe(), names, every, on_line, callees)
         self._pending[watch.caller] = watch  # type: ignore[index]
         try:
             result = function(*args, **kwargs)

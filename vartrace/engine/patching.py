@@ -25,7 +25,7 @@ from typing import Any
 
 import wrapt
 
-from vartrace.engine.frames import FrameCore, default_core
+from vartrace.engine.frames import Callee, FrameCore, default_core
 from vartrace.engine.paths import Pattern, States
 from vartrace.engine.structures import select
 
@@ -96,13 +96,13 @@ class Probe:
         every = {s.variable for s in self.every}
         object.__setattr__(self, "every_names", tuple(sorted(n for n in every if n)))
 
-    def callee_names(self) -> dict[CodeType, set[str]]:
-        """The variables to read from each callee's frames (``calls`` selectors)."""
-        names: dict[CodeType, set[str]] = {}
+    def callee_names(self) -> dict[CodeType, tuple[set[str], set[str]]]:
+        """Per callee code, the variables to read at return and those read ``@every``."""
+        names: dict[CodeType, tuple[set[str], set[str]]] = {}
         for selector in self.calls:
-            wanted = names.setdefault(selector.callee, set())  # type: ignore[arg-type]
+            at_return, every = names.setdefault(selector.callee, (set(), set()))  # type: ignore[arg-type]
             if selector.variable is not None:
-                wanted.add(selector.variable)
+                (every if selector.pattern.when == "every" else at_return).add(selector.variable)
         return names
 
     def __bool__(self) -> bool:
@@ -169,7 +169,7 @@ class _Patch:
         self.binder = _Binder(bound)
         self.frame_names: tuple[str, ...] = ()
         self.every_names: tuple[str, ...] = ()
-        self.callees: dict[CodeType, tuple[str, ...]] = {}
+        self.callees: dict[CodeType, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self.armed: tuple[bool, bool] = (False, False)
         call = self._call if decorate is None else decorate(self._call)
         vars(instance)[name] = wrapt.FunctionWrapper(bound, call)
@@ -178,19 +178,24 @@ class _Patch:
         self.hooks = hooks
         frame: set[str] = set()
         every: set[str] = set()
-        callees: dict[CodeType, set[str]] = {}
+        callees: dict[CodeType, tuple[set[str], set[str]]] = {}
         for hook in hooks:
             frame.update(hook.probe.frame_names)
             every.update(hook.probe.every_names)
-            for code, names in hook.probe.callee_names().items():
-                callees.setdefault(code, set()).update(names)
+            for code, (at_return, lines) in hook.probe.callee_names().items():
+                names = callees.setdefault(code, (set(), set()))
+                names[0].update(at_return)
+                names[1].update(lines)
         self.frame_names = tuple(sorted(frame))
         self.every_names = tuple(sorted(every))
-        for code in callees.keys() - self.callees.keys():
-            _core.arm(code, False)
-        for code in self.callees.keys() - callees.keys():
-            _core.disarm(code, False)
-        self.callees = {code: tuple(sorted(names)) for code, names in callees.items()}
+        wanted = {code: (tuple(sorted(a)), tuple(sorted(b))) for code, (a, b) in callees.items()}
+        for code, (_, lines) in wanted.items():
+            if self.callees.get(code, (None, None))[1] != lines:
+                _core.arm(code, bool(lines))
+        for code, (_, lines) in self.callees.items():
+            if wanted.get(code, (None, None))[1] != lines:
+                _core.disarm(code, bool(lines))
+        self.callees = wanted
         armed = (bool(frame), bool(every))
         if armed != self.armed:
             if armed[0]:
@@ -253,17 +258,6 @@ class _Patch:
                                 hook_seen.clear()
                                 selector.emit(value, hook.sink, hook_seen)
 
-            def on_call(code: CodeType, variables: dict[str, Any], value: Any) -> None:
-                for hook in active:
-                    call_seen: set[str] = set()
-                    for selector in hook.probe.calls:
-                        if selector.callee is not code:
-                            continue
-                        if selector.variable is None:
-                            selector.emit(value, hook.sink, call_seen)
-                        elif selector.variable in variables:
-                            selector.emit(variables[selector.variable], hook.sink, call_seen)
-
             result, snap = _core.run(
                 self.code,
                 self.frame_names,
@@ -272,8 +266,7 @@ class _Patch:
                 wrapped,
                 args,
                 kwargs,
-                self.callees,
-                on_call if self.callees else None,
+                self._callees(active) if self.callees else None,
             )
             snapshot = snap or {}
 
@@ -285,6 +278,37 @@ class _Patch:
             for selector in hook.probe.returns:
                 selector.emit(result, hook.sink, hook_seen)
         return result
+
+    def _callees(self, active: list[Hook]) -> dict[CodeType, Callee]:
+        """What to do with each callee's frames during one call, for the ``active`` hooks."""
+        callees: dict[CodeType, Callee] = {}
+        for code, (names, every) in self.callees.items():
+            on_line = _as_line(_call_emitter(active, code, True)) if every else None
+            callees[code] = Callee(names, every, _call_emitter(active, code, False), on_line)
+        return callees
+
+
+def _call_emitter(
+    active: list[Hook], code: CodeType, every: bool
+) -> Callable[[dict[str, Any], Any], None]:
+    """Emit the callee variables (or, for ``every``, the rebound ones) to each active hook."""
+
+    def emit(variables: dict[str, Any], value: Any) -> None:
+        for hook in active:
+            seen: set[str] = set()
+            for selector in hook.probe.calls:
+                if selector.callee is not code or (selector.pattern.when == "every") != every:
+                    continue
+                if selector.variable is None:
+                    selector.emit(value, hook.sink, seen)
+                elif selector.variable in variables:
+                    selector.emit(variables[selector.variable], hook.sink, seen)
+
+    return emit
+
+
+def _as_line(emit: Callable[[dict[str, Any], Any], None]) -> Callable[[str, Any], None]:
+    return lambda name, value: emit({name: value}, None)
 
 
 _core: FrameCore = default_core()

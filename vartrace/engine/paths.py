@@ -93,18 +93,19 @@ class Pattern:
         for i in states:
             if i >= len(self.segments):
                 continue
-            seg = self.segments[i]
-            if seg == "**":
+            if self.segments[i] == "**":
                 if not is_self:
                     nxt.add(i)
-                continue
-            regex = self._regexes[i]
-            if regex is None:
-                if seg == segment:
-                    nxt.add(i + 1)
-            elif not is_self and regex.match(segment):
+            elif self._matches_at(i, segment, is_self):
                 nxt.add(i + 1)
         return self._closure(frozenset(nxt)) if nxt else frozenset()
+
+    def _matches_at(self, i: int, segment: str, is_self: bool) -> bool:
+        """Whether the (non-``**``) pattern segment ``i`` matches ``segment``."""
+        regex = self._regexes[i]
+        if regex is None:
+            return self.segments[i] == segment
+        return not is_self and regex.match(segment) is not None
 
     def accepts(self, states: States) -> bool:
         """Whether the segments consumed so far form a complete match."""
@@ -128,15 +129,13 @@ class Pattern:
         ``False`` means that only a ``**`` would swallow it: the pattern names
         something further down, not ``segment`` itself.
         """
-        for i in states:
-            if i >= len(self.segments) or self.segments[i] == "**":
-                continue
-            regex = self._regexes[i]
-            if (regex is None and self.segments[i] == segment) or (
-                regex is not None and segment != "self" and regex.match(segment)
-            ):
-                return True
-        return False
+        is_self = segment == "self"
+        return any(
+            i < len(self.segments)
+            and self.segments[i] != "**"
+            and self._matches_at(i, segment, is_self)
+            for i in states
+        )
 
     def matches(self, segments: list[str] | tuple[str, ...], *, plain: int = 0) -> bool:
         """Whether the whole sequence ``segments`` matches.
