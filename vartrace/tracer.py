@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from vartrace import distributed
+from vartrace.engine.frames import set_change_test
 from vartrace.engine.patching import Hook, attach, detach
 from vartrace.engine.structures import leaves
 from vartrace.gradients import GradientWatcher
@@ -30,8 +31,8 @@ from vartrace.record import DROP, subscribe, unsubscribe
 from vartrace.results import Results
 from vartrace.silence import SilenceWatch
 from vartrace.sites import Target, is_compiled, resolve, unwrap
-from vartrace.tensors import copy_leaf, same, split_object
-from vartrace.trace import RunContext, Trace
+from vartrace.tensors import copy_leaf, same, snapshot, split_object, unchanged
+from vartrace.trace import RunContext, Trace, report_during
 
 __all__ = ["CallbackError", "ModelTracer"]
 
@@ -39,6 +40,10 @@ PreSave = Callable[[str, Any, int], Any]
 GatherCallback = Callable[[str, Trace], None]
 Mode = Literal["train", "eval", "any"]
 _MISSING = object()
+
+# ``@every`` sees in-place changes (``.data`` writes, numpy writes, list appends), not only
+# rebinding and version bumps.
+set_change_test(snapshot, unchanged)
 
 
 class CallbackError(RuntimeError):
@@ -331,10 +336,19 @@ class ModelTracer:
     def __enter__(self) -> ModelTracer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, *_: object
+    ) -> None:
         # After an exception on one rank of several, a final gather would wait
         # for ranks that are not coming: keep the chunk local instead.
-        self.stop(flush=exc_type is None or distributed.world_size() == 1)
+        flush = exc is None or distributed.world_size() == 1
+        if exc is None:
+            self.stop(flush=flush)
+            return
+        try:
+            self.stop(flush=flush)
+        except Exception as error:  # the step's exception goes on, unchanged
+            report_during(exc, "the tracer's final flush failed", error)
 
     # -- patching -----------------------------------------------------------------------------
 
