@@ -83,6 +83,9 @@ def _worker(rank: int, port: int, out: str) -> None:
     )
     try:
         _run(rank, Path(out))
+        # The safe shutdown order on gloo: every rank done with its collectives (the
+        # tracer's last gather included), then tear the group down, then exit.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -42,6 +42,7 @@ def entry(rank: int, world: int, port: int, out_dir: str, scenario: str, pg_time
         )
         result = SCENARIOS[scenario](rank, world, out)
         torch.save(result, out / f"result{rank}.pt")
+        dist.barrier()  # the safe shutdown order: no rank tears down while another still works
     except BaseException:
         (out / f"error{rank}.txt").write_text(traceback.format_exc())
         raise

@@ -56,6 +56,13 @@ def _write_in_subprocess(path: Path, cwd: Path, env: dict[str, str], args: list[
     )
 
 
+def _assert_absent(raw: bytes, secrets: list[str]) -> None:
+    """No secret appears in the file's bytes, in any encoding HDF5 or numpy might use."""
+    for secret in secrets:
+        for encoding in ("utf-8", "utf-16-le", "utf-16-be"):
+            assert secret.encode(encoding) not in raw, f"{secret} leaked into the file"
+
+
 def test_secret_values_planted_in_the_environment_and_argv_never_reach_the_file(
     tmp_path: Path,
 ) -> None:
@@ -71,9 +78,7 @@ def test_secret_values_planted_in_the_environment_and_argv_never_reach_the_file(
     _write_in_subprocess(path, tmp_path, {**SECRETS, **allowed, "UNLISTED_VAR": "not-kept"}, args)
     raw = path.read_bytes()
     planted = [*SECRETS.values(), *ARGV_SECRETS.values(), "argv-s3cr3t-spaced-6464"]
-    for secret in planted:
-        for encoding in ("utf-8", "utf-16-le", "utf-16-be"):
-            assert secret.encode(encoding) not in raw, f"{secret} leaked into the file"
+    _assert_absent(raw, planted)
     with open_run(path) as run:
         env = run.meta["env"]
         command = run.meta["command"]
@@ -158,5 +163,74 @@ def test_metadata_is_written_once_and_can_be_turned_off(tmp_path: Path) -> None:
 def test_secret_looking_names() -> None:
     for name in ("HF_TOKEN", "aws_secret_access_key", "DB_PASSWORD", "NCCL_AUTH", "my-credential"):
         assert looks_secret(name)
+    for name in ("--passphrase", "--pass", "--pw", "-p", "--db-pass", "DB_PASS_FILE", "--pwd"):
+        assert looks_secret(name)
     for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MASTER_ADDR", "SLURM_JOB_ID"):
         assert not looks_secret(name)
+    for name in ("--num-passes", "--power", "--pos", "--proc", "-P"):
+        assert not looks_secret(name)
+
+
+# Realistic credentials, as users pass them: in URLs, after password-like options of any
+# spelling, in hydra-style overrides, and as tokens of well-known shapes.
+VALUE_SECRETS_ENV = {
+    "VARTRACE_DB_URL": "postgresql://alice:Tr0ub4dor-and-3@db.internal:5432/runs",
+    "TORCH_HUB_MIRROR": "https://ghp_R8x2kQ9vLmN4pT7wZ1yB3cD5fG6hJ0aS2uE@github.com/org/hub",
+    "SLURM_JOB_COMMENT": "sync with s3 key AKIAIOSFODNN7EXAMPLE nightly",
+}
+VALUE_SECRETS_ARGV = [
+    ("--passphrase", "correct horse battery staple"),
+    ("--pass", "hunter2-Xq9"),
+    ("--pw", "pw-9f8e7d6c"),
+    ("-p", "mysql-R00t-pw"),
+    ("--db-url", "mysql://root:S3cure!Pass@10.0.0.5/train"),
+    ("--hub", "https://hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345@huggingface.co/org/model"),
+]
+VALUE_SECRETS_INLINE = [
+    "--pw=inline-pw-5566",
+    "-pAttachedMysqlPw77",
+    "trainer.logger.password=hydra-pw-8899",
+    "sk-proj-4f9Qx2LmZ8vB1nK7tR3wY6uE0aS5dH",
+]
+
+
+def test_credentials_inside_values_never_reach_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    args = [part for pair in VALUE_SECRETS_ARGV for part in pair]
+    args += [*VALUE_SECRETS_INLINE, "--lr", "0.1", "--num-passes", "3"]
+    _write_in_subprocess(path, tmp_path, VALUE_SECRETS_ENV, args)
+    raw = path.read_bytes()
+    planted = [value for _, value in VALUE_SECRETS_ARGV]
+    planted += ["Tr0ub4dor-and-3", "AKIAIOSFODNN7EXAMPLE"]
+    planted += ["ghp_R8x2kQ9vLmN4pT7wZ1yB3cD5fG6hJ0aS2uE"]
+    planted += ["S3cure!Pass", "hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345", "inline-pw-5566"]
+    planted += ["AttachedMysqlPw77", "hydra-pw-8899", "sk-proj-4f9Qx2LmZ8vB1nK7tR3wY6uE0aS5dH"]
+    _assert_absent(raw, planted)
+    with open_run(path) as run:
+        env = run.meta["env"]
+        command = run.meta["command"]
+    assert env["VARTRACE_DB_URL"] == "postgresql://<redacted>@db.internal:5432/runs"
+    assert env["TORCH_HUB_MIRROR"] == "https://<redacted>@github.com/org/hub"
+    assert env["SLURM_JOB_COMMENT"] == "sync with s3 key <redacted> nightly"
+    assert command[2:] == [
+        "--passphrase",
+        "<redacted>",
+        "--pass",
+        "<redacted>",
+        "--pw",
+        "<redacted>",
+        "-p",
+        "<redacted>",
+        "--db-url",
+        "mysql://<redacted>@10.0.0.5/train",
+        "--hub",
+        "https://<redacted>@huggingface.co/org/model",
+        "--pw=<redacted>",
+        "-p<redacted>",
+        "trainer.logger.password=<redacted>",
+        "<redacted>",
+        "--lr",
+        "0.1",
+        "--num-passes",
+        "3",
+    ]

@@ -231,12 +231,16 @@ def test_opaque_objects_are_pickled_and_read_only_with_allow_pickle(tmp_path: Pa
         assert run["opt.state"].get(2) == values[1]
 
 
-def test_an_unpicklable_record_raises_a_clear_error(tmp_path: Path) -> None:
+def test_an_unpicklable_record_becomes_a_marker_with_a_clear_warning(tmp_path: Path) -> None:
     with (
         H5PYSaverCallback(tmp_path / "run.h5") as saver,
-        pytest.raises(TypeError, match="pre_save callback"),
+        pytest.warns(RuntimeWarning, match="site 'forward.fn': .*pre_save callback"),
     ):
-        saver("forward.fn", _trace([lambda: 1]))
+        saver("forward.fn", _trace([lambda: 1, 2.5]))
+    with open_run(tmp_path / "run.h5") as run:
+        marker, number = run["forward.fn"].get(iteration=1), run["forward.fn"].get(iteration=2)
+    assert type(marker).__name__ == "Unstored" and marker.startswith("function: cannot store")
+    assert number == 2.5
 
 
 def test_a_site_whose_kind_or_dtype_changes_keeps_every_record(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ _LAZY = {
     "reduce_chunk": "vartrace.callbacks",
     "H5PYSaverCallback": "vartrace.storage.writer",
     "open": "vartrace.storage.reader:open_run",
+    "Unstored": "vartrace.storage._codec",
     "compare": "vartrace.comparison",
     "Comparison": "vartrace.comparison",
 }
@@ -50,6 +51,7 @@ __all__ = [
     "Results",
     "RunContext",
     "Trace",
+    "Unstored",
     "__version__",
     "compare",
     "list_sites",
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
     from vartrace.comparison import Comparison, compare
     from vartrace.results import Results
     from vartrace.sites import list_sites, sites_of_type
+    from vartrace.storage._codec import Unstored
     from vartrace.storage.reader import open_run as open
     from vartrace.storage.writer import H5PYSaverCallback
     from vartrace.tracer import CallbackError, ModelTracer

@@ -27,18 +27,44 @@ def _tags(trace: Trace) -> None:
             setattr(trace, field, torch.as_tensor(list(tags), dtype=torch.int64))
 
 
-def _as_tensors(name: str, values: Sequence[Any]) -> list[torch.Tensor]:
+_SCALAR_DTYPES = {
+    bool: torch.bool,
+    int: torch.int64,
+    float: torch.float64,
+    complex: torch.complex128,
+}
+
+
+def _as_tensors(name: str, values: Sequence[Any], *, one_dtype: bool = True) -> list[torch.Tensor]:
+    """The records as tensors of their exact dtypes (Python numbers in 64 bits).
+
+    Raises ``TypeError`` for a record that is not a number or a tensor, an int
+    that does not fit int64, or (with ``one_dtype``) records of different
+    dtypes: stacking would change their values silently.
+    """
     out = []
     for value in values:
         if isinstance(value, torch.Tensor):
             out.append(value)
-        elif isinstance(value, (bool, int, float, complex)):
-            out.append(torch.tensor(value))
+        elif type(value) in _SCALAR_DTYPES:
+            try:
+                out.append(torch.tensor(value, dtype=_SCALAR_DTYPES[type(value)]))
+            except (OverflowError, RuntimeError, ValueError) as error:
+                raise TypeError(
+                    f"site {name!r}: cannot stack the int {value:#x} exactly ({error})"
+                ) from None
         else:
             raise TypeError(
                 f"site {name!r}: cannot stack a {type(value).__name__} record; "
                 "stacking needs tensors or numbers"
             )
+    dtypes = {t.dtype for t in out}
+    if one_dtype and len(dtypes) > 1:
+        raise TypeError(
+            f"site {name!r}: records have different dtypes "
+            f"{sorted(str(d).removeprefix('torch.') for d in dtypes)}; stacking would "
+            "convert some of them, so it is refused (convert them with a pre_save callback)"
+        )
     return out
 
 
@@ -46,7 +72,9 @@ def stack_tensors(name: str, trace: Trace) -> None:
     """Stack equally shaped records into one tensor with a leading record dimension.
 
     Tags become 1-D int64 tensors.  Records of different shapes raise
-    ``ValueError``: use :func:`stack_padded_tensors` for those.
+    ``ValueError``: use :func:`stack_padded_tensors` for those.  Every record
+    keeps its exact value: Python floats stack as float64, ints as int64, and
+    records of different dtypes raise ``TypeError`` rather than being converted.
     """
     if isinstance(trace.values, torch.Tensor) or not len(trace):
         return
@@ -93,7 +121,8 @@ def stack_padded_tensors(name: str, trace: Trace) -> None:
 
 
 def _mean(values: list[Any]) -> torch.Tensor:
-    return torch.stack(_as_tensors("", values)).double().mean(dim=0)
+    tensors = _as_tensors("", values, one_dtype=False)
+    return torch.stack([t.double() for t in tensors]).mean(dim=0)
 
 
 def reduce_chunk(fn: Callable[[list[Any]], Any] = _mean) -> Callable[[str, Trace], None]:

@@ -1,29 +1,106 @@
 """Detached copies of captured leaves, and bit-exact change detection.
 
 A record must not change when the live value does, must not keep an
-autograd graph alive, and must live on the tracer's ``device``.  Change
+autograd graph alive, and must live on the tracer's ``device``.  An object
+that holds tensors in its attributes (a Hugging Face ``DynamicCache``) is
+never recorded live: :func:`split_object` splits it into its tensors, and
+an object that can be neither split nor copied is recorded as the string
+``<vartrace: uncopyable TYPE>`` (with a warning).  Change
 detection compares a new copy with the last one recorded for the site,
 bit for bit: in-place writes that do not bump a tensor's version counter
 (BatchNorm running statistics, writes through ``.data``) are still seen,
-NaN equals NaN, and ``-0.0`` differs from ``0.0``.
+a NaN equals only a NaN of the same payload, and ``-0.0`` differs from
+``0.0``, for tensors, numpy arrays and scalars and Python floats alike.
 """
 
 from __future__ import annotations
 
 import copy
+import struct
 import warnings
-from typing import Any
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["copy_leaf", "same"]
+from vartrace.engine.structures import children
+
+__all__ = ["copy_leaf", "same", "snapshot", "split_object", "unchanged", "uncopyable"]
 
 _IMMUTABLE: frozenset[type] = frozenset(
     {int, float, bool, complex, str, bytes, type(None), type(Ellipsis)}
 )
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _uncopyable_warned: set[type] = set()
+_MAX_STATE_DEPTH = 8
+_MAX_STATE_OBJECTS = 4096  # an object reaching a whole program (a trainer) is not walked further
+
+
+def uncopyable(value: Any) -> str:
+    """The marker recorded in place of an object that can be neither copied nor split.
+
+    Example::
+
+        uncopyable(lock)   # '<vartrace: uncopyable lock>'
+    """
+    return f"<vartrace: uncopyable {type(value).__name__}>"
+
+
+def _tensor_state(value: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
+    """The tensors reachable from ``value`` through containers and attributes, with their paths."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+        return
+    if depth >= _MAX_STATE_DEPTH or type(value) in _IMMUTABLE:
+        return
+    if id(value) in seen or len(seen) >= _MAX_STATE_OBJECTS:
+        return
+    seen.add(id(value))
+    kids = children(value)
+    if kids is None:
+        # Plain objects only: never walk the namespace of a class, module or function.
+        plain = not isinstance(value, ModuleType) and not callable(value)
+        kids = getattr(value, "__dict__", {}).items() if plain else ()
+    for key, child in kids:
+        yield from _tensor_state(child, f"{path}.{key}", depth + 1, seen)
+
+
+def split_object(site: str, value: Any, warned: set[type]) -> Iterator[tuple[str, Any]]:
+    """``(site, value)`` itself, or, for an object whose attributes hold tensors, those tensors.
+
+    Recording such an object live (a ``DynamicCache`` refuses ``deepcopy``)
+    would keep every tensor it holds, and their autograd graph, alive; its
+    tensors are recorded instead, as leaves named by attribute path
+    (``forward.past_key_values.layers.0.keys``).  Warns once per type
+    (``warned`` holds the types already named).
+
+    Example::
+
+        list(split_object("forward.cache", cache, set()))
+        # [('forward.cache.keys.0', tensor(...)), ('forward.cache.values.0', tensor(...))]
+    """
+    if type(value) in _IMMUTABLE or isinstance(value, (torch.Tensor, np.ndarray)):
+        yield site, value
+        return
+    tensors = list(_tensor_state(value, site, 0, set()))
+    if not tensors:
+        yield site, value
+        return
+    if type(value) not in warned:
+        warned.add(type(value))
+        warnings.warn(
+            f"vartrace: {site} is a {type(value).__name__} holding tensors; recording its "
+            f"{len(tensors)} tensors ({tensors[0][0]}, ...) instead of the live object, "
+            "which would keep their autograd graph alive",
+            stacklevel=2,
+        )
+    yield from tensors
+
+
+_FLOAT = struct.Struct("<d")
+_COMPLEX = struct.Struct("<dd")
 
 
 def copy_leaf(value: Any, device: torch.device) -> Any:
@@ -35,28 +112,35 @@ def copy_leaf(value: Any, device: torch.device) -> Any:
     """
     if isinstance(value, torch.Tensor):
         detached = value.detach()
+        if detached.is_meta:
+            return detached.clone()  # no data to move: shape and dtype are the record
+        if detached.layout != torch.strided:  # sparse: copied as it is, in its own layout
+            return detached.clone() if detached.device == device else detached.to(device)
         if detached.device == device:
             return detached.clone(memory_format=torch.contiguous_format)
         return detached.to(device, copy=True, memory_format=torch.contiguous_format)
     if type(value) in _IMMUTABLE:
         return value
-    if isinstance(value, np.ndarray):
+    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
         return value.copy()
     try:
         return copy.deepcopy(value)
     except Exception as error:  # an object that refuses to be copied is kept as is
+        marker = uncopyable(value)
         if type(value) not in _uncopyable_warned:
             _uncopyable_warned.add(type(value))
             warnings.warn(
-                f"vartrace: cannot copy a {type(value).__name__} ({error}); recording the live "
-                "object, which later changes will alter",
+                f"vartrace: cannot copy a {type(value).__name__} ({error}); recording the "
+                f"marker {marker!r} instead of the live object",
                 stacklevel=2,
             )
-        return value
+        return marker
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype == torch.bool or tensor.is_quantized or tensor.layout != torch.strided:
+    if tensor.layout != torch.strided:
+        tensor = tensor.to_dense()  # sparse: equal values, whatever entries are stored
+    if tensor.dtype == torch.bool or tensor.is_quantized:
         return tensor
     if tensor.dtype == torch.complex128:
         tensor = tensor.view(torch.float64)
@@ -72,15 +156,76 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
             return False
+        if a.is_meta:
+            return True  # no data: shape and dtype are all there is
         try:
             return torch.equal(_bits(a), _bits(b))
         except RuntimeError:
             return False
-    if isinstance(a, np.ndarray):
+    if isinstance(a, (np.ndarray, np.generic)) and not a.dtype.hasobject:
         return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
-    if type(a) is float or type(a) is complex:
-        return repr(a) == repr(b)
+    if type(a) is float:
+        return _FLOAT.pack(a) == _FLOAT.pack(b)
+    if type(a) is complex:
+        return _COMPLEX.pack(a.real, a.imag) == _COMPLEX.pack(b.real, b.imag)
     try:
         return bool(a == b)
     except Exception:
         return False
+
+
+class _Identity(NamedTuple):
+    """What :func:`snapshot` keeps of an opaque object: its identity and version counter."""
+
+    id: int
+    version: Any
+
+
+def _identity(value: Any) -> _Identity:
+    return _Identity(id(value), getattr(value, "_version", None))
+
+
+def snapshot(value: Any) -> Any:
+    """A copy of ``value``'s content for :func:`unchanged`: what ``@every`` compares with.
+
+    Tensors are detached and cloned on their device, numpy arrays copied, lists,
+    tuples and dicts copied element by element; of other objects (a module, a
+    custom class) only the identity is kept, as copying them on every line
+    would cost too much.  Example::
+
+        old = snapshot(hidden)
+        hidden.data.add_(1)
+        assert not unchanged(old, hidden)
+    """
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if type(value) in (list, tuple):
+        return type(value)(snapshot(item) for item in value)
+    if type(value) is dict:
+        return {key: snapshot(item) for key, item in value.items()}
+    if type(value) in _IMMUTABLE or isinstance(value, np.generic):
+        return value
+    if isinstance(value, np.ndarray):
+        return copy.deepcopy(value) if value.dtype.hasobject else value.copy()
+    return _identity(value)
+
+
+def unchanged(old: Any, value: Any) -> bool:
+    """Whether ``value`` still holds, bit for bit, what :func:`snapshot` copied into ``old``."""
+    if isinstance(old, _Identity):
+        return old == _identity(value)
+    if isinstance(value, torch.Tensor):
+        return isinstance(old, torch.Tensor) and same(old, value.detach())
+    if type(value) in (list, tuple):
+        return (
+            type(old) is type(value)
+            and len(old) == len(value)
+            and all(unchanged(a, b) for a, b in zip(old, value, strict=True))
+        )
+    if type(value) is dict:
+        return (
+            type(old) is dict
+            and list(old) == list(value)
+            and all(unchanged(old[key], item) for key, item in value.items())
+        )
+    return same(old, value)

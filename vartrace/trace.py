@@ -13,11 +13,12 @@ back from a file.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RunContext", "Trace", "TraceLengthError"]
+__all__ = ["RunContext", "Trace", "TraceLengthError", "report_during"]
 
 
 class TraceLengthError(ValueError):
@@ -134,3 +135,24 @@ class RunContext:
     rank: int = 0
     world_size: int = 1
     sharded: bool = False
+
+
+def report_during(exc: BaseException, what: str, error: Exception) -> None:
+    """Report ``error``, raised by cleanup while ``exc`` propagates, without replacing ``exc``.
+
+    A warning says what failed, and a note on ``exc`` (Python >= 3.11) keeps it in
+    the traceback the user sees.  Example::
+
+        try:
+            saver.close()
+        except Exception as error:
+            report_during(step_error, "H5PYSaverCallback.close() failed", error)
+    """
+    message = (
+        f"vartrace: {what} while the step was raising {type(exc).__name__}: "
+        f"{type(error).__name__}: {error}"
+    )
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(message)

@@ -9,6 +9,7 @@ end.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import threading
@@ -18,18 +19,20 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from vartrace import _forks, distributed
-from vartrace.engine.code import MethodInfo
-from vartrace.engine.patching import Hook, Probe, attach, detach
+from vartrace.engine.frames import set_change_test
+from vartrace.engine.patching import Hook, attach, detach, filter_state
 from vartrace.engine.structures import leaves
 from vartrace.gradients import GradientWatcher
+from vartrace.iterations import IterationCounter
 from vartrace.record import DROP, subscribe, unsubscribe
 from vartrace.results import Results
 from vartrace.silence import SilenceWatch
-from vartrace.sites import Target, is_compiled, module_methods, resolve, unwrap
-from vartrace.tensors import copy_leaf, same
-from vartrace.trace import RunContext, Trace
+from vartrace.sites import Target, is_compiled, resolve, unwrap
+from vartrace.tensors import copy_leaf, same, snapshot, split_object, unchanged
+from vartrace.trace import RunContext, Trace, report_during
 
 __all__ = ["CallbackError", "ModelTracer"]
 
@@ -37,6 +40,10 @@ PreSave = Callable[[str, Any, int], Any]
 GatherCallback = Callable[[str, Trace], None]
 Mode = Literal["train", "eval", "any"]
 _MISSING = object()
+
+# ``@every`` sees in-place changes (``.data`` writes, numpy writes, list appends), not only
+# rebinding and version bumps.
+set_change_test(snapshot, unchanged)
 
 
 class CallbackError(RuntimeError):
@@ -74,6 +81,19 @@ def _run_callbacks(
         except Exception as error:
             raise _failed(stage, callback, name, error) from error
         trace.check_lengths(_name(callback))
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
+def _in_backward() -> bool:
+    """Whether autograd's backward runs now (a checkpointed forward being recomputed)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _check_callbacks(stage: str, callbacks: list[Any], arguments: tuple[str, ...]) -> None:
@@ -137,6 +157,24 @@ def _check_device(device: torch.device) -> None:
         raise ValueError("device='mps': MPS is not available in this torch")
 
 
+_MODULE_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _without_hooks(ids: set[int], state: dict[str, Any]) -> dict[str, Any]:
+    """A module's state without the forward hooks registered under ``ids``."""
+    for name in _MODULE_HOOKS:
+        hooks = state.get(name)
+        if hooks and not ids.isdisjoint(hooks):
+            state[name] = type(hooks)((key, v) for key, v in hooks.items() if key not in ids)
+    return state
+
+
 def _positive(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, not {value!r}")
@@ -156,6 +194,12 @@ class ModelTracer:
                 loss.backward()
         saver.close()
 
+    Gradient accumulation, or a trainer that never calls ``model`` itself:
+    number iterations by optimizer steps::
+
+        with ModelTracer(model, ["**.scores"], optimizer=opt) as tracer:
+            trainer_loop()   # every record is tagged with opt's completed steps + 1
+
     Args:
         model: the model; DDP / DataParallel / FSDP / compile wrappers are
             unwrapped, so paths never start with ``module.``.
@@ -171,6 +215,9 @@ class ModelTracer:
         trace_interval: record iterations 1, 1 + k, 1 + 2k, ...
         mode: which outermost model calls are iterations: ``"train"``,
             ``"eval"`` (by ``model.training``) or ``"any"``.
+        optimizer: number iterations by this optimizer's steps (its
+            completed ``step()`` calls plus one) instead of by model calls;
+            see :mod:`vartrace.iterations` for every rule.
         change_detection: record a site only when its value changed.
         device: where recorded copies live.
         gather: ``False`` keeps each rank's records on that rank (shard files).
@@ -193,9 +240,14 @@ class ModelTracer:
         device: str | torch.device = "cpu",
         gather: bool = True,
         strict: bool = True,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+        if optimizer is not None and not hasattr(optimizer, "register_step_post_hook"):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}"
+            )
         if mode not in ("train", "eval", "any"):
             raise ValueError(f"mode must be 'train', 'eval' or 'any', not {mode!r}")
         self.model = unwrap(model)
@@ -219,32 +271,36 @@ class ModelTracer:
         self._targets = resolve(self.model, paths, strict=strict)
         _warn_unused_savers(self._all_callbacks())
         self._silence = SilenceWatch(self._targets, mode, self.model)
-        self._other_mode_calls = 0
         self.results = Results()
-        self._hooks: list[tuple[Target | None, Hook]] = []
+        self._hooks: list[tuple[Target, Hook]] = []
+        self._handles: list[RemovableHandle] = []
+        self._part_handles: list[RemovableHandle] = []  # until the root is first called
+        self._optimizer = optimizer
+        self._iterations = IterationCounter(
+            self.model,
+            mode,
+            trace_interval=self.trace_interval,
+            gathering_interval=self.gathering_interval,
+            set_enabled=self._set_enabled,
+            flush=self._flush,
+        )
         self._chunk: dict[str, Trace] = {}
         self._last: dict[str, Any] = {}
-        self._counts: dict[str, int] = {}
-        self._calls = 0
-        self._depth = 0
-        self._in_mode = False
-        self._iteration = 0
-        self._user_iteration: int | None = None
-        self._recording = True
+        self._split_warned: set[type] = set()
         self._order = 0
+        self._lock = threading.Lock()  # threads calling the model at once share the chunk
+        self._flush_lock = threading.Lock()
         self._rank = 0
         self._started = False
         self._finished = False
         self._gradients = GradientWatcher(self._store)
-        # Threads calling the model store records and gather one at a time.
-        self._lock = threading.RLock()
 
     # -- public API ---------------------------------------------------------------------------
 
     @property
     def iteration(self) -> int:
-        """The iteration that records are tagged with now (0 before the first)."""
-        return self._iteration
+        """The iteration that this thread's records are tagged with now (0 before the first)."""
+        return self._iterations.state.iteration
 
     def set_iteration(self, iteration: int) -> None:
         """Tag every record with ``iteration`` until the next call (user-driven iterations).
@@ -258,8 +314,7 @@ class ModelTracer:
         """
         if not isinstance(iteration, int) or isinstance(iteration, bool):
             raise TypeError(f"iteration must be an int, not {type(iteration).__name__}")
-        self._user_iteration = iteration
-        self._set_iteration(iteration)
+        self._iterations.set_user(iteration)
 
     def start(self) -> ModelTracer:
         """Patch the model and start recording (``with`` does this for you)."""
@@ -287,7 +342,8 @@ class ModelTracer:
         if not self._started or self._finished:
             return
         self._release()
-        self._silence.report(bool(self._counts), self._other_mode_calls)
+        counter = self._iterations
+        self._silence.report(counter.in_mode_calls > 0, counter.other_mode_calls)
         if flush:
             self._flush()
             for name in list(self.results):
@@ -299,7 +355,9 @@ class ModelTracer:
         What the parent buffered is the parent's to write; the child may start a
         tracer of its own.
         """
-        self._lock = threading.RLock()  # a thread of the parent may have held it at the fork
+        # A thread of the parent may have held them at the fork.
+        self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
         self._chunk = {}
         self._release()
 
@@ -314,10 +372,19 @@ class ModelTracer:
     def __enter__(self) -> ModelTracer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, *_: object
+    ) -> None:
         # After an exception on one rank of several, a final gather would wait
         # for ranks that are not coming: keep the chunk local instead.
-        self.stop(flush=exc_type is None or distributed.world_size() == 1)
+        flush = exc is None or distributed.world_size() == 1
+        if exc is None:
+            self.stop(flush=flush)
+            return
+        try:
+            self.stop(flush=flush)
+        except Exception as error:  # the step's exception goes on, unchanged
+            report_during(exc, "the tracer's final flush failed", error)
 
     # -- patching -----------------------------------------------------------------------------
 
@@ -330,86 +397,119 @@ class ModelTracer:
         ]
 
     def _attach(self) -> None:
-        decorate = None
+        # A frame tracer sees nothing inside compiled code: traced methods always run
+        # eagerly, whether the model is compiled before or after the tracer starts.
+        eager = torch._dynamo.disable
         if self._compiled:
-            # A frame tracer sees nothing inside compiled code: run the traced methods eagerly.
-            decorate = torch._dynamo.disable
-            names = ", ".join(f"{t.path or '<root>'}.{t.method.name}" for t in self._targets)
-            warnings.warn(
-                f"vartrace: the model is compiled; these traced methods run eagerly while "
-                f"tracing (excluded from torch.compile): {names}",
-                stacklevel=4,
-            )
-        root_forward: MethodInfo | None = None
+            self._warn_compiled()
+        counter = self._iterations
         for target in self._targets:
+            # The root's own forward counts even when called as ``model.forward(x)``.
             is_root = target.module is self.model and target.method.name == "forward"
-            hook = Hook(
-                target.probe(),
-                self._capture,
-                self._enter if is_root else self._silence.entered(target),
-                self._exit if is_root else None,
-            )
-            attach(target.module, target.method.name, target.method.code, hook, decorate)
+            count = functools.partial(self._enter_root, False) if is_root else self._enter_method
+            enter = _both(self._silence.entered(target), count)
+            hook = Hook(target.probe(), self._capture, enter, counter.exit)
+            attach(target.module, target.method.name, target.method.code, hook, eager)
             self._hooks.append((target, hook))
-            if is_root:
-                root_forward = target.method
-        if root_forward is None:
-            methods = module_methods(self.model)
-            if "forward" not in methods:
-                raise TypeError(f"{type(self.model).__name__} has no forward method to trace")
-            info = methods["forward"]
-            hook = Hook(Probe(), self._capture, self._enter, self._exit)
-            attach(self.model, "forward", info.code, hook, decorate)
-            self._hooks.append((None, hook))
+        enter_root = eager(self._enter_root)
+        enter_part = eager(self._enter_method)
+        leave = eager(self._leave)
+
+        def before_root(module: nn.Module, args: Any) -> None:
+            enter_root(torch.compiler.is_compiling(), module)
+
+        def before_part(module: nn.Module, args: Any) -> None:
+            enter_part(module)
+
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            leave(module)
+
+        self._handles += self._counting_hooks(self.model, before_root, after)
+        for part in self._counting_parts():
+            self._part_handles += self._counting_hooks(part, before_part, after)
+        if self._optimizer is not None:
+            counter.follow_steps()
+            self._handles.append(
+                self._optimizer.register_step_post_hook(lambda *_: counter.stepped())
+            )
+
+    def _counting_hooks(
+        self, module: nn.Module, before: Callable[..., None], after: Callable[..., None]
+    ) -> list[RemovableHandle]:
+        """Register the hooks that count calls of ``module``, left out of its copies and
+        pickles (``copy.deepcopy``, ``torch.save``, averaged models)."""
+        handles = [
+            module.register_forward_pre_hook(before),
+            module.register_forward_hook(after, always_call=True),
+        ]
+        filter_state(module, self, functools.partial(_without_hooks, {h.id for h in handles}))
+        return handles
+
+    def _counting_parts(self) -> list[nn.Module]:
+        """The root's children that hold traced sites: their outermost calls count until
+        the root itself is called (a LightningModule's ``self.model``)."""
+        heads = {t.path.split(".", 1)[0] for t in self._targets if t.path}
+        return [child for name, child in self.model.named_children() if name in heads]
+
+    def _warn_compiled(self) -> None:
+        names = ", ".join(f"{t.path or '<root>'}.{t.method.name}" for t in self._targets)
+        warnings.warn(
+            f"vartrace: the model is compiled; these traced methods run eagerly while "
+            f"tracing (excluded from torch.compile): {names}",
+            stacklevel=4,
+        )
+
+    def _remove_part_hooks(self) -> None:
+        handles, self._part_handles = self._part_handles, []
+        if handles:
+            for handle in handles:
+                handle.remove()
+            for part in self._counting_parts():
+                filter_state(part, self, None)
 
     def _detach(self) -> None:
+        self._remove_part_hooks()
+        while self._handles:
+            self._handles.pop().remove()
+        filter_state(self.model, self, None)
         while self._hooks:
             target, hook = self._hooks.pop()
-            module = self.model if target is None else target.module
-            name = "forward" if target is None else target.method.name
-            detach(module, name, hook)
+            detach(target.module, target.method.name, hook)
 
-    # -- iterations ---------------------------------------------------------------------------
+    # -- iterations (rules: vartrace.iterations) ------------------------------------------------
 
-    def _set_iteration(self, iteration: int) -> None:
-        self._iteration = iteration
-        self._recording = (iteration - 1) % self.trace_interval == 0
+    def _set_enabled(self, enabled: bool) -> None:
         for _, hook in self._hooks:
-            hook.enabled = self._recording
+            hook.enabled = enabled
 
-    def _enter(self) -> None:
-        self._depth += 1
-        if self._depth > 1:
-            return
-        mode = self.mode
-        self._in_mode = mode == "any" or self.model.training == (mode == "train")
-        if not self._in_mode:
-            self._other_mode_calls += 1
-            for _, hook in self._hooks:
-                hook.enabled = False
-            return
-        self._counts[mode] = self._counts.get(mode, 0) + 1
-        iteration = self._user_iteration
-        self._set_iteration(self._counts[mode] if iteration is None else iteration)
+    def _enter_root(self, compiling: bool, module: nn.Module | None = None) -> None:
+        if compiling and not self._compiled:
+            self._compiled = True  # compiled after the tracer started
+            self._warn_compiled()
+        self._remove_part_hooks()  # the root is called: only its calls count from now on
+        self._iterations.enter(root=True, replay=_in_backward(), module=module)
 
-    def _exit(self, failed: bool) -> None:
-        self._depth -= 1
-        if self._depth or not self._in_mode:
-            return
-        self._calls += 1
-        if not failed and self._calls % self.gathering_interval == 0:
-            self._flush()
+    def _enter_method(self, module: nn.Module | None = None) -> None:
+        self._iterations.enter(root=False, replay=_in_backward(), module=module)
+
+    def _leave(self, module: nn.Module) -> None:
+        # A forward hook registered with always_call runs inside ``except`` when forward raised.
+        self._iterations.exit(failed=sys.exc_info()[0] is not None, module=module)
 
     # -- the record path ----------------------------------------------------------------------
 
     def _capture(self, site: str, value: Any, grad: bool) -> None:
         self._silence.saw(site, value)
-        if torch._C._current_graph_task_id() != -1:
+        if _in_backward():
             return  # a forward recomputed during backward (activation checkpointing)
+        if not self._iterations.captures():
+            return  # another thread's iteration enabled the hooks
+        iteration = self._iterations.state.iteration
         if grad:
-            self._gradients.watch(site, value, self._iteration)
+            self._gradients.watch(site, value, iteration)
         else:
-            self._store(site, value, self._iteration)
+            for name, leaf in split_object(site, value, self._split_warned):
+                self._store(name, leaf, iteration)
 
     def _store(self, site: str, value: Any, iteration: int) -> None:
         for callback in self.pre_save_callbacks:
@@ -420,12 +520,12 @@ class ModelTracer:
             if value is DROP:
                 return
         record = copy_leaf(value, self.device)
+        if self.change_detection:
+            last = self._last.get(site, _MISSING)
+            if last is not _MISSING and same(record, last):
+                return
+            self._last[site] = record
         with self._lock:
-            if self.change_detection:
-                last = self._last.get(site, _MISSING)
-                if last is not _MISSING and same(record, last):
-                    return
-                self._last[site] = record
             self._order += 1
             trace = self._chunk.get(site)
             if trace is None:
@@ -433,16 +533,20 @@ class ModelTracer:
             trace.append(record, iteration, self._rank, self._order)
 
     def _record_manual(self, name: str, value: Any) -> None:
-        if self._recording and (self._depth == 0 or self._in_mode):
+        if self._iterations.records_manual():
+            iteration = self._iterations.state.iteration
             for site, leaf in leaves(value, name):
-                self._store(site, leaf, self._iteration)
+                for part, piece in split_object(site, leaf, self._split_warned):
+                    self._store(part, piece, iteration)
 
     def _flush(self) -> None:
-        with self._lock:
-            self._gather()
+        # Threads that end iterations at once hand their chunks to the callbacks one by one.
+        with self._flush_lock:
+            self._hand_over()
 
-    def _gather(self) -> None:
-        chunk, self._chunk = self._chunk, {}
+    def _hand_over(self) -> None:
+        with self._lock:
+            chunk, self._chunk = self._chunk, {}
         for name, trace in chunk.items():
             _run_callbacks("pre_gather", self.pre_gather_callbacks, name, trace)
         gathered = distributed.gather_chunk(chunk) if self.gather else chunk

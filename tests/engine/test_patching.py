@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from vartrace.engine import Hook, Probe, Selector, attach, detach, methods_of, parse
+from vartrace.engine import Hook, Probe, Selector, attach, detach, frames, methods_of, parse
 from vartrace.engine.frames import FrameCore
 
 
@@ -39,6 +41,12 @@ class Calc:
         for i in range(n):
             acc = acc + i
         return acc
+
+    def grow(self, n: int) -> int:
+        items: list[int] = []
+        for i in range(n):
+            items.append(i)
+        return len(items)
 
     def fact(self, n: int) -> int:
         result = 1 if n <= 1 else n * self.fact(n - 1)
@@ -135,6 +143,25 @@ def test_every_records_each_new_value(core: FrameCore) -> None:
     sites = rec.sites()
     assert sites["loop.acc"] == [0, 1, 3, 6]
     assert sites["loop.i"] == [0, 1, 2, 3]
+
+
+@pytest.fixture
+def content_change_test() -> Iterator[None]:
+    """``@every`` compares contents (as the torch edge sets it), restored afterwards."""
+    previous = frames._change_test
+    frames.set_change_test(copy.deepcopy, lambda old, new: type(old) is type(new) and old == new)
+    yield
+    frames.set_change_test(*previous)
+
+
+def test_every_sees_in_place_changes_with_a_content_change_test(
+    core: FrameCore, content_change_test: None
+) -> None:
+    calc = Calc()
+    hook, rec = _attach(calc, "grow", _probe("grow", "items:every"))
+    assert calc.grow(3) == 3
+    detach(calc, "grow", hook)
+    assert rec.sites() == {"grow.items.0": [0, 0, 0], "grow.items.1": [1, 1], "grow.items.2": [2]}
 
 
 def test_only_the_patched_instance_is_traced(core: FrameCore) -> None:

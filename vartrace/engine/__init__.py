@@ -12,7 +12,13 @@ Python, with or without torch installed:
 """
 
 from vartrace.engine.code import MethodInfo, methods_of
-from vartrace.engine.frames import FrameCore, MonitoringCore, SettraceCore, default_core
+from vartrace.engine.frames import (
+    FrameCore,
+    MonitoringCore,
+    SettraceCore,
+    default_core,
+    set_change_test,
+)
 from vartrace.engine.patching import Hook, Probe, Selector, attach, core, detach, set_core
 from vartrace.engine.paths import Pattern, parse
 from vartrace.engine.structures import children, leaves, register_container, select
@@ -36,5 +42,6 @@ __all__ = [
     "parse",
     "register_container",
     "select",
+    "set_change_test",
     "set_core",
 ]

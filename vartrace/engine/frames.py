@@ -42,9 +42,18 @@ from collections.abc import Callable, Iterator, Mapping
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["Callee", "FrameCore", "MonitoringCore", "SettraceCore", "default_core"]
+__all__ = [
+    "Callee",
+    "FrameCore",
+    "MonitoringCore",
+    "SettraceCore",
+    "default_core",
+    "set_change_test",
+]
 
 LineCallback = Callable[[str, Any], None]
+Snapshot = Callable[[Any], Any]
+Unchanged = Callable[[Any, Any], bool]
 _MISSING = object()
 _MAX_DECORATOR_FRAMES = 8
 
@@ -66,17 +75,44 @@ def _identity(value: Any) -> tuple[int, Any]:
     return id(value), getattr(value, "_version", None)
 
 
+def _same_identity(snapshot: Any, value: Any) -> bool:
+    return bool(snapshot == _identity(value))
+
+
+_change_test: tuple[Snapshot, Unchanged] = (_identity, _same_identity)
+
+
+def set_change_test(snapshot: Snapshot, unchanged: Unchanged) -> None:
+    """Set how ``@every`` tells a new value of a variable from the one it last sent.
+
+    ``snapshot(value)`` keeps what the next comparison needs;
+    ``unchanged(snapshot, value)`` says whether ``value`` still equals it.  The
+    default compares identity and ``_version`` only, which misses in-place
+    changes of mutable objects; the torch edge installs a content comparison.
+    Example::
+
+        set_change_test(copy.deepcopy, lambda old, new: old == new)
+    """
+    global _change_test
+    _change_test = (snapshot, unchanged)
+
+
 def _changed(
-    last: dict[str, tuple[int, Any]], f_locals: Mapping[str, Any], names: tuple[str, ...]
+    last: dict[str, Any], f_locals: Mapping[str, Any], names: tuple[str, ...]
 ) -> Iterator[tuple[str, Any]]:
-    """The variables of ``names`` bound to another object (or changed in place) since ``last``."""
+    """The variables of ``names`` bound to another object (or changed in place) since ``last``.
+
+    ``last`` holds a snapshot per name, taken and compared by the change test
+    (:func:`set_change_test`).
+    """
+    snapshot, unchanged = _change_test
     for name in names:
         value = f_locals.get(name, _MISSING)
         if value is _MISSING:
             continue
-        key = _identity(value)
-        if last.get(name) != key:
-            last[name] = key
+        previous = last.get(name, _MISSING)
+        if previous is _MISSING or not unchanged(previous, value):
+            last[name] = snapshot(value)
             yield name, value
 
 
@@ -134,8 +170,8 @@ class _Watch:
         self.every = every
         self.on_line = on_line
         self.callees = callees or {}
-        self.callee_last: dict[FrameType, dict[str, tuple[int, Any]]] = {}
-        self.last: dict[str, tuple[int, Any]] = {}
+        self.callee_last: dict[FrameType, dict[str, Any]] = {}
+        self.last: dict[str, Any] = {}
         self.snapshot: dict[str, Any] | None = None
         self.done = False
 

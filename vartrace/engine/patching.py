@@ -41,9 +41,12 @@ __all__ = [
     "attach",
     "core",
     "detach",
+    "filter_state",
     "set_core",
 ]
 
+StateFilter = Callable[[dict[str, Any]], dict[str, Any]]
+"""Takes a copy of an object's ``__dict__`` state, returns it without what a tracer added."""
 Sink = Callable[[str, Any, bool], None]
 """``sink(site, leaf, grad)``: receives every captured leaf."""
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -183,12 +186,13 @@ class _CleanState:
     class's, which it calls, and drops the patches from what that returns.
     """
 
-    __slots__ = ("instance", "originals", "previous")
+    __slots__ = ("filters", "instance", "originals", "previous")
 
     def __init__(self, instance: Any) -> None:
         self.instance = instance
         self.previous = vars(instance).get("__getstate__", _MISSING)
         self.originals: dict[str, Any] = {}  # patched name -> what the __dict__ held before
+        self.filters: dict[object, StateFilter] = {}  # see filter_state
 
     @classmethod
     def of(cls, instance: Any) -> _CleanState:
@@ -201,7 +205,11 @@ class _CleanState:
     def forget(self, name: str) -> None:
         """``name`` is restored; the last one out restores the ``__getstate__`` entry too."""
         del self.originals[name]
-        if not self.originals:
+        self.release()
+
+    def release(self) -> None:
+        """Restore the ``__getstate__`` entry once no patch and no filter is left."""
+        if not self.originals and not self.filters:
             if self.previous is _MISSING:
                 del vars(self.instance)["__getstate__"]
             else:
@@ -230,6 +238,8 @@ class _CleanState:
                 state.pop(name, None)
             else:
                 state[name] = original
+        for state_filter in self.filters.values():
+            state = state_filter(state)
         return state
 
 
@@ -413,6 +423,24 @@ def set_core(new: FrameCore) -> None:
     if _patches:
         raise RuntimeError("cannot change the frame core while methods are patched")
     _core = new
+
+
+def filter_state(instance: Any, key: object, state_filter: StateFilter | None) -> None:
+    """Pass copies and pickles of ``instance``'s state through ``state_filter``.
+
+    ``key`` names the filter; ``None`` removes the one ``key`` added.  A tracer
+    uses it to leave the hooks it registered on a module out of the module's
+    copies.  Example::
+
+        filter_state(module, tracer, lambda state: {k: v for k, v in state.items() if k != "x"})
+        filter_state(module, tracer, None)
+    """
+    if state_filter is not None:
+        _CleanState.of(instance).filters[key] = state_filter
+        return
+    clean = vars(instance).get("__getstate__")
+    if isinstance(clean, _CleanState) and clean.filters.pop(key, None) is not None:
+        clean.release()
 
 
 def attach(

@@ -53,8 +53,30 @@ def register_container(cls: type, children_of: Children) -> None:
     _kind_cache.clear()
 
 
+def _escape_key(key: str) -> str:
+    return key.replace("\\", "\\\\").replace(".", "\\.") if "." in key or "\\" in key else key
+
+
+def _key_names(keys: list[Any]) -> list[str]:
+    """Unambiguous site segments for the keys of one mapping.
+
+    A dot in a key is escaped (``"a.b"`` -> ``a\\.b``), so that it never reads
+    as two levels; a non-str key named like a str key of the same mapping
+    gets its type as a prefix (``{1: a, "1": b}`` -> ``int:1`` and ``1``).
+    """
+    names = [_escape_key(k if type(k) is str else str(k)) for k in keys]
+    taken = {name for key, name in zip(keys, names, strict=True) if type(key) is str}
+    for index, key in enumerate(keys):
+        if type(key) is not str and names[index] in taken:
+            names[index] = f"{type(key).__name__}:{names[index]}"
+    return names
+
+
 def _mapping_items(value: Mapping[Any, Any]) -> Iterable[tuple[str, Any]]:
-    return ((str(k), v) for k, v in value.items())
+    if all(type(k) is str and "." not in k and "\\" not in k for k in value):
+        return value.items()
+    keys = list(value)
+    return zip(_key_names(keys), (value[k] for k in keys), strict=True)
 
 
 def _sequence_items(value: Iterable[Any]) -> Iterable[tuple[str, Any]]:

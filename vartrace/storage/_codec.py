@@ -10,8 +10,12 @@ fit its site's ``values`` dataset.
 
 Tensors whose dtype numpy lacks (bfloat16, float8, complex32) are stored as
 their raw bit pattern in an unsigned integer of the same width, with the
-torch dtype name alongside, and are viewed back bit-exactly.  torch is
-imported only when a tensor is met.
+torch dtype name alongside, and are viewed back bit-exactly.  Sparse, meta
+(shape and dtype only), quantized and nested tensors are stored in their
+``torch.save`` form and read back with ``torch.load(weights_only=True)``,
+which rebuilds tensors only (no pickle is run).  Python ints outside int64
+are stored in hexadecimal, exact at any size.  torch is imported only when a
+tensor is met.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ __all__ = [
     "Kind",
     "Leaf",
     "PickleNotAllowedError",
+    "Unstored",
     "dtype_name",
     "encode",
     "from_array",
     "from_blob",
     "to_blob",
+    "unstored",
 ]
 
 
@@ -53,6 +59,8 @@ class Kind:
     STR = 10
     BYTES = 11
     PICKLE = 12
+    TENSOR_SAVED = 13  # a sparse, meta, quantized or nested tensor, in torch.save form
+    UNSTORED = 14  # a value that could not be stored: the marker text says what and why
 
 
 IN_OTHER = 0x80
@@ -72,6 +80,8 @@ KIND_NAMES = (
     "str",
     "bytes",
     "pickle",
+    "tensor",
+    "unstored",
 )
 _NUMERIC_KINDS = "biufc"
 _PY_SCALARS = {int: Kind.INT, float: Kind.FLOAT, bool: Kind.BOOL, complex: Kind.COMPLEX}
@@ -81,6 +91,28 @@ _INT64 = np.iinfo(np.int64)
 
 class PickleNotAllowedError(ValueError):
     """A record holds a pickled object and the run was opened without ``allow_pickle=True``."""
+
+
+class Unstored(str):
+    """What a file holds where a record could not be stored: a text saying what and why.
+
+    The saver writes it (with a warning naming the site) instead of failing
+    the step; reading gives it back.  Example::
+
+        value = run["forward.gen"].get(iteration=1)
+        if isinstance(value, vartrace.Unstored):
+            print(value)   # "generator: cannot pickle 'generator' object"
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"vartrace.Unstored({str.__repr__(self)})"
+
+
+def unstored(value: Any, error: Exception) -> Leaf:
+    """The marker leaf of a record that cannot be stored."""
+    return Leaf(Kind.UNSTORED, f"{type(value).__qualname__}: {error}")
 
 
 class Leaf(NamedTuple):
@@ -150,8 +182,10 @@ def _encode_tensor(value: Any, float_dtype: Any, int_dtype: Any) -> Leaf:
     import torch
 
     tensor = value.detach()
-    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
-        return _pickled(tensor)
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested or tensor.is_meta:
+        buffer = io.BytesIO()
+        torch.save(tensor if tensor.is_meta else tensor.cpu(), buffer)
+        return Leaf(Kind.TENSOR_SAVED, buffer.getvalue())
     tensor = tensor.cpu().resolve_conj().resolve_neg()
     if float_dtype is not None and tensor.is_floating_point():
         tensor = tensor.to(getattr(torch, float_dtype))
@@ -208,7 +242,8 @@ def encode(value: Any, float_dtype: str | None = None, int_dtype: str | None = N
     kind = _PY_SCALARS.get(type(value))
     if kind is not None:
         if kind == Kind.INT and not _INT64.min <= value <= _INT64.max:
-            return Leaf(Kind.BIGINT, str(value).encode())
+            # Hexadecimal: exact at any size (decimal conversion is capped at 4300 digits).
+            return Leaf(Kind.BIGINT, hex(value).encode())
         return Leaf(kind, np.asarray(value))
     if type(value) is str:
         return Leaf(Kind.STR, value)
@@ -244,7 +279,13 @@ def from_blob(kind: int, blob: bytes, allow_pickle: bool, where: str) -> Any:
     if kind == Kind.BYTES:
         return blob
     if kind == Kind.BIGINT:
-        return int(blob)
+        return int(blob, 0)  # hexadecimal; files of older versions hold decimal
+    if kind == Kind.UNSTORED:
+        return Unstored(blob.decode("utf-8", "surrogatepass"))
+    if kind == Kind.TENSOR_SAVED:
+        import torch
+
+        return torch.load(io.BytesIO(blob), weights_only=True)  # loads tensors only: safe
     if kind == Kind.PICKLE:
         if not allow_pickle:
             raise PickleNotAllowedError(

@@ -50,26 +50,30 @@ FORMAT_VERSION = 1
 LIBVER = ("v110", "latest")  # the oldest file format that allows SWMR
 TAGS = ("iterations", "ranks", "order", "kinds")
 
-_ESCAPED = re.compile(r"%([0-9A-F]{2})")
+_ESCAPED = re.compile(r"%u([0-9A-F]{4})|%([0-9A-F]{2})")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def escape(name: str) -> str:
-    """An HDF5 link name for a site name, reversibly (``%``, ``/`` and NUL are %-escaped).
+    """An HDF5 link name for a site name, reversibly.
 
+    ``%``, ``/`` and NUL are %-escaped, and a lone surrogate (a key decoded by
+    ``os.fsdecode``, which UTF-8 cannot hold) becomes ``%uDCxx``.
     Example: ``escape("forward.a/b") == "forward.a%2Fb"``.
     """
     if not name:
         return "%"
     if set(name) == {"."}:
         return "%2E" * len(name)
-    return name.replace("%", "%25").replace("/", "%2F").replace("\0", "%00")
+    link = name.replace("%", "%25").replace("/", "%2F").replace("\0", "%00")
+    return _SURROGATE.sub(lambda match: f"%u{ord(match.group()):04X}", link)
 
 
 def unescape(link: str) -> str:
     """The site name of an HDF5 link name made by :func:`escape`."""
     if link == "%":
         return ""
-    return _ESCAPED.sub(lambda match: chr(int(match.group(1), 16)), link)
+    return _ESCAPED.sub(lambda match: chr(int(match.group(1) or match.group(2), 16)), link)
 
 
 def shard_path(path: Path, rank: int) -> Path:

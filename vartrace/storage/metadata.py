@@ -4,7 +4,10 @@
 versions, installed packages, git state, world size, start time and an
 allow-listed set of environment variables.  Secrets stay out: environment
 variables whose names look secret are never recorded even when allow-listed,
-and command-line values given to secret-looking options are redacted.
+command-line values given to secret-looking options (long or short: ``--pw``,
+``-p``) are redacted, and credentials found inside any recorded argument or
+variable value (``user:password@`` in URLs, ``password=...`` pairs, tokens of
+well-known shapes) are replaced by ``<redacted>``.
 
 Example::
 
@@ -25,7 +28,7 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["ENV_NAMES", "ENV_PREFIXES", "collect_metadata", "looks_secret"]
+__all__ = ["ENV_NAMES", "ENV_PREFIXES", "collect_metadata", "looks_secret", "redact"]
 
 ENV_NAMES = frozenset(
     {
@@ -55,7 +58,20 @@ ENV_PREFIXES = (
     "SLURM_",
     "VARTRACE_",
 )
-_SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH|COOKIE|PRIVATE", re.I)
+_SECRET = re.compile(
+    r"TOKEN|KEY|SECRET|PASS(?:WORD|WD|PHRASE)?(?![A-Z])|(?<![A-Z])PWD?(?![A-Z])"
+    r"|CREDENTIAL|AUTH|COOKIE|PRIVATE",
+    re.I,
+)
+_SHORT_SECRET_OPTIONS = frozenset({"-p"})  # mysql and friends: -p <password>, -p<password>
+_URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s]*@")
+# Tokens recognisable by their shape alone, wherever they appear.
+_TOKEN = re.compile(
+    r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_-]{20,}"
+    r"|hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|xox[abposr]-[A-Za-z0-9-]{10,}"
+    r"|AKIA[0-9A-Z]{16})\b"
+)
+_REDACTED = "<redacted>"
 _DIFF_LIMIT = 1 << 20
 _GIT_TIMEOUT_S = 10.0
 
@@ -63,32 +79,52 @@ _GIT_TIMEOUT_S = 10.0
 def looks_secret(name: str) -> bool:
     """Whether a variable or option name looks like it holds a secret.
 
-    Example: ``looks_secret("HF_TOKEN") and not looks_secret("OMP_NUM_THREADS")``.
+    Example: ``looks_secret("HF_TOKEN") and looks_secret("--pw")
+    and not looks_secret("OMP_NUM_THREADS")``.
     """
-    return _SECRET.search(name) is not None
+    return name in _SHORT_SECRET_OPTIONS or _SECRET.search(name) is not None
+
+
+def redact(text: str) -> str:
+    """``text`` with the credentials found in its value replaced by ``<redacted>``.
+
+    Credentials in URLs (``https://user:password@host`` -> ``https://<redacted>@host``),
+    the value of a ``name=value`` pair whose name looks secret, and tokens of
+    well-known shapes (GitHub, GitLab, Hugging Face, OpenAI, Slack, AWS keys).
+    Example: ``redact("db.password=hunter2") == "db.password=<redacted>"``.
+    """
+    name, equals, _ = text.partition("=")
+    if equals and looks_secret(name):
+        return f"{name}={_REDACTED}"
+    text = _URL_USERINFO.sub(lambda match: f"{match.group(1)}{_REDACTED}@", text)
+    return _TOKEN.sub(_REDACTED, text)
 
 
 def _environment() -> dict[str, str]:
     return {
-        name: value
+        name: redact(value)
         for name, value in sorted(os.environ.items())
         if (name in ENV_NAMES or name.startswith(ENV_PREFIXES)) and not looks_secret(name)
     }
 
 
 def _command_line() -> list[str]:
-    """``sys.argv`` with the values of secret-looking options replaced."""
+    """``sys.argv`` with credentials replaced: the values of secret-looking options
+    (``--passphrase x``, ``--pw=x``, ``-p x``, ``-px``) and whatever :func:`redact` finds."""
     redacted: list[str] = []
     hide_next = False
     for argument in sys.argv:
         option, equals, _ = argument.partition("=")
         if hide_next:
-            redacted.append("<redacted>")
-        elif argument.startswith("-") and equals and looks_secret(option):
-            redacted.append(f"{option}=<redacted>")
+            redacted.append(_REDACTED)
+            hide_next = False
+        elif argument.startswith("-") and looks_secret(option):
+            redacted.append(f"{option}={_REDACTED}" if equals else argument)
+            hide_next = not equals  # the value follows as the next argument
+        elif argument[:2] in _SHORT_SECRET_OPTIONS and argument[2:3] not in ("", "-"):
+            redacted.append(f"{argument[:2]}{_REDACTED}")  # -p<password>
         else:
-            redacted.append(argument)
-        hide_next = argument.startswith("-") and not equals and looks_secret(argument)
+            redacted.append(redact(argument))
     return redacted
 
 

@@ -184,6 +184,9 @@ class _Part:
         self.torch_dtype = (
             "" if self.values is None else str(self.values.attrs.get("torch_dtype", ""))
         )
+        # The dtype the records were written with: h5py reads non-native byte orders as native.
+        key = "" if self.values is None else str(self.values.attrs.get("key", ""))
+        self.written_dtype = np.dtype(key.split("/")[0]) if key and not self.torch_dtype else None
 
     @cached_property
     def tags(self) -> dict[str, np.ndarray]:
@@ -221,6 +224,9 @@ class _Part:
         if self.storage == "blob":
             return from_blob(kind, self.values[row].tobytes(), allow_pickle, where)
         data = self.values[(row, *(slice(0, n) for n in self.shapes[row]))]
+        written = self.written_dtype
+        if kind in (Kind.NDARRAY, Kind.NPSCALAR) and written is not None:
+            data = np.asarray(data).astype(written, copy=False)
         return from_array(kind, data, self.torch_dtype)
 
     def describe(

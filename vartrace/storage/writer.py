@@ -21,9 +21,11 @@ while it is being written.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import difflib
 import errno
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -37,7 +39,15 @@ import h5py
 import numpy as np
 
 from vartrace import _forks
-from vartrace.storage._codec import IN_OTHER, Kind, Leaf, dtype_name, encode, to_blob
+from vartrace.storage._codec import (
+    IN_OTHER,
+    Kind,
+    Leaf,
+    dtype_name,
+    encode,
+    to_blob,
+    unstored,
+)
 from vartrace.storage._layout import (
     COMMITTED,
     FORMAT_ATTR,
@@ -52,7 +62,7 @@ from vartrace.storage._layout import (
     writer_alive,
 )
 from vartrace.storage._worker import Worker
-from vartrace.trace import RunContext, Trace
+from vartrace.trace import RunContext, Trace, report_during
 
 __all__ = ["COMPRESSIONS", "H5PYSaverCallback", "recover", "unused_savers"]
 
@@ -192,6 +202,7 @@ class _Site:
         self.padded: tuple[int, ...] = () if self.values is None else self.values.shape[1:]
         self.storage = "" if self.values is None else str(self.values.attrs["storage"])
         self.key = "" if self.values is None else str(self.values.attrs.get("key", ""))
+        self.warned = False  # about a record that could not be stored
 
     @classmethod
     def create(cls, parent: h5py.Group, name: str, options: dict[str, Any], slot: int) -> _Site:
@@ -205,7 +216,20 @@ class _Site:
         return cls(group, options, 0)
 
     def _encode(self, value: Any) -> Leaf:
-        return encode(value, self.options["float_dtype"], self.options["int_dtype"])
+        try:
+            return encode(value, self.options["float_dtype"], self.options["int_dtype"])
+        except TypeError as error:  # neither storable nor picklable: a marker, not a failed step
+            leaf = unstored(value, error)
+            if not self.warned:
+                self.warned = True
+                name = unescape(self.group.name.rsplit("/", 1)[-1])
+                warnings.warn(
+                    f"vartrace: site {name!r}: {error}; the file holds a vartrace.Unstored "
+                    f"marker instead ({leaf.data!r})",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return leaf
 
     def _fits(self, leaf: Leaf) -> bool:
         if self.storage == "array":
@@ -494,6 +518,7 @@ class H5PYSaverCallback:
         self.background = background
         self._pending: list[tuple[str, Trace]] = []  # taken over, not yet handed to the thread
         self._worker: Worker | None = None
+        self._failure: OSError | None = None  # the write failure that ended the file
         # Callers (tracers in several threads) take records and flush one at a time; the
         # writer thread never takes it, so a caller waiting for the thread cannot block it.
         self._lock = threading.RLock()
@@ -544,6 +569,11 @@ class H5PYSaverCallback:
 
     def _open(self) -> h5py.File:
         self._check_process()
+        if self._failure is not None:
+            raise RuntimeError(
+                f"H5PYSaverCallback for {self.path} stopped writing after a failed write: "
+                f"{self._failure.strerror}"
+            ) from self._failure
         if self._closed:
             raise RuntimeError(f"H5PYSaverCallback for {self.path} is closed")
         if self._idle:
@@ -614,7 +644,8 @@ class H5PYSaverCallback:
         """
         with self._lock:
             if not self.background:
-                self._commit()
+                with self._guard():
+                    self._commit()
                 return
             if self._pending:
                 batch, self._pending = self._pending, []
@@ -628,9 +659,10 @@ class H5PYSaverCallback:
             atexit.register(self.close)
 
         def write() -> None:
-            for name, trace in batch:
-                self._append(name, trace)
-            self._commit()
+            with self._guard():
+                for name, trace in batch:
+                    self._append(name, trace)
+                self._commit()
 
         self._worker.submit(write)
 
@@ -656,40 +688,89 @@ class H5PYSaverCallback:
         """Flush and close the file; later records raise.  Safe to call twice.
 
         With ``background=True`` it first waits for the writer thread, and raises
-        its error, if it had one, after closing the file.
+        its error, if it had one, after closing the file.  The file is closed
+        whatever happens; a write that fails (a full disk) raises ``OSError``
+        naming the file and the cause, once, and the records of every flush
+        before it stay readable.
         """
-        _UNUSED.discard(self)
         with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        _UNUSED.discard(self)
+        try:
+            if self.background:
+                self.flush()  # hands over what was taken since the last flush
+            if self._worker is not None:
+                worker, self._worker = self._worker, None
+                atexit.unregister(self.close)
+                worker.stop()
+        finally:
+            self._closed = True
             try:
-                if self.background:
-                    self.flush()  # hands over what was taken since the last flush
-                if self._worker is not None:
-                    worker, self._worker = self._worker, None
-                    atexit.unregister(self.close)
-                    worker.stop()
-            finally:
                 if self._file is not None:
-                    self._commit()
+                    with self._guard():
+                        self._commit()
                     self._file.close()
                     self._file = None
                     _forks.unwatch(self)
                     if self._created and not self._committed.any():
                         self.path.unlink(missing_ok=True)
                         warnings.warn(
-                            f"vartrace: H5PYSaverCallback received no record, so it removed "
-                            f"the empty {self.path} it had created (a model that never ran in "
-                            "the traced mode, a saver missing from post_gather_callbacks, or a "
-                            "failed first write)",
-                            stacklevel=2,
+                            f"vartrace: H5PYSaverCallback received no record, so it removed the "
+                            f"empty {self.path} it had created (a model that never ran in the "
+                            "traced mode, a saver missing from post_gather_callbacks, or a failed "
+                            "first write)",
+                            stacklevel=3,
                         )
+            finally:
                 self._sites.clear()
-                self._closed = True
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Turn a failed write into a closed file and an ``OSError`` naming the file and cause.
+
+        After a failed write HDF5 can neither flush the file nor close its
+        datasets; closing them anyway, or leaving it to the process's exit,
+        crashes the process (SIGSEGV).  So the file's descriptor is first pointed
+        at the null device, where the close writes what it still must, and the
+        file on disk keeps what was written before.
+        """
+        try:
+            yield
+        except Exception as error:
+            handle, cause = self._file, _os_error(error)
+            if handle is None or cause is None:
+                raise
+            # Set first: from here on no thread reopens the file.
+            self._failure = OSError(
+                cause[0],
+                f"writing the run file failed ({cause[1]}); it is closed and holds the "
+                "records of every flush before this one",
+                str(self.path),
+            )
+            self._file = None
+            size = _claimed_size(handle)
+            _discard_writes(handle)
+            self._sites.clear()
+            with contextlib.suppress(Exception):
+                handle.close()
+            _pad_to(self.path, size)
+            raise self._failure from error
 
     def __enter__(self) -> H5PYSaverCallback:
         return self
 
-    def __exit__(self, *_: object) -> None:
-        self.close()
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, *_: object
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as error:  # the exception of the with-block goes on, not this one
+            report_during(exc, f"H5PYSaverCallback.close() failed for {self.path}", error)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open" if self._file is not None else "not opened"
@@ -710,7 +791,8 @@ class H5PYSaverCallback:
                 )
                 self._pending.append((name, taken))
             else:
-                self._append(name, trace)
+                with self._guard():
+                    self._append(name, trace)
             trace.clear()
 
     def _append(self, name: str, trace: Trace) -> None:
@@ -798,6 +880,48 @@ class _Datasets(Mapping[str, h5py.Dataset]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+_HDF5_OS_ERROR = re.compile(r"errno = (\d+), error message = '([^']*)'")
+
+
+def _os_error(error: Exception) -> tuple[int, str] | None:
+    """``(errno, message)`` of the operating-system failure behind an HDF5 write error."""
+    found = _HDF5_OS_ERROR.search(str(error))
+    if found is not None:
+        return int(found.group(1)), found.group(2)
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return error.errno, os.strerror(error.errno)
+    return None
+
+
+def _claimed_size(handle: h5py.File) -> int:
+    """The size HDF5 believes the file has (its superblock may already say so)."""
+    try:
+        return int(handle.id.get_filesize())
+    except Exception:
+        return 0
+
+
+def _pad_to(path: Path, size: int) -> None:
+    """Extend ``path`` to ``size`` bytes with a hole (no disk space taken), so that HDF5,
+    which refuses a file shorter than its superblock records, opens it."""
+    with contextlib.suppress(OSError):
+        if os.path.getsize(path) < size:
+            os.truncate(path, size)
+
+
+def _discard_writes(handle: h5py.File) -> None:
+    """Send every later write of ``handle`` to the null device (its file keeps what it holds)."""
+    try:
+        fd = handle.id.get_vfd_handle()
+        null = os.open(os.devnull, os.O_RDWR)
+    except (AttributeError, OSError, TypeError, ValueError, RuntimeError):
+        return  # not a plain file descriptor: the close is attempted as it is
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 def _last_tags(handle: h5py.File) -> tuple[int, int] | None:

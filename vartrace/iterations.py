@@ -1,0 +1,200 @@
+"""Iteration counting: which calls are the turns of a training loop, counted per thread.
+
+A :class:`~vartrace.tracer.ModelTracer` tags every record with an
+iteration number chosen by the first rule that applies:
+
+1. ``tracer.set_iteration(i)``: every record is tagged ``i`` until the next call.
+2. ``ModelTracer(..., optimizer=opt)``: the number of completed ``opt.step()``
+   calls plus one (a step post-hook), so that all micro-batches of a
+   gradient-accumulation step share one number; chunks are gathered after
+   every ``gathering_interval``-th step.
+3. Each outermost call of the model (the root module, seen through module
+   hooks that ``torch.compile`` keeps) is one iteration.
+4. As long as the root module itself has never been called (a
+   ``LightningModule`` whose ``training_step`` calls ``self.model(...)``),
+   each outermost call of a top-level submodule holding traced sites, or of
+   a traced method, is one iteration.
+
+"Outermost" is per thread: two threads calling the model at once make two
+iterations, and each thread's records carry its own call's number.  A
+counted call whose ``model.training`` does not match the tracer's mode
+records nothing.
+
+Example::
+
+    counter = IterationCounter(model, "train", trace_interval=1, gathering_interval=1,
+                               set_enabled=lambda on: None, flush=lambda: None)
+    counter.enter(root=True); counter.state.iteration   # 1
+    counter.exit(failed=False)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["IterationCounter"]
+
+
+class _ThreadState(threading.local):
+    """One thread's view: its call depth and the iteration its records carry."""
+
+    def __init__(self, counter: IterationCounter) -> None:
+        self.depth = 0
+        self.counted = False  # the outermost call running now is an iteration
+        self.active = False  # ... and it records (it keeps the hooks enabled)
+        self.iteration = counter.latest
+        self.recording = counter.latest_recording
+        self.in_mode = True
+        self.open: set[int] = set()  # modules whose hooked call has not reported its end
+
+
+class IterationCounter:
+    """Counts iterations by the rules of this module and says whether a thread records now.
+
+    ``set_enabled(on)`` switches the tracer's capture hooks (off while no
+    thread runs a recorded iteration); ``flush()`` hands the buffered chunk
+    on (every ``gathering_interval`` iterations or optimizer steps).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        mode: str,
+        *,
+        trace_interval: int,
+        gathering_interval: int,
+        set_enabled: Callable[[bool], None],
+        flush: Callable[[], None],
+    ) -> None:
+        self._model = model
+        self._mode = mode
+        self._trace_interval = trace_interval
+        self._gathering_interval = gathering_interval
+        self._set_enabled = set_enabled
+        self._flush = flush
+        self._lock = threading.Lock()
+        self._count = 0
+        self._calls = 0
+        self._steps: int | None = None  # optimizer steps, once an optimizer is followed
+        self._root_called = False
+        self._user: int | None = None
+        self._active = 0
+        self.in_mode_calls = 0  # counted calls in the traced mode ...
+        self.other_mode_calls = 0  # ... and in the other one
+        self.latest = 0
+        self.latest_recording = True
+        self._thread = _ThreadState(self)
+
+    @property
+    def state(self) -> _ThreadState:
+        """The calling thread's state (``iteration``, ``recording``, ``in_mode``, ``depth``)."""
+        return self._thread
+
+    def captures(self) -> bool:
+        """Whether a value captured now, in this thread, is recorded."""
+        state = self._thread
+        return state.recording and state.in_mode
+
+    def records_manual(self) -> bool:
+        """Whether a :func:`vartrace.record` call now, in this thread, is recorded."""
+        state = self._thread
+        return state.recording and (state.depth == 0 or state.in_mode)
+
+    def follow_steps(self) -> None:
+        """Number iterations by optimizer steps from now on (call :meth:`stepped` after each)."""
+        self._steps = 0
+
+    def set_user(self, iteration: int) -> None:
+        """User-driven numbering: ``iteration`` for every record until the next call."""
+        self._user = iteration
+        state = self._thread
+        self._assign(state, iteration)
+        self._set_enabled(self._active > 0 or self.captures())
+
+    def _assign(self, state: _ThreadState, iteration: int) -> None:
+        state.iteration = iteration
+        state.recording = (iteration - 1) % self._trace_interval == 0
+        self.latest = iteration
+        self.latest_recording = state.recording
+
+    def _next(self) -> int:
+        if self._user is not None:
+            return self._user
+        if self._steps is not None:
+            return self._steps + 1
+        self._count += 1
+        return self._count
+
+    def enter(self, *, root: bool, replay: bool = False, module: object = None) -> None:
+        """A call of the root module (``root``), a counting submodule or a traced method begins.
+
+        ``replay``: a forward recomputed during backward (activation
+        checkpointing), which belongs to the iteration that ran it first.
+        ``module``: the module whose forward hook will report the end; if its
+        previous call never did (an exception that skips ``always_call``
+        hooks: ``KeyboardInterrupt``, or any exception in compiled code),
+        this thread's depth is reset instead of staying stuck inside that call.
+        """
+        state = self._thread
+        if module is not None:
+            if id(module) in state.open:
+                self._reset(state)
+            state.open.add(id(module))
+        state.depth += 1
+        if state.depth > 1 or replay:
+            return
+        if root:
+            self._root_called = True
+        elif self._root_called:
+            return  # a traced method outside the model's call: the latest iteration's
+        mode = self._mode
+        with self._lock:
+            state.counted = True
+            state.in_mode = mode == "any" or bool(self._model.training) == (mode == "train")
+            if state.in_mode:
+                self.in_mode_calls += 1
+                self._assign(state, self._next())
+            else:
+                self.other_mode_calls += 1
+            state.active = state.in_mode and state.recording
+            self._active += state.active
+            enabled = self._active > 0
+        self._set_enabled(enabled)
+
+    def _reset(self, state: _ThreadState) -> None:
+        with self._lock:
+            self._active -= state.active
+        state.active = state.counted = False
+        state.depth = 0
+        state.open.clear()
+
+    def exit(self, failed: bool, module: object = None) -> None:
+        """The call that :meth:`enter` saw ends (``failed``: by an exception)."""
+        state = self._thread
+        if module is not None:
+            state.open.discard(id(module))
+        state.depth -= 1
+        if state.depth or not state.counted:
+            return
+        state.counted = False
+        with self._lock:
+            self._active -= state.active
+            state.active = False
+            if not state.in_mode or self._steps is not None:
+                return
+            self._calls += 1
+            due = not failed and self._calls % self._gathering_interval == 0
+        if due:
+            self._flush()
+
+    def stepped(self) -> None:
+        """An optimizer step completed: later records belong to the next iteration."""
+        with self._lock:
+            self._steps = (self._steps or 0) + 1
+            due = self._steps % self._gathering_interval == 0
+            self._assign(self._thread, self._next())
+        self._set_enabled(self._active > 0 or self.captures())
+        if due:
+            self._flush()
