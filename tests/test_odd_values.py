@@ -91,16 +91,24 @@ def test_a_site_name_with_a_lone_surrogate_is_stored_with_the_others(tmp_path: P
         assert run["forward.plain"].get(iteration=1).equal(torch.zeros(3))
 
 
-@pytest.mark.filterwarnings("ignore:vartrace. cannot copy a generator")
-def test_a_record_that_cannot_be_stored_becomes_a_marker_with_a_warning(tmp_path: Path) -> None:
-    generator = (n for n in range(3))  # neither storable nor picklable
-    with pytest.warns(RuntimeWarning, match=r"site 'forward.gen': cannot store a generator"):
-        run = _trace_to_file(tmp_path / "run.h5", [{"gen": generator, "x": torch.ones(2)}])
+def test_a_record_that_cannot_be_copied_or_stored_becomes_a_marker_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    generator = (n for n in range(3))  # deepcopy refuses it: marked when captured
+    square = lambda n: n * n  # noqa: E731 (copied as itself, but pickle refuses it: marked by the saver)
+    value = {"gen": generator, "fn": square, "x": torch.ones(2)}
+    with (
+        pytest.warns(RuntimeWarning, match=r"site 'forward.gen': cannot copy a generator"),
+        pytest.warns(RuntimeWarning, match=r"site 'forward.fn': cannot store a function"),
+    ):
+        run = _trace_to_file(tmp_path / "run.h5", [value])
     with run:
-        marker = run["forward.gen"].get(iteration=1)
+        copied = run["forward.gen"].get(iteration=1)
+        stored = run["forward.fn"].get(iteration=1)
         assert run["forward.x"].get(iteration=1).equal(torch.ones(2))
-    assert isinstance(marker, vartrace.Unstored)
-    assert marker.startswith("generator: cannot store a generator record")
+    assert isinstance(copied, vartrace.Unstored) and isinstance(stored, vartrace.Unstored)
+    assert copied.startswith("generator: cannot copy it")
+    assert stored.startswith("function: cannot store a function record")
 
 
 # -- bit-exact change detection ----------------------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from vartrace.record import DROP, record
+from vartrace.record import DROP, Unstored, record
 from vartrace.trace import RunContext, Trace
 
 __version__ = "0.1.0"
@@ -37,7 +37,6 @@ _LAZY = {
     "reduce_chunk": "vartrace.callbacks",
     "H5PYSaverCallback": "vartrace.storage.writer",
     "open": "vartrace.storage.reader:open_run",
-    "Unstored": "vartrace.storage._codec",
     "compare": "vartrace.comparison",
     "Comparison": "vartrace.comparison",
 }
@@ -68,7 +67,6 @@ if TYPE_CHECKING:
     from vartrace.comparison import Comparison, compare
     from vartrace.results import Results
     from vartrace.sites import list_sites, sites_of_type
-    from vartrace.storage._codec import Unstored
     from vartrace.storage.reader import open_run as open
     from vartrace.storage.writer import H5PYSaverCallback
     from vartrace.tracer import CallbackError, ModelTracer

@@ -4,8 +4,8 @@ A record must not change when the live value does, must not keep an
 autograd graph alive, and must live on the tracer's ``device``.  An object
 that holds tensors in its attributes (a Hugging Face ``DynamicCache``) is
 never recorded live: :func:`split_object` splits it into its tensors, and
-an object that can be neither split nor copied is recorded as the string
-``<vartrace: uncopyable TYPE>`` (with a warning).  Change
+an object that can be neither split nor copied is recorded as a
+:class:`vartrace.Unstored` marker saying why (with a warning).  Change
 detection compares a new copy with the last one recorded for the site,
 bit for bit: in-place writes that do not bump a tensor's version counter
 (BatchNorm running statistics, writes through ``.data``) are still seen,
@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from vartrace.engine.structures import children
+from vartrace.record import Unstored
 
-__all__ = ["copy_leaf", "same", "snapshot", "split_object", "unchanged", "uncopyable"]
+__all__ = ["copy_leaf", "same", "snapshot", "split_object", "unchanged"]
 
 _IMMUTABLE: frozenset[type] = frozenset(
     {int, float, bool, complex, str, bytes, type(None), type(Ellipsis)}
@@ -36,16 +37,6 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _uncopyable_warned: set[type] = set()
 _MAX_STATE_DEPTH = 8
 _MAX_STATE_OBJECTS = 4096  # an object reaching a whole program (a trainer) is not walked further
-
-
-def uncopyable(value: Any) -> str:
-    """The marker recorded in place of an object that can be neither copied nor split.
-
-    Example::
-
-        uncopyable(lock)   # '<vartrace: uncopyable lock>'
-    """
-    return f"<vartrace: uncopyable {type(value).__name__}>"
 
 
 def _tensor_state(value: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
@@ -103,8 +94,11 @@ _FLOAT = struct.Struct("<d")
 _COMPLEX = struct.Struct("<dd")
 
 
-def copy_leaf(value: Any, device: torch.device) -> Any:
+def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     """A detached, independent copy of ``value``; tensors land on ``device``.
+
+    An object that refuses to be copied gives a :class:`vartrace.Unstored`
+    marker instead, with one warning per type naming ``site``.
 
     Example::
 
@@ -125,13 +119,14 @@ def copy_leaf(value: Any, device: torch.device) -> Any:
         return value.copy()
     try:
         return copy.deepcopy(value)
-    except Exception as error:  # an object that refuses to be copied is kept as is
-        marker = uncopyable(value)
+    except Exception as error:  # never keep the live object: it may hold a graph
+        marker = Unstored(f"{type(value).__qualname__}: cannot copy it ({error})")
         if type(value) not in _uncopyable_warned:
             _uncopyable_warned.add(type(value))
             warnings.warn(
-                f"vartrace: cannot copy a {type(value).__name__} ({error}); recording the "
-                f"marker {marker!r} instead of the live object",
+                f"vartrace: site {site!r}: cannot copy a {type(value).__name__} ({error}); "
+                f"recording the marker {marker!r} instead of the live object",
+                RuntimeWarning,
                 stacklevel=2,
             )
         return marker

@@ -519,7 +519,7 @@ class ModelTracer:
                 raise _failed("pre_save", callback, site, error) from error
             if value is DROP:
                 return
-        record = copy_leaf(value, self.device)
+        record = copy_leaf(value, self.device, site)
         if self.change_detection:
             last = self._last.get(site, _MISSING)
             if last is not _MISSING and same(record, last):

@@ -16,7 +16,8 @@ that make plain ``h5py.File`` refuse such a file.  The layout is described in
 converted where they are read or written.
 """
 
-from vartrace.storage._codec import PickleNotAllowedError, Unstored
+from vartrace.record import Unstored
+from vartrace.storage._codec import PickleNotAllowedError
 from vartrace.storage._worker import WorkerError
 from vartrace.storage.metadata import collect_metadata
 from vartrace.storage.reader import Run, Site, open_run

@@ -27,13 +27,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from vartrace.record import Unstored
+
 __all__ = [
     "IN_OTHER",
     "KIND_NAMES",
     "Kind",
     "Leaf",
     "PickleNotAllowedError",
-    "Unstored",
     "dtype_name",
     "encode",
     "from_array",
@@ -91,23 +92,6 @@ _INT64 = np.iinfo(np.int64)
 
 class PickleNotAllowedError(ValueError):
     """A record holds a pickled object and the run was opened without ``allow_pickle=True``."""
-
-
-class Unstored(str):
-    """What a file holds where a record could not be stored: a text saying what and why.
-
-    The saver writes it (with a warning naming the site) instead of failing
-    the step; reading gives it back.  Example::
-
-        value = run["forward.gen"].get(iteration=1)
-        if isinstance(value, vartrace.Unstored):
-            print(value)   # "generator: cannot pickle 'generator' object"
-    """
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"vartrace.Unstored({str.__repr__(self)})"
 
 
 def unstored(value: Any, error: Exception) -> Leaf:
@@ -245,6 +229,8 @@ def encode(value: Any, float_dtype: str | None = None, int_dtype: str | None = N
             # Hexadecimal: exact at any size (decimal conversion is capped at 4300 digits).
             return Leaf(Kind.BIGINT, hex(value).encode())
         return Leaf(kind, np.asarray(value))
+    if type(value) is Unstored:
+        return Leaf(Kind.UNSTORED, str(value))
     if type(value) is str:
         return Leaf(Kind.STR, value)
     if type(value) is bytes:
