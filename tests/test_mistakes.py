@@ -109,6 +109,7 @@ def test_a_run_that_wrote_no_record_leaves_no_file(tmp_path: Path) -> None:
     model = Net().eval()  # the tracer traces training calls: nothing is recorded
     with (
         pytest.warns(UserWarning, match="received no record"),
+        pytest.warns(UserWarning, match="only in eval mode, and this tracer has mode='train'"),
         H5PYSaverCallback(path) as saver,
         ModelTracer(model, ["head"], post_gather_callbacks=[saver]),
     ):

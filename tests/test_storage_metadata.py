@@ -147,7 +147,7 @@ def test_metadata_is_written_once_and_can_be_turned_off(tmp_path: Path) -> None:
         with H5PYSaverCallback(path, append=append) as saver:
             saver.on_start(RunContext(world_size=2 if append else 1))
             trace = Trace()
-            trace.append(1, 1, 0, 0)
+            trace.append(1, 2 if append else 1, 0, 0)  # the appended run goes on at iteration 2
             saver("x", trace)
     with open_run(path) as run:
         assert run.meta["world_size"] == 1
