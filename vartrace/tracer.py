@@ -547,6 +547,8 @@ class ModelTracer:
     def _hand_over(self) -> None:
         with self._lock:
             chunk, self._chunk = self._chunk, {}
+        if not chunk and distributed.world_size() == 1:
+            return  # nothing to hand on, and no other rank waits for this gather
         for name, trace in chunk.items():
             _run_callbacks("pre_gather", self.pre_gather_callbacks, name, trace)
         gathered = distributed.gather_chunk(chunk) if self.gather else chunk
