@@ -188,6 +188,22 @@ def test_change_detection_is_bit_exact() -> None:
     assert same(float("nan"), float("nan"))
 
 
+def test_change_detection_compares_what_tensors_stand_for() -> None:
+    from vartrace.tensors import same
+
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    assert same(z.conj(), z.conj().resolve_conj())  # a lazy conjugation is its value
+    assert not same(z.conj(), z)
+    assert same(torch.ones(2, 3).t(), torch.ones(3, 2))  # a strided view, compared by value
+    assert not same(torch.arange(6.0).view(2, 3).t(), torch.arange(6.0).view(3, 2))
+    assert same(torch.empty(0, 3), torch.empty(0, 3))
+    first = torch.zeros(1000)
+    second = first.clone()
+    second[-1] = 1e-30  # only the last byte-range differs
+    assert not same(first, second)
+    assert same(torch.ones(2, device="meta"), torch.zeros(2, device="meta"))
+
+
 def test_modes_count_iterations_separately() -> None:
     model = TinyTransformer()
     with ModelTracer(model, ["head"], mode="train", change_detection=False) as train_tracer:

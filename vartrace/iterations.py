@@ -92,10 +92,11 @@ class IterationCounter:
         """The calling thread's state (``iteration``, ``recording``, ``in_mode``, ``depth``)."""
         return self._thread
 
-    def captures(self) -> bool:
-        """Whether a value captured now, in this thread, is recorded."""
+    def capturing(self) -> int | None:
+        """The iteration that a value captured now, in this thread, is recorded with, or
+        ``None`` if it is not recorded."""
         state = self._thread
-        return state.recording and state.in_mode
+        return state.iteration if state.recording and state.in_mode else None
 
     def records_manual(self) -> bool:
         """Whether a :func:`vartrace.record` call now, in this thread, is recorded."""
@@ -111,7 +112,7 @@ class IterationCounter:
         self._user = iteration
         state = self._thread
         self._assign(state, iteration)
-        self._set_enabled(self._active > 0 or self.captures())
+        self._set_enabled(self._active > 0 or self.capturing() is not None)
 
     def _assign(self, state: _ThreadState, iteration: int) -> None:
         state.iteration = iteration
@@ -126,6 +127,15 @@ class IterationCounter:
             return self._steps + 1
         self._count += 1
         return self._count
+
+    def nest(self) -> bool:
+        """Enter a call inside one this thread runs already (cheap: nothing is counted);
+        ``False``, entering nothing, if this thread runs none: call :meth:`enter`."""
+        state = self._thread
+        if state.depth:
+            state.depth += 1
+            return True
+        return False
 
     def enter(self, *, root: bool, replay: bool = False, module: object = None) -> None:
         """A call of the root module (``root``), a counting submodule or a traced method begins.
@@ -195,6 +205,6 @@ class IterationCounter:
             self._steps = (self._steps or 0) + 1
             due = self._steps % self._gathering_interval == 0
             self._assign(self._thread, self._next())
-        self._set_enabled(self._active > 0 or self.captures())
+        self._set_enabled(self._active > 0 or self.capturing() is not None)
         if due:
             self._flush()

@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from vartrace.sites import Target
@@ -36,19 +36,8 @@ class SilenceWatch:
         self._targets = list(targets)
         self._root = root
         self._mode = mode
-        self._called: set[int] = set()
         self._values: set[str] = set()
         self._nones: set[str] = set()
-
-    def entered(self, target: Target) -> Callable[[], None]:
-        """An ``on_enter`` observer that marks ``target``'s method as called."""
-        key = id(target)
-        called = self._called
-
-        def on_enter() -> None:
-            called.add(key)
-
-        return on_enter
 
     def saw(self, site: str, value: Any) -> None:
         """Note a captured leaf (``None`` counts apart)."""
@@ -61,20 +50,22 @@ class SilenceWatch:
             for site in sites
         )
 
-    def report(self, in_mode: bool, other_calls: int) -> None:
+    def report(self, in_mode: bool, other_calls: int, called: Sequence[Target]) -> None:
         """Warn once per pattern that recorded nothing, or once for a mode that never ran.
 
         ``in_mode`` says whether any outermost model call ran in the traced
-        mode; ``other_calls`` counts those that ran in the other one.  A
-        tracer during which the model never ran says nothing.
+        mode; ``other_calls`` counts those that ran in the other one;
+        ``called`` lists the targets whose method was called.  A tracer during
+        which the model never ran says nothing.
         """
+        called_ids = {id(target) for target in called}
         patterns: dict[str, tuple[set[str], list[Target]]] = {}
         for target in self._targets:
             for text, sites in target.origins.items():
                 entry = patterns.setdefault(text, (set(), []))
                 entry[0].update(sites)
                 entry[1].append(target)
-        if not patterns or not (in_mode or other_calls or self._called):
+        if not patterns or not (in_mode or other_calls or called_ids):
             return  # the model never ran while the tracer was active
         if not in_mode and other_calls and not (self._values or self._nones):
             other = "eval" if self._mode == "train" else "train"
@@ -88,22 +79,23 @@ class SilenceWatch:
             return
         if in_mode:
             root = self._root
-            self._called.update(
+            called_ids.update(
                 id(t) for t in self._targets if t.module is root and t.method.name == "forward"
             )
         for text, (sites, targets) in patterns.items():
             if self._seen(sites, self._values):
                 continue
+            why = self._why(sites, targets, called_ids)
             warnings.warn(
-                f"vartrace: pattern {text!r} recorded nothing: {self._why(sites, targets)}",
+                f"vartrace: pattern {text!r} recorded nothing: {why}",
                 UserWarning,
                 stacklevel=3,
             )
 
-    def _why(self, sites: set[str], targets: list[Target]) -> str:
+    def _why(self, sites: set[str], targets: list[Target], called_ids: set[int]) -> str:
         if self._seen(sites, self._nones):
             return "its value was None at every call (e.g. attention weights under SDPA)"
-        if not any(id(t) in self._called for t in targets):
+        if not any(id(t) in called_ids for t in targets):
             methods = ", ".join(sorted({f"{t.path or '<root>'}.{t.method.name}" for t in targets}))
             return f"its method was never called ({methods})"
         return (

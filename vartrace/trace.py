@@ -105,6 +105,11 @@ class Trace:
 
         ``culprit`` names the callback that last touched the trace, for the message.
         """
+        count = len(self.iterations)
+        if len(self.values) == count == len(self.ranks) == len(self.order) and (
+            self.shapes is None or len(self.shapes) == count
+        ):
+            return
         lengths = {
             "values": len(self.values),
             "iterations": len(self.iterations),

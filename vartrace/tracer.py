@@ -83,14 +83,6 @@ def _run_callbacks(
         trace.check_lengths(_name(callback))
 
 
-def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
-    def both() -> None:
-        first()
-        second()
-
-    return both
-
-
 def _in_backward() -> bool:
     """Whether autograd's backward runs now (a checkpointed forward being recomputed)."""
     return torch._C._current_graph_task_id() != -1
@@ -341,9 +333,10 @@ class ModelTracer:
         """Restore the model, hand over the last chunk and run post-trace callbacks."""
         if not self._started or self._finished:
             return
+        called = [target for target, hook in self._hooks if hook.calls]
         self._release()
         counter = self._iterations
-        self._silence.report(counter.in_mode_calls > 0, counter.other_mode_calls)
+        self._silence.report(counter.in_mode_calls > 0, counter.other_mode_calls, called)
         if flush:
             self._flush()
             for name in list(self.results):
@@ -406,8 +399,7 @@ class ModelTracer:
         for target in self._targets:
             # The root's own forward counts even when called as ``model.forward(x)``.
             is_root = target.module is self.model and target.method.name == "forward"
-            count = functools.partial(self._enter_root, False) if is_root else self._enter_method
-            enter = _both(self._silence.entered(target), count)
+            enter = functools.partial(self._enter_root, False) if is_root else self._enter_method
             hook = Hook(target.probe(), self._capture, enter, counter.exit)
             attach(target.module, target.method.name, target.method.code, hook, eager)
             self._hooks.append((target, hook))
@@ -490,7 +482,10 @@ class ModelTracer:
         self._iterations.enter(root=True, replay=_in_backward(), module=module)
 
     def _enter_method(self, module: nn.Module | None = None) -> None:
-        self._iterations.enter(root=False, replay=_in_backward(), module=module)
+        counter = self._iterations
+        if module is None and counter.nest():
+            return  # a traced method inside a call this thread runs: nothing to count
+        counter.enter(root=False, replay=_in_backward(), module=module)
 
     def _leave(self, module: nn.Module) -> None:
         # A forward hook registered with always_call runs inside ``except`` when forward raised.
@@ -502,11 +497,13 @@ class ModelTracer:
         self._silence.saw(site, value)
         if _in_backward():
             return  # a forward recomputed during backward (activation checkpointing)
-        if not self._iterations.captures():
+        iteration = self._iterations.capturing()
+        if iteration is None:
             return  # another thread's iteration enabled the hooks
-        iteration = self._iterations.state.iteration
         if grad:
             self._gradients.watch(site, value, iteration)
+        elif isinstance(value, torch.Tensor):
+            self._store(site, value, iteration)
         else:
             for name, leaf in split_object(site, value, self._split_warned):
                 self._store(name, leaf, iteration)

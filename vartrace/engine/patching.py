@@ -31,7 +31,7 @@ import wrapt
 
 from vartrace.engine.frames import Callee, FrameCore, default_core
 from vartrace.engine.paths import Pattern, States
-from vartrace.engine.structures import select
+from vartrace.engine.structures import children, select
 
 __all__ = [
     "Hook",
@@ -74,15 +74,41 @@ class Selector:
     grad: bool = False
     callee: CodeType | None = None
     tag: str = ""
+    suffix: str = field(init=False, repr=False)
+    whole: bool = field(init=False, repr=False)
 
-    def emit(self, value: Any, sink: Sink, seen: set[str]) -> None:
-        """Send every selected leaf of ``value`` to ``sink`` once per call."""
-        suffix = self.tag + ("@grad" if self.grad else "")
-        for site, leaf in select(value, self.pattern, self.states, self.site):
-            name = site + suffix
-            if name not in seen:
+    def __post_init__(self) -> None:
+        # Computed once: what every call would otherwise recompute.
+        object.__setattr__(self, "suffix", self.tag + ("@grad" if self.grad else ""))
+        object.__setattr__(self, "whole", self.pattern.accepts(self.states))
+
+    def emit(self, value: Any, sink: Sink, seen: set[str] | None) -> None:
+        """Send every selected leaf of ``value`` to ``sink``, skipping names in ``seen``.
+
+        ``seen`` collects the names sent during one call, where two selectors
+        of a probe may select the same leaf; ``None`` where they cannot.
+        """
+        if self.whole and children(value) is None:  # the common case: one leaf, as it is
+            name = self.site + self.suffix
+            if seen is not None:
+                if name in seen:
+                    return
                 seen.add(name)
-                sink(name, leaf, self.grad)
+            sink(name, value, self.grad)
+            return
+        for site, leaf in select(value, self.pattern, self.states, self.site):
+            name = site + self.suffix
+            if seen is not None:
+                if name in seen:
+                    continue
+                seen.add(name)
+            sink(name, leaf, self.grad)
+
+
+def _overlap(selectors: tuple[Selector, ...]) -> bool:
+    """Whether two selectors may name one leaf (one site, or one below the other)."""
+    sites = sorted(s.site for s in selectors)
+    return any(b == a or b.startswith(f"{a}.") for i, a in enumerate(sites) for b in sites[i + 1 :])
 
 
 @dataclass(frozen=True)
@@ -96,12 +122,16 @@ class Probe:
     calls: tuple[Selector, ...] = ()
     frame_names: tuple[str, ...] = field(init=False)
     every_names: tuple[str, ...] = field(init=False)
+    dedupe: bool = field(init=False)
 
     def __post_init__(self) -> None:
         names = {s.variable for s in self.exit} | {s.variable for s in self.every}
         object.__setattr__(self, "frame_names", tuple(sorted(n for n in names if n)))
         every = {s.variable for s in self.every}
         object.__setattr__(self, "every_names", tuple(sorted(n for n in every if n)))
+        read_once = (*self.entry, *self.exit, *self.returns)
+        dedupe = bool(self.every) or _overlap(read_once) or _overlap(self.calls)
+        object.__setattr__(self, "dedupe", dedupe)
 
     def callee_names(self) -> dict[CodeType, tuple[set[str], set[str]]]:
         """Per callee code, the variables to read at return and those read ``@every``."""
@@ -121,10 +151,10 @@ class Hook:
 
     ``enabled`` may be flipped at any time (a tracer turns capture off
     between traced iterations); ``on_enter()`` and ``on_exit(failed)`` run
-    around every call whether enabled or not.
+    around every call whether enabled or not, and ``calls`` counts the calls.
     """
 
-    __slots__ = ("enabled", "on_enter", "on_exit", "probe", "sink")
+    __slots__ = ("calls", "captures", "enabled", "on_enter", "on_exit", "probe", "sink")
 
     def __init__(
         self,
@@ -134,10 +164,12 @@ class Hook:
         on_exit: Callable[[bool], None] | None = None,
     ) -> None:
         self.probe = probe
+        self.captures = bool(probe)
         self.sink = sink
         self.on_enter = on_enter
         self.on_exit = on_exit
         self.enabled = True
+        self.calls = 0
 
 
 class _Binder:
@@ -305,11 +337,12 @@ class _Patch:
     def _call(self, wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         hooks = self.hooks
         for hook in hooks:
+            hook.calls += 1
             if hook.on_enter is not None:
                 hook.on_enter()
         failed = True
         try:
-            active = [h for h in hooks if h.enabled and h.probe]
+            active = [h for h in hooks if h.enabled and h.captures]
             result = (
                 self._capture(active, wrapped, args, kwargs) if active else wrapped(*args, **kwargs)
             )
@@ -323,7 +356,7 @@ class _Patch:
     def _capture(
         self, active: list[Hook], wrapped: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        seen: list[set[str]] = [set() for _ in active]
+        seen: list[set[str] | None] = [set() if h.probe.dedupe else None for h in active]
         arguments: dict[str, Any] | None = None
         for hook, hook_seen in zip(active, seen, strict=True):
             for selector in hook.probe.entry:
@@ -346,7 +379,7 @@ class _Patch:
                     for hook, hook_seen in zip(active, seen, strict=True):
                         for selector in hook.probe.every:
                             if selector.variable == variable:
-                                hook_seen.clear()
+                                hook_seen.clear()  # type: ignore[union-attr]
                                 selector.emit(value, hook.sink, hook_seen)
 
             result, snap = _core.run(
@@ -386,7 +419,7 @@ def _call_emitter(
 
     def emit(variables: dict[str, Any], value: Any) -> None:
         for hook in active:
-            seen: set[str] = set()
+            seen: set[str] | None = set() if hook.probe.dedupe else None
             for selector in hook.probe.calls:
                 if selector.callee is not code or (selector.pattern.when == "every") != every:
                     continue
