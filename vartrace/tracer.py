@@ -478,6 +478,8 @@ class ModelTracer:
         if compiling and not self._compiled:
             self._compiled = True  # compiled after the tracer started
             self._warn_compiled()
+        if module is None and self._iterations.nest():
+            return  # the root's patched forward, inside the call its module hooks counted
         self._remove_part_hooks()  # the root is called: only its calls count from now on
         self._iterations.enter(root=True, replay=_in_backward(), module=module)
 

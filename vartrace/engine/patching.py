@@ -292,6 +292,8 @@ class _Patch:
         self.every_names: tuple[str, ...] = ()
         self.callees: dict[CodeType, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self.armed: tuple[bool, bool] = (False, False)
+        # The callee handlers for one set of active hooks (normally all of them, every call).
+        self._callee_handlers: tuple[tuple[Hook, ...], dict[CodeType, Callee]] = ((), {})
         call = self._call if decorate is None else decorate(self._call)
         _CleanState.of(instance).originals[name] = self.original
         vars(instance)[name] = _Wrapper(bound, call)
@@ -318,6 +320,7 @@ class _Patch:
             if wanted.get(code, (None, None))[1] != lines:
                 _core.disarm(code, bool(lines))
         self.callees = wanted
+        self._callee_handlers = ((), {})
         armed = (bool(frame), bool(every))
         if armed != self.armed:
             if armed[0]:
@@ -405,10 +408,15 @@ class _Patch:
 
     def _callees(self, active: list[Hook]) -> dict[CodeType, Callee]:
         """What to do with each callee's frames during one call, for the ``active`` hooks."""
-        callees: dict[CodeType, Callee] = {}
+        key = tuple(active)
+        built, callees = self._callee_handlers
+        if built == key:
+            return callees
+        callees = {}
         for code, (names, every) in self.callees.items():
             on_line = _as_line(_call_emitter(active, code, True)) if every else None
             callees[code] = Callee(names, every, _call_emitter(active, code, False), on_line)
+        self._callee_handlers = (key, callees)
         return callees
 
 
