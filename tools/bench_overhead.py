@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import statistics
 import sys
 import time
@@ -169,11 +170,20 @@ def round_robin(
     rounds: int,
     block: int,
 ) -> dict[str, float]:
-    """Median seconds of ``step`` under each contender's context, interleaved round-robin."""
+    """Median seconds of ``step`` under each contender's context, interleaved round-robin.
+
+    The order of the contenders is shuffled every round, so that none always
+    runs first after the untraced step (or last before it), and the first step
+    after entering a context is a warm-up, not timed.
+    """
     times: dict[str, list[float]] = {name: [] for name in contenders}
+    order = list(contenders)
+    shuffle = random.Random(0).shuffle
     for _ in range(rounds):
-        for name, context in contenders.items():
-            with context():
+        shuffle(order)
+        for name in order:
+            with contenders[name]():
+                step()
                 for _ in range(block):
                     start = time.perf_counter()
                     step()

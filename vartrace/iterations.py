@@ -73,6 +73,7 @@ class IterationCounter:
         self._trace_interval = trace_interval
         self._gathering_interval = gathering_interval
         self._set_enabled = set_enabled
+        self._enabled: bool | None = None  # what set_enabled was last told (under _lock)
         self._flush = flush
         self._lock = threading.Lock()
         self._count = 0
@@ -110,9 +111,15 @@ class IterationCounter:
     def set_user(self, iteration: int) -> None:
         """User-driven numbering: ``iteration`` for every record until the next call."""
         self._user = iteration
-        state = self._thread
-        self._assign(state, iteration)
-        self._set_enabled(self._active > 0 or self.capturing() is not None)
+        with self._lock:
+            self._assign(self._thread, iteration)
+            self._switch(self._active > 0 or self.capturing() is not None)
+
+    def _switch(self, enabled: bool) -> None:
+        """Turn the capture hooks on or off, if that changes them (called under ``_lock``)."""
+        if enabled != self._enabled:
+            self._enabled = enabled
+            self._set_enabled(enabled)
 
     def _assign(self, state: _ThreadState, iteration: int) -> None:
         state.iteration = iteration
@@ -170,8 +177,7 @@ class IterationCounter:
                 self.other_mode_calls += 1
             state.active = state.in_mode and state.recording
             self._active += state.active
-            enabled = self._active > 0
-        self._set_enabled(enabled)
+            self._switch(self._active > 0)
 
     def _reset(self, state: _ThreadState) -> None:
         with self._lock:
@@ -205,6 +211,6 @@ class IterationCounter:
             self._steps = (self._steps or 0) + 1
             due = self._steps % self._gathering_interval == 0
             self._assign(self._thread, self._next())
-        self._set_enabled(self._active > 0 or self.capturing() is not None)
+            self._switch(self._active > 0 or self.capturing() is not None)
         if due:
             self._flush()
