@@ -133,6 +133,15 @@ def test_method_called_several_times_gives_one_record_per_call() -> None:
     assert trace.order == sorted(trace.order)
 
 
+def test_overlapping_patterns_record_each_leaf_once_per_call() -> None:
+    model = TinyTransformer()
+    patterns = ["layers.0.attn.forward.scores", "layers.*.attn.forward.*", "**.scores"]
+    with ModelTracer(model, patterns, change_detection=False) as tracer:
+        _train(model, 2)
+    assert tracer.results["layers.0.attn.forward.scores"].iterations == [1, 2]
+    assert tracer.results["layers.1.attn.forward.attn"].iterations == [1, 2]
+
+
 def test_records_are_detached_independent_copies() -> None:
     model = nn.Sequential(nn.Linear(3, 3))
     x = torch.ones(2, 3, requires_grad=True)

@@ -7,6 +7,7 @@ Usage::
     python tools/bench_overhead.py --engine         # torch-free: settrace vs sys.monitoring core
     python tools/bench_overhead.py --hf             # tiny HF GPT-2: ** against an explicit path
     python tools/bench_overhead.py --markdown       # the table as Markdown, for the README
+    python tools/bench_overhead.py --profile 2000   # cProfile of 2000 traced tiny steps
 
 Contenders run round-robin (a block of steps each, many rounds) so that
 machine noise hits them alike; the table shows the median step time and
@@ -441,10 +442,12 @@ def bench_hf(rounds: int, block: int, markdown: bool = False) -> str:
 
     from vartrace import ModelTracer
 
+    transformers.logging.set_verbosity_error()  # its notes on this config, on stderr
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=64, bos_token_id=0
     )
+    config.eos_token_id = 0
     config._attn_implementation = "eager"
     model = transformers.GPT2LMHeadModel(config)
     tokens = torch.randint(0, 256, (2, 32))
@@ -486,6 +489,37 @@ def bench_hf(rounds: int, block: int, markdown: bool = False) -> str:
     return table(title, list(medians.items()), medians["untraced"], markdown=markdown)
 
 
+def profile(size: str, steps: int, paths: list[str]) -> str:
+    """cProfile of ``steps`` training steps traced with ``paths``: where the record path goes.
+
+    Sorted by own time; the profiler's per-call cost inflates short functions, so
+    read it for proportions and call counts, and the benchmark for the cost.
+    """
+    import cProfile
+    import io
+    import pstats
+
+    from vartrace import ModelTracer
+
+    model, step = training_step(size)
+
+    def discard(name: str, trace: object) -> None:
+        trace.clear()  # type: ignore[attr-defined]
+
+    for _ in range(3):
+        step()
+    profiler = cProfile.Profile()
+    with ModelTracer(model, paths, post_gather_callbacks=[discard]):
+        step()
+        profiler.enable()
+        for _ in range(steps):
+            step()
+        profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+    return f"--profile: {steps} {size} steps traced with {', '.join(paths)}\n{out.getvalue()}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -495,6 +529,9 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="STEPS", help="cProfile STEPS traced steps"
+    )
     args = parser.parse_args()
     if args.engine:
         print(bench_engine(args.rounds, args.block))
@@ -505,6 +542,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.hf:
         print(bench_hf(args.rounds, args.block, args.markdown))
+        return
+    if args.profile:
+        print(profile(args.size, args.profile, TRACED_PATHS))
         return
     print(bench_model(args.size, args.rounds, args.block, args.markdown))
 
