@@ -315,27 +315,36 @@ def bare_floor(
     return f"bare settrace floor ({which})", lambda kept: settrace_floor(reads, kept)
 
 
+def _discard(name: str, trace: object) -> None:
+    trace.clear()  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def traced(model: object, paths: list[str]) -> Iterator[None]:
+    """A tracer that discards each chunk after the gather (as the HDF5 saver does).
+
+    Patterns that record nothing on purpose (the idle contender's, or a method
+    the model never calls) are not reported.
+    """
+    from vartrace import ModelTracer
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*recorded nothing")
+        with ModelTracer(model, paths, post_gather_callbacks=[_discard]):  # type: ignore[arg-type]
+            yield
+
+
 def bench_model(size: str, rounds: int, block: int, markdown: bool = False) -> str:
     import torch
 
-    from vartrace import ModelTracer
-
     model, step = training_step(size)
-
-    def discard(name: str, trace: object) -> None:
-        trace.clear()  # type: ignore[attr-defined]
 
     @contextlib.contextmanager
     def untraced() -> Iterator[None]:
         yield
 
-    @contextlib.contextmanager
-    def tracer(paths: list[str]) -> Iterator[None]:
-        with warnings.catch_warnings():
-            # The idle contender's pattern records nothing on purpose; the tracer says so.
-            warnings.filterwarnings("ignore", message=".*recorded nothing")
-            with ModelTracer(model, paths, post_gather_callbacks=[discard]):
-                yield
+    def tracer(paths: list[str]) -> contextlib.AbstractContextManager[None]:
+        return traced(model, paths)
 
     @contextlib.contextmanager
     def forward_hooks() -> Iterator[None]:
@@ -440,8 +449,6 @@ def bench_hf(rounds: int, block: int, markdown: bool = False) -> str:
     import torch
     import transformers
 
-    from vartrace import ModelTracer
-
     transformers.logging.set_verbosity_error()  # its notes on this config, on stderr
     torch.manual_seed(0)
     config = transformers.GPT2Config(
@@ -458,19 +465,8 @@ def bench_hf(rounds: int, block: int, markdown: bool = False) -> str:
         model(tokens, labels=tokens).loss.backward()
         optimizer.step()
 
-    def discard(name: str, trace: object) -> None:
-        trace.clear()  # type: ignore[attr-defined]
-
-    @contextlib.contextmanager
-    def traced(paths: list[str]) -> Iterator[None]:
-        with warnings.catch_warnings():
-            # _upcast_and_reordered_attn is never called: the tracer says so at the end.
-            warnings.filterwarnings("ignore", message=".*recorded nothing")
-            with ModelTracer(model, paths, post_gather_callbacks=[discard]):
-                yield
-
     def tracer(paths: list[str]) -> Context:
-        return lambda: traced(paths)
+        return lambda: traced(model, paths)
 
     contenders: dict[str, Context] = {
         "untraced": contextlib.nullcontext,
@@ -499,17 +495,11 @@ def profile(size: str, steps: int, paths: list[str]) -> str:
     import io
     import pstats
 
-    from vartrace import ModelTracer
-
     model, step = training_step(size)
-
-    def discard(name: str, trace: object) -> None:
-        trace.clear()  # type: ignore[attr-defined]
-
     for _ in range(3):
         step()
     profiler = cProfile.Profile()
-    with ModelTracer(model, paths, post_gather_callbacks=[discard]):
+    with traced(model, paths):
         step()
         profiler.enable()
         for _ in range(steps):

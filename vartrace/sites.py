@@ -199,8 +199,10 @@ class _Resolver:
         named = segment in p.literal_next(states)
         # A name that is a variable of the method means the variable, not a key of the result.
         keys = p.literal_next(after)
-        open_keys = info.open_return and named and not (keys and keys <= set(info.variables))
-        open_keys = open_keys and not self._typo(info, after)
+        names_variables = bool(keys) and keys <= set(info.variables)
+        open_keys = (
+            info.open_return and named and not names_variables and not self._typo(info, after)
+        )
         if self._names_key(info, after) or open_keys:
             yield _Selection(path, module, method, callee, None, after)
 

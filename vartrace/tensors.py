@@ -151,7 +151,16 @@ _memcmp = _libc_memcmp()
 # tensor may carry a lazy conjugation, a quantized one its scale.
 _NOT_BYTEWISE = frozenset(
     getattr(torch, name)
-    for name in ("complex32", "complex64", "complex128", "qint8", "quint8", "qint32")
+    for name in (
+        "complex32",
+        "complex64",
+        "complex128",
+        "qint8",
+        "quint8",
+        "qint32",
+        "quint4x2",
+        "quint2x4",
+    )
     if hasattr(torch, name)
 )
 

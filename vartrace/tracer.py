@@ -480,8 +480,7 @@ class ModelTracer:
             self._warn_compiled()
         if module is None and self._iterations.nest():
             return  # the root's patched forward, inside the call its module hooks counted
-        if self._part_handles:
-            self._remove_part_hooks()  # the root is called: only its calls count from now on
+        self._remove_part_hooks()  # the root is called: only its calls count from now on
         self._iterations.enter(root=True, replay=_in_backward(), module=module)
 
     def _enter_method(self, module: nn.Module | None = None) -> None:

@@ -431,11 +431,6 @@ class MonitoringCore(FrameCore):
 
     def _on_return(self, code: CodeType, offset: int, retval: Any) -> None:
         frame = sys._getframe(1)
-        # The common case first: the traced method called straight from run().
-        watch = self._pending.get(frame.f_back)  # type: ignore[arg-type]
-        if watch is not None and not watch.done and watch.code is code:
-            watch.returned(frame)
-            return
         watch = self._find(frame)
         if watch is not None:
             watch.returned(frame)
