@@ -8,6 +8,7 @@ Usage::
     python tools/bench_overhead.py --hf             # tiny HF GPT-2: ** against an explicit path
     python tools/bench_overhead.py --markdown       # the table as Markdown, for the README
     python tools/bench_overhead.py --profile 2000   # cProfile of 2000 traced tiny steps
+    python tools/bench_overhead.py --breakdown      # vartrace's cost above the floor, by layer
 
 Contenders run round-robin (a block of steps each, many rounds) so that
 machine noise hits them alike; the table shows the median step time and
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import random
 import statistics
 import sys
@@ -35,6 +37,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import CodeType, FrameType
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -320,7 +323,7 @@ def _discard(name: str, trace: object) -> None:
 
 
 @contextlib.contextmanager
-def traced(model: object, paths: list[str]) -> Iterator[None]:
+def traced(model: object, paths: list[str], **options: Any) -> Iterator[None]:
     """A tracer that discards each chunk after the gather (as the HDF5 saver does).
 
     Patterns that record nothing on purpose (the idle contender's, or a method
@@ -330,7 +333,7 @@ def traced(model: object, paths: list[str]) -> Iterator[None]:
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*recorded nothing")
-        with ModelTracer(model, paths, post_gather_callbacks=[_discard]):  # type: ignore[arg-type]
+        with ModelTracer(model, paths, post_gather_callbacks=[_discard], **options):  # type: ignore[arg-type]
             yield
 
 
@@ -485,6 +488,64 @@ def bench_hf(rounds: int, block: int, markdown: bool = False) -> str:
     return table(title, list(medians.items()), medians["untraced"], markdown=markdown)
 
 
+@contextlib.contextmanager
+def engine_only(model: object, paths: list[str], read: bool) -> Iterator[None]:
+    """vartrace's engine alone on the sites of ``paths``: its patches, reading each site's
+    leaves (``read``) or nothing, and sending them nowhere (no tracer, no copy)."""
+    import torch
+
+    from vartrace.engine import Hook, Probe, attach, detach
+    from vartrace.sites import resolve
+
+    def discard(site: str, value: object, grad: bool) -> None:
+        pass
+
+    hooks = []
+    for target in resolve(model, paths):  # type: ignore[arg-type]
+        hook = Hook(target.probe() if read else Probe(), discard)
+        method = target.method
+        attach(target.module, method.name, method.code, hook, torch._dynamo.disable)
+        hooks.append((target, hook))
+    try:
+        yield
+    finally:
+        for target, hook in hooks:
+            detach(target.module, target.method.name, hook)
+
+
+def bench_breakdown(size: str, rounds: int, block: int, markdown: bool = False) -> str:
+    """Where vartrace's time above the untraced step goes, one layer at a time.
+
+    Each row adds one layer to the one above it; the last column is that
+    layer's cost per traced call (one record per call with :data:`TRACED_PATHS`).
+    """
+    from vartrace import DROP, ModelTracer
+
+    model, step = training_step(size)
+    calls: list[object] = []
+    with ModelTracer(model, TRACED_PATHS, pre_save_callbacks=[lambda *a: calls.append(a)]):  # type: ignore[arg-type]
+        step()
+    floor_name, floor = bare_floor(model, "traced")
+
+    def dropped() -> contextlib.AbstractContextManager[None]:
+        return ModelTracer(model, TRACED_PATHS, pre_save_callbacks=[lambda *_: DROP])  # type: ignore[arg-type, return-value]
+
+    layers: dict[str, Context] = {
+        "untraced": contextlib.nullcontext,
+        "patches only (nothing read)": lambda: engine_only(model, TRACED_PATHS, read=False),
+        "+ frame capture (leaves discarded)": lambda: engine_only(model, TRACED_PATHS, read=True),
+        "+ tracer: iterations, callbacks (pre-save DROP)": dropped,
+        "+ copy and chunk (change_detection=False)": lambda: traced(
+            model, TRACED_PATHS, change_detection=False
+        ),
+        "+ change detection (vartrace)": lambda: traced(model, TRACED_PATHS),
+    }
+    names = list(layers)
+    floors = {name: (below, len(calls)) for below, name in itertools.pairwise(names)}
+    contenders = {**layers, floor_name: lambda: floor([])}
+    return step_table(size, contenders, step, rounds, block, floors, markdown)
+
+
 def profile(size: str, steps: int, paths: list[str]) -> str:
     """cProfile of ``steps`` training steps traced with ``paths``: where the record path goes.
 
@@ -518,6 +579,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="vartrace's cost above the floor, by layer"
+    )
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument(
         "--profile", type=int, default=0, metavar="STEPS", help="cProfile STEPS traced steps"
@@ -532,6 +596,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.hf:
         print(bench_hf(args.rounds, args.block, args.markdown))
+        return
+    if args.breakdown:
+        print(bench_breakdown(args.size, args.rounds, args.block, args.markdown))
         return
     if args.profile:
         print(profile(args.size, args.profile, TRACED_PATHS))
