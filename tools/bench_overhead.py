@@ -254,7 +254,7 @@ def _clone_locals(frame: FrameType, names: tuple[str, ...], kept: list[object]) 
         if name != "self":
             value = values[name]
             kept.append(value.detach().clone() if isinstance(value, torch.Tensor) else value)
-    if len(kept) > 1000:
+    if len(kept) > 100:  # about what vartrace holds: a step's records and the last ones
         kept.clear()
 
 
