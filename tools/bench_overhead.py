@@ -527,14 +527,13 @@ def bench_breakdown(size: str, rounds: int, block: int, markdown: bool = False) 
         step()
     floor_name, floor = bare_floor(model, "traced")
 
-    def dropped() -> contextlib.AbstractContextManager[None]:
-        return ModelTracer(model, TRACED_PATHS, pre_save_callbacks=[lambda *_: DROP])  # type: ignore[arg-type, return-value]
-
     layers: dict[str, Context] = {
         "untraced": contextlib.nullcontext,
         "patches only (nothing read)": lambda: engine_only(model, TRACED_PATHS, read=False),
         "+ frame capture (leaves discarded)": lambda: engine_only(model, TRACED_PATHS, read=True),
-        "+ tracer: iterations, callbacks (pre-save DROP)": dropped,
+        "+ tracer: iterations, callbacks (pre-save DROP)": lambda: traced(
+            model, TRACED_PATHS, pre_save_callbacks=[lambda *_: DROP]
+        ),
         "+ copy and chunk (change_detection=False)": lambda: traced(
             model, TRACED_PATHS, change_detection=False
         ),
