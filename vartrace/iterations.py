@@ -135,14 +135,10 @@ class IterationCounter:
         self._count += 1
         return self._count
 
-    def nest(self) -> bool:
-        """Enter a call inside one this thread runs already (cheap: nothing is counted);
-        ``False``, entering nothing, if this thread runs none: call :meth:`enter`."""
-        state = self._thread
-        if state.depth:
-            state.depth += 1
-            return True
-        return False
+    def nested(self) -> bool:
+        """Whether this thread runs a counted call now: a call inside it needs no
+        :meth:`enter` (nor :meth:`exit`), as it can start no iteration."""
+        return self._thread.depth > 0
 
     def enter(self, *, root: bool, replay: bool = False, module: object = None) -> None:
         """A call of the root module (``root``), a counting submodule or a traced method begins.

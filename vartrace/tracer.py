@@ -83,9 +83,12 @@ def _run_callbacks(
         trace.check_lengths(_name(callback))
 
 
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside autograd's backward
+
+
 def _in_backward() -> bool:
     """Whether autograd's backward runs now (a checkpointed forward being recomputed)."""
-    return torch._C._current_graph_task_id() != -1
+    return _graph_task_id() != -1
 
 
 def _check_callbacks(stage: str, callbacks: list[Any], arguments: tuple[str, ...]) -> None:
@@ -474,20 +477,24 @@ class ModelTracer:
         for _, hook in self._hooks:
             hook.enabled = enabled
 
-    def _enter_root(self, compiling: bool, module: nn.Module | None = None) -> None:
+    # Each returns whether it entered a call that the counter's ``exit`` must end.
+
+    def _enter_root(self, compiling: bool, module: nn.Module | None = None) -> bool:
         if compiling and not self._compiled:
             self._compiled = True  # compiled after the tracer started
             self._warn_compiled()
-        if module is None and self._iterations.nest():
-            return  # the root's patched forward, inside the call its module hooks counted
+        if module is None and self._iterations.nested():
+            return False  # the root's patched forward, inside the call its module hooks counted
         self._remove_part_hooks()  # the root is called: only its calls count from now on
         self._iterations.enter(root=True, replay=_in_backward(), module=module)
+        return True
 
-    def _enter_method(self, module: nn.Module | None = None) -> None:
+    def _enter_method(self, module: nn.Module | None = None) -> bool:
         counter = self._iterations
-        if module is None and counter.nest():
-            return  # a traced method inside a call this thread runs: nothing to count
+        if module is None and counter.nested():
+            return False  # a traced method inside a call this thread runs: nothing to count
         counter.enter(root=False, replay=_in_backward(), module=module)
+        return True
 
     def _leave(self, module: nn.Module) -> None:
         # A forward hook registered with always_call runs inside ``except`` when forward raised.
@@ -497,7 +504,7 @@ class ModelTracer:
 
     def _capture(self, site: str, value: Any, grad: bool) -> None:
         self._silence.saw(site, value)
-        if _in_backward():
+        if _graph_task_id() != -1:  # _in_backward(), on the record path without its call
             return  # a forward recomputed during backward (activation checkpointing)
         iteration = self._iterations.capturing()
         if iteration is None:

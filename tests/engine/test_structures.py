@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vartrace.engine.paths import parse
-from vartrace.engine.structures import children, leaves, register_container, select
+from vartrace.engine.structures import children, leaf_types, leaves, register_container, select
 
 Point = namedtuple("Point", ["x", "y"])
 
@@ -101,6 +101,18 @@ def test_registered_container() -> None:
     assert sorted(children(bag)) == [("b", 2.0), ("w", 1.0)]  # type: ignore[arg-type]
     assert dict(leaves(bag, "m")) == {"m.w": 1.0, "m.b": 2.0}
     assert _select(bag, "v.tag") == {"v.tag": "t"}, "literal attributes still reachable"
+
+
+def test_a_type_first_seen_as_a_leaf_can_be_registered_as_a_container() -> None:
+    class Pouch:
+        pass
+
+    pouch = Pouch()
+    assert children(pouch) is None
+    assert Pouch in leaf_types
+    register_container(Pouch, lambda _: [("coin", 1)])
+    assert Pouch not in leaf_types, "the cache of leaf types forgets what registering changes"
+    assert dict(leaves(pouch, "m")) == {"m.coin": 1}
 
 
 def test_self_referencing_structure_terminates() -> None:

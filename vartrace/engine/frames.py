@@ -431,7 +431,12 @@ class MonitoringCore(FrameCore):
 
     def _on_return(self, code: CodeType, offset: int, retval: Any) -> None:
         frame = sys._getframe(1)
-        watch = self._find(frame)
+        # The common case first: the traced method called by run() itself, no decorator.
+        watch = self._pending.get(frame.f_back)  # type: ignore[arg-type]
+        if watch is None:
+            watch = self._find(frame)  # through decorators, or not a traced call
+        elif watch.done or watch.code is not code:
+            watch = None
         if watch is not None:
             watch.returned(frame)
             return

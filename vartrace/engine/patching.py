@@ -31,7 +31,7 @@ import wrapt
 
 from vartrace.engine.frames import Callee, FrameCore, default_core
 from vartrace.engine.paths import Pattern, States
-from vartrace.engine.structures import children, select
+from vartrace.engine.structures import children, leaf_types, select
 
 __all__ = [
     "Hook",
@@ -88,7 +88,8 @@ class Selector:
         ``seen`` collects the names sent during one call, where two selectors
         of a probe may select the same leaf; ``None`` where they cannot.
         """
-        if self.whole and children(value) is None:  # the common case: one leaf, as it is
+        # The common case: one leaf (a tensor), as it is.
+        if self.whole and (type(value) in leaf_types or children(value) is None):
             name = self.site + self.suffix
             if seen is not None:
                 if name in seen:
@@ -150,8 +151,10 @@ class Hook:
     """A subscriber to one patched method.
 
     ``enabled`` may be flipped at any time (a tracer turns capture off
-    between traced iterations); ``on_enter()`` and ``on_exit(failed)`` run
-    around every call whether enabled or not, and ``calls`` counts the calls.
+    between traced iterations); ``on_enter()`` runs before every call whether
+    enabled or not, and ``on_exit(failed)`` after each call for which it
+    returned true (a tracer counts outermost calls only); ``calls`` counts the
+    calls.
     """
 
     __slots__ = ("calls", "captures", "enabled", "on_enter", "on_exit", "probe", "sink")
@@ -160,7 +163,7 @@ class Hook:
         self,
         probe: Probe,
         sink: Sink,
-        on_enter: Callable[[], None] | None = None,
+        on_enter: Callable[[], bool] | None = None,
         on_exit: Callable[[bool], None] | None = None,
     ) -> None:
         self.probe = probe
@@ -341,8 +344,7 @@ class _Patch:
         hooks = self.hooks
         for hook in hooks:
             hook.calls += 1
-            if hook.on_enter is not None:
-                hook.on_enter()
+        leaving = [h for h in hooks if h.on_enter is not None and h.on_enter()]
         failed = True
         try:
             active = [h for h in hooks if h.enabled and h.captures]
@@ -352,7 +354,7 @@ class _Patch:
             failed = False
             return result
         finally:
-            for hook in reversed(hooks):
+            for hook in reversed(leaving):
                 if hook.on_exit is not None:
                     hook.on_exit(failed)
 

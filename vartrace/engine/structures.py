@@ -29,7 +29,7 @@ from typing import Any
 
 from vartrace.engine.paths import Pattern, States
 
-__all__ = ["children", "leaves", "register_container", "select"]
+__all__ = ["children", "leaf_types", "leaves", "register_container", "select"]
 
 Children = Callable[[Any], Iterable[tuple[str, Any]]]
 
@@ -40,6 +40,11 @@ _ATOMIC: frozenset[type] = frozenset(
 _registered: dict[type, Children] = {}
 # type -> how to list its children, or None for leaves; filled lazily per type.
 _kind_cache: dict[type, Children | None] = {}
+leaf_types: set[type] = set()
+"""The types :func:`children` has found to be leaves so far (a type not in it may be one too).
+
+A membership test is cheaper than a call where every microsecond counts (a
+captured tensor, on every traced call)."""
 
 
 def register_container(cls: type, children_of: Children) -> None:
@@ -51,6 +56,7 @@ def register_container(cls: type, children_of: Children) -> None:
     """
     _registered[cls] = children_of
     _kind_cache.clear()
+    leaf_types.clear()
 
 
 def _escape_key(key: str) -> str:
@@ -115,6 +121,8 @@ def children(value: Any) -> Iterable[tuple[str, Any]] | None:
         kind = _kind_cache[cls]
     except KeyError:
         kind = _kind_cache[cls] = _classify(cls)
+        if kind is None:
+            leaf_types.add(cls)
     return None if kind is None else kind(value)
 
 
