@@ -513,11 +513,93 @@ def engine_only(model: object, paths: list[str], read: bool) -> Iterator[None]:
             detach(target.module, target.method.name, hook)
 
 
+@contextlib.contextmanager
+def minimal_tracer(model: Any, patch: bool) -> Iterator[None]:
+    """The least a tracer with vartrace's record semantics does, on ``sys.monitoring``.
+
+    The bare floor's ``PY_RETURN`` callback, plus what every record needs:
+    the traced instances told apart (by ``self``), an iteration tag (counted
+    by module hooks on the root), bit-exact change detection and a chunk per
+    site, handed over (dropped) when the root returns.  ``patch`` adds the
+    least a per-object patch does: a ``wrapt`` wrapper, excluded from
+    ``torch.compile``, counting nested calls (what keeps traced methods eager
+    in a compiled model).  Not a tracer: no callbacks, no threads, no
+    ``@entry``, no copies of odd values.
+    """
+    import torch
+    import wrapt
+
+    from vartrace.tensors import same
+
+    reads = FLOOR_READS["traced"]
+    sites: dict[int, tuple[tuple[str, str], ...]] = {}
+    for path, module in model.named_modules():
+        for name in reads.get(type(module).__name__) or ():
+            site = f"{path}.forward.{name}" if path else f"forward.{name}"
+            sites[id(module)] = (*sites.get(id(module), ()), (name, site))
+    iteration = [0]
+    chunk: dict[str, list[tuple[torch.Tensor, int]]] = {}
+    last: dict[str, torch.Tensor] = {}
+    contiguous = torch.contiguous_format
+
+    def on_return(code: CodeType, offset: int, value: object) -> None:
+        values = sys._getframe(1).f_locals
+        for name, site in sites.get(id(values["self"]), ()):
+            record = values[name].detach().clone(memory_format=contiguous)
+            previous = last.get(site)
+            if previous is None or not same(record, previous):
+                last[site] = record
+                chunk.setdefault(site, []).append((record, iteration[0]))
+
+    def count(module: object, args: object) -> None:
+        iteration[0] += 1
+
+    def hand_over(module: object, args: object, output: object) -> None:
+        chunk.clear()
+
+    depth = [0]
+
+    def through(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        depth[0] += 1
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    patched = [m for m in model.modules() if id(m) in sites] if patch else []
+    for module in patched:
+        vars(module)["forward"] = wrapt.FunctionWrapper(
+            module.forward, torch._dynamo.disable(through)
+        )
+    handles = [model.register_forward_pre_hook(count), model.register_forward_hook(hand_over)]
+    codes = {type(m).forward.__code__ for m in model.modules() if id(m) in sites}
+    monitoring = sys.monitoring  # type: ignore[attr-defined]
+    tool = next(t for t in (4, 3) if monitoring.get_tool(t) is None)
+    monitoring.use_tool_id(tool, "bench minimal tracer")
+    monitoring.register_callback(tool, monitoring.events.PY_RETURN, on_return)
+    for code in codes:
+        monitoring.set_local_events(tool, code, monitoring.events.PY_RETURN)
+    try:
+        yield
+    finally:
+        for code in codes:
+            monitoring.set_local_events(tool, code, 0)
+        monitoring.register_callback(tool, monitoring.events.PY_RETURN, None)
+        monitoring.free_tool_id(tool)
+        for handle in handles:
+            handle.remove()
+        for module in patched:
+            del vars(module)["forward"]
+
+
 def bench_breakdown(size: str, rounds: int, block: int, markdown: bool = False) -> str:
     """Where vartrace's time above the untraced step goes, one layer at a time.
 
     Each row adds one layer to the one above it; the last column is that
     layer's cost per traced call (one record per call with :data:`TRACED_PATHS`).
+    On Python >= 3.12, :func:`minimal_tracer` rows show what the bare floor
+    plus the least of vartrace's record semantics costs, without and with a
+    per-object patch, above the floor per record.
     """
     from vartrace import DROP, ModelTracer
 
@@ -526,6 +608,16 @@ def bench_breakdown(size: str, rounds: int, block: int, markdown: bool = False) 
     with ModelTracer(model, TRACED_PATHS, pre_save_callbacks=[lambda *a: calls.append(a)]):  # type: ignore[arg-type]
         step()
     floor_name, floor = bare_floor(model, "traced")
+    references: dict[str, Context] = {}
+    if hasattr(sys, "monitoring"):
+        references = {
+            "minimal tracer: floor + iteration tag, change detection, chunk": lambda: (
+                minimal_tracer(model, patch=False)
+            ),
+            "minimal tracer + per-object patch (eager under compile)": lambda: minimal_tracer(
+                model, patch=True
+            ),
+        }
 
     layers: dict[str, Context] = {
         "untraced": contextlib.nullcontext,
@@ -541,7 +633,8 @@ def bench_breakdown(size: str, rounds: int, block: int, markdown: bool = False) 
     }
     names = list(layers)
     floors = {name: (below, len(calls)) for below, name in itertools.pairwise(names)}
-    contenders = {**layers, floor_name: lambda: floor([])}
+    floors.update({name: (floor_name, len(calls)) for name in references})
+    contenders = {**layers, floor_name: lambda: floor([]), **references}
     return step_table(size, contenders, step, rounds, block, floors, markdown)
 
 
