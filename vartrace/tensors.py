@@ -36,6 +36,8 @@ _IMMUTABLE: frozenset[type] = frozenset(
 )
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _uncopyable_warned: set[type] = set()
+# Compared with ``==``: reading ``device.type`` builds a str, about a microsecond a record.
+_CPU = torch.device("cpu")
 _MAX_STATE_DEPTH = 8
 _MAX_STATE_OBJECTS = 4096  # an object reaching a whole program (a trainer) is not walked further
 
@@ -107,7 +109,7 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     """
     if isinstance(value, torch.Tensor):
         detached = value.detach()
-        if detached.is_cpu and device.type == "cpu" and detached.layout is torch.strided:
+        if detached.is_cpu and device == _CPU and detached.layout is torch.strided:
             return detached.clone(memory_format=torch.contiguous_format)  # the common case
         if detached.is_meta:
             return detached.clone()  # no data to move: shape and dtype are the record
