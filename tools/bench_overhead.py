@@ -9,6 +9,7 @@ Usage::
     python tools/bench_overhead.py --markdown       # the table as Markdown, for the README
     python tools/bench_overhead.py --profile 2000   # cProfile of 2000 traced tiny steps
     python tools/bench_overhead.py --breakdown      # vartrace's cost above the floor, by layer
+    python tools/bench_overhead.py --loop           # the same in a tight loop, for A/B tests
 
 Contenders run round-robin (a block of steps each, many rounds) so that
 machine noise hits them alike; the table shows the median step time and
@@ -54,7 +55,11 @@ Context = Callable[[], contextlib.AbstractContextManager[None]]
 FLOOR_READS: dict[str, dict[str, tuple[str, ...] | None]] = {
     "traced": {"GPT": ("x",), "Attention": ("scores",), "MLP": ("h",)},
     "all locals": {"Attention": None},
+    "loop": {"Block": ("h",)},
 }
+LOOP_PATHS = ["blocks.*.forward.h"]
+LOOP_CALLS = 8  # traced calls in one call of the loop model
+LOOP_STEP_CALLS = 20  # calls of the loop model in one timed step
 
 
 def build_model(size: str, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -137,12 +142,12 @@ def table(
     extra: dict[str, str] | None = None,
     markdown: bool = False,
 ) -> str:
-    """Format ``(contender, median seconds)`` rows with their ratio to ``base``.
+    """Format ``(contender, seconds a step)`` rows with their ratio to ``base``.
 
     ``extra`` maps a contender to the text of a last column (blank for others).
     """
     extra = extra or {}
-    header = ["contender", "median step", "ratio", *(["extra per record"] if extra else [])]
+    header = ["contender", "step", "ratio", *(["extra per record"] if extra else [])]
     cells = [
         [
             name,
@@ -173,8 +178,10 @@ def round_robin(
     step: Callable[[], None],
     rounds: int,
     block: int,
+    summary: Callable[[list[float]], float] = statistics.median,
 ) -> dict[str, float]:
-    """Median seconds of ``step`` under each contender's context, interleaved round-robin.
+    """Seconds of ``step`` under each contender's context (the ``summary`` of all samples,
+    by default their median), interleaved round-robin.
 
     The order of the contenders is shuffled every round, so that none always
     runs first after the untraced step (or last before it), and the first step
@@ -192,7 +199,7 @@ def round_robin(
                     start = time.perf_counter()
                     step()
                     times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(samples) for name, samples in times.items()}
+    return {name: summary(samples) for name, samples in times.items()}
 
 
 def step_table(
@@ -203,28 +210,36 @@ def step_table(
     block: int,
     floors: dict[str, tuple[str, int]] | None = None,
     markdown: bool = False,
+    loop: bool = False,
 ) -> str:
     """Warm up, time ``step`` under each contender, and format the table of ratios.
 
     ``floors`` maps a contender to its floor contender and the number of
     values both read per step: the table then shows the contender's time
-    above its floor per value.
+    above its floor per value.  ``loop``: ``step`` is the :func:`loop_model`
+    loop, summarised by the fastest step, not the median.
     """
     import torch
 
     for _ in range(3):
         step()
-    medians = round_robin(contenders, step, rounds, block)
+    summary = min if loop else statistics.median
+    times = round_robin(contenders, step, rounds, block, summary)
     extra = {
-        name: f"{(medians[name] - medians[floor]) / reads * 1e6:+.1f} us ({reads}/step)"
+        name: f"{(times[name] - times[floor]) / reads * 1e6:+.1f} us ({reads}/step)"
         for name, (floor, reads) in (floors or {}).items()
     }
-    title = (
-        f"--size {size}: full training step (forward + backward + SGD), Python "
-        f"{sys.version.split()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"medians of {rounds} interleaved rounds of {block} steps"
+    what = (
+        f"--loop: {LOOP_STEP_CALLS} calls of an {LOOP_CALLS}-block chain of tiny tensor ops, "
+        "fastest step"
+        if loop
+        else f"--size {size}: full training step (forward + backward + SGD), median step"
     )
-    return table(title, list(medians.items()), medians["untraced"], extra, markdown)
+    title = (
+        f"{what}; Python {sys.version.split()[0]}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {rounds} interleaved rounds of {block} steps"
+    )
+    return table(title, list(times.items()), times["untraced"], extra, markdown)
 
 
 def training_step(size: str):  # type: ignore[no-untyped-def]
@@ -514,10 +529,11 @@ def engine_only(model: object, paths: list[str], read: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def minimal_tracer(model: Any, patch: bool) -> Iterator[None]:
+def minimal_tracer(model: Any, which: str, patch: bool) -> Iterator[None]:
     """The least a tracer with vartrace's record semantics does, on ``sys.monitoring``.
 
-    The bare floor's ``PY_RETURN`` callback, plus what every record needs:
+    The bare floor's ``PY_RETURN`` callback on the :data:`FLOOR_READS` of
+    ``which``, plus what every record needs:
     the traced instances told apart (by ``self``), an iteration tag (counted
     by module hooks on the root), bit-exact change detection and a chunk per
     site, handed over (dropped) when the root returns.  ``patch`` adds the
@@ -531,7 +547,7 @@ def minimal_tracer(model: Any, patch: bool) -> Iterator[None]:
 
     from vartrace.tensors import same
 
-    reads = FLOOR_READS["traced"]
+    reads = FLOOR_READS[which]
     sites: dict[int, tuple[tuple[str, str], ...]] = {}
     for path, module in model.named_modules():
         for name in reads.get(type(module).__name__) or ():
@@ -592,6 +608,76 @@ def minimal_tracer(model: Any, patch: bool) -> Iterator[None]:
             del vars(module)["forward"]
 
 
+def loop_model():  # type: ignore[no-untyped-def]
+    """A chain of :data:`LOOP_CALLS` blocks of two tiny tensor ops, and its input.
+
+    Nearly all of its time is Python, so a tracer's cost per call shows
+    with little noise: the loop for A/B-ing changes to the record path.
+    """
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = x * 2
+            return h - x
+
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(LOOP_CALLS))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    return Chain(), torch.ones(4)
+
+
+def breakdown_layers(
+    model: Any, paths: list[str], which: str
+) -> tuple[dict[str, Context], dict[str, Context]]:
+    """The contenders of a breakdown: vartrace built up one layer at a time from the
+    untraced run, and the references (the bare floor, and on Python >= 3.12 the
+    :func:`minimal_tracer` without and with a per-object patch) for ``paths``, whose
+    floor reads are ``FLOOR_READS[which]``."""
+    from vartrace import DROP
+
+    layers: dict[str, Context] = {
+        "untraced": contextlib.nullcontext,
+        "patches only (nothing read)": lambda: engine_only(model, paths, read=False),
+        "+ frame capture (leaves discarded)": lambda: engine_only(model, paths, read=True),
+        "+ tracer: iterations, callbacks (pre-save DROP)": lambda: traced(
+            model, paths, pre_save_callbacks=[lambda *_: DROP]
+        ),
+        "+ copy and chunk (change_detection=False)": lambda: traced(
+            model, paths, change_detection=False
+        ),
+        "+ change detection (vartrace)": lambda: traced(model, paths),
+    }
+    floor_name, floor = bare_floor(model, which)
+    references: dict[str, Context] = {floor_name: lambda: floor([])}
+    if hasattr(sys, "monitoring"):
+        references["minimal tracer: floor + iteration tag, change detection, chunk"] = lambda: (
+            minimal_tracer(model, which, patch=False)
+        )
+        references["minimal tracer + per-object patch (eager under compile)"] = lambda: (
+            minimal_tracer(model, which, patch=True)
+        )
+    return layers, references
+
+
+def _breakdown_floors(
+    layers: dict[str, Context], references: dict[str, Context], records: int
+) -> dict[str, tuple[str, int]]:
+    """Each layer above the one before it; each minimal tracer above the bare floor."""
+    floors = {name: (below, records) for below, name in itertools.pairwise(layers)}
+    floor, *minimal = references
+    floors.update({name: (floor, records) for name in minimal})
+    return floors
+
+
 def bench_breakdown(size: str, rounds: int, block: int, markdown: bool = False) -> str:
     """Where vartrace's time above the untraced step goes, one layer at a time.
 
@@ -601,41 +687,33 @@ def bench_breakdown(size: str, rounds: int, block: int, markdown: bool = False) 
     plus the least of vartrace's record semantics costs, without and with a
     per-object patch, above the floor per record.
     """
-    from vartrace import DROP, ModelTracer
+    from vartrace import ModelTracer
 
     model, step = training_step(size)
     calls: list[object] = []
     with ModelTracer(model, TRACED_PATHS, pre_save_callbacks=[lambda *a: calls.append(a)]):  # type: ignore[arg-type]
         step()
-    floor_name, floor = bare_floor(model, "traced")
-    references: dict[str, Context] = {}
-    if hasattr(sys, "monitoring"):
-        references = {
-            "minimal tracer: floor + iteration tag, change detection, chunk": lambda: (
-                minimal_tracer(model, patch=False)
-            ),
-            "minimal tracer + per-object patch (eager under compile)": lambda: minimal_tracer(
-                model, patch=True
-            ),
-        }
+    layers, references = breakdown_layers(model, TRACED_PATHS, "traced")
+    floors = _breakdown_floors(layers, references, len(calls))
+    return step_table(size, {**layers, **references}, step, rounds, block, floors, markdown)
 
-    layers: dict[str, Context] = {
-        "untraced": contextlib.nullcontext,
-        "patches only (nothing read)": lambda: engine_only(model, TRACED_PATHS, read=False),
-        "+ frame capture (leaves discarded)": lambda: engine_only(model, TRACED_PATHS, read=True),
-        "+ tracer: iterations, callbacks (pre-save DROP)": lambda: traced(
-            model, TRACED_PATHS, pre_save_callbacks=[lambda *_: DROP]
-        ),
-        "+ copy and chunk (change_detection=False)": lambda: traced(
-            model, TRACED_PATHS, change_detection=False
-        ),
-        "+ change detection (vartrace)": lambda: traced(model, TRACED_PATHS),
-    }
-    names = list(layers)
-    floors = {name: (below, len(calls)) for below, name in itertools.pairwise(names)}
-    floors.update({name: (floor_name, len(calls)) for name in references})
-    contenders = {**layers, floor_name: lambda: floor([]), **references}
-    return step_table(size, contenders, step, rounds, block, floors, markdown)
+
+def bench_loop(rounds: int, block: int, markdown: bool = False) -> str:
+    """The breakdown on :func:`loop_model`, each contender's fastest step.
+
+    In-step costs are two to five times these; what the loop resolves is a
+    change of a microsecond a call, which the noise of a training step hides.
+    """
+    model, x = loop_model()
+
+    def step() -> None:
+        for _ in range(LOOP_STEP_CALLS):
+            model(x)
+
+    layers, references = breakdown_layers(model, LOOP_PATHS, "loop")
+    floors = _breakdown_floors(layers, references, LOOP_CALLS * LOOP_STEP_CALLS)
+    contenders = {**layers, **references}
+    return step_table("", contenders, step, rounds, block, floors, markdown, loop=True)
 
 
 def profile(size: str, steps: int, paths: list[str]) -> str:
@@ -674,6 +752,9 @@ def main() -> None:
     parser.add_argument(
         "--breakdown", action="store_true", help="vartrace's cost above the floor, by layer"
     )
+    parser.add_argument(
+        "--loop", action="store_true", help="the breakdown in a tight loop of traced calls"
+    )
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument(
         "--profile", type=int, default=0, metavar="STEPS", help="cProfile STEPS traced steps"
@@ -691,6 +772,9 @@ def main() -> None:
         return
     if args.breakdown:
         print(bench_breakdown(args.size, args.rounds, args.block, args.markdown))
+        return
+    if args.loop:
+        print(bench_loop(args.rounds, args.block, args.markdown))
         return
     if args.profile:
         print(profile(args.size, args.profile, TRACED_PATHS))
