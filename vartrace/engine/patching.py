@@ -342,9 +342,11 @@ class _Patch:
 
     def _call(self, wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         hooks = self.hooks
+        leaving = []
         for hook in hooks:
             hook.calls += 1
-        leaving = [h for h in hooks if h.on_enter is not None and h.on_enter()]
+            if hook.on_enter is not None and hook.on_enter():
+                leaving.append(hook)
         failed = True
         try:
             active = [h for h in hooks if h.enabled and h.captures]
