@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
@@ -276,20 +276,29 @@ def _clone_locals(frame: FrameType, names: tuple[str, ...], kept: list[object]) 
 @contextlib.contextmanager
 def monitoring_floor(reads: Reads, kept: list[object]) -> Iterator[None]:
     """A bare ``sys.monitoring`` capture: ``PY_RETURN`` on exactly the ``reads`` code objects."""
-    monitoring = sys.monitoring  # type: ignore[attr-defined]
-    tool = next(t for t in (4, 3) if monitoring.get_tool(t) is None)
-    monitoring.use_tool_id(tool, "bench floor")
 
     def on_return(code: CodeType, offset: int, value: object) -> None:
         _clone_locals(sys._getframe(1), reads[code], kept)
 
-    monitoring.register_callback(tool, monitoring.events.PY_RETURN, on_return)
-    for code in reads:
+    with _on_returns(reads, on_return, "bench floor"):
+        yield
+
+
+@contextlib.contextmanager
+def _on_returns(
+    codes: Iterable[CodeType], callback: Callable[[CodeType, int, object], object], name: str
+) -> Iterator[None]:
+    """``callback`` on ``PY_RETURN`` of exactly ``codes``, as a free ``sys.monitoring`` tool."""
+    monitoring = sys.monitoring  # type: ignore[attr-defined]
+    tool = next(t for t in (4, 3) if monitoring.get_tool(t) is None)
+    monitoring.use_tool_id(tool, name)
+    monitoring.register_callback(tool, monitoring.events.PY_RETURN, callback)
+    for code in codes:
         monitoring.set_local_events(tool, code, monitoring.events.PY_RETURN)
     try:
         yield
     finally:
-        for code in reads:
+        for code in codes:
             monitoring.set_local_events(tool, code, 0)
         monitoring.register_callback(tool, monitoring.events.PY_RETURN, None)
         monitoring.free_tool_id(tool)
@@ -589,19 +598,10 @@ def minimal_tracer(model: Any, which: str, patch: bool) -> Iterator[None]:
         )
     handles = [model.register_forward_pre_hook(count), model.register_forward_hook(hand_over)]
     codes = {type(m).forward.__code__ for m in model.modules() if id(m) in sites}
-    monitoring = sys.monitoring  # type: ignore[attr-defined]
-    tool = next(t for t in (4, 3) if monitoring.get_tool(t) is None)
-    monitoring.use_tool_id(tool, "bench minimal tracer")
-    monitoring.register_callback(tool, monitoring.events.PY_RETURN, on_return)
-    for code in codes:
-        monitoring.set_local_events(tool, code, monitoring.events.PY_RETURN)
     try:
-        yield
+        with _on_returns(codes, on_return, "bench minimal tracer"):
+            yield
     finally:
-        for code in codes:
-            monitoring.set_local_events(tool, code, 0)
-        monitoring.register_callback(tool, monitoring.events.PY_RETURN, None)
-        monitoring.free_tool_id(tool)
         for handle in handles:
             handle.remove()
         for module in patched:
