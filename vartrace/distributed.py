@@ -91,7 +91,7 @@ import torch.distributed as dist
 from vartrace.results import join_traces
 from vartrace.trace import Trace
 
-__all__ = ["gather_chunk", "rank", "world_size"]
+__all__ = ["gather_chunk", "new_host_group", "rank", "world_size"]
 
 _ALIGN = 64
 _ROUND_BYTES = 1 << 30
@@ -127,14 +127,30 @@ def world_size() -> int:
     return dist.get_world_size() if _active() else 1
 
 
-def gather_chunk(chunk: dict[str, Trace]) -> dict[str, Trace] | None:
+def new_host_group() -> Any:
+    """A gloo process group of every rank, for gathers that run beside the training's own.
+
+    Collectives on one group must come in the same order on every rank: a
+    thread gathering on the group that DDP's all-reduces use could interleave
+    with them.  A group of its own, on the host, also never stages through
+    device memory.  A collective call: every rank must make it, at the same
+    point.  Example::
+
+        group = new_host_group()
+        merged = gather_chunk(chunk, group)
+    """
+    return dist.new_group(backend="gloo")
+
+
+def gather_chunk(chunk: dict[str, Trace], group: Any = None) -> dict[str, Trace] | None:
     """Gather every rank's chunk to rank 0.
 
-    Must be called on every rank of the default process group, the same number
-    of times.  Returns the merged chunk (site name -> :class:`Trace` holding
-    the records of all ranks, rank 0's first) on rank 0 and ``None`` on the
-    other ranks.  Without an initialised process group, or with a single rank,
-    ``chunk`` is returned unchanged.
+    Must be called on every rank of ``group`` (a group of every rank; ``None``
+    is the default process group), the same number of times.  Returns the
+    merged chunk (site name -> :class:`Trace` holding the records of all
+    ranks, rank 0's first) on rank 0 and ``None`` on the other ranks.
+    Without an initialised process group, or with a single rank, ``chunk`` is
+    returned unchanged.
 
     Example::
 
@@ -150,7 +166,7 @@ def gather_chunk(chunk: dict[str, Trace]) -> dict[str, Trace] | None:
         return chunk
     me = dist.get_rank()
     size = dist.get_world_size()
-    device = _comm_device()
+    device = _comm_device(group)
 
     packed: _Packed | None = None
     own: dict[str, _Part] = {}
@@ -165,7 +181,7 @@ def gather_chunk(chunk: dict[str, Trace]) -> dict[str, Trace] | None:
     length = packed.nbytes if packed is not None else 0
     status = torch.tensor([length, 0 if error is None else 1], dtype=torch.int64, device=device)
     statuses = [torch.empty_like(status) for _ in range(size)]
-    dist.all_gather(statuses, status)
+    dist.all_gather(statuses, status, group=group)
     table = torch.stack(statuses).cpu().tolist()
     failed = [r for r, (_, bad) in enumerate(table) if bad]
     if failed:
@@ -176,11 +192,11 @@ def gather_chunk(chunk: dict[str, Trace]) -> dict[str, Trace] | None:
             "see the error on those ranks"
         )
     if packed is not None:
-        _send_all([_buffer(packed)], device)
-        _send_all(packed.direct, device)
+        _send_all([_buffer(packed)], device, group)
+        _send_all(packed.direct, device, group)
         return None
     buffers = [torch.empty(n, dtype=torch.uint8) for n, _ in table]
-    _receive_all([[b] if r else [] for r, b in enumerate(buffers)], device)
+    _receive_all([[b] if r else [] for r, b in enumerate(buffers)], device, group)
     decoders = [_Decoder(buffer) for buffer in buffers[1:]]
     parts_by_rank = [own]
     failure: tuple[int, Exception] | None = None
@@ -189,7 +205,7 @@ def gather_chunk(chunk: dict[str, Trace]) -> dict[str, Trace] | None:
             parts_by_rank.append(decoder.parts())
         except Exception as exc:
             failure = failure or (sender, exc)
-    _receive_all([[], *(decoder.targets for decoder in decoders)], device)
+    _receive_all([[], *(decoder.targets for decoder in decoders)], device, group)
     if failure is not None:
         sender, exc = failure
         raise RuntimeError(
@@ -198,9 +214,9 @@ def gather_chunk(chunk: dict[str, Trace]) -> dict[str, Trace] | None:
     return _merge(parts_by_rank)
 
 
-def _comm_device() -> torch.device:
-    """The device the default group's collectives need their tensors on."""
-    backend = str(dist.get_backend())
+def _comm_device(group: Any) -> torch.device:
+    """The device the group's collectives need their tensors on."""
+    backend = str(dist.get_backend(group))
     if ":" in backend:
         devices = [pair.split(":", 1)[0].strip() for pair in backend.split(",")]
     else:
@@ -379,18 +395,18 @@ def _run_ops(ops: list[dist.P2POp]) -> None:
             work.wait()
 
 
-def _send_all(flats: list[torch.Tensor], device: torch.device) -> None:
+def _send_all(flats: list[torch.Tensor], device: torch.device, group: Any) -> None:
     """Send ``flats`` to rank 0 as numbered messages, a bounded round at a time.
 
     On a CPU backend the messages leave straight from the records' storage; on
     a device backend each round is first copied to the device.
     """
     messages = _segments(flats)
-    for group in _rounds([m.numel() for m in messages]):
-        _run_ops([dist.P2POp(dist.isend, messages[i].to(device), 0, tag=i) for i in group])
+    for round_ in _rounds([m.numel() for m in messages]):
+        _run_ops([dist.P2POp(dist.isend, messages[i].to(device), 0, group, tag=i) for i in round_])
 
 
-def _receive_all(targets: list[list[torch.Tensor]], device: torch.device) -> None:
+def _receive_all(targets: list[list[torch.Tensor]], device: torch.device, group: Any) -> None:
     """On rank 0, fill ``targets[r]`` (CPU ``uint8`` tensors) with what rank ``r`` sends.
 
     Matches :func:`_send_all` message by message (same cutting, same numbers).
@@ -402,14 +418,14 @@ def _receive_all(targets: list[list[torch.Tensor]], device: torch.device) -> Non
         for sender, flats in enumerate(targets)
         for tag, message in enumerate(_segments(flats))
     ]
-    for group in _rounds([m.numel() for _, _, m in messages]):
-        batch = [messages[i] for i in group]
+    for round_ in _rounds([m.numel() for _, _, m in messages]):
+        batch = [messages[i] for i in round_]
         if device.type == "cpu":
-            _run_ops([dist.P2POp(dist.irecv, m, r, tag=tag) for r, tag, m in batch])
+            _run_ops([dist.P2POp(dist.irecv, m, r, group, tag=tag) for r, tag, m in batch])
             continue
         staging = [torch.empty_like(m, device=device) for _, _, m in batch]
         pairs = list(zip(staging, batch, strict=True))
-        _run_ops([dist.P2POp(dist.irecv, buf, r, tag=tag) for buf, (r, tag, _) in pairs])
+        _run_ops([dist.P2POp(dist.irecv, buf, r, group, tag=tag) for buf, (r, tag, _) in pairs])
         for buf, (_, _, m) in pairs:
             m.copy_(buf)
 

@@ -144,8 +144,10 @@ class GradientWatcher:
             with lock:
                 if handles.pop(handle.id, None) is None:
                     return  # closed meanwhile
-                handle.remove()
-                store(site, grad, iteration)
+            handle.remove()
+            # Outside the lock: a store that waits for memory in flight (asynchronous
+            # staging) must not hold up the other autograd threads' hooks.
+            store(site, grad, iteration)
 
         handle = value.register_hook(hook)
         with lock:
@@ -182,8 +184,8 @@ class GradientWatcher:
                 return
             pending = list(watch.pending.items())
             watch.pending.clear()
-            for site, iteration in pending:
-                self._store(site, parameter.grad, iteration)
+        for site, iteration in pending:
+            self._store(site, parameter.grad, iteration)
 
     # -- warnings -------------------------------------------------------------------------------
 

@@ -240,17 +240,25 @@ def _identity(value: Any) -> _Identity:
 def snapshot(value: Any) -> Any:
     """A copy of ``value``'s content for :func:`unchanged`: what ``@every`` compares with.
 
-    Tensors are detached and cloned on their device, numpy arrays copied, lists,
-    tuples and dicts copied element by element; of other objects (a module, a
-    custom class) only the identity is kept, as copying them on every line
-    would cost too much.  Example::
+    CPU tensors are detached and cloned, numpy arrays copied, lists, tuples and
+    dicts copied element by element; of other objects (a module, a custom
+    class) only the identity is kept, as copying them on every line would cost
+    too much.  Of a tensor on an accelerator too only the identity and version
+    counter are kept: comparing its contents would wait for the device at
+    every line.  Such a value is a candidate whenever it is rebound or written
+    in place by an operation that bumps its version; the record path's own
+    change detection then drops candidates equal to the last record.  Writes
+    that bump no version counter (through ``.data``, or by code outside
+    autograd's view) are seen only when the call returns.  Example::
 
         old = snapshot(hidden)
         hidden.data.add_(1)
         assert not unchanged(old, hidden)
     """
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        if value.is_cpu or value.is_meta:
+            return value.detach().clone()
+        return _identity(value)
     if type(value) in (list, tuple):
         return type(value)(snapshot(item) for item in value)
     if type(value) is dict:

@@ -4,13 +4,17 @@ Data flows one way: the engine captures leaves from patched methods ->
 pre-save callbacks -> a detached copy -> change detection -> the chunk
 buffer -> pre-gather callbacks -> gather to rank 0 -> post-gather
 callbacks -> :attr:`ModelTracer.results`, and post-trace callbacks at the
-end.
+end.  With asynchronous staging (:mod:`vartrace.staging`, the default for a
+model on an accelerator) the capturing thread only admits each record;
+everything from the copy to the host on runs on the stager's thread, in
+capture order.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import sys
 import threading
 import warnings
@@ -31,6 +35,7 @@ from vartrace.record import DROP, subscribe, unsubscribe
 from vartrace.results import Results
 from vartrace.silence import SilenceWatch
 from vartrace.sites import Target, is_compiled, resolve, unwrap
+from vartrace.staging import OnFull, Stager, StagingStats
 from vartrace.tensors import copy_leaf, same, snapshot, split_object, unchanged
 from vartrace.trace import RunContext, Trace, report_during
 
@@ -39,6 +44,7 @@ __all__ = ["CallbackError", "ModelTracer"]
 PreSave = Callable[[str, Any, int], Any]
 GatherCallback = Callable[[str, Trace], None]
 Mode = Literal["train", "eval", "any"]
+Staging = Literal["auto", "async", "sync"]
 _MISSING = object()
 
 # ``@every`` sees in-place changes (``.data`` writes, numpy writes, list appends), not only
@@ -136,8 +142,13 @@ def _warn_unused_savers(callbacks: list[Any]) -> None:
             )
 
 
-def _check_device(device: torch.device) -> None:
-    """Refuse a device this torch cannot put tensors on, before the first record."""
+def _record_device(device: str | torch.device) -> torch.device:
+    """``device`` with its index (``"cuda"`` is the current CUDA device), or a clear error.
+
+    Devices compare by type and index: ``torch.device("cuda") != torch.device("cuda", 0)``,
+    so an index left out would send every record through a copy.
+    """
+    device = torch.device(device)
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -150,6 +161,16 @@ def _check_device(device: torch.device) -> None:
             raise ValueError(f"device={str(device)!r}: only {count} CUDA device(s) are visible")
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError("device='mps': MPS is not available in this torch")
+    if device.type != "cpu" and device.index is None:
+        module = torch.get_device_module(device.type)
+        device = torch.device(device.type, module.current_device())
+    return device
+
+
+def _on_accelerator(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` lives on an accelerator."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return any(not (t.is_cpu or t.is_meta) for t in tensors)
 
 
 _MODULE_HOOKS = (
@@ -214,9 +235,24 @@ class ModelTracer:
             completed ``step()`` calls plus one) instead of by model calls;
             see :mod:`vartrace.iterations` for every rule.
         change_detection: record a site only when its value changed.
-        device: where recorded copies live.
+        device: where recorded copies live (``"cuda"`` is the current CUDA device).
         gather: ``False`` keeps each rank's records on that rank (shard files).
         strict: raise (``True``) or warn (``False``) on patterns matching nothing.
+        staging: how records of accelerator tensors leave the step.
+            ``"async"``: a clone on the device and an event at capture, and
+            everything else (copy to the host, change detection, gathers,
+            post-gather callbacks) on a ``vartrace-staging-N`` thread, so that
+            the step never waits for the device (see :mod:`vartrace.staging`).
+            ``"sync"``: each record is copied where it is captured (a
+            blocking device-to-host copy on a GPU).  ``"auto"`` (default):
+            ``"async"`` when the model has parameters or buffers on an
+            accelerator, or ``device`` is one.
+        max_inflight_bytes: with asynchronous staging, the most bytes of
+            records between capture and the host at once.
+        on_full: what a record that would exceed ``max_inflight_bytes`` does:
+            ``"wait"`` until earlier records land (counted in
+            :attr:`staging_stats`, warned once), or ``"drop"`` (counted per
+            site; an :class:`~vartrace.Unstored` marker takes its place).
     """
 
     def __init__(
@@ -236,6 +272,9 @@ class ModelTracer:
         gather: bool = True,
         strict: bool = True,
         optimizer: torch.optim.Optimizer | None = None,
+        staging: Staging = "auto",
+        max_inflight_bytes: int = 1 << 30,
+        on_full: OnFull = "wait",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -245,6 +284,12 @@ class ModelTracer:
             )
         if mode not in ("train", "eval", "any"):
             raise ValueError(f"mode must be 'train', 'eval' or 'any', not {mode!r}")
+        if staging not in ("auto", "async", "sync"):
+            raise ValueError(f"staging must be 'auto', 'async' or 'sync', not {staging!r}")
+        if on_full not in ("wait", "drop"):
+            raise ValueError(f"on_full must be 'wait' or 'drop', not {on_full!r}")
+        self.max_inflight_bytes = _positive("max_inflight_bytes", max_inflight_bytes)
+        self.on_full = on_full
         self.model = unwrap(model)
         self._compiled = is_compiled(model)
         self.pre_save_callbacks = list(pre_save_callbacks)
@@ -260,13 +305,17 @@ class ModelTracer:
         self.trace_interval = _positive("trace_interval", trace_interval)
         self.mode = mode
         self.change_detection = change_detection
-        self.device = torch.device(device)
-        _check_device(self.device)
+        self.device = _record_device(device)
+        if staging == "auto":
+            staging = "async" if self.device.type != "cpu" or _on_accelerator(model) else "sync"
+        self.staging = staging
+        self._stager: Stager | None = None
+        self._group: Any = None  # the gathers' own process group, with asynchronous staging
         self.gather = gather
         self._targets = resolve(self.model, paths, strict=strict)
         _warn_unused_savers(self._all_callbacks())
         self._silence = SilenceWatch(self._targets, mode, self.model)
-        self.results = Results()
+        self._results = Results()
         self._hooks: list[tuple[Target, Hook]] = []
         self._handles: list[RemovableHandle] = []
         self._part_handles: list[RemovableHandle] = []  # until the root is first called
@@ -291,6 +340,31 @@ class ModelTracer:
         self._gradients = GradientWatcher(self._store)
 
     # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def results(self) -> Results:
+        """What the post-gather callbacks left of every gathered record, by site.
+
+        With asynchronous staging, reading it first waits for the records
+        gathered so far to be handed over (outside the step)::
+
+            model(x)
+            tracer.results["head"].values   # complete up to the last gather
+        """
+        if self._stager is not None:
+            self._stager.drain()
+        return self._results
+
+    @property
+    def staging_stats(self) -> StagingStats | None:
+        """Counts of asynchronous staging (records staged, kept, waits, drops), or ``None``.
+
+        ``None`` with ``staging="sync"``.  Example::
+
+            stats = tracer.staging_stats
+            print(stats.waits, stats.wait_seconds, stats.dropped_by_site)
+        """
+        return None if self._stager is None else self._stager.stats
 
     @property
     def iteration(self) -> int:
@@ -318,6 +392,17 @@ class ModelTracer:
         self._started = True
         self._rank = distributed.rank()
         world = distributed.world_size()
+        if self.staging == "async":
+            if self.gather and world > 1:
+                # Gathers run on the stager's thread: never on the group the training
+                # thread's collectives (DDP's NCCL all-reduces) use, and never on a device.
+                self._group = distributed.new_host_group()
+            self._stager = Stager(
+                self._keep,
+                max_inflight_bytes=self.max_inflight_bytes,
+                on_full=self.on_full,
+                device=self.device,
+            )
         context = RunContext(self._rank, world, sharded=not self.gather and world > 1)
         for callback in self._all_callbacks():
             on_start = getattr(callback, "on_start", None)
@@ -342,8 +427,12 @@ class ModelTracer:
         self._silence.report(counter.in_mode_calls > 0, counter.other_mode_calls, called)
         if flush:
             self._flush()
-            for name in list(self.results):
-                _run_callbacks("post_trace", self.post_trace_callbacks, name, self.results[name])
+        if self._stager is not None:
+            self._stager.close()
+        if flush:
+            results = self._results
+            for name in list(results):
+                _run_callbacks("post_trace", self.post_trace_callbacks, name, results[name])
 
     def _forget(self) -> None:
         """In a forked child (a DataLoader worker...): restore the model, record nothing.
@@ -355,6 +444,7 @@ class ModelTracer:
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._chunk = {}
+        self._stager = None  # its thread stayed in the parent
         self._release()
 
     def _release(self) -> None:
@@ -525,12 +615,29 @@ class ModelTracer:
                 raise _failed("pre_save", callback, site, error) from error
             if value is DROP:
                 return
+        stager = self._stager
+        if stager is not None:
+            stager.admit(site, value, iteration)
+            return
         record = copy_leaf(value, self.device, site)
+        self._keep(site, record, iteration, record)
+
+    def _keep(self, site: str, record: Any, iteration: int, host: Any) -> None:
+        """Append ``record`` to the chunk unless ``host`` (its copy on the host, or the record
+        itself) equals the site's last one; with staging, on the stager's thread, in order."""
+        stager = self._stager
         if self.change_detection:
             last = self._last.get(site, _MISSING)
-            if last is not _MISSING and same(record, last):
+            if last is not _MISSING and same(host, last):
+                if stager is not None:
+                    stager.stats.unchanged += 1
                 return
-            self._last[site] = record
+        if stager is not None:
+            stager.stats.kept += 1
+            if record is host:
+                record = host = stager.keep(record)
+        if self.change_detection:
+            self._last[site] = host
         with self._lock:
             self._order += 1
             trace = self._chunk.get(site)
@@ -546,6 +653,9 @@ class ModelTracer:
                     self._store(part, piece, iteration)
 
     def _flush(self) -> None:
+        if self._stager is not None:
+            self._stager.call(self._hand_over)  # after every record captured before
+            return
         # Threads that end iterations at once hand their chunks to the callbacks one by one.
         with self._flush_lock:
             self._hand_over()
@@ -557,12 +667,12 @@ class ModelTracer:
             return  # nothing to hand on, and no other rank waits for this gather
         for name, trace in chunk.items():
             _run_callbacks("pre_gather", self.pre_gather_callbacks, name, trace)
-        gathered = distributed.gather_chunk(chunk) if self.gather else chunk
+        gathered = distributed.gather_chunk(chunk, self._group) if self.gather else chunk
         if gathered is None:
             return
         for name, trace in gathered.items():
             _run_callbacks("post_gather", self.post_gather_callbacks, name, trace)
-            self.results.add(name, trace)
+            self._results.add(name, trace)
         for callback in self.post_gather_callbacks:
             flush = getattr(callback, "flush", None)
             if flush is not None:
