@@ -394,10 +394,65 @@ def _tracer_rank1_raises(rank: int, world: int, out: Path) -> None:
         raise
 
 
+# --- asynchronous staging on the stand-in accelerator -------------------------------------
+
+STAGED_PATHS = ["layers.*", "layers.*.attn._scores", "layers.*@grad", "head.weight@grad"]
+
+
+def _staged_run(rank: int, on_device: bool, out: Path) -> dict[str, Any]:
+    """Three steps of a small transformer, traced and gathered every step, with a saver on
+    rank 0 and a collective on the default group after every step (as DDP's would be)."""
+    import vartrace
+    from tests import simgpu
+    from tests._models import TinyTransformer, tokens
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    if on_device:
+        model = simgpu.to_device_module(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saver = H5PYSaverCallback(out / f"staged-{on_device}.h5", metadata=False)
+    simgpu.LOG.clear()
+    with ModelTracer(model, STAGED_PATHS, post_gather_callbacks=[saver], staging="auto") as tracer:
+        for step in range(3):
+            batch = tokens(10 * rank + step)
+            with simgpu.LOG.paused():
+                batch = simgpu.to_device(batch) if on_device else batch
+            model(batch).logits.logsumexp(-1).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            dist.all_reduce(torch.ones(1))  # the training thread's own collective
+    saver.close()
+    records: dict[str, list[Any]] = {}
+    if rank == 0:
+        with vartrace.open(out / f"staged-{on_device}.h5") as run:
+            for name in run.names:
+                site = run[name]
+                records[name] = [
+                    (site.record(row).reshape(-1).view(torch.uint8).tolist(), *tags)
+                    for row, tags in enumerate(
+                        zip(site.iterations, site.ranks, site.order, strict=True)
+                    )
+                ]
+    return {
+        "staging": tracer.staging,
+        "records": records,
+        "syncs": [(e.op, e.thread, e.where) for e in simgpu.LOG.syncs()],
+    }
+
+
+def _staged_gathers(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """The same training on the stand-in accelerator (asynchronous staging: gathers on the
+    tracer's own group, from its staging thread) and on the CPU (the synchronous path)."""
+    return {"device": _staged_run(rank, True, out), "cpu": _staged_run(rank, False, out)}
+
+
 SCENARIOS: dict[str, Callable[[int, int, Path], Any]] = {
     "gather_direct": _gather_direct,
     "rank1_raises_and_exits": _rank1_raises_and_exits,
     "rank1_raises_and_lingers": _rank1_raises_and_lingers,
     "tracer_runs": _tracer_runs,
     "tracer_rank1_raises": _tracer_rank1_raises,
+    "staged_gathers": _staged_gathers,
 }

@@ -384,3 +384,21 @@ def test_ddp_example_runs_and_reads_its_files_back(tmp_path: Path) -> None:
     assert "4. shards read as one run: forward has 52 records," in lines
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["ddp.h5", "shards.rank0.h5", "shards.rank1.h5"]
+
+
+def test_staged_gathers_run_off_the_training_thread_with_no_sync(tmp_path: Path) -> None:
+    """On the stand-in accelerator, records are gathered from the staging thread over the
+    tracer's own gloo group while the training thread runs collectives on the default one:
+    no rank waits for the device in its step, and rank 0 gathers what the synchronous path
+    gathers on the CPU, bit for bit, into its file."""
+    world = 2
+    results = _run_ok("staged_gathers", world, tmp_path)
+    for rank, result in enumerate(results):
+        assert result["device"]["staging"] == "async" and result["cpu"]["staging"] == "sync"
+        assert result["device"]["syncs"] == [], rank
+    device, cpu = results[0]["device"]["records"], results[0]["cpu"]["records"]
+    assert sorted(device) == sorted(cpu)
+    assert "layers.0.attn._scores" in device and "head.weight@grad" in device
+    for name, records in cpu.items():
+        assert {r for _, _, r, _ in records} == {0, 1}, name
+        assert device[name] == records, name

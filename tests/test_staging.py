@@ -1,0 +1,485 @@
+"""Asynchronous staging on the stand-in accelerator (``tests/simgpu.py``): no sync in the step.
+
+The stand-in logs every operation that would make the host wait for the device
+on CUDA, with its thread, and lands ``non_blocking`` copies late (their
+destination poisoned until then, their source read when they land).  Each test
+runs a model on it with ``staging="async"`` and checks that the training thread
+and autograd's device thread never wait, and that the records are bit for bit
+those of the synchronous path (``staging="sync"``, which does sync: the tests
+check that too, so that a log that saw nothing cannot pass them).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+
+import vartrace
+from tests import simgpu
+from vartrace import H5PYSaverCallback, ModelTracer, Unstored
+from vartrace.trace import Trace
+
+VOCAB, SEQ, BATCH = 32, 6, 2
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+        vartrace.record("attn.max", scores.amax())
+        attn = scores.softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.fc = nn.Linear(d, 2 * d)
+        self.out = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        h = self.fc(self.ln2(x))
+        h = F.gelu(h)  # rebinds h: two values for @every
+        return x + self.out(h)
+
+
+class GPT(nn.Module):
+    def __init__(self, d: int = 16, heads: int = 2, blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.pos = nn.Parameter(torch.randn(SEQ, d) * 0.02, requires_grad=False)  # frozen
+        self.layers = nn.ModuleList(Block(d, heads) for _ in range(blocks))
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+SCENARIOS: dict[str, list[str]] = {
+    "values": ["layers.*", "layers.*.attn.forward.scores", "pos", "head.weight", "forward"],
+    "grad": ["layers.*.attn.forward.scores@grad", "layers.*@grad", "head.weight@grad"],
+    "every": ["layers.*.forward.h@every"],
+    "record": ["head"],  # and every vartrace.record("attn.max", ...)
+}
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator) for _ in range(n)]
+
+
+def _train(
+    model: nn.Module, steps: int, device: torch.device | None = simgpu.DEVICE
+) -> Iterator[int]:
+    """Train ``model`` for ``steps`` steps, yielding after each one."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
+    for step, tokens in enumerate(_batches(steps), 1):
+        with simgpu.LOG.paused():
+            tokens = simgpu.to_device(tokens) if device == simgpu.DEVICE else tokens
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        yield step
+
+
+def _gpt(device: torch.device | None = simgpu.DEVICE) -> nn.Module:
+    torch.manual_seed(0)
+    model = GPT()
+    return simgpu.to_device_module(model) if device == simgpu.DEVICE else model
+
+
+def _records(tracer: ModelTracer) -> dict[str, list[tuple[Any, int, int]]]:
+    results = tracer.results
+    return {
+        name: list(
+            zip(results[name].values, results[name].iterations, results[name].order, strict=True)
+        )
+        for name in results
+    }
+
+
+def _bits(value: torch.Tensor) -> bytes:
+    return value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _assert_same_records(got: dict[str, list[Any]], want: dict[str, list[Any]]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, records in want.items():
+        assert len(got[name]) == len(records), name
+        for (value, iteration, order), (expected, iteration_w, order_w) in zip(
+            got[name], records, strict=True
+        ):
+            assert (iteration, order) == (iteration_w, order_w), name
+            if isinstance(expected, torch.Tensor):
+                assert value.device.type == "cpu" and value.dtype == expected.dtype, name
+                assert value.shape == expected.shape, name
+                assert _bits(value) == _bits(expected), name
+            else:
+                assert value == expected, name
+
+
+def _sync_records(paths: list[str], steps: int, **options: Any) -> dict[str, list[Any]]:
+    """Records of the synchronous path on the stand-in, which must have synced to get them."""
+    simgpu.LOG.clear()
+    with ModelTracer(_gpt(), paths, staging="sync", **options) as tracer:
+        for _ in _train(tracer.model, steps):
+            pass
+    assert simgpu.LOG.syncs(), "the synchronous path logged no sync: the log sees nothing"
+    return _records(tracer)
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_no_sync_in_the_step_and_records_equal_the_synchronous_path(scenario: str) -> None:
+    paths = SCENARIOS[scenario]
+    want = _sync_records(paths, steps=3)
+    simgpu.LOG.clear()
+    with simgpu.copy_delay(0.002, seed=3), ModelTracer(_gpt(), paths) as tracer:
+        assert tracer.staging == "async"  # "auto" on a model on an accelerator
+        for _ in _train(tracer.model, steps=3):
+            pass
+    assert simgpu.LOG.syncs() == []
+    _assert_same_records(_records(tracer), want)
+    stats = tracer.staging_stats
+    assert stats is not None and stats.staged > 0 and stats.pinned is False  # no pinning here
+    assert stats.kept + stats.unchanged == stats.admitted
+
+
+def test_unchanged_values_are_compared_on_the_host_copies() -> None:
+    """The frozen ``pos`` is staged every step, and only its first value is kept."""
+    with ModelTracer(_gpt(), ["pos"]) as tracer:
+        for _ in _train(tracer.model, steps=4):
+            pass
+    assert tracer.results["pos"].iterations == [1]
+    assert tracer.staging_stats.unchanged == 3
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_savers_write_off_the_training_thread(tmp_path: Path, background: bool) -> None:
+    paths = SCENARIOS["values"] + SCENARIOS["grad"]
+    want = _sync_records(paths, steps=3)
+    simgpu.LOG.clear()
+    writers: set[str] = set()
+    saver = H5PYSaverCallback(tmp_path / "run.h5", background=background, metadata=False)
+
+    def note_thread(name: str, trace: Trace) -> None:
+        writers.add(threading.current_thread().name)
+
+    with (
+        simgpu.copy_delay(0.002, seed=4),
+        ModelTracer(_gpt(), paths, post_gather_callbacks=[note_thread, saver]) as tracer,
+    ):
+        for _ in _train(tracer.model, steps=3):
+            pass
+    saver.close()
+    assert simgpu.LOG.syncs() == []
+    assert writers and all(name.startswith("vartrace-staging") for name in writers)
+    with vartrace.open(tmp_path / "run.h5") as run:
+        assert sorted(run.names) == sorted(want)
+        for name, records in want.items():
+            site = run[name]
+            assert list(site.iterations) == [iteration for _, iteration, _ in records]
+            stored = [site.record(row) for row in range(len(records))]
+            assert [_bits(v) for v in stored] == [_bits(v) for v, _, _ in records], name
+
+
+def test_records_on_the_device_stay_there_without_a_sync() -> None:
+    paths = ["layers.*", "pos"]
+    want = _sync_records(paths, steps=3)
+    simgpu.LOG.clear()
+    with ModelTracer(_gpt(), paths, device=simgpu.DEVICE) as tracer:
+        for _ in _train(tracer.model, steps=3):
+            pass
+    assert simgpu.LOG.syncs() == []
+    got = _records(tracer)
+    assert all(value.device == simgpu.DEVICE for records in got.values() for value, _, _ in records)
+    with simgpu.LOG.paused():
+        host = {n: [(v.cpu(), i, o) for v, i, o in records] for n, records in got.items()}
+    _assert_same_records(host, want)
+
+
+def test_a_cpu_model_keeps_the_synchronous_path() -> None:
+    with ModelTracer(_gpt(device=None), ["layers.*"]) as tracer:
+        for _ in _train(tracer.model, steps=2, device=None):
+            pass
+    assert tracer.staging == "sync" and tracer.staging_stats is None
+    assert tracer.results["layers.0.forward"].iterations == [1, 2]
+
+
+# -- bit-exactness under random completion delays ---------------------------------------------
+
+
+class _Emitter(nn.Module):
+    """Returns each value it is given; the caller writes the returned tensor in place at once."""
+
+    def forward(self, value: torch.Tensor) -> torch.Tensor:
+        out = value.clone()
+        return out
+
+
+def _float_bits(draw: Callable[..., Any], dtype: torch.dtype, n: int) -> torch.Tensor:
+    """``n`` values of ``dtype`` from raw bit patterns (NaN payloads, -0.0, infinities)."""
+    width = torch.finfo(dtype).bits
+    signed = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[width]
+    top = 1 << (width - 1)
+    patterns = st.sampled_from([0, top]) | st.integers(0, 2 * top - 1)  # 0.0, -0.0, any
+    raw = draw(st.lists(patterns, min_size=n, max_size=n))
+    return torch.tensor([b - 2 * top if b >= top else b for b in raw], dtype=signed).view(dtype)
+
+
+_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int64,
+    torch.int8,
+    torch.bool,
+]
+
+
+@st.composite
+def _values(draw: Callable[..., Any]) -> list[torch.Tensor]:
+    count = draw(st.integers(1, 6))
+    values = []
+    for _ in range(count):
+        dtype = draw(st.sampled_from(_DTYPES))
+        n = draw(st.integers(0, 5))
+        if dtype.is_floating_point:
+            value = _float_bits(draw, dtype, n)
+        elif dtype == torch.bool:
+            value = torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+        else:
+            info = torch.iinfo(dtype)
+            ints = st.integers(info.min, info.max)
+            value = torch.tensor(draw(st.lists(ints, min_size=n, max_size=n)), dtype=dtype)
+        if draw(st.booleans()) and values:
+            value = values[-1].clone()  # a repeat: change detection drops it
+        values.append(value)
+    return values
+
+
+def _emit_all(values: list[torch.Tensor], staging: str, delay: float, seed: int) -> Any:
+    model = _Emitter()
+    with (
+        simgpu.copy_delay(delay, seed=seed),
+        ModelTracer(model, ["forward", "forward.value"], staging=staging) as tracer,
+    ):
+        for value in values:
+            with simgpu.LOG.paused():
+                value = simgpu.to_device(value) if staging == "async" else value
+            out = model(value)
+            # Written in place right after capture: the record must not see it.
+            out.bitwise_not_() if out.dtype == torch.bool else out.zero_()
+    return _records(tracer)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(values=_values(), seed=st.integers(0, 2**16), delay=st.sampled_from([0.0, 0.001, 0.004]))
+def test_staged_records_are_bit_identical_to_synchronous_copies(
+    values: list[torch.Tensor], seed: int, delay: float
+) -> None:
+    want = _emit_all(values, "sync", 0.0, 0)
+    got = _emit_all(values, "async", delay, seed)
+    _assert_same_records(got, want)
+
+
+# -- bounded memory in flight -----------------------------------------------------------------
+
+
+class _Wide(nn.Module):
+    """Records ``count`` values by hand per call, each the input plus its number."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.count = count
+
+    def forward(self, step: torch.Tensor) -> torch.Tensor:
+        for i in range(self.count):
+            vartrace.record(f"value{i}", step + i)
+        return step
+
+
+def _slow(seconds: float) -> Callable[[str, Trace], None]:
+    def post_gather(name: str, trace: Trace) -> None:
+        time.sleep(seconds)
+
+    return post_gather
+
+
+def _run_wide(steps: int, bound: int, on_full: str, *callbacks: Any) -> ModelTracer:
+    model = _Wide(count=8)
+    inflight: list[int] = []
+    with (
+        simgpu.copy_delay(0.001, seed=5),
+        warnings.catch_warnings(record=True),
+        ModelTracer(
+            model,
+            ["forward"],
+            post_gather_callbacks=[_slow(0.01), *callbacks],
+            max_inflight_bytes=bound,
+            on_full=on_full,
+            staging="async",
+        ) as tracer,
+    ):
+        for step in range(steps):
+            with simgpu.LOG.paused():
+                value = simgpu.to_device(torch.full((256,), float(step)))
+            model(value)
+            inflight.append(tracer._stager._inflight)
+    assert max(inflight) <= bound
+    assert tracer.staging_stats.max_inflight_bytes <= bound
+    return tracer
+
+
+def test_a_slow_writer_makes_the_step_wait_within_the_bound() -> None:
+    bound = 4 * 1024  # four records of 1 KiB
+    simgpu.LOG.clear()
+    tracer = _run_wide(steps=6, bound=bound, on_full="wait")
+    stats = tracer.staging_stats
+    assert stats.waits > 0 and stats.wait_seconds > 0 and stats.dropped == 0
+    assert [len(tracer.results[f"value{i}"]) for i in range(8)] == [6] * 8
+    assert simgpu.LOG.syncs() == []
+
+
+def test_the_first_wait_warns_once_with_the_figures() -> None:
+    with pytest.warns(RuntimeWarning, match="max_inflight_bytes=4096") as caught:
+        model = _Wide(count=8)
+        with ModelTracer(
+            model,
+            ["forward"],
+            post_gather_callbacks=[_slow(0.01)],
+            max_inflight_bytes=4096,
+            staging="async",
+        ):
+            for step in range(3):
+                model(simgpu.to_device(torch.full((256,), float(step))))
+    assert sum("waited" in str(w.message) for w in caught) == 1
+
+
+def test_dropped_records_are_counted_and_leave_markers(tmp_path: Path) -> None:
+    saver = H5PYSaverCallback(tmp_path / "run.h5", metadata=False)
+    tracer = _run_wide(6, 4 * 1024, "drop", saver)
+    saver.close()
+    stats = tracer.staging_stats
+    assert stats.dropped > 0 and stats.waits == 0
+    assert sum(stats.dropped_by_site.values()) == stats.dropped
+    with vartrace.open(tmp_path / "run.h5") as run:
+        markers = 0
+        for i in range(8):
+            site = run[f"value{i}"]
+            assert list(site.iterations) == sorted(site.iterations)
+            for iteration in site.iterations:
+                value = site.get(int(iteration))
+                if isinstance(value, Unstored):
+                    assert value.startswith("dropped:")
+                    markers += 1
+                else:
+                    assert torch.equal(value, torch.full((256,), float(iteration - 1)) + i)
+    # Consecutive drops of one site leave one marker: the value stays unknown until the next.
+    assert 0 < markers <= stats.dropped
+
+
+# -- @every, graph capture, failures ----------------------------------------------------------
+
+
+class _Stepper(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acc = x.clone()
+        acc.add_(1)  # in place, bumps the version: seen
+        acc.data.mul_(3)  # through .data, bumps nothing: not seen on an accelerator
+        acc = acc * 2  # rebound: seen
+        return acc
+
+
+def test_every_sees_rebinding_and_version_bumps_but_not_data_writes_on_a_device() -> None:
+    model = _Stepper()
+    with ModelTracer(model, ["forward.acc@every"], mode="any", staging="async") as tracer:
+        model(simgpu.to_device(torch.zeros(2)))
+    assert simgpu.LOG.syncs() == []
+    values = [v.tolist() for v in tracer.results["forward.acc"].values]
+    # 0 (cloned), 1 (add_), 6 (rebound): the .data write's 3 was never a candidate alone.
+    assert values == [[0.0, 0.0], [1.0, 1.0], [6.0, 6.0]]
+    with ModelTracer(model, ["forward.acc@every"], mode="any") as tracer:
+        model(torch.zeros(2))
+    cpu_values = [v.tolist() for v in tracer.results["forward.acc"].values]
+    assert cpu_values == [[0.0, 0.0], [1.0, 1.0], [3.0, 3.0], [6.0, 6.0]]  # CPU: compared
+
+
+def test_records_during_a_graph_capture_are_skipped_with_one_warning() -> None:
+    model = _gpt()
+    with ModelTracer(model, ["layers.*"], staging="async") as tracer:
+        tokens = simgpu.to_device(_batches(1)[0])
+        # Inside, every sync and every copy between host and device raises.
+        with pytest.warns(RuntimeWarning, match="captures a graph") as caught, simgpu.capturing():
+            model(tokens)
+            model(tokens)
+        model(tokens)
+    assert sum("captures a graph" in str(w.message) for w in caught) == 1
+    assert tracer.staging_stats.skipped_capturing == 8  # 2 calls x (2 blocks + 2 attn.max)
+    assert tracer.results["layers.0.forward"].iterations == [3]
+
+
+def test_a_failing_post_gather_callback_reaches_the_training_thread() -> None:
+    def broken(name: str, trace: Trace) -> None:
+        raise KeyError("disk on fire")
+
+    model = _gpt()
+    with (
+        pytest.raises(vartrace.CallbackError, match="broken") as caught,
+        ModelTracer(model, ["layers.*"], post_gather_callbacks=[broken]) as tracer,
+    ):
+        for _ in _train(tracer.model, steps=3):
+            pass
+    assert isinstance(caught.value.__cause__, KeyError)
+
+
+def test_results_wait_for_the_records_gathered_so_far() -> None:
+    with ModelTracer(_gpt(), ["layers.*"]) as tracer:
+        for step in _train(tracer.model, steps=3):
+            assert tracer.results["layers.1.forward"].iterations[-1] == step
+
+
+def test_under_warnings_as_errors_the_step_never_raises() -> None:
+    model = _Wide(count=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(
+            model,
+            ["forward"],
+            post_gather_callbacks=[_slow(0.01)],
+            max_inflight_bytes=4096,
+            staging="async",
+        ) as tracer:
+            for step in range(3):
+                model(simgpu.to_device(torch.full((256,), float(step))))
+    assert tracer.staging_stats.waits > 0
+    assert math.isclose(float(tracer.results["value0"].values[-1][0]), 2.0)
