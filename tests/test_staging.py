@@ -454,12 +454,14 @@ def test_a_failing_post_gather_callback_reaches_the_training_thread() -> None:
 
     model = _gpt()
     with (
+        warnings.catch_warnings(record=True) as noted,
         pytest.raises(vartrace.CallbackError, match="broken") as caught,
         ModelTracer(model, ["layers.*"], post_gather_callbacks=[broken]) as tracer,
     ):
         for _ in _train(tracer.model, steps=3):
             pass
     assert isinstance(caught.value.__cause__, KeyError)
+    assert [str(w.message) for w in noted] == []  # raised once, in the step: not again
 
 
 def test_results_wait_for_the_records_gathered_so_far() -> None:

@@ -287,6 +287,7 @@ class Stager:
         self._inflight = 0
         self._closing = False
         self._error: BaseException | None = None
+        self._raised_once = False
         self._streams: dict[torch.device, Any] = {}
         self._warned_wait = False
         self._warned_capture = False
@@ -352,10 +353,19 @@ class Stager:
                     self._cv.wait()
         self._raise()
 
-    def close(self) -> None:
-        """Drain, then end the staging thread."""
+    def close(self, last: Callable[[], None] | None = None) -> None:
+        """Run ``last`` (if given) as :meth:`call` would, drain, and end the staging thread.
+
+        Raises a failure of the thread unless it was raised before (by
+        :meth:`admit`, :meth:`call` or :meth:`drain`).
+        """
+        if last is not None and self._error is None:
+            self._put(_Job(last))
         try:
             self.drain()
+        except BaseException:
+            if not self._raised_once:
+                raise
         finally:
             with self._cv:
                 self._closing = True
@@ -365,6 +375,7 @@ class Stager:
 
     def _raise(self) -> None:
         if self._error is not None:
+            self._raised_once = True
             raise self._error
 
     def _put(self, item: _Item) -> None:

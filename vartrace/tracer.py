@@ -392,26 +392,28 @@ class ModelTracer:
         self._started = True
         self._rank = distributed.rank()
         world = distributed.world_size()
+        if self.staging == "async" and self.gather and world > 1:
+            # Gathers run on the stager's thread: never on the group the training
+            # thread's collectives (DDP's NCCL all-reduces) use, and never on a device.
+            self._group = distributed.new_host_group()
+        context = RunContext(self._rank, world, sharded=not self.gather and world > 1)
+        for callback in self._all_callbacks():
+            on_start = getattr(callback, "on_start", None)
+            if on_start is not None:
+                on_start(context)
         if self.staging == "async":
-            if self.gather and world > 1:
-                # Gathers run on the stager's thread: never on the group the training
-                # thread's collectives (DDP's NCCL all-reduces) use, and never on a device.
-                self._group = distributed.new_host_group()
             self._stager = Stager(
                 self._keep,
                 max_inflight_bytes=self.max_inflight_bytes,
                 on_full=self.on_full,
                 device=self.device,
             )
-        context = RunContext(self._rank, world, sharded=not self.gather and world > 1)
-        for callback in self._all_callbacks():
-            on_start = getattr(callback, "on_start", None)
-            if on_start is not None:
-                on_start(context)
         try:
             self._attach()
         except BaseException:
             self._detach()
+            if self._stager is not None:
+                self._stager.close()
             raise
         subscribe(self._record_manual)
         _forks.watch(self)
@@ -425,10 +427,10 @@ class ModelTracer:
         self._release()
         counter = self._iterations
         self._silence.report(counter.in_mode_calls > 0, counter.other_mode_calls, called)
-        if flush:
-            self._flush()
         if self._stager is not None:
-            self._stager.close()
+            self._stager.close(self._hand_over if flush else None)
+        elif flush:
+            self._flush()
         if flush:
             results = self._results
             for name in list(results):
