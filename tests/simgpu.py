@@ -49,19 +49,26 @@ pin_memory=True)`` and ``t.pin_memory()`` raise ``NotImplementedError`` (a ``Run
 from the PrivateUse1 hooks ("... implement `getPinnedMemoryAllocator` ..."), and ``is_pinned()``
 is False.  This is not faked: code under test must fall back to pageable host memory.
 
-Process-wide effects of the import: PrivateUse1 is renamed ``"simgpu"``, so
-``torch.accelerator.is_available()`` becomes True and ``torch.accelerator.current_accelerator()``
-is ``simgpu`` (code that picks "the accelerator" by itself, e.g. a ``DataLoader`` with
-``pin_memory=True``, would pick it).  CPU tensors are not affected.  Importing the module again
-under another name returns the first import's module.
+Process-wide effects of the import: PrivateUse1 is renamed ``"simgpu"`` (for good: torch cannot
+undo it), so ``torch.accelerator.current_accelerator()`` is ``simgpu`` and
+``torch.get_device_module()`` is ``torch.simgpu``.  To keep CPU-only tests in the same process
+on the CPU, :func:`is_available` answers False to torch's own device discovery
+(``torch.accelerator.is_available()``, ``torch._utils._get_available_device_type()``, which
+``nn.DataParallel`` and ``DataLoader(pin_memory=True)`` use) and True to everyone else.  CPU
+tensors and ``torch.manual_seed`` are not affected.  Importing the module again under another
+name returns the first import's module.
 
-Known limits of the wrapper: a device tensor cannot be resized (``resize_``, an ``out=`` tensor
-of the wrong size) nor have its strides changed in place (``transpose_``...): both raise;
-``tensor.data = other`` on a device tensor is not supported (it would not move the inner
-tensor); ``untyped_storage()``, ``data_ptr()`` (0), ``record_stream``, pickling, ``deepcopy`` and
-``torch.compile`` do not work on device tensors; ``torch.Generator(device="simgpu")`` does not
-exist.  Optimizers work in every mode tried (``foreach`` True or False, ``fused`` not: it has no
-kernel here).
+What works, and what does not: factories with ``device=DEVICE`` (window functions included);
+``tolist()``, ``f"{t:.3f}"``, ``copy.deepcopy``, pickling (not logged), ``t.data = other``;
+AdamW/Adam/SGD/RMSprop with ``foreach`` False or True equal to CPU; ``fused=True`` equal to
+``fused=True`` on CPU; ``capturable=True`` runs (CPU has no reference).  A device tensor cannot
+be resized (``resize_``, an ``out=`` tensor of the wrong size) nor have its strides changed in
+place (``t_``, ``transpose_``...): both raise ``NotImplementedError``.  ``untyped_storage()``
+and ``record_stream`` raise, ``data_ptr()`` is 0, ``torch.Generator(device="simgpu")``
+does not exist, ``torch.compile`` was not tried, and an op on a device tensor with torch's
+Python dispatch key excluded (torch internals only) fails an internal assert.
+``torch.autocast("simgpu")`` runs but casts nothing (no autocast rules for PrivateUse1 on a CPU
+build): use explicit dtypes.
 
 Example::
 
@@ -97,8 +104,10 @@ import torch
 from torch.utils._pytree import tree_map
 
 __all__ = [
+    "BACKEND",
     "DEVICE",
     "LOG",
+    "OUTSIDE",
     "Event",
     "SimTensor",
     "Stream",
@@ -336,6 +345,7 @@ _stream_ids = itertools.count()
 _delay_max = 0.003
 _delay_seed: int | None = 0
 _delay_rng = random.Random(0)
+_LINGER = 0.05  # seconds a stream's idle worker thread waits for more work before it exits
 
 
 def set_copy_delay(max_seconds: float, seed: int | None = 0) -> tuple[float, int | None]:
@@ -417,6 +427,7 @@ class Stream:
     def _enqueue(self, item: _Copy | _Wait) -> None:
         self._work.append(item)
         self._queued += 1
+        _cond.notify_all()
         if self._worker is None:
             self._worker = threading.Thread(
                 target=self._drain, name=f"simgpu-stream-{self.stream_id}", daemon=True
@@ -424,9 +435,10 @@ class Stream:
             self._worker.start()
 
     def _drain(self) -> None:
+        """The worker: perform the queue in order; exit once idle for :data:`_LINGER` s."""
         while True:
             with _cond:
-                if not self._work:
+                if not self._work and not _cond.wait_for(lambda: self._work, timeout=_LINGER):
                     self._worker = None
                     return
                 item = self._work[0]
@@ -658,6 +670,20 @@ class SimTensor(torch.Tensor):
     def tolist(self) -> Any:  # torch refuses subclasses; CUDA copies to the host first
         return self.cpu().tolist()
 
+    def __format__(self, format_spec: str) -> str:  # torch formats plain tensors only
+        if self.dim() == 0:
+            return self.item().__format__(format_spec)
+        return repr(self).__format__(format_spec)
+
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:  # torch moves the metadata, not ``elem``
+        torch._C.TensorBase.data.__set__(self, value)
+        self.elem = value.elem
+
     @classmethod
     def __torch_dispatch__(
         cls,
@@ -863,10 +889,8 @@ def _host_to_device(
         _forbid_in_capture("a copy between host and device")
     else:
         _sync("h2d aten._to_copy.default")
-    inner = aten._to_copy.default(src, dtype=dtype, layout=layout, memory_format=memory_format)
-    if inner is src:
-        inner = inner.clone()
-    return SimTensor(inner)
+    copied = aten._to_copy.default(src, dtype=dtype, layout=layout, memory_format=memory_format)
+    return SimTensor(copied)
 
 
 _RESIZING_FACTORIES = (
@@ -883,6 +907,19 @@ _RESIZING_FACTORIES = (
 
 
 # -- the device module -------------------------------------------------------------------------
+
+
+_DISCOVERY = ("torch._utils", "torch.accelerator")
+"""Torch's modules that pick "the available accelerator" by themselves (``DataParallel``...)."""
+
+
+def is_available() -> bool:
+    """True, except to torch's own device discovery (:data:`_DISCOVERY`).
+
+    ``torch.nn.DataParallel``, ``torch.accelerator.is_available()`` and the like would
+    otherwise move CPU-only tests in the same process onto the stand-in.
+    """
+    return sys._getframe(1).f_globals.get("__name__") not in _DISCOVERY
 
 
 class device:  # the torch.cuda.device spelling
@@ -910,15 +947,21 @@ def _module_functions() -> dict[str, Any]:
     def manual_seed(seed: int) -> None:
         cpu_rng.manual_seed(int(seed))
 
+    def seed() -> None:
+        cpu_rng.seed()
+
+    def set_device(device: Any) -> None:
+        _check_device(device)
+
     return {
-        "is_available": lambda: True,
+        "is_available": is_available,
         "is_initialized": lambda: True,
         "init": lambda: None,
         "_lazy_init": lambda: None,
         "_is_in_bad_fork": lambda: False,
         "device_count": lambda: 1,
         "current_device": lambda: 0,
-        "set_device": lambda device: _check_device(device) and None,
+        "set_device": set_device,
         "get_device_name": lambda device=None: "simgpu (a CPU stand-in)",
         "device": device,
         "Stream": Stream,
@@ -937,8 +980,8 @@ def _module_functions() -> dict[str, Any]:
         "set_rng_state_all": lambda states: cpu_rng.set_state(states[0]),
         "manual_seed": manual_seed,
         "manual_seed_all": manual_seed,
-        "seed": lambda: cpu_rng.seed() and None,
-        "seed_all": lambda: cpu_rng.seed() and None,
+        "seed": seed,
+        "seed_all": seed,
         "initial_seed": lambda: cpu_rng.initial_seed(),
     }
 
@@ -970,8 +1013,8 @@ def _fill_backend() -> tuple[torch.library.Library, torch.library.Library]:
     kernels.impl("_to_copy", _host_to_device, "PrivateUse1")
     for op in _factory_overloads():
         kernels.impl(op, _factory_kernel(op), "PrivateUse1")
-    # Autocast: let ops without an autocast rule through (torch registers no fallthrough for
-    # PrivateUse1's autocast key; the rules for matmul & co. are registered).
+    # ``torch.autocast("simgpu")``: torch registers neither rules nor a fallthrough for
+    # PrivateUse1's autocast key on a CPU build; let every op through, uncast.
     fallback.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
     return fallback, kernels
 
@@ -999,7 +1042,7 @@ def to_device_module(module: torch.nn.Module) -> torch.nn.Module:
     """Move ``module``'s parameters and buffers to :data:`DEVICE` in place; return it.
 
     Parameters stay the same Python objects (``torch.utils.swap_tensors``), so an optimizer
-    made afterwards, or before, sees them.  Not logged (set-up).
+    made before (with no state yet) or after sees them.  Not logged (set-up).
     """
     previous = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
