@@ -28,91 +28,40 @@ from torch.nn import functional as F
 
 import vartrace
 from tests import simgpu
+from tests._models import TinyTransformer, tokens
 from vartrace import H5PYSaverCallback, ModelTracer, Unstored
 from vartrace.trace import Trace
 
-VOCAB, SEQ, BATCH = 32, 6, 2
-
-
-class Attention(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
-        vartrace.record("attn.max", scores.amax())
-        attn = scores.softmax(dim=-1)
-        return self.proj((attn @ v).transpose(1, 2).reshape(b, t, d))
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = Attention(d, heads)
-        self.fc = nn.Linear(d, 2 * d)
-        self.out = nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        h = self.fc(self.ln2(x))
-        h = F.gelu(h)  # rebinds h: two values for @every
-        return x + self.out(h)
-
-
-class GPT(nn.Module):
-    def __init__(self, d: int = 16, heads: int = 2, blocks: int = 2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, d)
-        self.pos = nn.Parameter(torch.randn(SEQ, d) * 0.02, requires_grad=False)  # frozen
-        self.layers = nn.ModuleList(Block(d, heads) for _ in range(blocks))
-        self.head = nn.Linear(d, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens) + self.pos
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
-
-
 SCENARIOS: dict[str, list[str]] = {
-    "values": ["layers.*", "layers.*.attn.forward.scores", "pos", "head.weight", "forward"],
-    "grad": ["layers.*.attn.forward.scores@grad", "layers.*@grad", "head.weight@grad"],
-    "every": ["layers.*.forward.h@every"],
-    "record": ["head"],  # and every vartrace.record("attn.max", ...)
+    # embed.weight is frozen: staged every step, kept once.
+    "values": ["layers.*", "layers.*.attn._scores", "embed.weight", "head.weight", "forward"],
+    "grad": ["layers.*.attn._scores@grad", "layers.*@grad", "head.weight@grad"],
+    "every": ["forward.x@every"],  # x is rebound once per layer
+    "record": ["head"],  # and the loss, by vartrace.record
 }
 
 
-def _batches(n: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator) for _ in range(n)]
-
-
-def _train(
-    model: nn.Module, steps: int, device: torch.device | None = simgpu.DEVICE
-) -> Iterator[int]:
-    """Train ``model`` for ``steps`` steps, yielding after each one."""
+def _train(model: nn.Module, steps: int, on_device: bool = True) -> Iterator[int]:
+    """Train ``model`` for ``steps`` steps (recording the loss by hand), yielding after each."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
-    for step, tokens in enumerate(_batches(steps), 1):
+    for step in range(1, steps + 1):
+        batch = tokens(step)
         with simgpu.LOG.paused():
-            tokens = simgpu.to_device(tokens) if device == simgpu.DEVICE else tokens
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
+            batch = simgpu.to_device(batch) if on_device else batch
+        logits = model(batch).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.roll(-1, 1).flatten())
+        vartrace.record("loss", loss)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         yield step
 
 
-def _gpt(device: torch.device | None = simgpu.DEVICE) -> nn.Module:
+def _model(on_device: bool = True) -> nn.Module:
     torch.manual_seed(0)
-    model = GPT()
-    return simgpu.to_device_module(model) if device == simgpu.DEVICE else model
+    model = TinyTransformer()
+    model.embed.requires_grad_(False)
+    return simgpu.to_device_module(model) if on_device else model
 
 
 def _records(tracer: ModelTracer) -> dict[str, list[tuple[Any, int, int]]]:
@@ -125,8 +74,19 @@ def _records(tracer: ModelTracer) -> dict[str, list[tuple[Any, int, int]]]:
     }
 
 
-def _bits(value: torch.Tensor) -> bytes:
+def _bits(value: Any) -> Any:
+    """A tensor's exact bytes (-0.0 differs from 0.0, NaN payloads count); other values as is."""
+    if not isinstance(value, torch.Tensor):
+        return value
     return value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _host(value: Any) -> Any:
+    return value.cpu() if _is_tensor(value) else value
 
 
 def _assert_same_records(got: dict[str, list[Any]], want: dict[str, list[Any]]) -> None:
@@ -148,7 +108,7 @@ def _assert_same_records(got: dict[str, list[Any]], want: dict[str, list[Any]]) 
 def _sync_records(paths: list[str], steps: int, **options: Any) -> dict[str, list[Any]]:
     """Records of the synchronous path on the stand-in, which must have synced to get them."""
     simgpu.LOG.clear()
-    with ModelTracer(_gpt(), paths, staging="sync", **options) as tracer:
+    with ModelTracer(_model(), paths, staging="sync", **options) as tracer:
         for _ in _train(tracer.model, steps):
             pass
     assert simgpu.LOG.syncs(), "the synchronous path logged no sync: the log sees nothing"
@@ -160,7 +120,7 @@ def test_no_sync_in_the_step_and_records_equal_the_synchronous_path(scenario: st
     paths = SCENARIOS[scenario]
     want = _sync_records(paths, steps=3)
     simgpu.LOG.clear()
-    with simgpu.copy_delay(0.002, seed=3), ModelTracer(_gpt(), paths) as tracer:
+    with simgpu.copy_delay(0.002, seed=3), ModelTracer(_model(), paths) as tracer:
         assert tracer.staging == "async"  # "auto" on a model on an accelerator
         for _ in _train(tracer.model, steps=3):
             pass
@@ -172,11 +132,11 @@ def test_no_sync_in_the_step_and_records_equal_the_synchronous_path(scenario: st
 
 
 def test_unchanged_values_are_compared_on_the_host_copies() -> None:
-    """The frozen ``pos`` is staged every step, and only its first value is kept."""
-    with ModelTracer(_gpt(), ["pos"]) as tracer:
+    """The frozen embedding is staged every step, and only its first value is kept."""
+    with ModelTracer(_model(), ["embed.weight"]) as tracer:
         for _ in _train(tracer.model, steps=4):
             pass
-    assert tracer.results["pos"].iterations == [1]
+    assert tracer.results["embed.weight"].iterations == [1]
     assert tracer.staging_stats.unchanged == 3
 
 
@@ -193,7 +153,7 @@ def test_savers_write_off_the_training_thread(tmp_path: Path, background: bool) 
 
     with (
         simgpu.copy_delay(0.002, seed=4),
-        ModelTracer(_gpt(), paths, post_gather_callbacks=[note_thread, saver]) as tracer,
+        ModelTracer(_model(), paths, post_gather_callbacks=[note_thread, saver]) as tracer,
     ):
         for _ in _train(tracer.model, steps=3):
             pass
@@ -210,23 +170,24 @@ def test_savers_write_off_the_training_thread(tmp_path: Path, background: bool) 
 
 
 def test_records_on_the_device_stay_there_without_a_sync() -> None:
-    paths = ["layers.*", "pos"]
+    paths = ["layers.*", "embed.weight"]
     want = _sync_records(paths, steps=3)
     simgpu.LOG.clear()
-    with ModelTracer(_gpt(), paths, device=simgpu.DEVICE) as tracer:
+    with ModelTracer(_model(), paths, device=simgpu.DEVICE) as tracer:
         for _ in _train(tracer.model, steps=3):
             pass
     assert simgpu.LOG.syncs() == []
     got = _records(tracer)
-    assert all(value.device == simgpu.DEVICE for records in got.values() for value, _, _ in records)
+    on_device = [v.device == simgpu.DEVICE for r in got.values() for v, _, _ in r if _is_tensor(v)]
+    assert on_device and all(on_device)
     with simgpu.LOG.paused():
-        host = {n: [(v.cpu(), i, o) for v, i, o in records] for n, records in got.items()}
+        host = {n: [(_host(v), i, o) for v, i, o in records] for n, records in got.items()}
     _assert_same_records(host, want)
 
 
 def test_a_cpu_model_keeps_the_synchronous_path() -> None:
-    with ModelTracer(_gpt(device=None), ["layers.*"]) as tracer:
-        for _ in _train(tracer.model, steps=2, device=None):
+    with ModelTracer(_model(on_device=False), ["layers.*"]) as tracer:
+        for _ in _train(tracer.model, steps=2, on_device=False):
             pass
     assert tracer.staging == "sync" and tracer.staging_stats is None
     assert tracer.results["layers.0.forward"].iterations == [1, 2]
@@ -340,7 +301,6 @@ def _run_wide(steps: int, bound: int, on_full: str, *callbacks: Any) -> ModelTra
     inflight: list[int] = []
     with (
         simgpu.copy_delay(0.001, seed=5),
-        warnings.catch_warnings(record=True),
         ModelTracer(
             model,
             ["forward"],
@@ -360,29 +320,16 @@ def _run_wide(steps: int, bound: int, on_full: str, *callbacks: Any) -> ModelTra
     return tracer
 
 
-def test_a_slow_writer_makes_the_step_wait_within_the_bound() -> None:
-    bound = 4 * 1024  # four records of 1 KiB
+def test_a_slow_writer_makes_the_step_wait_within_the_bound_and_warns_once() -> None:
     simgpu.LOG.clear()
-    tracer = _run_wide(steps=6, bound=bound, on_full="wait")
+    with pytest.warns(RuntimeWarning, match="waited") as caught:
+        tracer = _run_wide(steps=6, bound=4 * 1024, on_full="wait")  # 4 records of 1 KiB
+    assert sum("waited" in str(w.message) for w in caught) == 1
+    assert "max_inflight_bytes=4096" in str(caught[0].message)
     stats = tracer.staging_stats
-    assert stats.waits > 0 and stats.wait_seconds > 0 and stats.dropped == 0
+    assert stats.waits > 1 and stats.wait_seconds > 0 and stats.dropped == 0
     assert [len(tracer.results[f"value{i}"]) for i in range(8)] == [6] * 8
     assert simgpu.LOG.syncs() == []
-
-
-def test_the_first_wait_warns_once_with_the_figures() -> None:
-    with pytest.warns(RuntimeWarning, match="max_inflight_bytes=4096") as caught:
-        model = _Wide(count=8)
-        with ModelTracer(
-            model,
-            ["forward"],
-            post_gather_callbacks=[_slow(0.01)],
-            max_inflight_bytes=4096,
-            staging="async",
-        ):
-            for step in range(3):
-                model(simgpu.to_device(torch.full((256,), float(step))))
-    assert sum("waited" in str(w.message) for w in caught) == 1
 
 
 def test_dropped_records_are_counted_and_leave_markers(tmp_path: Path) -> None:
@@ -435,16 +382,16 @@ def test_every_sees_rebinding_and_version_bumps_but_not_data_writes_on_a_device(
 
 
 def test_records_during_a_graph_capture_are_skipped_with_one_warning() -> None:
-    model = _gpt()
+    model = _model()
     with ModelTracer(model, ["layers.*"], staging="async") as tracer:
-        tokens = simgpu.to_device(_batches(1)[0])
+        batch = simgpu.to_device(tokens(0))
         # Inside, every sync and every copy between host and device raises.
         with pytest.warns(RuntimeWarning, match="captures a graph") as caught, simgpu.capturing():
-            model(tokens)
-            model(tokens)
-        model(tokens)
+            model(batch)
+            model(batch)
+        model(batch)
     assert sum("captures a graph" in str(w.message) for w in caught) == 1
-    assert tracer.staging_stats.skipped_capturing == 8  # 2 calls x (2 blocks + 2 attn.max)
+    assert tracer.staging_stats.skipped_capturing == 4  # 2 calls x 2 blocks
     assert tracer.results["layers.0.forward"].iterations == [3]
 
 
@@ -452,7 +399,7 @@ def test_a_failing_post_gather_callback_reaches_the_training_thread() -> None:
     def broken(name: str, trace: Trace) -> None:
         raise KeyError("disk on fire")
 
-    model = _gpt()
+    model = _model()
     with (
         warnings.catch_warnings(record=True) as noted,
         pytest.raises(vartrace.CallbackError, match="broken") as caught,
@@ -465,23 +412,14 @@ def test_a_failing_post_gather_callback_reaches_the_training_thread() -> None:
 
 
 def test_results_wait_for_the_records_gathered_so_far() -> None:
-    with ModelTracer(_gpt(), ["layers.*"]) as tracer:
+    with ModelTracer(_model(), ["layers.*"]) as tracer:
         for step in _train(tracer.model, steps=3):
             assert tracer.results["layers.1.forward"].iterations[-1] == step
 
 
 def test_under_warnings_as_errors_the_step_never_raises() -> None:
-    model = _Wide(count=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with ModelTracer(
-            model,
-            ["forward"],
-            post_gather_callbacks=[_slow(0.01)],
-            max_inflight_bytes=4096,
-            staging="async",
-        ) as tracer:
-            for step in range(3):
-                model(simgpu.to_device(torch.full((256,), float(step))))
+        tracer = _run_wide(steps=3, bound=4 * 1024, on_full="wait")
     assert tracer.staging_stats.waits > 0
     assert math.isclose(float(tracer.results["value0"].values[-1][0]), 2.0)

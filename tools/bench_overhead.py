@@ -10,6 +10,7 @@ Usage::
     python tools/bench_overhead.py --profile 2000   # cProfile of 2000 traced tiny steps
     python tools/bench_overhead.py --breakdown      # vartrace's cost above the floor, by layer
     python tools/bench_overhead.py --loop           # the same in a tight loop, for A/B tests
+    python tools/bench_overhead.py --instructions   # instructions per tiny step, under callgrind
 
 Contenders run round-robin (a block of steps each, many rounds) so that
 machine noise hits them alike; the table shows the median step time and
@@ -23,6 +24,14 @@ return events before) that clones the same variables of the same code
 objects and does nothing else.  The floor is what the mechanism itself
 costs; the column "extra per record" is vartrace's time above its floor,
 per record it keeps in a step.
+
+``--instructions`` counts instead of timing: each contender runs in its own
+process under ``valgrind --tool=callgrind`` (one torch thread,
+``PYTHONHASHSEED=0``) with instrumentation off through start-up and warm-up;
+the parent switches it on (``callgrind_control``) for the measured steps
+only, and reads the instructions executed (Ir) from callgrind's output.
+The counts do not depend on machine noise, so they show small changes to
+the record path that timings cannot.
 """
 
 from __future__ import annotations
@@ -30,12 +39,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import os
 import random
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
@@ -60,6 +74,9 @@ FLOOR_READS: dict[str, dict[str, tuple[str, ...] | None]] = {
 LOOP_PATHS = ["blocks.*.forward.h"]
 LOOP_CALLS = 8  # traced calls in one call of the loop model
 LOOP_STEP_CALLS = 20  # calls of the loop model in one timed step
+INSTRUCTION_STEPS = 12  # steps counted by --instructions (the floor empties its list every 12)
+# What an --instructions child runs under: instrumentation off until the parent turns it on.
+CALLGRIND = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
 
 
 def build_model(size: str, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -135,27 +152,33 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.2f} us"
 
 
+def _instructions(count: float) -> str:
+    return f"{count / 1e6:.3f} M instr"
+
+
 def table(
     title: str,
     rows: list[tuple[str, float]],
     base: float,
     extra: dict[str, str] | None = None,
     markdown: bool = False,
+    unit: Callable[[float], str] = _duration,
 ) -> str:
-    """Format ``(contender, seconds a step)`` rows with their ratio to ``base``.
+    """Format ``(contender, cost of a step)`` rows with their ratio to ``base``.
 
-    ``extra`` maps a contender to the text of a last column (blank for others).
+    The cost is in seconds, or what ``unit`` formats.  ``extra`` maps a
+    contender to the text of a last column (blank for others).
     """
     extra = extra or {}
     header = ["contender", "step", "ratio", *(["extra per record"] if extra else [])]
     cells = [
         [
             name,
-            _duration(seconds),
-            f"{seconds / base:.3f}x",
+            unit(cost),
+            f"{cost / base:.3f}x",
             *([extra.get(name, "")] if extra else []),
         ]
-        for name, seconds in rows
+        for name, cost in rows
     ]
     if markdown:
         lines = [f"**{title}**", "", "| " + " | ".join(header) + " |"]
@@ -171,6 +194,20 @@ def table(
         )
 
     return "\n".join([title, line(header), *(line(row) for row in cells)])
+
+
+def above_floors(
+    costs: dict[str, float], floors: dict[str, tuple[str, int]], scale: float, unit: str
+) -> dict[str, str]:
+    """The "extra per record" column: each contender's cost above its floor, per value read.
+
+    ``floors`` maps a contender to its floor contender and the number of values
+    both read per step; costs are multiplied by ``scale`` and shown in ``unit``.
+    """
+    return {
+        name: f"{(costs[name] - costs[floor]) / reads * scale:+.1f} {unit} ({reads}/step)"
+        for name, (floor, reads) in floors.items()
+    }
 
 
 def round_robin(
@@ -225,10 +262,7 @@ def step_table(
         step()
     summary = min if loop else statistics.median
     times = round_robin(contenders, step, rounds, block, summary)
-    extra = {
-        name: f"{(times[name] - times[floor]) / reads * 1e6:+.1f} us ({reads}/step)"
-        for name, (floor, reads) in (floors or {}).items()
-    }
+    extra = above_floors(times, floors or {}, 1e6, "us")
     what = (
         f"--loop: {LOOP_STEP_CALLS} calls of an {LOOP_CALLS}-block chain of tiny tensor ops, "
         "fastest step"
@@ -391,15 +425,28 @@ def bench_model(size: str, rounds: int, block: int, markdown: bool = False) -> s
     }
     floors: dict[str, tuple[str, int]] = {}
     for which, paths in (("traced", TRACED_PATHS), ("all locals", ALL_LOCALS_PATHS)):
-        floor_name, floor = bare_floor(model, which)
-        cloned: list[object] = []
-        with floor(cloned):
-            step()
-        contenders[floor_name] = lambda floor=floor: floor([])  # type: ignore[misc]
-        name = "vartrace: " + ", ".join(paths)
-        contenders[name] = lambda paths=paths: tracer(paths)  # type: ignore[misc]
-        floors[name] = (floor_name, len(cloned))
+        pair, floor = floor_and_vartrace(model, step, which, paths)
+        contenders.update(pair)
+        floors.update(floor)
     return step_table(size, contenders, step, rounds, block, floors, markdown)
+
+
+def floor_and_vartrace(
+    model: Any, step: Callable[[], None], which: str, paths: list[str]
+) -> tuple[dict[str, Context], dict[str, tuple[str, int]]]:
+    """The bare floor for ``FLOOR_READS[which]`` and vartrace on ``paths``, as contenders,
+    and vartrace's floor with the number of values both read per step (one floor step
+    counts them)."""
+    floor_name, floor = bare_floor(model, which)
+    cloned: list[object] = []
+    with floor(cloned):
+        step()
+    name = "vartrace: " + ", ".join(paths)
+    contenders: dict[str, Context] = {
+        floor_name: lambda: floor([]),
+        name: lambda: traced(model, paths),
+    }
+    return contenders, {name: (floor_name, len(cloned))}
 
 
 class _Workload:
@@ -741,6 +788,103 @@ def profile(size: str, steps: int, paths: list[str]) -> str:
     return f"--profile: {steps} {size} steps traced with {', '.join(paths)}\n{out.getvalue()}"
 
 
+def instruction_contenders(
+    size: str,
+) -> tuple[Callable[[], None], dict[str, Context], dict[str, tuple[str, int]]]:
+    """A fresh training step, the contenders of ``--instructions`` on it (the main rows
+    of the ``--size`` table: untraced, the bare floor and vartrace on :data:`TRACED_PATHS`)
+    and vartrace's floor."""
+    model, step = training_step(size)
+    pair, floors = floor_and_vartrace(model, step, "traced", TRACED_PATHS)
+    return step, {"untraced": contextlib.nullcontext, **pair}, floors
+
+
+def _handshake() -> None:
+    """Tell the parent that this child is at an edge of the measured steps; wait for it."""
+    print("ready", flush=True)
+    sys.stdin.readline()
+
+
+def instructions_child(size: str, name: str, steps: int) -> None:
+    """A contender's side of :func:`bench_instructions`, under callgrind: warm up, then
+    ``steps`` steps between two handshakes, at which the parent switches callgrind's
+    instrumentation on and off."""
+    import torch
+
+    torch.set_num_threads(1)
+    step, contenders, _ = instruction_contenders(size)
+    for _ in range(3):
+        step()
+    with contenders[name]():
+        step()
+        _handshake()
+        for _ in range(steps):
+            step()
+        _handshake()
+
+
+def count_instructions(size: str, name: str, steps: int, directory: Path) -> int:
+    """Instructions (callgrind's Ir) of ``steps`` steps under contender ``name``, counted
+    in a child process under callgrind that writes its output to ``directory``."""
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    script = str(Path(__file__).resolve())
+    command = [*CALLGRIND, f"--callgrind-out-file={directory}/callgrind.%p", sys.executable]
+    command += [script, "--size", size, "--_instructions-child", name, str(steps)]
+    with (
+        tempfile.TemporaryFile("w+") as log,
+        subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+        ) as child,
+    ):
+        assert child.stdin and child.stdout
+        for switch in ("on", "off"):
+            if child.stdout.readline() != "ready\n":
+                break
+            control = ["callgrind_control", f"--instr={switch}", str(child.pid)]
+            subprocess.run(control, check=True, capture_output=True)
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        if child.wait():
+            log.seek(0)
+            raise RuntimeError(f"{name}: the callgrind child failed\n{log.read()[-4000:]}")
+    # "totals:", not "summary:", which callgrind leaves at 0 when instrumentation starts off.
+    lines = (directory / f"callgrind.{child.pid}").read_text().splitlines()
+    return int(next(line.split()[1] for line in lines if line.startswith("totals:")))
+
+
+def bench_instructions(size: str, steps: int, markdown: bool = False) -> str:
+    """Instructions a training step of each :func:`instruction_contenders` contender executes.
+
+    Each contender runs in a process of its own under callgrind, instrumented
+    for its ``steps`` measured steps only (not start-up, warm-up or exit);
+    the processes run side by side, which changes no count.
+    """
+    if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
+        sys.exit("--instructions needs valgrind's callgrind and callgrind_control")
+    import torch
+
+    _, contenders, floors = instruction_contenders(size)
+    with tempfile.TemporaryDirectory() as directory, ThreadPoolExecutor(len(contenders)) as pool:
+        counts = pool.map(
+            lambda name: count_instructions(size, name, steps, Path(directory)) / steps,
+            contenders,
+        )
+        per_step = dict(zip(contenders, counts, strict=True))
+    title = (
+        f"--instructions --size {size}: full training step (forward + backward + SGD), "
+        f"instructions (callgrind Ir) per step over {steps} steps after warm-up; "
+        f"Python {sys.version.split()[0]}, torch {torch.__version__}, 1 thread"
+    )
+    extra = above_floors(per_step, floors, 1e-3, "k instr")
+    rows = list(per_step.items())
+    return table(title, rows, per_step["untraced"], extra, markdown, _instructions)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -759,9 +903,28 @@ def main() -> None:
     parser.add_argument(
         "--profile", type=int, default=0, metavar="STEPS", help="cProfile STEPS traced steps"
     )
+    parser.add_argument(
+        "--instructions",
+        type=int,
+        nargs="?",
+        const=INSTRUCTION_STEPS,
+        default=0,
+        metavar="STEPS",
+        help=f"count the instructions of STEPS steps under callgrind ({INSTRUCTION_STEPS})",
+    )
+    parser.add_argument(
+        "--_instructions-child", nargs=2, metavar=("CONTENDER", "STEPS"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.engine:
         print(bench_engine(args.rounds, args.block))
+        return
+    if args._instructions_child:
+        name, steps = args._instructions_child
+        instructions_child(args.size, name, int(steps))
+        return
+    if args.instructions:
+        print(bench_instructions(args.size, args.instructions, args.markdown))
         return
     if args.threads:
         import torch
