@@ -428,6 +428,10 @@ def bench_model(size: str, rounds: int, block: int, markdown: bool = False) -> s
         pair, floor = floor_and_vartrace(model, step, which, paths)
         contenders.update(pair)
         floors.update(floor)
+    # What asynchronous staging would cost a CPU model (staging="auto" keeps it synchronous).
+    contenders["vartrace, staging='async': " + ", ".join(TRACED_PATHS)] = lambda: traced(
+        model, TRACED_PATHS, staging="async"
+    )
     return step_table(size, contenders, step, rounds, block, floors, markdown)
 
 

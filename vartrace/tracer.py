@@ -622,30 +622,41 @@ class ModelTracer:
             stager.admit(site, value, iteration)
             return
         record = copy_leaf(value, self.device, site)
-        self._keep(site, record, iteration, record)
-
-    def _keep(self, site: str, record: Any, iteration: int, host: Any) -> None:
-        """Append ``record`` to the chunk unless ``host`` (its copy on the host, or the record
-        itself) equals the site's last one; with staging, on the stager's thread, in order."""
-        stager = self._stager
         if self.change_detection:
             last = self._last.get(site, _MISSING)
-            if last is not _MISSING and same(host, last):
-                if stager is not None:
-                    stager.stats.unchanged += 1
+            if last is not _MISSING and same(record, last):
                 return
-        if stager is not None:
-            stager.stats.kept += 1
-            if record is host:
-                record = host = stager.keep(record)
-        if self.change_detection:
-            self._last[site] = host
+            self._last[site] = record
         with self._lock:
             self._order += 1
             trace = self._chunk.get(site)
             if trace is None:
                 trace = self._chunk[site] = Trace()
             trace.append(record, iteration, self._rank, self._order)
+
+    def _keep(self, site: str, record: Any, iteration: int, host: Any) -> None:
+        """Append a staged ``record`` to the chunk unless ``host`` (its copy on the host)
+        equals the site's last one.
+
+        The stager's thread alone calls it, in capture order, and alone touches the
+        chunk, the order numbers and the last records while staging is on: no lock.
+        """
+        stats = self._stager.stats  # type: ignore[union-attr]
+        if self.change_detection:
+            last = self._last.get(site, _MISSING)
+            if last is not _MISSING and same(host, last):
+                stats.unchanged += 1
+                return
+        if record is host:  # out of the pinned buffer it arrived in
+            record = host = Stager.keep(record)
+        if self.change_detection:
+            self._last[site] = host
+        stats.kept += 1
+        self._order += 1
+        trace = self._chunk.get(site)
+        if trace is None:
+            trace = self._chunk[site] = Trace()
+        trace.append(record, iteration, self._rank, self._order)
 
     def _record_manual(self, name: str, value: Any) -> None:
         if self._iterations.records_manual():
