@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import os
 import random
@@ -821,6 +822,10 @@ def instructions_child(size: str, name: str, steps: int) -> None:
         step()
     with contenders[name]():
         step()
+        # The young generations empty and their counters at zero: the collections inside
+        # the counted steps then fall at the same points whatever ran before (an import
+        # more or less would otherwise move them, and their cost, in or out of the count).
+        gc.collect()
         _handshake()
         for _ in range(steps):
             step()
