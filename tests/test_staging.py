@@ -423,3 +423,70 @@ def test_under_warnings_as_errors_the_step_never_raises() -> None:
         tracer = _run_wide(steps=3, bound=4 * 1024, on_full="wait")
     assert tracer.staging_stats.waits > 0
     assert math.isclose(float(tracer.results["value0"].values[-1][0]), 2.0)
+
+
+def test_a_step_that_raises_keeps_its_exception_and_the_records_before_it() -> None:
+    model = _model()
+
+    def fail_at_step_2(module: nn.Module, args: Any) -> None:
+        if tracer.iteration == 2:
+            raise ValueError("step 2 failed")
+
+    model.head.register_forward_pre_hook(fail_at_step_2)
+    with (
+        pytest.raises(ValueError, match="step 2 failed"),
+        ModelTracer(model, ["layers.*"]) as tracer,
+    ):
+        for _ in _train(model, steps=3):
+            pass
+    # Step 2's blocks ran before its head raised: their records stay, as without staging.
+    assert tracer.results["layers.0.forward"].iterations == [1, 2]
+    assert not tracer._stager._thread.is_alive()
+
+
+def test_threads_admitting_at_once_within_a_small_bound_lose_nothing() -> None:
+    """Two threads run the model at once (as DataParallel's replicas do), each making its
+    own iterations; a bound of one record makes them wait for each other's records."""
+    model = _model()
+    with simgpu.LOG.paused():
+        batches = {
+            name: [simgpu.to_device(tokens(10 * i + j)) for j in range(4)]
+            for i, name in enumerate("ab")
+        }
+    with (
+        simgpu.copy_delay(0.02, seed=6),
+        warnings.catch_warnings(record=True),
+        ModelTracer(model, ["layers.0.attn._scores"], max_inflight_bytes=400) as tracer,
+    ):
+
+        def run(name: str) -> None:
+            for batch in batches[name]:
+                model(batch)
+
+        threads = [threading.Thread(target=run, args=(name,)) for name in batches]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert simgpu.LOG.syncs() == []
+    assert tracer.staging_stats.waits > 0
+    trace = tracer.results["layers.0.attn._scores"]
+    assert sorted(trace.iterations) == list(range(1, 9))
+    assert trace.order == sorted(trace.order)
+    with simgpu.LOG.paused(), torch.no_grad():
+        want = sorted(
+            _bits(model.layers[0].attn._scores(*_qk(model, batch)))
+            for runs in batches.values()
+            for batch in runs
+        )
+    assert sorted(_bits(value) for value in trace.values) == want
+
+
+def _qk(model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first block's queries and keys for ``batch``, as its attention computes them."""
+    layer = model.layers[0]
+    x = layer.norm(model.embed(batch))
+    b, t, d = x.shape
+    heads = layer.attn.heads
+    q, k, _ = layer.attn.qkv(x).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+    return q, k
