@@ -173,7 +173,10 @@ def test_records_on_the_device_stay_there_without_a_sync() -> None:
     paths = ["layers.*", "embed.weight"]
     want = _sync_records(paths, steps=3)
     simgpu.LOG.clear()
-    with ModelTracer(_model(), paths, device=simgpu.DEVICE) as tracer:
+    # "simgpu" is the current simgpu device, as "cuda" is the current CUDA device: an
+    # index left out would make every record differ from its device and be copied again.
+    with ModelTracer(_model(), paths, device="simgpu") as tracer:
+        assert tracer.device == simgpu.DEVICE
         for _ in _train(tracer.model, steps=3):
             pass
     assert simgpu.LOG.syncs() == []

@@ -247,9 +247,10 @@ def snapshot(value: Any) -> Any:
     counter are kept: comparing its contents would wait for the device at
     every line.  Such a value is a candidate whenever it is rebound or written
     in place by an operation that bumps its version; the record path's own
-    change detection then drops candidates equal to the last record.  Writes
-    that bump no version counter (through ``.data``, or by code outside
-    autograd's view) are seen only when the call returns.  Example::
+    change detection then drops candidates equal to the last record.  A write
+    that bumps no version counter (through ``.data``) makes no candidate: the
+    value it leaves is seen only once the name is rebound or written in place
+    again.  Example::
 
         old = snapshot(hidden)
         hidden.data.add_(1)

@@ -161,9 +161,10 @@ def _record_device(device: str | torch.device) -> torch.device:
             raise ValueError(f"device={str(device)!r}: only {count} CUDA device(s) are visible")
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError("device='mps': MPS is not available in this torch")
-    if device.type != "cpu" and device.index is None:
-        module = torch.get_device_module(device.type)
-        device = torch.device(device.type, module.current_device())
+    if device.type not in ("cpu", "meta") and device.index is None:
+        current = getattr(torch.get_device_module(device.type), "current_device", None)
+        if current is not None:
+            device = torch.device(device.type, current())
     return device
 
 
