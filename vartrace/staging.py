@@ -248,8 +248,8 @@ class Stager:
     """Admits records on any thread and delivers them, in order, on a thread of its own.
 
     Args:
-        deliver: ``deliver(site, record, iteration)``, called on the staging
-            thread with each record on the host, in admission order.
+        deliver: ``deliver(site, record, iteration, host)``, called on the
+            staging thread for each record, in admission order (see :data:`Deliver`).
         max_inflight_bytes: the most bytes of records between admission and
             delivery; a record larger than that alone is admitted when
             nothing else is in flight.
