@@ -100,7 +100,7 @@ def test_a_bad_compression_fails_in_the_constructor_and_leaves_no_file(tmp_path:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert "ERROR" in result.stdout, result.stderr
-    assert "pip install 'vartrace[compress]'" in result.stdout
+    assert "pip install 'torch-vartrace[compress]'" in result.stdout
     assert not path.exists()
 
 

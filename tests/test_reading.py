@@ -122,5 +122,5 @@ def test_reading_a_blosc_file_without_hdf5plugin_names_the_plugin(tmp_path: Path
     assert "['forward']" in result.stdout
     error = result.stdout.split("ERROR", 1)[1]
     assert "blosc" in error and "HDF5 filter 32001" in error
-    assert "pip install 'vartrace[compress]'" in error
+    assert "pip install 'torch-vartrace[compress]'" in error
     assert "can't open directory" not in error

@@ -1,6 +1,6 @@
 """Plots of runs: a statistic over iterations, and a two-run similarity heat map.
 
-matplotlib is an optional extra (``pip install 'vartrace[plot]'``); it is
+matplotlib is an optional extra (``pip install 'torch-vartrace[plot]'``); it is
 imported only when a plot is made.  The functions build a
 :class:`matplotlib.figure.Figure` without pyplot (no global state, no
 display needed), save it when ``path`` is given, and return it.
@@ -36,7 +36,7 @@ def _matplotlib() -> Any:
         import matplotlib
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError("vartrace plots need matplotlib: pip install 'vartrace[plot]'") from exc
+        raise ImportError("vartrace plots need matplotlib: pip install 'torch-vartrace[plot]'") from exc
     del matplotlib
     return Figure
 

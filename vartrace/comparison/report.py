@@ -181,7 +181,7 @@ class Comparison:
             import pandas as pd
         except ImportError as exc:
             raise ImportError(
-                "Comparison.to_frame() needs pandas: pip install 'vartrace[pandas]'"
+                "Comparison.to_frame() needs pandas: pip install 'torch-vartrace[pandas]'"
             ) from exc
         return pd.DataFrame(self._columns, columns=list(COLUMNS))
 

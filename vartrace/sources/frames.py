@@ -57,7 +57,7 @@ def results_frame(
     try:
         import pandas as pd
     except ImportError as exc:
-        raise ImportError("results_frame() needs pandas: pip install 'vartrace[pandas]'") from exc
+        raise ImportError("results_frame() needs pandas: pip install 'torch-vartrace[pandas]'") from exc
     results = getattr(results, "results", results)
     if callable(stat):
         name = getattr(stat, "__name__", "stat")

@@ -146,7 +146,7 @@ def _load_filters(dataset: h5py.Dataset) -> str | None:
     )
     return (
         f"its values are compressed with {names}, a filter this Python lacks: "
-        "install hdf5plugin (pip install 'vartrace[compress]') to read them"
+        "install hdf5plugin (pip install 'torch-vartrace[compress]') to read them"
     )
 
 

@@ -85,7 +85,7 @@ def _blosc(version: int, cname: str) -> dict[str, Any]:
         import hdf5plugin
     except ImportError as error:
         raise ImportError(
-            "compression='blosc*' needs hdf5plugin: pip install 'vartrace[compress]'"
+            "compression='blosc*' needs hdf5plugin: pip install 'torch-vartrace[compress]'"
         ) from error
 
     if version == 1:
@@ -141,7 +141,7 @@ def _probe(filters: dict[str, Any], compression: Any) -> None:
             f.create_dataset("probe", (1, 4), np.float32, chunks=(1, 4), **filters)
     except (ValueError, TypeError, OSError, KeyError) as error:
         plugin = isinstance(compression, int) and compression >= 256
-        hint = " (a plugin filter: pip install 'vartrace[compress]')" if plugin else ""
+        hint = " (a plugin filter: pip install 'torch-vartrace[compress]')" if plugin else ""
         raise ValueError(f"compression {compression!r} cannot be used{hint}: {error}") from None
 
 
