@@ -36,7 +36,8 @@ def _matplotlib() -> Any:
         import matplotlib
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError("vartrace plots need matplotlib: pip install 'torch-vartrace[plot]'") from exc
+        hint = "pip install 'torch-vartrace[plot]'"
+        raise ImportError(f"vartrace plots need matplotlib: {hint}") from exc
     del matplotlib
     return Figure
 

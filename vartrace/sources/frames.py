@@ -57,7 +57,8 @@ def results_frame(
     try:
         import pandas as pd
     except ImportError as exc:
-        raise ImportError("results_frame() needs pandas: pip install 'torch-vartrace[pandas]'") from exc
+        hint = "pip install 'torch-vartrace[pandas]'"
+        raise ImportError(f"results_frame() needs pandas: {hint}") from exc
     results = getattr(results, "results", results)
     if callable(stat):
         name = getattr(stat, "__name__", "stat")
