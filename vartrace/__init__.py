@@ -37,6 +37,8 @@ _LAZY = {
     "reduce_chunk": "vartrace.callbacks",
     "H5PYSaverCallback": "vartrace.storage.writer",
     "open": "vartrace.storage.reader:open_run",
+    "Run": "vartrace.storage.reader",
+    "Site": "vartrace.storage.reader",
     "compare": "vartrace.comparison",
     "Comparison": "vartrace.comparison",
 }
@@ -48,7 +50,9 @@ __all__ = [
     "H5PYSaverCallback",
     "ModelTracer",
     "Results",
+    "Run",
     "RunContext",
+    "Site",
     "Trace",
     "Unstored",
     "__version__",
@@ -67,6 +71,7 @@ if TYPE_CHECKING:
     from vartrace.comparison import Comparison, compare
     from vartrace.results import Results
     from vartrace.sites import list_sites, sites_of_type
+    from vartrace.storage.reader import Run, Site
     from vartrace.storage.reader import open_run as open
     from vartrace.storage.writer import H5PYSaverCallback
     from vartrace.tracer import CallbackError, ModelTracer
