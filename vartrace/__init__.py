@@ -41,6 +41,8 @@ _LAZY = {
     "Site": "vartrace.storage.reader",
     "compare": "vartrace.comparison",
     "Comparison": "vartrace.comparison",
+    "stats": "vartrace.stat_records",
+    "Statistics": "vartrace.stat_records",
 }
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "Run",
     "RunContext",
     "Site",
+    "Statistics",
     "Trace",
     "Unstored",
     "__version__",
@@ -64,6 +67,7 @@ __all__ = [
     "sites_of_type",
     "stack_padded_tensors",
     "stack_tensors",
+    "stats",
 ]
 
 if TYPE_CHECKING:
@@ -71,6 +75,7 @@ if TYPE_CHECKING:
     from vartrace.comparison import Comparison, compare
     from vartrace.results import Results
     from vartrace.sites import list_sites, sites_of_type
+    from vartrace.stat_records import Statistics, stats
     from vartrace.storage.reader import Run, Site
     from vartrace.storage.reader import open_run as open
     from vartrace.storage.writer import H5PYSaverCallback

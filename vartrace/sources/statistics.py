@@ -17,7 +17,9 @@ import numpy as np
 
 __all__ = [
     "BLOCK_BYTES",
+    "COUNTS",
     "STATS",
+    "SUMMARY_FIELDS",
     "reduce_block",
     "stat_function",
     "value_as_array",
@@ -32,22 +34,76 @@ def _magnitude(block: np.ndarray) -> np.ndarray:
     return np.abs(block) if block.dtype.kind == "c" else block
 
 
-def _rows_norm(block: np.ndarray) -> np.ndarray:
-    return np.sqrt(np.einsum("ij,ij->i", block, block))
+def _finite(block: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(finite mask, finite count per row, block with non-finite values set to 0)."""
+    finite = np.isfinite(block)
+    return finite, finite.sum(axis=1), np.where(finite, block, 0.0)
 
 
-#: Statistics a frame or plot can carry, by name (those of ``Run.to_frame``, plus ``var``);
-#: each reduces a (records, elements) float64 array (complex values by magnitude) to one
-#: float per record.  ``std`` and ``var`` are the population ones.
+def _none_finite(count: np.ndarray, values: np.ndarray) -> np.ndarray:
+    return np.where(count > 0, values, math.nan)
+
+
+def _mean(block: np.ndarray) -> np.ndarray:
+    _, count, zeroed = _finite(block)
+    return zeroed.sum(axis=1) / count
+
+
+def _var(block: np.ndarray) -> np.ndarray:
+    """Population variance over the finite values, two-pass (as the device reducer)."""
+    finite, count, zeroed = _finite(block)
+    centred = np.where(finite, block - (zeroed.sum(axis=1) / count)[:, None], 0.0)
+    return np.einsum("ij,ij->i", centred, centred) / count
+
+
+def _extreme(block: np.ndarray, fill: float, reduce: Callable[..., np.ndarray]) -> np.ndarray:
+    finite = np.isfinite(block)
+    return _none_finite(
+        finite.sum(axis=1), reduce(np.where(finite, block, fill), axis=1, initial=fill)
+    )
+
+
+def _absmax(block: np.ndarray) -> np.ndarray:
+    _, count, zeroed = _finite(block)
+    return _none_finite(count, np.abs(zeroed).max(axis=1, initial=0.0))
+
+
+def _norm(block: np.ndarray) -> np.ndarray:
+    _, _, zeroed = _finite(block)
+    return np.sqrt(np.einsum("ij,ij->i", zeroed, zeroed))
+
+
+def _counter(test: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], np.ndarray]:
+    return lambda block: test(block).sum(axis=1).astype(np.float64)
+
+
+#: Statistics a frame or plot can carry, by name; each reduces a (records, elements) float64
+#: array (complex values by magnitude) to one float per record.  One definition everywhere
+#: (``Run.to_frame``, ``vartrace show``/``plot``/``compare`` and the device reducer
+#: :func:`vartrace.stats`): ``mean``, ``std``, ``var`` (population), ``min``, ``max``,
+#: ``absmax`` and ``norm`` are taken over the *finite* values only (NaN when there is none;
+#: ``norm`` is then 0), and ``nan``, ``posinf``, ``neginf`` count the values left out;
+#: ``zeros`` counts exact zeros and ``count`` every element.
 STATS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "mean": lambda b: b.mean(axis=1),
-    "std": lambda b: b.std(axis=1),
-    "var": lambda b: b.var(axis=1),
-    "min": lambda b: b.min(axis=1),
-    "max": lambda b: b.max(axis=1),
-    "norm": _rows_norm,
-    "absmax": lambda b: np.abs(b).max(axis=1),
+    "count": lambda b: np.full(b.shape[0], float(b.shape[1])),
+    "mean": _mean,
+    "std": lambda b: np.sqrt(_var(b)),
+    "var": _var,
+    "min": lambda b: _extreme(b, math.inf, np.min),
+    "max": lambda b: _extreme(b, -math.inf, np.max),
+    "absmax": _absmax,
+    "norm": _norm,
+    "nan": _counter(np.isnan),
+    "posinf": _counter(lambda b: b == math.inf),
+    "neginf": _counter(lambda b: b == -math.inf),
+    "zeros": _counter(lambda b: b == 0),
 }
+
+#: The statistics that count values (whole numbers), stored as integers by statistics mode.
+COUNTS = ("count", "nan", "posinf", "neginf", "zeros")
+
+#: The fields of every statistics-mode record (:func:`vartrace.stats`), in stored order.
+SUMMARY_FIELDS = ("count", "mean", "std", "min", "max", "absmax", "norm", *COUNTS[1:])
 
 
 def stat_function(stat: str) -> Callable[[np.ndarray], np.ndarray]:
@@ -63,11 +119,14 @@ def stat_function(stat: str) -> Callable[[np.ndarray], np.ndarray]:
 
 
 def reduce_block(fn: Callable[[np.ndarray], Any], block: np.ndarray) -> np.ndarray:
-    """Apply a statistic to a (k, *shape) numeric block: float64, magnitudes for complex."""
+    """Apply a statistic to a (k, *shape) numeric block: float64, magnitudes for complex.
+
+    Example::
+
+        reduce_block(STATS["max"], np.array([[1.0, -np.inf, 3.0]]))   # array([3.])
+    """
     k = block.shape[0]
     flat = _magnitude(block.reshape(k, -1)).astype(np.float64, copy=False)
-    if flat.shape[1] == 0:
-        return np.full(k, math.nan)
     with np.errstate(all="ignore"):
         return np.asarray(fn(flat), dtype=np.float64).reshape(k)
 

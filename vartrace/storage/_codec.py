@@ -13,7 +13,9 @@ their raw bit pattern in an unsigned integer of the same width, with the
 torch dtype name alongside, and are viewed back bit-exactly.  Sparse, meta
 (shape and dtype only), quantized and nested tensors are stored in their
 ``torch.save`` form and read back with ``torch.load(weights_only=True)``,
-which rebuilds tensors only (no pickle is run).  Python ints outside int64
+which rebuilds tensors only (no pickle is run).  Statistics records (made by
+:func:`vartrace.stats`) are stored as one row of a compound dtype, a field per
+statistic.  Python ints outside int64
 are stored in hexadecimal, exact at any size.  torch is imported only when a
 tensor is met.
 """
@@ -32,6 +34,7 @@ from vartrace.record import Unstored
 __all__ = [
     "IN_OTHER",
     "KIND_NAMES",
+    "STATISTICS",
     "Kind",
     "Leaf",
     "PickleNotAllowedError",
@@ -62,6 +65,7 @@ class Kind:
     PICKLE = 12
     TENSOR_SAVED = 13  # a sparse, meta, quantized or nested tensor, in torch.save form
     UNSTORED = 14  # a value that could not be stored: the marker text says what and why
+    STATISTICS = 15  # a record of vartrace.stats(): one compound row, a field per statistic
 
 
 IN_OTHER = 0x80
@@ -83,8 +87,11 @@ KIND_NAMES = (
     "pickle",
     "tensor",
     "unstored",
+    "statistics",
 )
 _NUMERIC_KINDS = "biufc"
+#: The ``torch_dtype`` attribute (and ``Site.dtype``) of a site storing statistics records.
+STATISTICS = "statistics"
 _PY_SCALARS = {int: Kind.INT, float: Kind.FLOAT, bool: Kind.BOOL, complex: Kind.COMPLEX}
 _PY_TYPES = {Kind.INT: int, Kind.FLOAT: float, Kind.BOOL: bool, Kind.COMPLEX: complex}
 _INT64 = np.iinfo(np.int64)
@@ -113,7 +120,10 @@ class Leaf(NamedTuple):
 
     @property
     def key(self) -> str:
-        """What a numeric dataset must hold to store this record: dtype and rank."""
+        """What a numeric dataset must hold to store this record: dtype and rank
+        (for statistics, the field names)."""
+        if self.kind == Kind.STATISTICS:
+            return f"{STATISTICS}:{','.join(self.data.dtype.names)}/0"
         return f"{self.torch_dtype or self.data.dtype.str}/{self.data.ndim}"
 
 
@@ -179,7 +189,7 @@ def _encode_tensor(value: Any, float_dtype: Any, int_dtype: Any) -> Leaf:
         tensor = tensor.to(getattr(torch, int_dtype))
     name = str(tensor.dtype).removeprefix("torch.")
     if name in _NUMPY_OF_TORCH:
-        return Leaf(Kind.TENSOR, tensor.numpy())
+        return _statistics(tensor.numpy()) or Leaf(Kind.TENSOR, tensor.numpy())
     bits = 8 * tensor.element_size()
     signed = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[bits]
     raw = tensor.view(signed).numpy().view(f"u{bits // 8}")
@@ -242,8 +252,18 @@ def encode(value: Any, float_dtype: str | None = None, int_dtype: str | None = N
             return _pickled(value)
         if array.dtype.kind not in _NUMERIC_KINDS:
             return Leaf(kind, _npy(array))  # exact without pickle, kept out of numeric datasets
-        return Leaf(kind, _cast(array, float_dtype, int_dtype))
+        return _statistics(array) or Leaf(kind, _cast(array, float_dtype, int_dtype))
     return _pickled(value)
+
+
+def _statistics(array: np.ndarray) -> Leaf | None:
+    """The leaf of a statistics record (:func:`vartrace.stats`): a compound row, else ``None``."""
+    if array.dtype != np.float64 or array.ndim != 1:
+        return None
+    from vartrace.stat_records import to_compound
+
+    row = to_compound(array)
+    return None if row is None else Leaf(Kind.STATISTICS, row, STATISTICS)
 
 
 def to_blob(leaf: Leaf) -> bytes:
@@ -281,7 +301,7 @@ def from_blob(kind: int, blob: bytes, allow_pickle: bool, where: str) -> Any:
             )
         return pickle.loads(blob)
     torch_dtype = ""
-    if kind == Kind.TENSOR_RAW:
+    if kind in (Kind.TENSOR_RAW, Kind.STATISTICS):
         name, _, blob = blob.partition(b"\n")
         torch_dtype = name.decode()
     return from_array(kind, np.load(io.BytesIO(blob), allow_pickle=False), torch_dtype)
@@ -292,6 +312,10 @@ def from_array(kind: int, array: Any, torch_dtype: str = "") -> Any:
     array = np.asarray(array)
     if kind == Kind.NDARRAY:
         return array
+    if kind == Kind.STATISTICS:
+        from vartrace.stat_records import Statistics
+
+        return Statistics(array)
     if kind == Kind.NPSCALAR:
         return array[()]
     if kind in _PY_TYPES:

@@ -1,0 +1,194 @@
+"""Statistics mode (``vartrace.stats``): the numbers, the stand-in device, the file, the readers.
+
+The reference statistics are computed here on the host with numpy, in float64,
+from the exact upcast of each input, with boolean-mask indexing: a definition
+written independently of the reducer (which may use neither).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.nn import functional as F
+
+import vartrace
+from tests import simgpu
+from tests._models import TinyTransformer, tokens
+from vartrace.stat_records import Statistics, is_statistics
+
+FLOAT_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+INT_DTYPES = [torch.int64, torch.int32, torch.uint8, torch.bool]
+BINS = (-6, 6)
+QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)
+SAMPLE = 16
+
+
+@pytest.fixture(autouse=True)
+def _clean_log() -> Iterator[None]:
+    simgpu.synchronize()
+    simgpu.LOG.clear()
+    yield
+    simgpu.synchronize()
+    simgpu.LOG.clear()
+
+
+def reference(x: np.ndarray) -> dict[str, Any]:
+    """Every statistic of a float64 array, by the book (numpy, masks, float64)."""
+    x = x.reshape(-1)
+    finite = x[np.isfinite(x)]
+    has = finite.size > 0
+    out: dict[str, Any] = {
+        "count": x.size,
+        "mean": finite.mean() if has else math.nan,
+        "std": finite.std() if has else math.nan,
+        "min": finite.min() if has else math.nan,
+        "max": finite.max() if has else math.nan,
+        "absmax": np.abs(finite).max() if has else math.nan,
+        "norm": math.sqrt(float(np.sum(finite * finite))),
+        "nan": int(np.isnan(x).sum()),
+        "posinf": int((x == np.inf).sum()),
+        "neginf": int((x == -np.inf).sum()),
+        "zeros": int((x == 0).sum()),
+    }
+    nonzero = finite[finite != 0]
+    exponents = np.clip(np.floor(np.log2(np.abs(nonzero))), *BINS).astype(int)
+    for e in range(BINS[0], BINS[1] + 1):
+        sign = "<=" if e == BINS[0] else ">=" if e == BINS[1] else "="
+        out[f"log2|x|{sign}{e}"] = int((exponents == e).sum())
+    sample = x[:: max(1, -(-x.size // SAMPLE))]
+    sample = sample[np.isfinite(sample)]
+    for q in QUANTILES:
+        out[f"q{q:g}"] = float(np.quantile(sample, q)) if sample.size else math.nan
+    return out
+
+
+def assert_matches(got: Statistics, want: dict[str, Any]) -> None:
+    assert list(got) == list(want)
+    for name, expected in want.items():
+        value = got[name]
+        if isinstance(expected, int):
+            assert value == expected and isinstance(value, int), name
+        elif name in ("min", "max", "absmax"):
+            assert value == expected or (math.isnan(value) and math.isnan(expected)), name
+        else:
+            assert value == pytest.approx(expected, rel=1e-12, abs=1e-300, nan_ok=True), name
+
+
+SPECIAL = st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0])
+FINITE = st.floats(-1e4, 1e4, allow_nan=False) | st.floats(-1e-3, 1e-3, allow_nan=False)
+
+
+@st.composite
+def tensors(draw: st.DrawFn) -> torch.Tensor:
+    dtype = draw(st.sampled_from(FLOAT_DTYPES + INT_DTYPES))
+    size = draw(st.integers(0, 40))
+    if dtype.is_floating_point:
+        values = draw(st.lists(SPECIAL | FINITE, min_size=size, max_size=size))
+        return torch.tensor(values, dtype=torch.float64).to(dtype)
+    if dtype == torch.bool:
+        return torch.tensor(draw(st.lists(st.booleans(), min_size=size, max_size=size)))
+    low, high = (0, 255) if dtype == torch.uint8 else (-(2**31), 2**31 - 1)
+    values = draw(st.lists(st.integers(low, high), min_size=size, max_size=size))
+    return torch.tensor(values, dtype=dtype)
+
+
+REDUCER = vartrace.stats(histogram=BINS, quantiles=QUANTILES, sample=SAMPLE)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tensors(), st.booleans())
+def test_statistics_equal_a_float64_numpy_reference(tensor: torch.Tensor, on_device: bool) -> None:
+    want = reference(tensor.to(torch.float64).numpy())
+    value = simgpu.to_device(tensor) if on_device else tensor
+    simgpu.LOG.clear()
+    record = REDUCER("site", value, 1)
+    assert simgpu.LOG.syncs() == []
+    assert record.dtype == torch.float64 and record.device == value.device
+    host = simgpu.peek(record) if on_device else record
+    assert is_statistics(host)
+    assert_matches(Statistics.of(host), want)
+
+
+def test_other_values_pass_unchanged_and_sites_select() -> None:
+    reducer = vartrace.stats(sites=["*@grad"])
+    x = torch.ones(3)
+    assert reducer("layers.0.forward", x, 1) is x
+    assert is_statistics(reducer("layers.0.forward@grad", x, 1))
+    every = vartrace.stats()
+    assert every("n", 3, 1) == 3 and every("s", "text", 1) == "text"
+    assert is_statistics(every("a", np.arange(4.0), 1))
+    assert not is_statistics(torch.full((12,), math.nan, dtype=torch.float64))
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(ValueError, match="histogram"):
+        vartrace.stats(histogram=(3, -3))
+    with pytest.raises(ValueError, match="quantiles"):
+        vartrace.stats(quantiles=(1.5,))
+    with pytest.raises(ValueError, match="sample"):
+        vartrace.stats(sample=0)
+
+
+def test_autocast_does_not_change_the_numbers() -> None:
+    x = torch.randn(64)
+    plain = REDUCER("site", x, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = REDUCER("site", x, 1)
+    assert torch.equal(plain[1:], cast[1:])
+
+
+# -- the stand-in device: no sync on the training or autograd threads ---------------------------
+
+
+def _train(model: torch.nn.Module, steps: int) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(1, steps + 1):
+        with simgpu.LOG.paused():
+            batch = simgpu.to_device(tokens(step))
+        logits = model(batch).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.roll(-1, 1).flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_statistics_of_every_block_output_and_grad_without_a_sync(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    model = simgpu.to_device_module(TinyTransformer())
+    paths = ["layers.*", "layers.*@grad", "head", "head@grad", "**.weight@grad"]
+    path = tmp_path / "stats.h5"
+    simgpu.LOG.clear()
+    with (
+        vartrace.H5PYSaverCallback(path) as saver,
+        vartrace.ModelTracer(
+            model,
+            paths,
+            pre_save_callbacks=[vartrace.stats(histogram=True)],
+            post_gather_callbacks=[saver],
+        ) as tracer,
+    ):
+        assert tracer.staging == "async"
+        _train(model, steps=3)
+    assert simgpu.LOG.syncs() == []
+    with vartrace.open(path) as run:
+        grads = [name for name in run.names if name.endswith("@grad")]
+        assert "layers.1.forward@grad" in grads and "head.weight@grad" in grads
+        for name in run.names:
+            site = run[name]
+            assert site.dtype == "statistics", name
+            assert len(site) == 3 and site.values["count"].min() > 0, name
+            assert np.isfinite(site.values["absmax"]).all(), name

@@ -1,0 +1,455 @@
+"""Statistics mode: a few float64 numbers per record, computed where the tensor lives.
+
+:func:`stats` makes a pre-save reducer.  For each tensor (or numpy array) record it
+computes, on the tensor's own device and in float64, the statistics of
+:data:`~vartrace.sources.statistics.SUMMARY_FIELDS` (count, mean, std, min, max,
+absmax, L2 norm over the finite values; counts of NaN, +inf, -inf and exact
+zeros), optionally a histogram of the exponents ``floor(log2|x|)`` of the finite
+non-zero values and quantiles of a fixed strided sample.  The record becomes one
+small float64 tensor, so an accelerator's records leave the device
+asynchronously like any other (tens of bytes instead of the tensor), and the
+step never waits: no ``.item()``, no op whose output size depends on the data,
+autocast off.  Values of other types (ints, strings, None) pass unchanged.
+
+The record tensor describes itself: its first element is a NaN whose payload
+names the layout (:func:`is_statistics`), so in-memory results, gathers and the
+file writer all recognise it.  The file stores each statistics record as one
+row of a compound dataset whose fields are the statistic names
+(:func:`record_dtype`); reading it back (``Site.get``, ``Site.record``) gives a
+:class:`Statistics` mapping, and ``Site.values["absmax"]`` the column.
+
+Example::
+
+    import vartrace
+
+    with vartrace.H5PYSaverCallback("stats.h5") as saver, vartrace.ModelTracer(
+        model, ["**.forward", "**.forward@grad"],
+        pre_save_callbacks=[vartrace.stats(histogram=True)],
+        post_gather_callbacks=[saver], gathering_interval=50,
+    ):
+        train(model)
+
+    with vartrace.open("stats.h5") as run:
+        run["blocks.3.forward"].values["absmax"]     # one float per step
+        run.to_frame("absmax")
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import struct
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import nullcontext
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from vartrace.sources.statistics import COUNTS, STATS, SUMMARY_FIELDS
+
+__all__ = [
+    "Statistics",
+    "StatsReducer",
+    "is_statistics",
+    "layout_of",
+    "record_dtype",
+    "stats",
+]
+
+_TAG = 0x7FF8_A57A_0000_0000  # a quiet NaN whose payload says "vartrace statistics"
+_TAG_MASK = 0xFFFF_FFFF_0000_0000
+_BIAS = 1024  # exponent bounds are stored biased, in 11 bits each
+_MAX_QUANTILES = 511
+_DOUBLE = struct.Struct("<d")
+_UINT = struct.Struct("<Q")
+
+
+class Layout(NamedTuple):
+    """What a statistics record holds besides the summary fields.
+
+    ``bins``: ``(low, high)`` exponent bounds of the log2 histogram or ``None``;
+    ``quantiles``: the probabilities of the sampled quantiles.
+    """
+
+    bins: tuple[int, int] | None
+    quantiles: tuple[float, ...]
+
+    @property
+    def header(self) -> float:
+        """The record's first element: the NaN naming this layout."""
+        bits = _TAG | len(self.quantiles)
+        if self.bins is not None:
+            low, high = self.bins
+            bits |= 1 << 31 | (low + _BIAS) << 20 | (high + _BIAS) << 9
+        return float(_DOUBLE.unpack(_UINT.pack(bits))[0])
+
+    @property
+    def size(self) -> int:
+        """Elements of a record tensor: header, summary, bins, probabilities, quantiles."""
+        bins = 0 if self.bins is None else self.bins[1] - self.bins[0] + 1
+        return 1 + len(SUMMARY_FIELDS) + bins + 2 * len(self.quantiles)
+
+    @property
+    def bin_names(self) -> list[str]:
+        """Names of the histogram fields: ``log2|x|<=L``, ``log2|x|=e``..., ``log2|x|>=H``."""
+        if self.bins is None:
+            return []
+        low, high = self.bins
+        return [
+            f"log2|x|<={e}" if e == low else f"log2|x|>={e}" if e == high else f"log2|x|={e}"
+            for e in range(low, high + 1)
+        ]
+
+    @property
+    def fields(self) -> list[str]:
+        """The stored fields, in order: summary, histogram bins, ``q<p>`` quantiles."""
+        return [*SUMMARY_FIELDS, *self.bin_names, *(f"q{q:g}" for q in self.quantiles)]
+
+
+def _bits(value: float) -> int:
+    return int(_UINT.unpack(_DOUBLE.pack(value))[0])
+
+
+def layout_of(header: float) -> Layout | None:
+    """The layout named by a record's first element, or ``None`` when it names none."""
+    bits = _bits(header)
+    if bits & _TAG_MASK != _TAG:
+        return None
+    bins = None
+    if bits >> 31 & 1:
+        bins = ((bits >> 20 & 0x7FF) - _BIAS, (bits >> 9 & 0x7FF) - _BIAS)
+    return Layout(bins, (math.nan,) * (bits & 0x1FF))
+
+
+def _layout_of_record(values: np.ndarray) -> Layout | None:
+    """The full layout (probabilities read from the record) of a 1-D float64 record."""
+    if values.dtype != np.float64 or values.ndim != 1 or not len(values):
+        return None
+    layout = layout_of(float(values[0]))
+    if layout is None or layout.size != len(values):
+        return None
+    count = len(layout.quantiles)
+    start = len(values) - 2 * count
+    return layout._replace(quantiles=tuple(float(q) for q in values[start : start + count]))
+
+
+def is_statistics(value: Any) -> bool:
+    """Whether ``value`` is a statistics record made by :func:`stats` (a tensor or array).
+
+    Example::
+
+        is_statistics(vartrace.stats()("x", torch.ones(3), 1))   # True
+    """
+    array = _host_array(value)
+    return array is not None and _layout_of_record(array) is not None
+
+
+def _host_array(value: Any) -> np.ndarray | None:
+    if isinstance(value, np.ndarray):
+        return value
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.dtype != torch.float64 or value.ndim != 1 or not value.is_cpu:
+            return None
+        return value.detach().numpy()
+    return None
+
+
+def record_dtype(layout: Layout) -> np.dtype:
+    """The compound dtype a file stores a record of ``layout`` as: counts int64, else float64."""
+    counts = set(COUNTS) | set(layout.bin_names)
+    return np.dtype([(f, np.int64 if f in counts else np.float64) for f in layout.fields])
+
+
+def to_compound(values: np.ndarray) -> np.ndarray | None:
+    """A statistics record (1-D float64 array) as a 0-d compound array; ``None`` otherwise."""
+    layout = _layout_of_record(values)
+    if layout is None:
+        return None
+    count = len(layout.quantiles)
+    kept = np.concatenate([values[1 : len(values) - 2 * count], values[len(values) - count :]])
+    dtype = record_dtype(layout)
+    out = np.zeros((), dtype)
+    for name, number in zip(dtype.names or (), kept.tolist(), strict=True):
+        out[name] = number
+    return out
+
+
+class Statistics(Mapping[str, float]):
+    """One statistics record read back: a read-only mapping statistic name -> number.
+
+    Counts are ints, the rest floats.  :attr:`histogram` gives the log2
+    histogram as ``{exponent: count}`` (the first and last bins also hold
+    what lies beyond), :attr:`quantiles` ``{probability: value}``.
+
+    Example::
+
+        s = run["blocks.0.forward"].get(iteration=5)
+        s["absmax"], s["nan"], s.quantiles
+    """
+
+    __slots__ = ("_row",)
+
+    def __init__(self, row: Any) -> None:
+        self._row = np.asarray(row)
+
+    @classmethod
+    def of(cls, record: Any) -> Statistics:
+        """The statistics of an in-memory record (a tensor made by :func:`stats`)."""
+        array = _host_array(record)
+        compound = None if array is None else to_compound(array)
+        if compound is None:
+            raise ValueError(f"not a statistics record: {type(record).__name__}")
+        return cls(compound)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The compound dtype of the record (as the file stores it)."""
+        return self._row.dtype
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in (self._row.dtype.names or ()):
+            raise KeyError(name)
+        return self._row[name].item()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._row.dtype.names or ())
+
+    def __len__(self) -> int:
+        return len(self._row.dtype.names or ())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Statistics) or other.dtype != self.dtype:
+            return False
+        mine, theirs = self._row.tolist(), other._row.tolist()
+        return all(a == b or (a != a and b != b) for a, b in zip(mine, theirs, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def histogram(self) -> dict[int, int]:
+        """``{exponent: count}`` of ``floor(log2|x|)`` over finite non-zero values."""
+        out = {}
+        for name in self:
+            if name.startswith("log2|x|"):
+                out[int(name.rsplit("=", 1)[1])] = self[name]
+        return out
+
+    @property
+    def quantiles(self) -> dict[float, float]:
+        """``{probability: value}`` of the sampled quantiles."""
+        return {float(name[1:]): self[name] for name in self if name.startswith("q")}
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={self[name]:.6g}" for name in SUMMARY_FIELDS)
+        return f"Statistics({shown})"
+
+
+class StatsReducer:
+    """The pre-save callback made by :func:`stats` (see there)."""
+
+    def __init__(
+        self,
+        histogram: bool | tuple[int, int],
+        quantiles: Sequence[float],
+        sample: int,
+        sites: Sequence[str] | None,
+    ) -> None:
+        if histogram is True:
+            bins: tuple[int, int] | None = (-32, 32)
+        elif histogram is False or histogram is None:
+            bins = None
+        else:
+            low, high = (int(bound) for bound in histogram)
+            if not -_BIAS < low < high < _BIAS:
+                raise ValueError(
+                    f"histogram bounds must satisfy -1024 < low < high < 1024, got {histogram!r}"
+                )
+            bins = (low, high)
+        probabilities = tuple(float(q) for q in quantiles)
+        if len(probabilities) > _MAX_QUANTILES or not all(0 <= q <= 1 for q in probabilities):
+            raise ValueError(f"quantiles must be at most {_MAX_QUANTILES} numbers in [0, 1]")
+        if sample < 1:
+            raise ValueError(f"sample must be >= 1, got {sample}")
+        self.layout = Layout(bins, probabilities)
+        self.sample = sample
+        self.sites = None if sites is None else [sites] if isinstance(sites, str) else list(sites)
+        self._constants: dict[Any, tuple[Any, Any]] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"vartrace.stats(histogram={self.layout.bins}, quantiles={self.layout.quantiles}, "
+            f"sample={self.sample}, sites={self.sites})"
+        )
+
+    def __call__(self, name: str, value: Any, iteration: int) -> Any:
+        if self.sites is not None and not any(fnmatch.fnmatchcase(name, p) for p in self.sites):
+            return value
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(value, torch.Tensor):
+            if value.layout is not torch.strided or value.is_meta or value.is_quantized:
+                return value
+            if value.is_cpu:
+                return torch.from_numpy(self._host(_float64(value.detach()).numpy()))
+            return self._device(value.detach())
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
+            return self._host(np.abs(value) if value.dtype.kind == "c" else value)
+        return value
+
+    # -- the host definition: vartrace.sources.statistics ---------------------------------------
+
+    def _host(self, array: np.ndarray) -> np.ndarray:
+        row = array.reshape(1, -1).astype(np.float64, copy=False)
+        layout = self.layout
+        out = np.empty(layout.size)
+        out[0] = layout.header
+        with np.errstate(all="ignore"):
+            out[1 : 1 + len(SUMMARY_FIELDS)] = [STATS[f](row)[0] for f in SUMMARY_FIELDS]
+            at = 1 + len(SUMMARY_FIELDS)
+            if layout.bins is not None:
+                low, high = layout.bins
+                finite = np.isfinite(row[0]) & (row[0] != 0)
+                exponent = np.frexp(np.where(finite, row[0], 1.0))[1] - 1
+                index = np.clip(exponent, low, high) - low
+                counts = np.bincount(index[finite], minlength=high - low + 1)
+                out[at : at + len(counts)] = counts
+                at += len(counts)
+            if layout.quantiles:
+                count = len(layout.quantiles)
+                out[at : at + count] = layout.quantiles
+                sample = row[0][:: _step(row.size, self)]
+                ordered = np.sort(np.where(np.isfinite(sample), sample, np.inf))
+                finite = int(np.isfinite(sample).sum())
+                if finite:
+                    low, high, weight = _positions(finite, out[at : at + count])
+                    below, above = ordered[low.astype(int)], ordered[high.astype(int)]
+                    out[at + count :] = below + (above - below) * weight
+                else:
+                    out[at + count :] = math.nan
+        return out
+
+    # -- on the device: the same definitions in torch, without a sync ---------------------------
+
+    def _device(self, tensor: Any) -> Any:
+        import torch
+
+        device = tensor.device
+        header, probabilities = self._constant(device)
+        with torch.autocast(device.type, enabled=False) if _autocasts(device) else nullcontext():
+            x = _float64(tensor).reshape(-1)
+            if x.numel() == 0:  # known from the shape: a constant record
+                return torch.from_numpy(self._host(np.empty(0))).to(device, non_blocking=True)
+            finite = torch.isfinite(x)
+            count = finite.sum(dtype=torch.float64)
+            zeroed = torch.where(finite, x, 0.0)
+            mean = zeroed.sum() / count
+            centred = torch.where(finite, x - mean, 0.0)
+            has = count > 0
+            nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+            flags = torch.stack([torch.isnan(x), x == math.inf, x == -math.inf, x == 0])
+            summary = [
+                torch.full((), float(x.numel()), dtype=torch.float64, device=device),
+                mean,
+                torch.sqrt((centred * centred).sum() / count),
+                torch.where(has, torch.where(finite, x, math.inf).amin(), nan),
+                torch.where(has, torch.where(finite, x, -math.inf).amax(), nan),
+                torch.where(has, zeroed.abs().amax(), nan),
+                torch.sqrt((zeroed * zeroed).sum()),
+            ]
+            parts = [header, torch.stack(summary), flags.sum(dim=1, dtype=torch.float64)]
+            layout = self.layout
+            if layout.bins is not None:
+                low, high = layout.bins
+                nonzero = finite & (x != 0)
+                exponent = torch.frexp(torch.where(nonzero, x, 1.0)).exponent - 1
+                index = (exponent.clamp(low, high) - low).long()
+                bins = torch.zeros(high - low + 1, dtype=torch.float64, device=device)
+                parts.append(bins.scatter_add_(0, index, nonzero.to(torch.float64)))
+            if layout.quantiles:
+                sample = x[:: _step(x.numel(), self)]
+                kept = torch.isfinite(sample)
+                ordered = torch.sort(torch.where(kept, sample, math.inf)).values
+                finite = kept.sum()
+                low, high, weight = _positions(finite, probabilities)
+                below, above = ordered[low.long()], ordered[high.long()]
+                quantile = torch.where(finite > 0, below + (above - below) * weight, nan)
+                parts += [probabilities, quantile]
+            return torch.cat(parts)
+
+    def _constant(self, device: Any) -> tuple[Any, Any]:
+        """The header and the quantile probabilities on ``device``, copied there once."""
+        constants = self._constants.get(device)
+        if constants is None:
+            import torch
+
+            host = torch.tensor([self.layout.header, *self.layout.quantiles], dtype=torch.float64)
+            on_device = host.to(device, non_blocking=True)
+            constants = self._constants[device] = (on_device[:1], on_device[1:])
+        return constants
+
+
+def _positions(count: Any, probabilities: Any) -> tuple[Any, Any, Any]:
+    """Linear-interpolation quantiles of ``count`` sorted finite values (numpy or torch arrays):
+    the positions below and above each probability and the weight of the upper one."""
+    position = probabilities * (count - 1)
+    low = (position // 1).clip(0, None)
+    return low, (-(-position // 1)).clip(0, None), position - low
+
+
+def _step(size: int, reducer: StatsReducer) -> int:
+    """Stride of the quantile sample: at most ``reducer.sample`` values, evenly spread."""
+    return max(1, -(-size // reducer.sample))
+
+
+def _float64(tensor: Any) -> Any:
+    """A tensor as float64 (exact for every float and int dtype up to 2**53; complex: |x|)."""
+    import torch
+
+    if tensor.is_complex():
+        tensor = tensor.abs()
+    return tensor.to(torch.float64)
+
+
+def _autocasts(device: Any) -> bool:
+    import torch
+
+    try:
+        return bool(torch.is_autocast_enabled(device.type))
+    except RuntimeError:  # a device type autocast does not know: nothing to switch off
+        return False
+
+
+def stats(
+    *,
+    histogram: bool | tuple[int, int] = False,
+    quantiles: Sequence[float] = (),
+    sample: int = 4096,
+    sites: str | Sequence[str] | None = None,
+) -> StatsReducer:
+    """A pre-save reducer that turns each tensor record into its float64 statistics.
+
+    Per record, on the tensor's own device: ``count`` (elements), ``mean``,
+    ``std`` (population), ``min``, ``max``, ``absmax`` and ``norm`` (L2) over
+    the finite values, and the counts ``nan``, ``posinf``, ``neginf`` and
+    ``zeros``; non-finite values are counted, never poisoning the others.
+    bfloat16, float16 and float8 inputs are upcast exactly first; ints too.
+
+    Args:
+        histogram: ``True`` adds a histogram of ``floor(log2|x|)`` over the
+            finite non-zero values, one bin per exponent from -32 to 32 (the
+            end bins also count what lies beyond); ``(low, high)`` picks the
+            bounds (e.g. ``(-10, 9)`` for float8 e4m3).
+        quantiles: probabilities in [0, 1] whose quantiles (linear
+            interpolation, over finite values) are taken on a strided sample
+            of at most ``sample`` elements.
+        sites: glob patterns of the site names to reduce (``"**@grad"`` is
+            ``"*@grad"`` here: fnmatch over the whole name); the other sites'
+            records are kept whole.  Default: every site.
+
+    Example::
+
+        tracer = ModelTracer(model, ["**.forward", "**@grad"],
+                             pre_save_callbacks=[vartrace.stats(histogram=True)])
+    """
+    return StatsReducer(histogram, quantiles, sample, sites)
