@@ -39,7 +39,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from types import CodeType, FrameType
+from types import CodeType, FrameType, FunctionType
 from typing import Any
 
 __all__ = [
@@ -68,6 +68,38 @@ def _called_from(frame: FrameType, caller: FrameType) -> bool:
             return True
         back = back.f_back
     return False
+
+
+def _wraps(frame: FrameType, code: CodeType) -> bool:
+    """Whether ``frame`` is a decorator's wrapper around the function of ``code``.
+
+    A ``functools.wraps`` wrapper (transformers' ``create_causal_mask``)
+    holds the function it calls in its closure, itself or through the
+    ``__wrapped__`` chain of nested decorators.
+    """
+    if not frame.f_code.co_freevars:
+        return False
+    f_locals = frame.f_locals
+    for name in frame.f_code.co_freevars:
+        function = f_locals.get(name)
+        for _ in range(_MAX_DECORATOR_FRAMES):
+            if not isinstance(function, FunctionType):
+                break
+            if function.__code__ is code:
+                return True
+            function = vars(function).get("__wrapped__")
+    return False
+
+
+def _callee_caller(frame: FrameType) -> FrameType | None:
+    """The frame that called a callee's ``frame``, past the decorators wrapping the callee."""
+    code = frame.f_code
+    back = frame.f_back
+    for _ in range(_MAX_DECORATOR_FRAMES):
+        if back is None or not _wraps(back, code):
+            return back
+        back = back.f_back
+    return None
 
 
 def _identity(value: Any) -> tuple[int, Any]:
@@ -279,24 +311,30 @@ class _ChainedTracer:
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
         watch = self.watch
+        # This tracer, or a nested traced call's tracer that chains to this one.
+        front = sys.gettrace()
         local = None if self.previous is None else self.previous(frame, event, arg)
+        current = sys.gettrace()
+        if current is not front:
+            # The tool called above installed itself (coverage's C tracer does when a
+            # Python trace function calls it): chain to it, and put the front back.
+            # Only a change made during that call is adopted, so two tracers never
+            # adopt each other.
+            self.previous = current
+            sys.settrace(front)
         if self.target is None:
             if frame.f_code is watch.code and _called_from(frame, watch.caller):
                 self.target = frame
                 if not (watch.every or watch.callees):
-                    sys.settrace(self.previous)  # found: the body runs under the previous tool
+                    # Found: the body runs under the previous tool.  A nested tracer in
+                    # front sees the change and chains to that tool in this one's place.
+                    sys.settrace(self.previous)
                     return local
                 if watch.every:
                     self.previous_local = local
                     local = self.local_trace
-        elif frame.f_back is self.target and frame.f_code in watch.callees:
+        elif frame.f_code in watch.callees and _callee_caller(frame) is self.target:
             local = _CalleeTracer(watch, local).trace
-        current = sys.gettrace()
-        if current is not self:
-            # The tool called above installed itself (coverage's C tracer does when a
-            # Python trace function calls it): chain to it and stay in front.
-            self.previous = current
-            sys.settrace(self)
         return local
 
     def local_trace(self, frame: FrameType, event: str, arg: Any) -> Any:
@@ -424,8 +462,8 @@ class MonitoringCore(FrameCore):
             if back is None or back.f_code is code:
                 return None
             watch = pending.get(back)
-            if watch is not None:
-                return None if watch.done or watch.code is not code else watch
+            if watch is not None and not watch.done and watch.code is code:
+                return watch  # past other traced calls (a decorator running this one's code)
             back = back.f_back
         return None
 
@@ -440,7 +478,7 @@ class MonitoringCore(FrameCore):
         if watch is not None:
             watch.returned(frame)
             return
-        caller = frame.f_back
+        caller = _callee_caller(frame)
         watch = None if caller is None else self._find(caller)
         if watch is not None and code in watch.callees:
             watch.called(frame, retval)
@@ -452,7 +490,7 @@ class MonitoringCore(FrameCore):
             if watch.every:
                 watch.line(frame)
             return
-        caller = frame.f_back
+        caller = _callee_caller(frame)
         watch = None if caller is None else self._find(caller)
         if watch is not None and code in watch.callees:
             watch.callee_line(frame)
