@@ -51,6 +51,7 @@ from vartrace.sources.statistics import COUNTS, STATS, SUMMARY_FIELDS
 __all__ = [
     "Statistics",
     "StatsReducer",
+    "as_statistics",
     "is_statistics",
     "layout_of",
     "record_dtype",
@@ -145,6 +146,20 @@ def is_statistics(value: Any) -> bool:
     return array is not None and _layout_of_record(array) is not None
 
 
+def as_statistics(value: Any) -> Statistics | None:
+    """``value`` as a :class:`Statistics` (read back, or a record in memory), else ``None``.
+
+    Example::
+
+        as_statistics(run["blocks.0.forward"].get(3))["absmax"]
+    """
+    if isinstance(value, Statistics):
+        return value
+    array = _host_array(value)
+    compound = None if array is None else to_compound(array)
+    return None if compound is None else Statistics(compound)
+
+
 def _host_array(value: Any) -> np.ndarray | None:
     if isinstance(value, np.ndarray):
         return value
@@ -197,16 +212,31 @@ class Statistics(Mapping[str, float]):
     @classmethod
     def of(cls, record: Any) -> Statistics:
         """The statistics of an in-memory record (a tensor made by :func:`stats`)."""
-        array = _host_array(record)
-        compound = None if array is None else to_compound(array)
-        if compound is None:
+        statistics = as_statistics(record)
+        if statistics is None:
             raise ValueError(f"not a statistics record: {type(record).__name__}")
-        return cls(compound)
+        return statistics
+
+    def statistic(self, name: str) -> float:
+        """One statistic as a float: a stored field, ``var`` from ``std``, else NaN.
+
+        Example: ``s.statistic("var") == s["std"] ** 2``.
+        """
+        if name in (self._row.dtype.names or ()):
+            return float(self._row[name])
+        if name == "var":
+            return float(self._row["std"]) ** 2
+        return math.nan
 
     @property
     def dtype(self) -> np.dtype:
         """The compound dtype of the record (as the file stores it)."""
         return self._row.dtype
+
+    @property
+    def row(self) -> np.ndarray:
+        """The record as the file stores it: a 0-d array of the compound :attr:`dtype`."""
+        return self._row
 
     def __getitem__(self, name: str) -> Any:
         if name not in (self._row.dtype.names or ()):

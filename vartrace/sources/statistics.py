@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ __all__ = [
     "SUMMARY_FIELDS",
     "reduce_block",
     "stat_function",
+    "statistic_of",
     "value_as_array",
     "value_dtype_name",
 ]
@@ -141,6 +142,8 @@ def value_as_array(value: Any) -> np.ndarray | None:
 
         value_as_array(torch.ones(2, dtype=torch.bfloat16)).dtype   # float32
     """
+    if _statistics(value) is not None:
+        return None  # a statistics record is not an array of values: see statistic_of
     if isinstance(value, np.ndarray):
         return value if value.dtype.kind in "biufc" else None
     if isinstance(value, (bool, int, float, complex, np.generic)):
@@ -173,6 +176,8 @@ def value_dtype_name(value: Any) -> str:
 
         value_dtype_name(torch.zeros(1))   # "float32"
     """
+    if _statistics(value) is not None:
+        return "statistics"
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         return str(value.dtype).removeprefix("torch.")
@@ -183,3 +188,31 @@ def value_dtype_name(value: Any) -> str:
     if isinstance(value, (bool, int, float, complex, str, bytes)):
         return type(value).__name__
     return "pickle"
+
+
+def _statistics(value: Any) -> Any:
+    """``value`` as a :class:`vartrace.Statistics` when it is a statistics record, else ``None``."""
+    if not isinstance(value, (np.ndarray, Mapping)) and "torch" not in sys.modules:
+        return None
+    from vartrace.stat_records import as_statistics
+
+    return as_statistics(value)
+
+
+def statistic_of(value: Any, stat: str) -> float:
+    """One statistic (a :data:`STATS` name, or a field of a statistics record) of one record.
+
+    A statistics record (:func:`vartrace.stats`) gives its stored field, a numeric
+    value is reduced by :data:`STATS`, anything else gives NaN.
+
+    Example::
+
+        statistic_of(np.array([1.0, -np.inf]), "neginf")   # 1.0
+    """
+    statistics = _statistics(value)
+    if statistics is not None:
+        return statistics.statistic(stat)
+    array = value_as_array(value)
+    if array is None or stat not in STATS:
+        return math.nan
+    return float(reduce_block(STATS[stat], array[None])[0])

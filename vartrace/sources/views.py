@@ -20,6 +20,7 @@ from vartrace.sources.statistics import (
     BLOCK_BYTES,
     reduce_block,
     stat_function,
+    statistic_of,
     value_as_array,
     value_dtype_name,
 )
@@ -179,7 +180,7 @@ class FileSiteView(SiteView):
         self.order = _int_array(site.order)
         count = len(self.iterations)
         self._dtype = str(site.dtype)
-        values = site.values
+        values = site.raw_values  # listing needs no compression filter; reads check it
         kinds = np.asarray(site.kinds).astype(str)
         blocky = values is not None and _numeric_dtype_name(self._dtype)
         in_values = (
@@ -229,6 +230,8 @@ class FileSiteView(SiteView):
     def objects(self, rows: np.ndarray) -> list[Any]:
         from vartrace.storage.reader import PickleNotAllowedError
 
+        if self._dtype == STATISTICS and len(rows) > 1:
+            return self._statistics(rows)
         out: list[Any] = []
         for r in rows:
             try:
@@ -236,6 +239,19 @@ class FileSiteView(SiteView):
             except PickleNotAllowedError:
                 out.append(Unreadable("a pickled object (open the run with allow_pickle=True)"))
         return out
+
+    def _statistics(self, rows: np.ndarray) -> list[Any]:
+        """Records of a statistics site: its compound ``values`` read in one go."""
+        from vartrace.stat_records import Statistics
+
+        fits = np.asarray(self._site.in_values)
+        table = np.asarray(self._site.values[:]) if fits[rows].any() else None
+        return [
+            Statistics(table[r])
+            if table is not None and fits[r]
+            else self.objects(np.asarray([r]))[0]
+            for r in rows
+        ]
 
 
 def _decode_raw(block: np.ndarray, dtype: str) -> np.ndarray:
@@ -279,15 +295,26 @@ def numeric_groups(
     return {shape: np.asarray(sorted(g), dtype=np.int64) for shape, g in groups.items()}
 
 
+#: The dtype name of statistics records (:func:`vartrace.stats`) in :attr:`SiteView.dtypes`.
+STATISTICS = "statistics"
+
+
+def _field_name(name: str) -> bool:
+    """Whether ``name`` is a field only statistics records have (a quantile, a histogram bin)."""
+    return name.startswith(("q", "log2|x|"))
+
+
 def record_stats(
     view: SiteView, stats: str | Sequence[str] = "mean", *, progress: bool = False
 ) -> dict[str, np.ndarray]:
     """Statistics (:data:`STATS` names) of every record of a site, in one pass over the data.
 
     Returns name -> one float per record (NaN for non-numeric records).
-    Numeric records are read in large blocks (or viewed in place, see
-    :class:`FileMaps`) and reduced vectorised; ``progress`` shows a tqdm bar
-    on stderr when that takes more than a second.
+    Statistics records (:func:`vartrace.stats`) give their stored fields, which
+    include those only they have (``q0.5``, ``log2|x|=3``).  Numeric records are
+    read in large blocks (or viewed in place, see :class:`FileMaps`) and reduced
+    vectorised; ``progress`` shows a tqdm bar on stderr when that takes more
+    than a second.
 
     Example::
 
@@ -297,7 +324,7 @@ def record_stats(
     from tqdm.auto import tqdm
 
     names = [stats] if isinstance(stats, str) else list(stats)
-    reducers = {name: stat_function(name) for name in names}
+    reducers = {name: stat_function(name) for name in names if not _field_name(name)}
     out = {name: np.full(len(view.iterations), math.nan) for name in names}
 
     def reduce(rows: np.ndarray, block: np.ndarray) -> None:
@@ -320,9 +347,14 @@ def record_stats(
                     for position, array in pieces:
                         reduce(chunk[position : position + len(array)], array)
                 bar.update(len(chunk))
-    for row in range(len(view.iterations)):
-        if view.shapes[row] is None:
-            array = value_as_array(_readable(view.objects(np.asarray([row]))[0]))
-            if array is not None:
-                reduce(np.asarray([row]), array[None])
+    others = np.asarray([r for r, shape in enumerate(view.shapes) if shape is None], np.int64)
+    for row, value in zip(others, view.objects(others) if len(others) else [], strict=True):
+        value = _readable(value)
+        if view.dtypes[row] == STATISTICS:
+            for name in names:
+                out[name][row] = statistic_of(value, name)
+            continue
+        array = value_as_array(value)
+        if array is not None:
+            reduce(np.asarray([row]), array[None])
     return out

@@ -25,6 +25,9 @@ import difflib
 import errno
 import glob
 import os
+import re
+import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -33,6 +36,8 @@ from typing import Any
 import h5py
 import numpy as np
 
+from vartrace.sources.statistics import STATS, reduce_block
+from vartrace.stat_records import Statistics
 from vartrace.storage._codec import (
     IN_OTHER,
     KIND_NAMES,
@@ -41,34 +46,73 @@ from vartrace.storage._codec import (
     from_array,
     from_blob,
 )
-from vartrace.storage._layout import COMMITTED, FORMAT_ATTR, FORMAT_VERSION, TAGS, unescape
+from vartrace.storage._layout import (
+    COMMITTED,
+    FORMAT_ATTR,
+    FORMAT_VERSION,
+    RUN_ID_ATTR,
+    SHARD_ATTR,
+    SIGNATURE,
+    TAGS,
+    unescape,
+    writer_alive,
+)
 
 __all__ = ["STATS", "PickleNotAllowedError", "Run", "Site", "open_file", "open_run"]
 
 _READ_BLOCK = 64 << 20  # bytes read at once by to_frame
-
-
-def _mean(x: np.ndarray) -> Any:
-    return x.mean()
-
-
-STATS: dict[str, Callable[[np.ndarray], Any]] = {
-    "mean": _mean,
-    "std": lambda x: x.std(),
-    "var": lambda x: x.var(),
-    "min": lambda x: x.min(),
-    "max": lambda x: x.max(),
-    "norm": lambda x: float(np.sqrt(np.sum(np.abs(x) ** 2))),
-    "absmax": lambda x: np.abs(x).max(),
-}
-"""Named statistics of :meth:`Run.to_frame`, computed in float64 (``std`` and ``var`` are the
-population ones), the same names as ``vartrace plot --stat`` takes."""
+_OPEN_TRIES = 5  # opening a file a live writer is flushing: tries, this far apart
+_OPEN_PAUSE_S = 0.1
 
 
 def _missing(path: Path) -> FileNotFoundError:
     shards = sorted(glob.glob(glob.escape(str(path.with_name(path.stem))) + ".rank*" + path.suffix))
     hint = f"; shards of a sharded run exist: open {path.stem}.rank*{path.suffix}" if shards else ""
     return FileNotFoundError(errno.ENOENT, f"no such run file{hint}", str(path))
+
+
+def _has_signature(path: Path) -> bool:
+    """Whether an HDF5 superblock signature starts the file or a user block's end."""
+    size = path.stat().st_size
+    offsets = [0, *(512 << k for k in range(40) if (512 << k) < size)]
+    with open(path, "rb") as handle:
+        for offset in offsets:
+            handle.seek(offset)
+            if handle.read(len(SIGNATURE)) == SIGNATURE:
+                return True
+    return False
+
+
+def _open_hdf5(path: Path) -> h5py.File:
+    """``path`` opened read-only: plainly, else in SWMR mode (a running or killed writer's).
+
+    A running writer may be mid-flush, its file's end not yet written out: a
+    file with an HDF5 signature is retried a few times before it is called damaged.
+    """
+    try:
+        return h5py.File(path, "r")
+    except OSError as error:
+        plain = error
+    for attempt in range(_OPEN_TRIES):
+        if attempt:
+            time.sleep(_OPEN_PAUSE_S)
+        try:
+            return h5py.File(path, "r", swmr=True)
+        except OSError as error:
+            swmr = error
+        if not _has_signature(path):
+            break
+    if "already open for write" in str(plain):
+        raise OSError(
+            errno.EBUSY,
+            "a process holds the file open for writing outside SWMR mode, or was killed "
+            "then; once no process writes it, vartrace.storage.recover(path, force=True) "
+            f"makes it readable ({swmr})",
+            str(path),
+        ) from None
+    if _has_signature(path):
+        raise ValueError(f"{path} is a damaged HDF5 file: {plain}") from None
+    raise ValueError(f"{path} is not a vartrace file: not an HDF5 file ({plain})") from None
 
 
 def open_file(path: str | os.PathLike[str]) -> h5py.File:
@@ -81,21 +125,7 @@ def open_file(path: str | os.PathLike[str]) -> h5py.File:
     path = Path(path)
     if not path.exists():
         raise _missing(path)
-    try:
-        handle = h5py.File(path, "r")
-    except OSError as error:
-        if "already open for write" not in str(error):
-            raise ValueError(f"{path} is not a vartrace file: not an HDF5 file ({error})") from None
-        try:
-            handle = h5py.File(path, "r", swmr=True)
-        except OSError as swmr_error:
-            raise OSError(
-                errno.EBUSY,
-                "a process holds the file open for writing outside SWMR mode, or was killed "
-                "then; once no process writes it, vartrace.storage.recover(path, force=True) "
-                f"makes it readable ({swmr_error})",
-                str(path),
-            ) from None
+    handle = _open_hdf5(path)
     version = handle.attrs.get(FORMAT_ATTR)
     if version is None:
         handle.close()
@@ -109,17 +139,142 @@ def open_file(path: str | os.PathLike[str]) -> h5py.File:
     return handle
 
 
-def _read_tree(group: h5py.Group) -> dict[str, Any]:
+class RunFileError(ValueError):
+    """A run file that vartrace refuses to read, or one holding less than it declares.
+
+    Raised, naming the dataset or link, for data kept outside the file (external
+    storage, external links, virtual datasets mapping other files), for links and
+    structures vartrace never writes, and for reads that a dataset declares larger
+    than what the file holds of it (a damaged or crafted file): reading never
+    allocates more than :data:`FREE_READ_BYTES` or what the file holds.
+    """
+
+
+#: Reads up to this size are allowed whatever a dataset holds; larger ones only when the
+#: file holds that much of the dataset (a declared size costs a crafted file nothing).
+FREE_READ_BYTES = 64 << 20
+#: Most groups read under /meta (vartrace writes 4).
+_META_GROUPS = 64
+
+
+def _file_name(object_id: Any) -> str:
+    return os.fsdecode(h5py.h5f.get_name(object_id))
+
+
+def _check_link(group: h5py.Group, link: str) -> None:
+    """Refuse a link other than a hard link (vartrace writes no other kind): never follow it."""
+    info = group.id.links.get_info(link.encode())
+    if info.type == h5py.h5l.TYPE_HARD:
+        return
+    if info.type == h5py.h5l.TYPE_EXTERNAL:
+        target, inner = (os.fsdecode(part) for part in group.id.links.get_val(link.encode()))
+        what = f"an external link to {inner} in {target}"
+    elif info.type == h5py.h5l.TYPE_SOFT:
+        what = f"a soft link to {os.fsdecode(group.id.links.get_val(link.encode()))}"
+    else:
+        what = "a user-defined link"
+    raise RunFileError(
+        f"{_file_name(group.id)}: {group.name.rstrip('/')}/{link} is {what}; vartrace writes "
+        "no links and does not follow them"
+    )
+
+
+def _check_storage(dsid: h5py.h5d.DatasetID, name: str) -> None:
+    """Refuse a dataset whose data lies outside its file (external storage, virtual sources)."""
+    plist = dsid.get_create_plist()
+    outside = [os.fsdecode(plist.get_external(i)[0]) for i in range(plist.get_external_count())]
+    if plist.get_layout() == h5py.h5d.VIRTUAL:
+        count = plist.get_virtual_count()
+        names = {plist.get_virtual_filename(i) for i in range(count)}
+        outside += sorted(names - {"."})
+    if outside:
+        raise RunFileError(
+            f"{_file_name(dsid)}: dataset {name} keeps its data in another file ({outside[0]}); "
+            "vartrace reads only data stored inside the run file"
+        )
+
+
+def _child(group: h5py.Group, link: str, kind: type) -> Any:
+    """The object ``link`` of ``group`` (a hard link to a ``kind``), its data inside the file."""
+    _check_link(group, link)
+    item = group[link]
+    name = f"{group.name.rstrip('/')}/{link}"
+    if not isinstance(item, kind):
+        what = "group" if kind is h5py.Group else "dataset"
+        raise RunFileError(f"{_file_name(group.id)}: {name} is not a {what}: a damaged file")
+    if isinstance(item, h5py.Dataset):
+        _check_storage(item.id, name)
+    return item
+
+
+def _held_bytes(dsid: h5py.h5d.DatasetID) -> int:
+    """The bytes of a dataset's data the file really holds (unwritten chunks hold none)."""
+    plist = dsid.get_create_plist()
+    layout = plist.get_layout()
+    file_size = h5py.h5i.get_file_id(dsid).get_filesize()
+    if layout == h5py.h5d.COMPACT:
+        return dsid.get_space().get_select_npoints() * dsid.get_type().get_size()
+    if layout == h5py.h5d.CONTIGUOUS:
+        return min(dsid.get_storage_size(), file_size)
+    if layout == h5py.h5d.CHUNKED:
+        chunk = int(np.prod(plist.get_chunk(), dtype=object)) * dsid.get_type().get_size()
+        held = dsid.get_num_chunks() * chunk
+        return held if plist.get_nfilters() else min(held, file_size)
+    return 0
+
+
+def check_read(dataset: h5py.Dataset | h5py.h5d.DatasetID, elements: int) -> None:
+    """Raise :class:`RunFileError` before a read of ``elements`` that the file cannot back.
+
+    A read is allowed up to :data:`FREE_READ_BYTES`, beyond that only as far as
+    the file holds data of the dataset: a crafted file declaring gigabytes it
+    does not hold cannot make a reader allocate them.
+    """
+    dsid = dataset.id if isinstance(dataset, h5py.Dataset) else dataset
+    nbytes = elements * dsid.get_type().get_size()
+    if nbytes <= FREE_READ_BYTES:
+        return
+    held = _held_bytes(dsid)
+    if nbytes > held:
+        name = os.fsdecode(h5py.h5i.get_name(dsid) or b"?")
+        raise RunFileError(
+            f"{_file_name(dsid)}: dataset {name} declares {_size(nbytes)} to read but the file "
+            f"holds {_size(held)} of it: a damaged or crafted file"
+        )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes} bytes"
+
+
+def _read_tree(group: h5py.Group, seen: set[int] | None = None) -> dict[str, Any]:
+    """A /meta group as a nested dict, every read bounded and inside the file.
+
+    Each group is read once: a group linked twice (a loop) is refused.
+    """
+    seen = set() if seen is None else seen
+    if hash(group.id) in seen or len(seen) > _META_GROUPS:
+        raise RunFileError(
+            f"{_file_name(group.id)}: {group.name} is linked twice or nests too deep: a "
+            "crafted file"
+        )
+    seen.add(hash(group.id))
     tree: dict[str, Any] = {}
-    for link, item in group.items():
+    for link in group:
+        _check_link(group, link)
+        item = group[link]
         key = unescape(link)
         if isinstance(item, h5py.Group):
-            tree[key] = _read_tree(item)
-        elif h5py.check_string_dtype(item.dtype):
-            value = item.asstr()[()]
+            tree[key] = _read_tree(item, seen)
+            continue
+        _check_storage(item.id, item.name)
+        check_read(item, item.size)
+        if h5py.check_string_dtype(item.dtype):
+            value = item.asstr(errors="replace")[()]
             tree[key] = list(value) if item.ndim else value
         else:
-            tree[key] = item[()].item()
+            value = item[()]
+            tree[key] = value.tolist() if item.ndim else value.item()
     return tree
 
 
@@ -151,15 +306,27 @@ def _load_filters(dataset: h5py.Dataset) -> str | None:
 
 
 def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
-    """The first ``rows`` rows of the dataset ``name`` of ``group``.
+    """The first ``rows`` rows of the dataset ``name`` of ``group``; it must hold that many.
 
     Read through h5py's low-level calls: opening a site reads five such small
     datasets, and the high-level ones cost several times more than the read.
     """
-    dataset = h5py.h5d.open(group.id, name.encode())
+    _check_link(group, name)
+    dataset = h5py.h5o.open(group.id, name.encode())
+    where = f"{group.name}/{name}"
+    if not isinstance(dataset, h5py.h5d.DatasetID):
+        raise RunFileError(f"{_file_name(group.id)}: {where} is not a dataset: a damaged file")
+    _check_storage(dataset, where)
     space = dataset.get_space()
     dims = space.get_simple_extent_dims()
-    shape = (min(rows, dims[0]), *dims[1:])
+    if not dims or dims[0] < rows:
+        held = dims[0] if dims else 0
+        raise RunFileError(
+            f"{_file_name(group.id)}: {where} holds {held} records where /committed counts "
+            f"{rows}: a damaged file"
+        )
+    shape = (rows, *dims[1:])
+    check_read(dataset, int(np.prod(shape, dtype=object)))
     out = np.empty(shape, dataset.dtype)
     if not out.size:
         return out
@@ -176,9 +343,16 @@ class _Part:
 
     def __init__(self, group: h5py.Group, committed: np.ndarray) -> None:
         self.group = group
-        slot = int(group.attrs["slot"])
-        self.rows = int(committed[slot]) if slot < len(committed) else 0
-        self.values: h5py.Dataset | None = group.get("values")
+        slot = group.attrs.get("slot")
+        if not isinstance(slot, (int, np.integer)):
+            raise RunFileError(
+                f"{_file_name(group.id)}: {group.name} has no integer 'slot' attribute: a "
+                "damaged file"
+            )
+        self.rows = max(0, int(committed[slot])) if 0 <= slot < len(committed) else 0
+        self.values: h5py.Dataset | None = (
+            _child(group, "values", h5py.Dataset) if group.id.links.exists(b"values") else None
+        )
         self.unreadable = None if self.values is None else _load_filters(self.values)
         self.storage = "" if self.values is None else str(self.values.attrs["storage"])
         self.torch_dtype = (
@@ -216,14 +390,18 @@ class _Part:
         if kind == Kind.NONE:
             return None
         if code & IN_OTHER:
-            return from_blob(kind, self.group["other"][row].tobytes(), allow_pickle, where)
-        assert self.values is not None
+            other = _child(self.group, "other", h5py.Dataset)
+            return from_blob(kind, other[row].tobytes(), allow_pickle, where)
+        if self.values is None:
+            raise RunFileError(f"{where} has no values dataset: a damaged file")
         self.check(where)
         if self.storage == "str":
             return self.values.asstr()[row]
         if self.storage == "blob":
             return from_blob(kind, self.values[row].tobytes(), allow_pickle, where)
-        data = self.values[(row, *(slice(0, n) for n in self.shapes[row]))]
+        cut = tuple(slice(0, n) for n in self.shapes[row])
+        check_read(self.values, _elements(self.values.shape[1:], cut))
+        data = self.values[(row, *cut)]
         written = self.written_dtype
         if kind in (Kind.NDARRAY, Kind.NPSCALAR) and written is not None:
             data = np.asarray(data).astype(written, copy=False)
@@ -241,7 +419,9 @@ class _Part:
             record_bytes = self.values.dtype.itemsize * int(np.prod(self.values.shape[1:]))
             step = max(1, _READ_BLOCK // max(1, record_bytes))
             for begin in range(0, len(kinds), step):
-                block = self.values[begin : begin + step]
+                stop = min(begin + step, len(kinds))  # rows past the committed ones: unflushed
+                check_read(self.values, (stop - begin) * record_bytes // self.values.dtype.itemsize)
+                block = self.values[begin:stop]
                 numeric = block if callable(stat) else _decode_raw(block, self.torch_dtype)
                 for row in range(begin, begin + len(block)):
                     if kinds[row] & IN_OTHER or kinds[row] == Kind.NONE:
@@ -294,6 +474,14 @@ class ValuesView:
     def __getitem__(self, key: Any) -> np.ndarray:
         index, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
         rows = np.arange(len(self))[index]
+        nbytes = rows.size * int(np.prod(self.shape[1:], dtype=object)) * self.dtype.itemsize
+        if nbytes > FREE_READ_BYTES:
+            held = sum(_held_bytes(p.values.id) for p in self._parts if p.values is not None)
+            if nbytes > held:
+                raise RunFileError(
+                    f"{rows.size} records of shape {self.shape[1:]} declare {_size(nbytes)} "
+                    f"to read but the files hold {_size(held)} of them: a damaged or crafted file"
+                )
         out = np.zeros((rows.size, *self.shape[1:]), self.dtype)
         where = [self._where[record] for record in rows.reshape(-1)]
         parts = {part for part, _ in where}
@@ -361,10 +549,19 @@ class Site:
         numeric records are zero-padded to the largest shape (see :attr:`shapes`);
         :meth:`record` and :meth:`get` give each record exactly.
         """
-        if all(part.values is None for part in self._parts):
-            return None
         for part in self._parts:
             part.check(self.name)
+        return self.raw_values
+
+    @property
+    def raw_values(self) -> h5py.Dataset | ValuesView | None:
+        """:attr:`values` without checking that its compression filter is available.
+
+        Its shape, dtype and size read without the filter (``vartrace ls`` lists a
+        Blosc file without hdf5plugin); reading its data needs the filter.
+        """
+        if all(part.values is None for part in self._parts):
+            return None
         single = self._parts[0].values if len(self._parts) == 1 else None
         if single is not None and single.shape[0] == len(self):
             return single
@@ -464,6 +661,11 @@ class Site:
         return [self.record(int(r)) for r in rows[self.iterations[rows] == iteration]]
 
 
+def _elements(dims: tuple[int, ...], cut: tuple[slice, ...]) -> int:
+    """Elements of a record read with ``cut`` (slices from 0) of a record of ``dims``."""
+    return int(np.prod([min(c.stop, d) for c, d in zip(cut, dims, strict=False)], dtype=object))
+
+
 def _first_order(parts: list[_Part]) -> int:
     """The capture order of a site's first record (each file's records are in capture order)."""
     return min(int(_leading_rows(part.group, "order", 1)[0]) for part in parts)
@@ -471,6 +673,8 @@ def _first_order(parts: list[_Part]) -> int:
 
 def _numeric(value: Any) -> np.ndarray | None:
     """A numeric record as a numpy array (tensors of any dtype included), else ``None``."""
+    if isinstance(value, Statistics):
+        return value.row
     if hasattr(value, "detach"):  # a tensor
         import torch
 
@@ -479,7 +683,10 @@ def _numeric(value: Any) -> np.ndarray | None:
             return tensor.to(torch.complex128).numpy()
         return tensor.numpy() if tensor.dtype == torch.bool else tensor.double().numpy()
     if isinstance(value, (bool, int, float, complex)):
-        return np.asarray(value, complex if isinstance(value, complex) else float)
+        try:
+            return np.asarray(value, complex if isinstance(value, complex) else float)
+        except OverflowError:  # an int beyond float64: no float statistic of it
+            return None
     if isinstance(value, (np.ndarray, np.generic)) and np.asarray(value).dtype.kind in "biufc":
         return np.asarray(value)
     return None
@@ -488,18 +695,18 @@ def _numeric(value: Any) -> np.ndarray | None:
 def _apply(stat: str | Callable[[Any], Any], value: Any, numeric: np.ndarray | None) -> Any:
     if callable(stat):
         return stat(value)
-    if numeric is None or not numeric.size:
+    if numeric is not None and numeric.dtype.names:  # a statistics record: its own field
+        return Statistics(numeric).statistic(stat)
+    if numeric is None or stat not in STATS:
         return np.nan
-    numeric = numeric.astype(np.complex128 if numeric.dtype.kind == "c" else np.float64)
-    result = STATS[stat](numeric)
-    return complex(result) if np.iscomplexobj(result) else float(result)
+    return float(reduce_block(STATS[stat], numeric.reshape(1, -1))[0])
 
 
 def _decode_raw(block: np.ndarray, torch_dtype: str) -> np.ndarray:
     """Numbers of a block stored as the raw bits of ``torch_dtype`` (bfloat16, float8...)."""
     if torch_dtype == "bfloat16":
         block = (block.astype(np.uint32) << 16).view(np.float32)
-    elif torch_dtype:
+    elif torch_dtype and not block.dtype.names:  # (compound rows of statistics stay as they are)
         import torch
 
         raw = torch.from_numpy(np.ascontiguousarray(block).view(f"i{block.dtype.itemsize}"))
@@ -525,6 +732,61 @@ def _expand(path_or_glob: str | os.PathLike[str] | Sequence[str | os.PathLike[st
     return paths
 
 
+def _writer_alive(handle: h5py.File) -> bool:
+    """Whether the process that last opened ``handle``'s file for writing may still run."""
+    host, pid = handle.attrs.get("writer_host", ""), handle.attrs.get("writer_pid", 0)
+    if not isinstance(host, str) or not isinstance(pid, (int, np.integer)) or pid <= 0:
+        return False
+    return writer_alive(host, int(pid)) is not False
+
+
+def _shard(path: Path, handle: h5py.File) -> tuple[str, int, int | None]:
+    """(run id, rank, world size or None) of a shard; ``ValueError`` for a run of its own."""
+    shard = handle.attrs.get(SHARD_ATTR)
+    if shard is not None:
+        rank, world = (int(n) for n in np.asarray(shard).reshape(-1)[:2])
+        return str(handle.attrs.get(RUN_ID_ATTR, "")), rank, world
+    named = re.search(r"\.rank(\d+)$", path.stem)
+    if RUN_ID_ATTR in handle.attrs or named is None:  # older files: shards are named so
+        raise ValueError(
+            f"{path} holds a run of its own, not a shard of a sharded run: open it alone"
+        )
+    return "", int(named.group(1)), None
+
+
+def _check_shards(paths: list[Path], files: list[h5py.File]) -> list[int]:
+    """Refuse files that are not shards of one run; return the ranks missing from them."""
+    shards = [_shard(path, handle) for path, handle in zip(paths, files, strict=True)]
+    by_rank: dict[int, Path] = {}
+    for path, (_, rank, world) in zip(paths, shards, strict=True):
+        if rank in by_rank:
+            raise ValueError(
+                f"{by_rank[rank]} and {path} are both rank {rank}: shards of different runs"
+            )
+        if world is not None and not 0 <= rank < world:
+            raise ValueError(f"{path} says it is rank {rank} of {world}: a damaged file")
+        by_rank[rank] = path
+    first, (run_id, _, world) = paths[0], shards[0]
+    bases = {re.sub(r"\.rank\d+$", "", path.stem) + path.suffix for path in paths}
+    for path, (other_id, _, other_world) in zip(paths[1:], shards[1:], strict=True):
+        if ((run_id or other_id) and other_id != run_id) or (not run_id and len(bases) > 1):
+            raise ValueError(f"{first} and {path} are shards of different runs")
+        if other_world != world:
+            raise ValueError(
+                f"{first} and {path} are shards of runs of different world sizes "
+                f"({world} and {other_world})"
+            )
+    missing = [] if world is None else sorted(set(range(world)) - set(by_rank))
+    if missing:
+        warnings.warn(
+            f"vartrace: the shards of rank(s) {', '.join(map(str, missing))} of a "
+            f"{world}-rank run are missing: reading the other {len(paths)}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return missing
+
+
 class Run:
     """A run read from one file, or from the shards of a sharded run.
 
@@ -539,18 +801,32 @@ class Run:
         try:
             for path in paths:
                 self._files.append(open_file(path))
+            #: Ranks of a sharded run whose shard is not among the files opened.
+            self.missing_ranks = _check_shards(paths, self._files) if len(paths) > 1 else []
         except BaseException:
             self.close()
             raise
         self._sites: dict[str, Site] = {}
 
+    @property
+    def live(self) -> bool:
+        """Whether a writer still runs on one of the files (or that cannot be told).
+
+        Such a file is read in SWMR mode, as of the writer's last flush; reopen
+        the run to see the records it flushes later.
+        """
+        return any(handle.swmr_mode and _writer_alive(handle) for handle in self._files)
+
     @cached_property
     def _links(self) -> dict[str, list[_Part]]:
         links: dict[str, list[_Part]] = {}
         for handle in self._files:
-            committed = handle[COMMITTED][()]
-            for link, group in handle["vars"].items():
-                part = _Part(group, committed)
+            committed = _child(handle, COMMITTED, h5py.Dataset)
+            check_read(committed, committed.size)
+            counts = np.asarray(committed[()], np.int64).reshape(-1)
+            sites = _child(handle, "vars", h5py.Group)
+            for link in sites:
+                part = _Part(_child(sites, link, h5py.Group), counts)
                 if part.rows:  # a site a killed writer created but never flushed is left out
                     links.setdefault(unescape(link), []).append(part)
         return links
@@ -587,38 +863,59 @@ class Run:
     @cached_property
     def meta(self) -> dict[str, Any]:
         """The run metadata (of the first file for shards); empty if none was written."""
-        meta = self._files[0].get("meta")
-        return {} if meta is None else _read_tree(meta)
+        handle = self._files[0]
+        if not handle.id.links.exists(b"meta"):
+            return {}
+        return _read_tree(_child(handle, "meta", h5py.Group))
 
     def to_frame(
-        self, stat: str | Callable[[Any], Any] = "mean", names: Sequence[str] | None = None
+        self,
+        stat: str | Callable[[Any], Any] | Sequence[str] = "mean",
+        names: Sequence[str] | None = None,
     ) -> Any:
-        """A pandas DataFrame with one row per record and a statistic column.
+        """A pandas DataFrame with one row per record and a column per statistic.
 
         Columns: site, iteration, rank, order, shape, dtype and the statistic
-        (named after ``stat``).  ``stat`` is one of ``mean``, ``std``, ``var``, ``min``,
-        ``max``, ``norm``, ``absmax`` (float64; NaN for non-numeric records) or
-        a callable receiving each record's value as :meth:`Site.get` returns it.
+        (named after ``stat``).  ``stat`` is a name of
+        :data:`vartrace.sources.STATS` (``mean``, ``std``, ``var``, ``min``, ``max``,
+        ``absmax``, ``norm`` over the finite values; ``nan``, ``posinf``, ``neginf``,
+        ``zeros``, ``count``: float64, NaN for non-numeric records), a field of
+        statistics records (``q0.5``; records of :func:`vartrace.stats` give their
+        stored fields) or a callable receiving each record's value as
+        :meth:`Site.get` returns it; a list of names gives a column each
+        (``run.to_frame(["absmax", "nan"])``).
 
         Example: ``run.to_frame("absmax").groupby("site")["absmax"].max()``.
         """
-        import pandas as pd
+        try:
+            import pandas as pd
+        except ImportError as exc:
+            hint = "pip install 'torch-vartrace[pandas]'"
+            raise ImportError(f"Run.to_frame() needs pandas: {hint}") from exc
 
-        if not callable(stat) and stat not in STATS:
-            raise ValueError(
-                f"unknown statistic {stat!r}; use one of {sorted(STATS)} or a callable"
-            )
-        column = stat if isinstance(stat, str) else getattr(stat, "__name__", "stat")
-        column = "stat" if column == "<lambda>" else column
+        wanted = [stat] if callable(stat) or isinstance(stat, str) else list(stat)
+        for one in wanted:
+            if not callable(one) and one not in STATS and not one.startswith(("q", "log2|x|")):
+                raise ValueError(
+                    f"unknown statistic {one!r}; use one of {sorted(STATS)}, a field of "
+                    "statistics records (q0.5, log2|x|=3...) or a callable"
+                )
+        named = [
+            one if isinstance(one, str) else getattr(one, "__name__", "stat") for one in wanted
+        ]
+        stat_columns = ["stat" if column == "<lambda>" else column for column in named]
         frames = []
         for name in self.names if names is None else names:
             site = self[name]
-            described = [part.describe(stat, self.allow_pickle, name) for part in site._parts]
-            stats, dtypes, shapes = (
-                zip(*(described[part][row] for part, row in site._where), strict=True)
-                if len(site)
-                else ((), (), ())
-            )
+            table: dict[str, Any] = {}
+            for one, column in zip(wanted, stat_columns, strict=True):
+                described = [part.describe(one, self.allow_pickle, name) for part in site._parts]
+                stats, dtypes, shapes = (
+                    zip(*(described[part][row] for part, row in site._where), strict=True)
+                    if len(site)
+                    else ((), (), ())
+                )
+                table[column] = stats
             frames.append(
                 pd.DataFrame(
                     {
@@ -628,11 +925,11 @@ class Run:
                         "order": site.order,
                         "shape": shapes,
                         "dtype": dtypes,
-                        column: stats,
+                        **table,
                     }
                 )
             )
-        columns = ["site", "iteration", "rank", "order", "shape", "dtype", column]
+        columns = ["site", "iteration", "rank", "order", "shape", "dtype", *stat_columns]
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
 
     def _describe(self) -> str:
