@@ -245,3 +245,69 @@ def test_an_interrupted_call_does_not_leave_later_calls_nested() -> None:
             with contextlib.suppress(KeyboardInterrupt):
                 model(torch.full((3,), float(step)))
     assert tracer.results["lin.forward.input"].iterations == [1, 2, 3, 4]
+
+
+class Chunked(nn.Module):
+    """Splits a large batch and calls itself on each chunk (a memory-saving forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, chunk: int = 2) -> torch.Tensor:
+        if x.shape[0] > chunk:
+            return torch.cat([self(part, chunk) for part in x.split(chunk)])
+        h = self.lin(x)
+        return h
+
+
+class Tree(nn.Module):
+    """A recursive tree model: each node calls the root on its children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.Linear(3, 3)
+
+    def forward(self, node: tuple[torch.Tensor, list[Any]]) -> torch.Tensor:
+        value, kids = node
+        h = self.cell(value)
+        for kid in kids:
+            h = h + self(kid)
+        return h
+
+
+def _tree(step: int) -> tuple[torch.Tensor, list[Any]]:
+    leaf = (torch.full((3,), float(step)), [])
+    return (torch.ones(3), [(torch.zeros(3), [leaf]), leaf])
+
+
+@pytest.mark.parametrize("model_class", [Chunked, Tree])
+def test_a_model_calling_itself_runs_one_iteration_per_outermost_call(
+    model_class: type[nn.Module],
+) -> None:
+    model = model_class()
+    site = "cell.forward" if model_class is Tree else "forward.h"
+    with ModelTracer(model, [site, "forward"], change_detection=False) as tracer:
+        for step in range(3):
+            model(_tree(step) if model_class is Tree else torch.randn(6, 3))
+        assert tracer.iteration == 3
+    calls = 4 if model_class is Tree else 3  # four nodes; three chunks
+    assert tracer.results[site].iterations == [1] * calls + [2] * calls + [3] * calls
+    # forward records every call, the nested ones and the outermost, which returns last
+    assert tracer.results["forward"].iterations == [1] * 4 + [2] * 4 + [3] * 4
+
+
+def _interrupt(module: nn.Module, args: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def test_a_call_interrupted_inside_a_self_call_does_not_nest_later_calls() -> None:
+    model = Chunked()
+    with ModelTracer(model, ["forward.h"], change_detection=False) as tracer:
+        model(torch.randn(4, 3))
+        handle = model.lin.register_forward_pre_hook(_interrupt)
+        with contextlib.suppress(KeyboardInterrupt):
+            model(torch.randn(4, 3))  # skips the always_call hooks of both open calls
+        handle.remove()
+        model(torch.randn(4, 3))
+    assert tracer.results["forward.h"].iterations == [1, 1, 3, 3]

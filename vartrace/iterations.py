@@ -16,7 +16,9 @@ iteration number chosen by the first rule that applies:
    a traced method, is one iteration.
 
 "Outermost" is per thread: two threads calling the model at once make two
-iterations, and each thread's records carry its own call's number.  A
+iterations, and each thread's records carry its own call's number.  A model
+that calls itself (a chunked forward, a recursive tree model) runs one
+iteration: its nested calls are not outermost.  A
 counted call whose ``model.training`` does not match the tracer's mode
 records nothing.
 
@@ -30,11 +32,31 @@ Example::
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from torch import nn
+
 __all__ = ["IterationCounter"]
+
+
+_CALL = nn.Module._wrapped_call_impl.__code__  # the frame of ``module(...)``
+
+
+def _running(module: nn.Module) -> bool:
+    """Whether a call of ``module`` is on this thread's stack besides the one starting now:
+    the model calls itself (a chunked forward, a recursive tree model)."""
+    calls = 0
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL and frame.f_locals.get("self") is module:
+            calls += 1
+            if calls == 2:
+                return True
+        frame = frame.f_back
+    return False
 
 
 class _ThreadState(threading.local):
@@ -47,7 +69,8 @@ class _ThreadState(threading.local):
         self.iteration = counter.latest
         self.recording = counter.latest_recording
         self.in_mode = True
-        self.open: set[int] = set()  # modules whose hooked call has not reported its end
+        # Modules whose hooked calls have not reported their end, with how many are open.
+        self.open: dict[int, int] = {}
 
 
 class IterationCounter:
@@ -140,7 +163,7 @@ class IterationCounter:
         :meth:`enter` (nor :meth:`exit`), as it can start no iteration."""
         return self._thread.depth > 0
 
-    def enter(self, *, root: bool, replay: bool = False, module: object = None) -> None:
+    def enter(self, *, root: bool, replay: bool = False, module: nn.Module | None = None) -> None:
         """A call of the root module (``root``), a counting submodule or a traced method begins.
 
         ``replay``: a forward recomputed during backward (activation
@@ -148,13 +171,15 @@ class IterationCounter:
         ``module``: the module whose forward hook will report the end; if its
         previous call never did (an exception that skips ``always_call``
         hooks: ``KeyboardInterrupt``, or any exception in compiled code),
-        this thread's depth is reset instead of staying stuck inside that call.
+        this thread's depth is reset instead of staying stuck inside that call
+        (unless that call is still running: the module calls itself).
         """
         state = self._thread
         if module is not None:
-            if id(module) in state.open:
-                self._reset(state)
-            state.open.add(id(module))
+            key = id(module)
+            if key in state.open and not _running(module):
+                self._reset(state)  # the call left open ended without saying so
+            state.open[key] = state.open.get(key, 0) + 1
         state.depth += 1
         if state.depth > 1 or replay:
             return
@@ -182,11 +207,16 @@ class IterationCounter:
         state.depth = 0
         state.open.clear()
 
-    def exit(self, failed: bool, module: object = None) -> None:
+    def exit(self, failed: bool, module: nn.Module | None = None) -> None:
         """The call that :meth:`enter` saw ends (``failed``: by an exception)."""
         state = self._thread
         if module is not None:
-            state.open.discard(id(module))
+            key = id(module)
+            left = state.open.get(key, 0) - 1
+            if left > 0:
+                state.open[key] = left
+            else:
+                state.open.pop(key, None)
         state.depth -= 1
         if state.depth or not state.counted:
             return
