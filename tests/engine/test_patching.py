@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import sys
 import threading
 from collections.abc import Iterator
@@ -511,3 +512,54 @@ def test_every_value_of_a_callee_variable(core: FrameCore) -> None:
         ("twice>_halve.value", 40),
         ("twice>_halve.half", 20),
     ]
+
+
+def _renamed_kwarg(old: str, new: str) -> Any:
+    """A decorator factory like transformers' ``deprecate_kwarg``: renames a keyword."""
+
+    def wrapper(func: Any) -> Any:
+        @functools.wraps(func)
+        def wrapped_func(*args: Any, **kwargs: Any) -> Any:
+            if old in kwargs:
+                kwargs[new] = kwargs.pop(old)
+            return func(*args, **kwargs)
+
+        return wrapped_func
+
+    return wrapper
+
+
+@_logged
+@_renamed_kwarg("past", "cache")
+def _masked(size: int, cache: int = 0) -> int:
+    mask = size * 10 + cache
+    return mask
+
+
+class MaskUser:
+    def forward(self, n: int) -> int:
+        first = _masked(n, past=1)
+        return first + _masked(n + 1)
+
+
+def test_function_behind_decorators_is_read(core: FrameCore) -> None:
+    """``functools.wraps`` wrappers (``create_causal_mask``) between the method and the
+    function: the function's own frame is read, once per call."""
+    info = methods_of(MaskUser)["forward"]
+    (callee,) = info.callees
+    assert callee.code is inspect.unwrap(_masked).__code__
+    selectors = []
+    for variable, when in (("mask", ""), ("cache", "@every")):
+        site = f"forward>_masked.{variable}"
+        pattern = parse(site + when)
+        states = pattern.step(pattern.step(pattern.start, "forward>_masked"), variable)
+        selectors.append(Selector(variable, site, pattern, states, callee=callee.code))
+    probe = Probe(calls=tuple(selectors))
+    user = MaskUser()
+    hook, rec = _attach(user, "forward", probe)
+    try:
+        assert user.forward(2) == 21 + 30
+        _masked(5)  # called from elsewhere: not the traced method's call
+    finally:
+        detach(user, "forward", hook)
+    assert rec.sites() == {"forward>_masked.cache": [1, 0], "forward>_masked.mask": [21, 30]}
