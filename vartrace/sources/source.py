@@ -79,7 +79,7 @@ def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
         return Source(
             run.names, lambda n: FileSiteView(n, run[n], maps), os.fspath(source), run.close
         )
-    if hasattr(source, "names") and hasattr(source, "meta"):
+    if hasattr(type(source), "names") and hasattr(type(source), "meta"):  # reads neither
         paths = [os.fspath(p) for p in getattr(source, "paths", [])] or ["run"]
         label = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} shards)"
         maps = FileMaps()

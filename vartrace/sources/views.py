@@ -24,6 +24,7 @@ from vartrace.sources.statistics import (
     value_as_array,
     value_dtype_name,
 )
+from vartrace.storage._guard import check_read
 from vartrace.trace import Trace
 
 __all__ = [
@@ -62,7 +63,7 @@ class SiteView:
     def read(
         self, rows: np.ndarray, shape: tuple[int, ...], pool: BufferPool | None = None
     ) -> np.ndarray:
-        """Records ``rows`` (ascending, all of true shape ``shape``) as one array.
+        """Records ``rows`` (in any order, all of true shape ``shape``) as one array.
 
         With a ``pool``, the array may be one of its buffers: hand it back with
         ``pool.give(array)`` once done (arrays not from the pool are ignored there).
@@ -200,11 +201,16 @@ class FileSiteView(SiteView):
     def read(
         self, rows: np.ndarray, shape: tuple[int, ...], pool: BufferPool | None = None
     ) -> np.ndarray:
+        if len(rows) > 1 and bool(np.any(np.diff(rows) < 0)):
+            ascending = np.argsort(rows, kind="stable")
+            return self.read(rows[ascending], shape)[np.argsort(ascending)]
         start, stop = int(rows[0]), int(rows[-1]) + 1
         if stop - start > 2 * len(rows):
             return np.concatenate([self.read(np.asarray([r]), shape) for r in rows])
         values = self._site.values
         selection = (slice(start, stop), *(slice(0, d) for d in shape))
+        if isinstance(values, h5py.Dataset):
+            check_read(values, (stop - start) * math.prod(shape))
         direct = isinstance(values, h5py.Dataset) and values.dtype.name == self._dtype
         if pool is not None and direct and stop - start == len(rows):
             out = pool.take((len(rows), *shape), values.dtype)

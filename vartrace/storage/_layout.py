@@ -2,7 +2,10 @@
 
 ::
 
-    /                     attrs: vartrace_format, vartrace_version, writer_host, writer_pid
+    /                     attrs: vartrace_format, vartrace_version, writer_host, writer_pid,
+                          run_id (one id per run: every shard of a sharded run holds the
+                          same when the ranks share a process group, "" when that is unknown),
+                          shard (int64 [rank, world size]: only in a shard of a sharded run)
     /committed            int64 (sites,): records of each site as of the last flush;
                           rows past it were not flushed and are ignored
     /meta/...             run metadata (written once per file)
@@ -25,20 +28,28 @@ clears them once the writer is known to be gone, as HDF5's ``h5clear`` does.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
+import sys
+import uuid
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "COMMITTED",
     "FORMAT_ATTR",
     "FORMAT_VERSION",
     "LIBVER",
+    "RUN_ID_ATTR",
+    "SHARD_ATTR",
+    "SIGNATURE",
     "TAGS",
     "clear_write_flags",
     "escape",
     "has_write_flags",
+    "run_attrs",
     "shard_path",
     "unescape",
     "writer_alive",
@@ -83,6 +94,41 @@ def shard_path(path: Path, rank: int) -> Path:
     """
     stem = re.sub(r"\.rank\d+$", "", path.stem)
     return path.with_name(f"{stem}.rank{rank}{path.suffix}")
+
+
+RUN_ID_ATTR = "run_id"
+SHARD_ATTR = "shard"
+_RUN_KEYS = itertools.count()  # the n-th sharded file this process starts: the same on each rank
+
+
+def run_attrs(path: Path, rank: int, world_size: int, sharded: bool) -> dict[str, Any]:
+    """The root attributes naming the run a new file belongs to, and a shard's rank.
+
+    A single file gets a fresh id.  The shards of a sharded run share one: the
+    first rank to start writes it to the process group's key-value store
+    (``torch.distributed``), the others read it there, with no collective; ""
+    without a process group.  Example::
+
+        handle.attrs.update(run_attrs(path, rank=3, world_size=8, sharded=True))
+    """
+    if not sharded:
+        return {RUN_ID_ATTR: uuid.uuid4().hex}
+    stem = re.sub(r"\.rank\d+$", "", path.stem)
+    key = f"vartrace/run_id/{next(_RUN_KEYS)}/{stem}{path.suffix}"
+    return {RUN_ID_ATTR: _shared_id(key), SHARD_ATTR: [rank, world_size]}
+
+
+def _shared_id(key: str) -> str:
+    """An id every rank of the process group reads under ``key``; "" without a group."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return ""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        shared = store.compare_set(key, "", uuid.uuid4().hex)  # the first rank's id stays
+    except (AttributeError, RuntimeError, ValueError):
+        return ""
+    return bytes(shared).decode("ascii", "replace")
 
 
 def writer_alive(host: str, pid: int) -> bool | None:
@@ -143,14 +189,14 @@ def _lookup3(data: bytes) -> int:
     return c
 
 
-_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 def has_write_flags(path: Path) -> bool:
     """Whether the superblock says a writer has the file open (or was killed)."""
     with open(path, "rb") as handle:
         head = handle.read(12)
-    return head[:8] == _SIGNATURE and head[8] in (2, 3) and head[11] != 0
+    return head[:8] == SIGNATURE and head[8] in (2, 3) and head[11] != 0
 
 
 def clear_write_flags(path: Path) -> bool:
@@ -162,7 +208,7 @@ def clear_write_flags(path: Path) -> bool:
     """
     with open(path, "r+b") as handle:
         head = bytearray(handle.read(12))
-        if head[:8] != _SIGNATURE or head[8] not in (2, 3) or head[11] == 0:
+        if head[:8] != SIGNATURE or head[8] not in (2, 3) or head[11] == 0:
             return False
         offsets = head[9]
         body = head + handle.read(4 * offsets)

@@ -46,6 +46,17 @@ from vartrace.storage._codec import (
     from_array,
     from_blob,
 )
+from vartrace.storage._guard import (
+    FREE_READ_BYTES,
+    RunFileError,
+    check_link,
+    check_read,
+    check_storage,
+    child,
+    file_name,
+    held_bytes,
+    size_text,
+)
 from vartrace.storage._layout import (
     COMMITTED,
     FORMAT_ATTR,
@@ -58,7 +69,15 @@ from vartrace.storage._layout import (
     writer_alive,
 )
 
-__all__ = ["STATS", "PickleNotAllowedError", "Run", "Site", "open_file", "open_run"]
+__all__ = [
+    "STATS",
+    "PickleNotAllowedError",
+    "Run",
+    "RunFileError",
+    "Site",
+    "open_file",
+    "open_run",
+]
 
 _READ_BLOCK = 64 << 20  # bytes read at once by to_frame
 _OPEN_TRIES = 5  # opening a file a live writer is flushing: tries, this far apart
@@ -139,112 +158,8 @@ def open_file(path: str | os.PathLike[str]) -> h5py.File:
     return handle
 
 
-class RunFileError(ValueError):
-    """A run file that vartrace refuses to read, or one holding less than it declares.
-
-    Raised, naming the dataset or link, for data kept outside the file (external
-    storage, external links, virtual datasets mapping other files), for links and
-    structures vartrace never writes, and for reads that a dataset declares larger
-    than what the file holds of it (a damaged or crafted file): reading never
-    allocates more than :data:`FREE_READ_BYTES` or what the file holds.
-    """
-
-
-#: Reads up to this size are allowed whatever a dataset holds; larger ones only when the
-#: file holds that much of the dataset (a declared size costs a crafted file nothing).
-FREE_READ_BYTES = 64 << 20
 #: Most groups read under /meta (vartrace writes 4).
 _META_GROUPS = 64
-
-
-def _file_name(object_id: Any) -> str:
-    return os.fsdecode(h5py.h5f.get_name(object_id))
-
-
-def _check_link(group: h5py.Group, link: str) -> None:
-    """Refuse a link other than a hard link (vartrace writes no other kind): never follow it."""
-    info = group.id.links.get_info(link.encode())
-    if info.type == h5py.h5l.TYPE_HARD:
-        return
-    if info.type == h5py.h5l.TYPE_EXTERNAL:
-        target, inner = (os.fsdecode(part) for part in group.id.links.get_val(link.encode()))
-        what = f"an external link to {inner} in {target}"
-    elif info.type == h5py.h5l.TYPE_SOFT:
-        what = f"a soft link to {os.fsdecode(group.id.links.get_val(link.encode()))}"
-    else:
-        what = "a user-defined link"
-    raise RunFileError(
-        f"{_file_name(group.id)}: {group.name.rstrip('/')}/{link} is {what}; vartrace writes "
-        "no links and does not follow them"
-    )
-
-
-def _check_storage(dsid: h5py.h5d.DatasetID, name: str) -> None:
-    """Refuse a dataset whose data lies outside its file (external storage, virtual sources)."""
-    plist = dsid.get_create_plist()
-    outside = [os.fsdecode(plist.get_external(i)[0]) for i in range(plist.get_external_count())]
-    if plist.get_layout() == h5py.h5d.VIRTUAL:
-        count = plist.get_virtual_count()
-        names = {plist.get_virtual_filename(i) for i in range(count)}
-        outside += sorted(names - {"."})
-    if outside:
-        raise RunFileError(
-            f"{_file_name(dsid)}: dataset {name} keeps its data in another file ({outside[0]}); "
-            "vartrace reads only data stored inside the run file"
-        )
-
-
-def _child(group: h5py.Group, link: str, kind: type) -> Any:
-    """The object ``link`` of ``group`` (a hard link to a ``kind``), its data inside the file."""
-    _check_link(group, link)
-    item = group[link]
-    name = f"{group.name.rstrip('/')}/{link}"
-    if not isinstance(item, kind):
-        what = "group" if kind is h5py.Group else "dataset"
-        raise RunFileError(f"{_file_name(group.id)}: {name} is not a {what}: a damaged file")
-    if isinstance(item, h5py.Dataset):
-        _check_storage(item.id, name)
-    return item
-
-
-def _held_bytes(dsid: h5py.h5d.DatasetID) -> int:
-    """The bytes of a dataset's data the file really holds (unwritten chunks hold none)."""
-    plist = dsid.get_create_plist()
-    layout = plist.get_layout()
-    file_size = h5py.h5i.get_file_id(dsid).get_filesize()
-    if layout == h5py.h5d.COMPACT:
-        return dsid.get_space().get_select_npoints() * dsid.get_type().get_size()
-    if layout == h5py.h5d.CONTIGUOUS:
-        return min(dsid.get_storage_size(), file_size)
-    if layout == h5py.h5d.CHUNKED:
-        chunk = int(np.prod(plist.get_chunk(), dtype=object)) * dsid.get_type().get_size()
-        held = dsid.get_num_chunks() * chunk
-        return held if plist.get_nfilters() else min(held, file_size)
-    return 0
-
-
-def check_read(dataset: h5py.Dataset | h5py.h5d.DatasetID, elements: int) -> None:
-    """Raise :class:`RunFileError` before a read of ``elements`` that the file cannot back.
-
-    A read is allowed up to :data:`FREE_READ_BYTES`, beyond that only as far as
-    the file holds data of the dataset: a crafted file declaring gigabytes it
-    does not hold cannot make a reader allocate them.
-    """
-    dsid = dataset.id if isinstance(dataset, h5py.Dataset) else dataset
-    nbytes = elements * dsid.get_type().get_size()
-    if nbytes <= FREE_READ_BYTES:
-        return
-    held = _held_bytes(dsid)
-    if nbytes > held:
-        name = os.fsdecode(h5py.h5i.get_name(dsid) or b"?")
-        raise RunFileError(
-            f"{_file_name(dsid)}: dataset {name} declares {_size(nbytes)} to read but the file "
-            f"holds {_size(held)} of it: a damaged or crafted file"
-        )
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes} bytes"
 
 
 def _read_tree(group: h5py.Group, seen: set[int] | None = None) -> dict[str, Any]:
@@ -255,19 +170,18 @@ def _read_tree(group: h5py.Group, seen: set[int] | None = None) -> dict[str, Any
     seen = set() if seen is None else seen
     if hash(group.id) in seen or len(seen) > _META_GROUPS:
         raise RunFileError(
-            f"{_file_name(group.id)}: {group.name} is linked twice or nests too deep: a "
-            "crafted file"
+            f"{file_name(group.id)}: {group.name} is linked twice or nests too deep: a crafted file"
         )
     seen.add(hash(group.id))
     tree: dict[str, Any] = {}
     for link in group:
-        _check_link(group, link)
+        check_link(group, link)
         item = group[link]
         key = unescape(link)
         if isinstance(item, h5py.Group):
             tree[key] = _read_tree(item, seen)
             continue
-        _check_storage(item.id, item.name)
+        check_storage(item.id, item.name)
         check_read(item, item.size)
         if h5py.check_string_dtype(item.dtype):
             value = item.asstr(errors="replace")[()]
@@ -311,18 +225,18 @@ def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
     Read through h5py's low-level calls: opening a site reads five such small
     datasets, and the high-level ones cost several times more than the read.
     """
-    _check_link(group, name)
+    check_link(group, name)
     dataset = h5py.h5o.open(group.id, name.encode())
     where = f"{group.name}/{name}"
     if not isinstance(dataset, h5py.h5d.DatasetID):
-        raise RunFileError(f"{_file_name(group.id)}: {where} is not a dataset: a damaged file")
-    _check_storage(dataset, where)
+        raise RunFileError(f"{file_name(group.id)}: {where} is not a dataset: a damaged file")
+    check_storage(dataset, where)
     space = dataset.get_space()
     dims = space.get_simple_extent_dims()
     if not dims or dims[0] < rows:
         held = dims[0] if dims else 0
         raise RunFileError(
-            f"{_file_name(group.id)}: {where} holds {held} records where /committed counts "
+            f"{file_name(group.id)}: {where} holds {held} records where /committed counts "
             f"{rows}: a damaged file"
         )
     shape = (rows, *dims[1:])
@@ -346,12 +260,12 @@ class _Part:
         slot = group.attrs.get("slot")
         if not isinstance(slot, (int, np.integer)):
             raise RunFileError(
-                f"{_file_name(group.id)}: {group.name} has no integer 'slot' attribute: a "
+                f"{file_name(group.id)}: {group.name} has no integer 'slot' attribute: a "
                 "damaged file"
             )
         self.rows = max(0, int(committed[slot])) if 0 <= slot < len(committed) else 0
         self.values: h5py.Dataset | None = (
-            _child(group, "values", h5py.Dataset) if group.id.links.exists(b"values") else None
+            child(group, "values", h5py.Dataset) if group.id.links.exists(b"values") else None
         )
         self.unreadable = None if self.values is None else _load_filters(self.values)
         self.storage = "" if self.values is None else str(self.values.attrs["storage"])
@@ -390,7 +304,7 @@ class _Part:
         if kind == Kind.NONE:
             return None
         if code & IN_OTHER:
-            other = _child(self.group, "other", h5py.Dataset)
+            other = child(self.group, "other", h5py.Dataset)
             return from_blob(kind, other[row].tobytes(), allow_pickle, where)
         if self.values is None:
             raise RunFileError(f"{where} has no values dataset: a damaged file")
@@ -476,11 +390,12 @@ class ValuesView:
         rows = np.arange(len(self))[index]
         nbytes = rows.size * int(np.prod(self.shape[1:], dtype=object)) * self.dtype.itemsize
         if nbytes > FREE_READ_BYTES:
-            held = sum(_held_bytes(p.values.id) for p in self._parts if p.values is not None)
+            held = sum(held_bytes(p.values.id) for p in self._parts if p.values is not None)
             if nbytes > held:
                 raise RunFileError(
-                    f"{rows.size} records of shape {self.shape[1:]} declare {_size(nbytes)} "
-                    f"to read but the files hold {_size(held)} of them: a damaged or crafted file"
+                    f"{rows.size} records of shape {self.shape[1:]} declare "
+                    f"{size_text(nbytes)} to read but the files hold {size_text(held)} of "
+                    "them: a damaged or crafted file"
                 )
         out = np.zeros((rows.size, *self.shape[1:]), self.dtype)
         where = [self._where[record] for record in rows.reshape(-1)]
@@ -821,12 +736,12 @@ class Run:
     def _links(self) -> dict[str, list[_Part]]:
         links: dict[str, list[_Part]] = {}
         for handle in self._files:
-            committed = _child(handle, COMMITTED, h5py.Dataset)
+            committed = child(handle, COMMITTED, h5py.Dataset)
             check_read(committed, committed.size)
             counts = np.asarray(committed[()], np.int64).reshape(-1)
-            sites = _child(handle, "vars", h5py.Group)
+            sites = child(handle, "vars", h5py.Group)
             for link in sites:
-                part = _Part(_child(sites, link, h5py.Group), counts)
+                part = _Part(child(sites, link, h5py.Group), counts)
                 if part.rows:  # a site a killed writer created but never flushed is left out
                     links.setdefault(unescape(link), []).append(part)
         return links
@@ -866,7 +781,7 @@ class Run:
         handle = self._files[0]
         if not handle.id.links.exists(b"meta"):
             return {}
-        return _read_tree(_child(handle, "meta", h5py.Group))
+        return _read_tree(child(handle, "meta", h5py.Group))
 
     def to_frame(
         self,

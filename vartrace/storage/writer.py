@@ -26,10 +26,10 @@ import difflib
 import errno
 import os
 import re
+import signal
 import socket
 import tempfile
 import threading
-import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -39,6 +39,7 @@ import h5py
 import numpy as np
 
 from vartrace import _forks
+from vartrace._warnings import release, warn
 from vartrace.storage._codec import (
     IN_OTHER,
     Kind,
@@ -57,6 +58,7 @@ from vartrace.storage._layout import (
     clear_write_flags,
     escape,
     has_write_flags,
+    run_attrs,
     shard_path,
     unescape,
     writer_alive,
@@ -223,11 +225,10 @@ class _Site:
             if not self.warned:
                 self.warned = True
                 name = unescape(self.group.name.rsplit("/", 1)[-1])
-                warnings.warn(
+                warn(
                     f"vartrace: site {name!r}: {error}; the file holds a vartrace.Unstored "
                     f"marker instead ({leaf.data!r})",
                     RuntimeWarning,
-                    stacklevel=2,
                 )
             return leaf
 
@@ -585,6 +586,7 @@ class H5PYSaverCallback:
             return self._file
         path = self.path
         if path.exists() and self.overwrite:
+            _refuse_live_writer(path)  # replacing a live run's file would lose that run
             path.unlink()
         if path.exists() and not self.append:
             raise FileExistsError(
@@ -623,6 +625,8 @@ class H5PYSaverCallback:
         handle = h5py.File(path, "x", libver=LIBVER, rdcc_nbytes=_CACHE_BYTES)
         handle.attrs[FORMAT_ATTR] = FORMAT_VERSION
         handle.attrs["vartrace_version"] = _vartrace_version()
+        context = self._context
+        handle.attrs.update(run_attrs(path, context.rank, context.world_size, context.sharded))
         handle.create_group("vars")
         committed = handle.create_dataset(
             COMMITTED, (_SLOTS,), np.int64, maxshape=(None,), chunks=(_SLOTS,)
@@ -644,7 +648,7 @@ class H5PYSaverCallback:
         """
         with self._lock:
             if not self.background:
-                with self._guard():
+                with _interrupts_held(), self._guard():
                     self._commit()
                 return
             if self._pending:
@@ -660,6 +664,8 @@ class H5PYSaverCallback:
 
         def write() -> None:
             with self._guard():
+                if self._failure is not None:
+                    return  # an earlier gather's write failed: the saver stopped writing
                 for name, trace in batch:
                     self._append(name, trace)
                 self._commit()
@@ -689,12 +695,14 @@ class H5PYSaverCallback:
 
         With ``background=True`` it first waits for the writer thread, and raises
         its error, if it had one, after closing the file.  The file is closed
-        whatever happens; a write that fails (a full disk) raises ``OSError``
-        naming the file and the cause, once, and the records of every flush
-        before it stay readable.
+        whatever happens.  A write that fails (a full disk) raises nothing: it
+        was warned about once and is kept in :attr:`failure`.  Then the warnings
+        that a ``-W error`` filter turned into errors during the run are emitted
+        again (see :mod:`vartrace._warnings`).
         """
-        with self._lock:
+        with self._lock, _interrupts_held():
             self._close()
+        release()
 
     def _close(self) -> None:
         _UNUSED.discard(self)
@@ -711,12 +719,13 @@ class H5PYSaverCallback:
                 if self._file is not None:
                     with self._guard():
                         self._commit()
+                if self._file is not None:  # a failed commit closed it already
                     self._file.close()
                     self._file = None
                     _forks.unwatch(self)
                     if self._created and not self._committed.any():
                         self.path.unlink(missing_ok=True)
-                        warnings.warn(
+                        warn(
                             f"vartrace: H5PYSaverCallback received no record, so it removed the "
                             f"empty {self.path} it had created (a model that never ran in the "
                             "traced mode, a saver missing from post_gather_callbacks, or a failed "
@@ -726,9 +735,21 @@ class H5PYSaverCallback:
             finally:
                 self._sites.clear()
 
+    @property
+    def failure(self) -> OSError | None:
+        """The write failure (a full disk, a file-size limit) that stopped this saver, or ``None``.
+
+        After it the saver writes nothing more: later records are dropped, and
+        the file holds every record flushed before.  Example::
+
+            if saver.failure is not None:
+                print("the run file is incomplete:", saver.failure.strerror)
+        """
+        return self._failure
+
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
-        """Turn a failed write into a closed file and an ``OSError`` naming the file and cause.
+        """Turn a failed write into a closed file, :attr:`failure` and one warning.
 
         After a failed write HDF5 can neither flush the file nor close its
         datasets; closing them anyway, or leaving it to the process's exit,
@@ -749,6 +770,7 @@ class H5PYSaverCallback:
                 "records of every flush before this one",
                 str(self.path),
             )
+            self._failure.__cause__ = error
             self._file = None
             size = _claimed_size(handle)
             _discard_writes(handle)
@@ -756,7 +778,13 @@ class H5PYSaverCallback:
             with contextlib.suppress(Exception):
                 handle.close()
             _pad_to(self.path, size)
-            raise self._failure from error
+            warn(
+                f"vartrace: H5PYSaverCallback stopped writing {self.path}: {cause[1]} "
+                f"(errno {cause[0]}); the file holds the records of every flush before, later "
+                "records are dropped, training goes on (saver.failure holds the error)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def __enter__(self) -> H5PYSaverCallback:
         return self
@@ -771,6 +799,7 @@ class H5PYSaverCallback:
             self.close()
         except Exception as error:  # the exception of the with-block goes on, not this one
             report_during(exc, f"H5PYSaverCallback.close() failed for {self.path}", error)
+        release(during=exc)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open" if self._file is not None else "not opened"
@@ -782,6 +811,9 @@ class H5PYSaverCallback:
         """Append the chunk's records of site ``name`` to the file and empty the chunk."""
         _UNUSED.discard(self)
         with self._lock:
+            if self._failure is not None:  # the saver stopped writing: drop, never grow
+                trace.clear()
+                return
             self._open()
             if not len(trace):
                 return
@@ -791,7 +823,7 @@ class H5PYSaverCallback:
                 )
                 self._pending.append((name, taken))
             else:
-                with self._guard():
+                with _interrupts_held(), self._guard():
                     self._append(name, trace)
             trace.clear()
 
@@ -830,7 +862,7 @@ class H5PYSaverCallback:
             first = int(_int64(trace.iterations).min())
             moved = last_iteration - first + 1 if first <= last_iteration else 0
             if moved:
-                warnings.warn(
+                warn(
                     f"vartrace: {self.path} already holds iterations up to {last_iteration} and "
                     f"the appended records start at iteration {first}: they are stored as "
                     f"iterations {first + moved}, ... To number them yourself, call "
@@ -880,6 +912,34 @@ class _Datasets(Mapping[str, h5py.Dataset]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) back while the file is written, then raise it at the end.
+
+    A ``KeyboardInterrupt`` raised inside a write lands wherever Python code runs
+    next, often in a weakref callback of h5py's objects, where Python ignores it
+    ("Exception ignored in ... KeyboardInterrupt"): training would go on, and a
+    write cut short could leave the file's records half written.  So the signal
+    is noted and the previous handler called once the write is complete.  Only on
+    the main thread (where signal handlers run) and where a Python handler is set.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        yield
+        return
+    held: list[Any] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            previous(signal.SIGINT, held[0])
 
 
 _HDF5_OS_ERROR = re.compile(r"errno = (\d+), error message = '([^']*)'")
@@ -971,21 +1031,29 @@ def recover(path: str | os.PathLike[str], *, force: bool = False) -> bool:
     if not has_write_flags(path):
         return False
     if not force:
-        try:
-            with h5py.File(path, "r", swmr=True) as handle:
-                host = str(handle.attrs.get("writer_host", ""))
-                pid = int(handle.attrs.get("writer_pid", -1))
-        except OSError:
-            raise OSError(
-                errno.EBUSY,
-                "the writer left the file outside SWMR mode, so whether it still runs cannot "
-                "be told; pass force=True once no process writes the file",
-                str(path),
-            ) from None
-        alive = writer_alive(host, pid)
-        if alive is not False:
-            where = (
-                "still runs" if alive else f"ran on host {host!r}; pass force=True if it is gone"
-            )
-            raise OSError(errno.EBUSY, f"the writer process {pid} {where}", str(path))
+        _refuse_live_writer(path)
     return clear_write_flags(path)
+
+
+def _refuse_live_writer(path: Path) -> None:
+    """Raise ``OSError(EBUSY)`` unless the writer that left ``path`` open for writing is gone.
+
+    A file whose superblock does not say "open for writing" passes.
+    """
+    if not has_write_flags(path):
+        return
+    try:
+        with h5py.File(path, "r", swmr=True) as handle:
+            host = str(handle.attrs.get("writer_host", ""))
+            pid = int(handle.attrs.get("writer_pid", -1))
+    except OSError:
+        raise OSError(
+            errno.EBUSY,
+            "the writer left the file outside SWMR mode, so whether it still runs cannot "
+            "be told; pass force=True once no process writes the file",
+            str(path),
+        ) from None
+    alive = writer_alive(host, pid)
+    if alive is not False:
+        where = "still runs" if alive else f"ran on host {host!r}; pass force=True if it is gone"
+        raise OSError(errno.EBUSY, f"the writer process {pid} {where}", str(path))

@@ -1,0 +1,139 @@
+"""Reading run files safely: nothing outside the file, nothing beyond what the file holds.
+
+Run files travel (sent between users, attached to bug reports), so a reader
+treats each as possibly crafted: data kept in other files (external storage,
+external links, virtual datasets mapping other files) is refused, links are
+never followed, and no read allocates more than :data:`FREE_READ_BYTES` unless
+the file really holds that much of the dataset.
+
+Example::
+
+    values = child(group, "values", h5py.Dataset)   # a hard-linked dataset, data inside
+    check_read(values, rows * record_elements)       # before reading that many elements
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import h5py
+import numpy as np
+
+__all__ = [
+    "FREE_READ_BYTES",
+    "RunFileError",
+    "check_link",
+    "check_read",
+    "check_storage",
+    "child",
+    "file_name",
+    "held_bytes",
+    "size_text",
+]
+
+
+class RunFileError(ValueError):
+    """A run file that vartrace refuses to read, or one holding less than it declares.
+
+    Raised, naming the dataset or link, for data kept outside the file (external
+    storage, external links, virtual datasets mapping other files), for links and
+    structures vartrace never writes, and for reads that a dataset declares larger
+    than what the file holds of it (a damaged or crafted file): reading never
+    allocates more than :data:`FREE_READ_BYTES` or what the file holds.
+    """
+
+
+#: Reads up to this size are allowed whatever a dataset holds; larger ones only when the
+#: file holds that much of the dataset (a declared size costs a crafted file nothing).
+FREE_READ_BYTES = 64 << 20
+
+
+def file_name(object_id: Any) -> str:
+    return os.fsdecode(h5py.h5f.get_name(object_id))
+
+
+def check_link(group: h5py.Group, link: str) -> None:
+    """Refuse a link other than a hard link (vartrace writes no other kind): never follow it."""
+    info = group.id.links.get_info(link.encode())
+    if info.type == h5py.h5l.TYPE_HARD:
+        return
+    if info.type == h5py.h5l.TYPE_EXTERNAL:
+        target, inner = (os.fsdecode(part) for part in group.id.links.get_val(link.encode()))
+        what = f"an external link to {inner} in {target}"
+    elif info.type == h5py.h5l.TYPE_SOFT:
+        what = f"a soft link to {os.fsdecode(group.id.links.get_val(link.encode()))}"
+    else:
+        what = "a user-defined link"
+    raise RunFileError(
+        f"{file_name(group.id)}: {group.name.rstrip('/')}/{link} is {what}; vartrace writes "
+        "no links and does not follow them"
+    )
+
+
+def check_storage(dsid: h5py.h5d.DatasetID, name: str) -> None:
+    """Refuse a dataset whose data lies outside its file (external storage, virtual sources)."""
+    plist = dsid.get_create_plist()
+    outside = [os.fsdecode(plist.get_external(i)[0]) for i in range(plist.get_external_count())]
+    if plist.get_layout() == h5py.h5d.VIRTUAL:
+        count = plist.get_virtual_count()
+        names = {plist.get_virtual_filename(i) for i in range(count)}
+        outside += sorted(names - {"."})
+    if outside:
+        raise RunFileError(
+            f"{file_name(dsid)}: dataset {name} keeps its data in another file ({outside[0]}); "
+            "vartrace reads only data stored inside the run file"
+        )
+
+
+def child(group: h5py.Group, link: str, kind: type) -> Any:
+    """The object ``link`` of ``group`` (a hard link to a ``kind``), its data inside the file."""
+    check_link(group, link)
+    item = group[link]
+    name = f"{group.name.rstrip('/')}/{link}"
+    if not isinstance(item, kind):
+        what = "group" if kind is h5py.Group else "dataset"
+        raise RunFileError(f"{file_name(group.id)}: {name} is not a {what}: a damaged file")
+    if isinstance(item, h5py.Dataset):
+        check_storage(item.id, name)
+    return item
+
+
+def held_bytes(dsid: h5py.h5d.DatasetID) -> int:
+    """The bytes of a dataset's data the file really holds (unwritten chunks hold none)."""
+    plist = dsid.get_create_plist()
+    layout = plist.get_layout()
+    file_size = h5py.h5i.get_file_id(dsid).get_filesize()
+    if layout == h5py.h5d.COMPACT:
+        return dsid.get_space().get_select_npoints() * dsid.get_type().get_size()
+    if layout == h5py.h5d.CONTIGUOUS:
+        return min(dsid.get_storage_size(), file_size)
+    if layout == h5py.h5d.CHUNKED:
+        chunk = int(np.prod(plist.get_chunk(), dtype=object)) * dsid.get_type().get_size()
+        held = dsid.get_num_chunks() * chunk
+        return held if plist.get_nfilters() else min(held, file_size)
+    return 0
+
+
+def check_read(dataset: h5py.Dataset | h5py.h5d.DatasetID, elements: int) -> None:
+    """Raise :class:`RunFileError` before a read of ``elements`` that the file cannot back.
+
+    A read is allowed up to :data:`FREE_READ_BYTES`, beyond that only as far as
+    the file holds data of the dataset: a crafted file declaring gigabytes it
+    does not hold cannot make a reader allocate them.
+    """
+    dsid = dataset.id if isinstance(dataset, h5py.Dataset) else dataset
+    nbytes = elements * dsid.get_type().get_size()
+    if nbytes <= FREE_READ_BYTES:
+        return
+    held = held_bytes(dsid)
+    if nbytes > held:
+        name = os.fsdecode(h5py.h5i.get_name(dsid) or b"?")
+        raise RunFileError(
+            f"{file_name(dsid)}: dataset {name} declares {size_text(nbytes)} to read but the file "
+            f"holds {size_text(held)} of it: a damaged or crafted file"
+        )
+
+
+def size_text(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes} bytes"
