@@ -7,7 +7,7 @@ model's input tokens, every block's attention scores (a local variable
 inside ``Attention.forward``), the MLP hidden state reduced to a few
 statistics by a pre-save callback, and the loss recorded by hand; records
 stream into an HDF5 file every 25 iterations.  The summary at the end is
-read from that file alone.
+read from that file alone; without ``--out`` the file is temporary and removed.
 """
 
 from __future__ import annotations
@@ -136,11 +136,22 @@ def summary(path: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Trace a small transformer into HDF5.")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--out", type=Path, help="HDF5 file to write (must not exist)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="HDF5 file to write and keep (must not exist); default: a "
+        "temporary file, removed at the end",
+    )
     args = parser.parse_args()
-    out = args.out or Path(tempfile.mkdtemp(prefix="vartrace-")) / "quickstart.h5"
-    train(out, args.steps)
-    print(summary(out))
+    if args.out is not None:
+        train(args.out, args.steps)
+        print(summary(args.out))
+        return
+    with tempfile.TemporaryDirectory(prefix="vartrace-") as folder:
+        out = Path(folder) / "quickstart.h5"
+        train(out, args.steps)
+        print(summary(out))
+    print("(a temporary file, now removed: pass --out run.h5 to keep it)")
 
 
 if __name__ == "__main__":

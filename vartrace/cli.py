@@ -171,7 +171,7 @@ def _range_text(values: np.ndarray) -> str:
 
 
 def _site_bytes(site: Any) -> int | None:
-    values = getattr(site, "values", None)
+    values = getattr(site, "raw_values", None)  # its size needs no compression filter
     nbytes = getattr(values, "nbytes", None)
     return None if nbytes is None else int(nbytes)
 
@@ -628,12 +628,15 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plot",
         help="plot statistics over iterations, or a similarity heat map of two runs",
-        description="plot RUN SITE... [--stat mean,std] -o out.png | plot A B -o out.png",
+        usage="%(prog)s RUN SITE... [--stat STAT] -o OUTPUT [--allow-pickle]\n"
+        "       %(prog)s A B -o OUTPUT [--atol ATOL] [--rtol RTOL] [--allow-pickle]",
+        description="RUN SITE...: statistics of sites over iterations, one line per rank.  "
+        "A B: a heat map of the similarity of two runs, sites x iterations.",
     )
     p.add_argument(
         "inputs",
         nargs="+",
-        metavar="RUN [SITE...] | A B",
+        metavar="INPUT",
         help="a run and site names or quoted globs; or two runs for a similarity map",
     )
     p.add_argument(

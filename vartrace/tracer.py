@@ -112,12 +112,26 @@ def _check_callbacks(stage: str, callbacks: list[Any], arguments: tuple[str, ...
             wanted = f"cb({', '.join(arguments)})"
             hint = ""
             if stage == "pre_save_callbacks" and _binds(signature, 2):
-                hint = "; it takes (name, trace): pass it in post_gather_callbacks"
+                hint = _two_arguments_hint(signature)
             elif stage != "pre_save_callbacks" and _binds(signature, 3):
                 hint = "; it takes (name, value, iteration): pass it in pre_save_callbacks"
             raise TypeError(
                 f"{stage}[{index}] {_name(callback)} cannot be called as {wanted}{hint}"
             ) from None
+
+
+def _two_arguments_hint(signature: inspect.Signature) -> str:
+    """Advice for a pre-save callback that takes two arguments: a gather callback misplaced
+    (its second parameter is a trace), or a pre-save callback without ``iteration``."""
+    second = list(signature.parameters.values())[1:2]
+    if second and (
+        second[0].name in ("trace", "chunk") or second[0].annotation in (Trace, "Trace")
+    ):
+        return "; it takes (name, trace): pass it in post_gather_callbacks"
+    return (
+        "; a pre-save callback is called with the iteration too: add a third parameter,"
+        " def cb(name, value, iteration)"
+    )
 
 
 def _binds(signature: inspect.Signature, count: int) -> bool:
