@@ -29,7 +29,15 @@ import torch
 from vartrace.engine.structures import children
 from vartrace.record import Unstored
 
-__all__ = ["copy_leaf", "same", "snapshot", "split_object", "unchanged"]
+__all__ = [
+    "copy_leaf",
+    "is_transformed",
+    "same",
+    "snapshot",
+    "split_object",
+    "unchanged",
+    "untransformed",
+]
 
 _IMMUTABLE: frozenset[type] = frozenset(
     {int, float, bool, complex, str, bytes, type(None), type(Ellipsis)}
@@ -56,9 +64,26 @@ def _tensor_state(value: Any, path: str, depth: int, seen: set[int]) -> Iterator
     if kids is None:
         # Plain objects only: never walk the namespace of a class, module or function.
         plain = not isinstance(value, ModuleType) and not callable(value)
-        kids = getattr(value, "__dict__", {}).items() if plain else ()
+        kids = _attributes(value) if plain else ()
     for key, child in kids:
         yield from _tensor_state(child, f"{path}.{key}", depth + 1, seen)
+
+
+def _attributes(value: Any) -> Iterator[tuple[str, Any]]:
+    """An object's attributes: its ``__dict__``, then the slots of its classes that are set
+    (a base class's first)."""
+    yield from getattr(value, "__dict__", {}).items()
+    for cls in reversed(type(value).__mro__):
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):  # private: mangled
+                name = f"_{cls.__name__.lstrip('_')}{name}"
+            try:
+                yield name, getattr(value, name)
+            except AttributeError:  # a slot never assigned
+                continue
 
 
 def split_object(site: str, value: Any, warned: set[type]) -> Iterator[tuple[str, Any]]:
@@ -91,6 +116,76 @@ def split_object(site: str, value: Any, warned: set[type]) -> Iterator[tuple[str
             stacklevel=2,
         )
     yield from tensors
+
+
+_functorch = torch._C._functorch
+is_transformed: Callable[[torch.Tensor], bool] = _functorch.is_functorch_wrapped_tensor
+"""Whether a tensor is a ``torch.func`` wrapper (``vmap``'s batched tensor, ``grad``'s ...)."""
+
+
+def untransformed(value: torch.Tensor, site: str, warned: set[str]) -> torch.Tensor | Unstored:
+    """The plain tensor behind the ``torch.func`` wrappers of ``value``, detached.
+
+    Inside ``vmap`` / ``grad`` / ``jacrev`` / ``jvp`` / ``functionalize`` a
+    method sees wrapper tensors: their shape is the per-call one, they have no
+    storage, and they die with the transform.  The record is the value they
+    stand for: under ``grad`` and the others the wrapped tensor itself; under
+    ``vmap`` the batched tensor holding every mapped call, the mapped
+    dimensions first (outermost ``vmap`` first), with a warning once per
+    site (``warned`` holds the sites already named).  A wrapper of another
+    kind gives an :class:`vartrace.Unstored` marker, with a warning.
+
+    Example::
+
+        # inside torch.func.vmap(model)(x):
+        untransformed(h, "forward.h", set()).shape   # (len(x), *h.shape)
+    """
+    unwrapped = _unwrapped(value)
+    if unwrapped is None:
+        marker = Unstored("torch.func: a wrapper tensor of an unknown kind")
+        if site not in warned:
+            warned.add(site)
+            warnings.warn(
+                f"vartrace: {site} is a torch.func wrapper tensor of an unknown kind; "
+                f"recording the marker {marker!r} instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return marker
+    tensor, mapped = unwrapped
+    if mapped and site not in warned:
+        warned.add(site)
+        warnings.warn(
+            f"vartrace: {site} is computed under torch.func.vmap; each record holds every "
+            f"mapped call, the {mapped} mapped dimension(s) first: shape "
+            f"{tuple(tensor.shape)} for the per-call shape {tuple(value.shape)}",
+            stacklevel=3,
+        )
+    return tensor
+
+
+def _unwrapped(value: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """The detached plain tensor behind ``value``'s wrappers and how many ``vmap`` levels
+    it maps, or ``None`` for a wrapper of an unknown kind."""
+    dims: list[int] = []
+    tensor = value
+    while is_transformed(tensor):
+        if _functorch.is_batchedtensor(tensor):
+            dims.append(_functorch.maybe_get_bdim(tensor))
+            tensor = _functorch.get_unwrapped(tensor)
+        elif _functorch.is_gradtrackingtensor(tensor):
+            tensor = _functorch.get_unwrapped(tensor)
+        elif _functorch.is_functionaltensor(tensor):
+            torch._sync(tensor)
+            tensor = torch._from_functional_tensor(tensor)
+        else:
+            return None
+    with torch._C._DisableFuncTorch():
+        tensor = tensor.detach()
+        for placed, dim in enumerate(reversed(dims)):
+            # Each level's dimension counts among the dimensions the levels outside it left.
+            tensor = tensor.movedim(dim + placed, placed)
+    return tensor, len(dims)
 
 
 _FLOAT = struct.Struct("<d")
@@ -187,6 +282,8 @@ def same(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, torch.Tensor):
+        if a.is_nested or b.is_nested:  # components may differ in shape: no single one
+            return _same_nested(a, b)
         dtype = a.dtype
         if dtype is not b.dtype or a.shape != b.shape:  # dtypes are singletons
             return False
@@ -226,6 +323,16 @@ def same(a: Any, b: Any) -> bool:
         return False
 
 
+def _same_nested(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two nested tensors of one layout hold the same components, bit for bit."""
+    if not (a.is_nested and b.is_nested) or a.layout != b.layout or a.dtype is not b.dtype:
+        return False
+    parts, others = a.unbind(), b.unbind()
+    return len(parts) == len(others) and all(
+        same(part, other) for part, other in zip(parts, others, strict=True)
+    )
+
+
 class _Identity(NamedTuple):
     """What :func:`snapshot` keeps of an opaque object: its identity and version counter."""
 
@@ -257,6 +364,8 @@ def snapshot(value: Any) -> Any:
         assert not unchanged(old, hidden)
     """
     if isinstance(value, torch.Tensor):
+        if is_transformed(value):
+            return _transformed_snapshot(value)
         if value.is_cpu or value.is_meta:
             return value.detach().clone()
         return _identity(value)
@@ -271,12 +380,27 @@ def snapshot(value: Any) -> Any:
     return _identity(value)
 
 
+def _transformed_snapshot(value: torch.Tensor) -> Any:
+    """:func:`snapshot` of a ``torch.func`` wrapper: a plain copy of what it stands for."""
+    unwrapped = _unwrapped(value)
+    if unwrapped is None or not (unwrapped[0].is_cpu or unwrapped[0].is_meta):
+        return _identity(value)
+    with torch._C._DisableFuncTorch():
+        return unwrapped[0].clone()
+
+
 def unchanged(old: Any, value: Any) -> bool:
     """Whether ``value`` still holds, bit for bit, what :func:`snapshot` copied into ``old``."""
     if isinstance(old, _Identity):
         return old == _identity(value)
     if isinstance(value, torch.Tensor):
-        return isinstance(old, torch.Tensor) and same(old, value.detach())
+        if not isinstance(old, torch.Tensor):
+            return False
+        if is_transformed(value):
+            unwrapped = _unwrapped(value)
+            with torch._C._DisableFuncTorch():
+                return unwrapped is not None and same(old, unwrapped[0])
+        return same(old, value.detach())
     if type(value) in (list, tuple):
         return (
             type(old) is type(value)

@@ -36,7 +36,15 @@ from vartrace.results import Results
 from vartrace.silence import SilenceWatch
 from vartrace.sites import Target, is_compiled, resolve, unwrap
 from vartrace.staging import OnFull, Stager, StagingStats
-from vartrace.tensors import copy_leaf, same, snapshot, split_object, unchanged
+from vartrace.tensors import (
+    copy_leaf,
+    is_transformed,
+    same,
+    snapshot,
+    split_object,
+    unchanged,
+    untransformed,
+)
 from vartrace.trace import RunContext, Trace, report_during
 
 __all__ = ["CallbackError", "ModelTracer"]
@@ -206,6 +214,32 @@ def _without_hooks(ids: set[int], state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer that ``optimizer`` is or wraps (accelerate's ``AcceleratedOptimizer``
+    in ``.optimizer``, Lightning's ``LightningOptimizer`` in ``._optimizer``), or ``TypeError``.
+
+    Its step post-hooks run once per step that really updates the parameters: a
+    wrapper's ``step`` that skips the update (a gradient-accumulation micro-batch)
+    counts no step.
+    """
+    current, seen = optimizer, set()
+    while id(current) not in seen:
+        seen.add(id(current))
+        # A wrapper subclassing Optimizer without calling its __init__ lacks the hooks' dicts.
+        if isinstance(current, torch.optim.Optimizer) and hasattr(
+            current, "_optimizer_step_post_hooks"
+        ):
+            return current
+        inner = getattr(current, "optimizer", None) or getattr(current, "_optimizer", None)
+        if inner is None:
+            break
+        current = inner
+    raise TypeError(
+        f"optimizer must be a torch.optim.Optimizer or a wrapper holding one in .optimizer "
+        f"or ._optimizer, not {type(optimizer).__name__}"
+    )
+
+
 def _positive(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, not {value!r}")
@@ -248,7 +282,9 @@ class ModelTracer:
             ``"eval"`` (by ``model.training``) or ``"any"``.
         optimizer: number iterations by this optimizer's steps (its
             completed ``step()`` calls plus one) instead of by model calls;
-            see :mod:`vartrace.iterations` for every rule.
+            see :mod:`vartrace.iterations` for every rule.  A wrapper (accelerate's
+            ``accelerator.prepare(opt)``, Lightning's) counts the steps of the torch
+            optimizer it holds.
         change_detection: record a site only when its value changed.
         device: where recorded copies live (``"cuda"`` is the current CUDA device).
         gather: ``False`` keeps each rank's records on that rank (shard files).
@@ -286,17 +322,14 @@ class ModelTracer:
         device: str | torch.device = "cpu",
         gather: bool = True,
         strict: bool = True,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: Any = None,
         staging: Staging = "auto",
         max_inflight_bytes: int = 1 << 30,
         on_full: OnFull = "wait",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-        if optimizer is not None and not hasattr(optimizer, "register_step_post_hook"):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}"
-            )
+        optimizer = None if optimizer is None else _torch_optimizer(optimizer)
         if mode not in ("train", "eval", "any"):
             raise ValueError(f"mode must be 'train', 'eval' or 'any', not {mode!r}")
         if staging not in ("auto", "async", "sync"):
@@ -346,6 +379,7 @@ class ModelTracer:
         self._chunk: dict[str, Trace] = {}
         self._last: dict[str, Any] = {}
         self._split_warned: set[type] = set()
+        self._transformed_warned: set[str] = set()  # sites recorded under torch.func.vmap
         self._order = 0
         self._lock = threading.Lock()  # threads calling the model at once share the chunk
         self._flush_lock = threading.Lock()
@@ -624,13 +658,27 @@ class ModelTracer:
             for name, leaf in split_object(site, value, self._split_warned):
                 self._store(name, leaf, iteration)
 
-    def _store(self, site: str, value: Any, iteration: int) -> None:
-        for callback in self.pre_save_callbacks:
-            try:
-                value = callback(site, value, iteration)
-            except Exception as error:
-                raise _failed("pre_save", callback, site, error) from error
-            if value is DROP:
+    def _store(self, site: str, value: Any, iteration: int, *, saved: bool = False) -> None:
+        """Record ``value`` at ``site``; ``saved``: the pre-save callbacks already ran."""
+        if isinstance(value, torch.Tensor) and is_transformed(value):
+            with torch._C._DisableFuncTorch():  # copies made under torch.func stay plain
+                plain = untransformed(value, site, self._transformed_warned)
+                self._store(site, plain, iteration, saved=saved)
+            return
+        if not saved and self.pre_save_callbacks:
+            for callback in self.pre_save_callbacks:
+                try:
+                    value = callback(site, value, iteration)
+                except Exception as error:
+                    raise _failed("pre_save", callback, site, error) from error
+                if value is DROP:
+                    return
+            if not isinstance(value, torch.Tensor):
+                # What a callback returns is split like a captured value: a dict of
+                # tensors gives the leaves <site>.<key>.
+                for name, leaf in leaves(value, site):
+                    for part, piece in split_object(name, leaf, self._split_warned):
+                        self._store(part, piece, iteration, saved=True)
                 return
         stager = self._stager
         if stager is not None:
@@ -685,7 +733,9 @@ class ModelTracer:
             self._stager.call(self._hand_over)  # after every record captured before
             return
         # Threads that end iterations at once hand their chunks to the callbacks one by one.
-        with self._flush_lock:
+        # A model called under torch.func ends its iteration inside the transform: the
+        # callbacks work on plain tensors, outside it.
+        with self._flush_lock, torch._C._DisableFuncTorch():
             self._hand_over()
 
     def _hand_over(self) -> None:

@@ -1,0 +1,287 @@
+"""Code shapes met in real training code (issue 22): nested tensors, torch.func transforms,
+optimizer wrappers, objects with ``__slots__``, pre-save callbacks returning structures.
+
+Each test runs the shape of the real code in a small model of its own; where the real
+library installs here (accelerate), a test runs it too, skipped with a reason without it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import vartrace
+from tests._models import TinyTransformer, tokens
+from vartrace import H5PYSaverCallback, ModelTracer
+
+pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+
+
+class Echo(nn.Module):
+    """Returns what it is given, through a local."""
+
+    def forward(self, value: Any) -> Any:
+        held = value
+        return held
+
+
+def _nested(scale: float, layout: torch.layout) -> torch.Tensor:
+    parts = [torch.arange(6.0).view(2, 3) * scale, torch.arange(12.0).view(4, 3) * scale]
+    return torch.nested.nested_tensor(parts, layout=layout)
+
+
+# -- nested tensors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+def test_nested_tensors_are_compared_by_components_and_stored(
+    tmp_path: Path, layout: torch.layout
+) -> None:
+    model = Echo()
+    first, changed = _nested(1.0, layout), _nested(2.0, layout)
+    path = tmp_path / "run.h5"
+    with (
+        H5PYSaverCallback(path, metadata=False) as saver,
+        ModelTracer(model, ["forward", "forward.held@every"], post_gather_callbacks=[saver]),
+    ):
+        model(first)
+        model(_nested(1.0, layout))  # equal components: not recorded again
+        model(changed)
+    with vartrace.open(path) as run:
+        assert run["forward"].iterations.tolist() == [1, 3]
+        assert run["forward.held"].iterations.tolist() == [1, 3]
+        got = run["forward"].get(iteration=3)
+    assert got.is_nested
+    for part, expected in zip(got.unbind(), changed.unbind(), strict=True):
+        assert part.equal(expected)
+
+
+def test_a_nested_tensor_differs_from_a_dense_one_of_the_same_values() -> None:
+    model = Echo()
+    nested = _nested(1.0, torch.strided)
+    with ModelTracer(model, ["forward"]) as tracer:
+        model(nested)
+        model(torch.arange(6.0).view(2, 3))
+        model(nested)
+    assert tracer.results["forward"].iterations == [1, 2, 3]
+
+
+def test_every_on_the_transformer_encoder_fast_path_records_its_nested_output() -> None:
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad(), ModelTracer(encoder, ["forward.output@every"], mode="eval") as tracer:
+        encoder(x, src_key_padding_mask=mask)
+        encoder(x, src_key_padding_mask=mask)
+    values = tracer.results["forward.output"].values
+    nested = [value for value in values if value.is_nested]
+    assert len(nested) >= 2  # the fast path ran: the layers' outputs are nested tensors
+    assert nested[0].unbind()[1].shape == (3, 8)  # the padded positions are left out
+
+
+# -- torch.func ------------------------------------------------------------------------------
+
+
+class Affine(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h = h * 2
+        return h.sum()
+
+
+def test_records_under_vmap_and_grad_are_plain_tensors_and_reach_the_file(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = Affine()
+    x = torch.randn(4, 3)
+    params = dict(model.named_parameters())
+    path = tmp_path / "run.h5"
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        H5PYSaverCallback(path, metadata=False) as saver,
+        ModelTracer(model, ["forward.h", "forward.x"], post_gather_callbacks=[saver]),
+    ):
+        warnings.simplefilter("always")
+        torch.func.vmap(model)(x)
+        torch.func.grad(lambda p: torch.func.functional_call(model, p, (x[1],)))(params)
+        torch.func.vmap(
+            torch.func.grad(lambda p, xi: torch.func.functional_call(model, p, xi)),
+            in_dims=(None, 0),
+        )(params, x[:2] + 1)
+    said = sorted(str(w.message) for w in caught if "torch.func" in str(w.message))
+    assert len(said) == 2  # once per site, not once per record
+    assert "forward.h is computed under torch.func.vmap" in said[0] and "(4, 2)" in said[0]
+    with torch.no_grad():
+        expected = model.lin(x) * 2
+    with vartrace.open(path) as run:
+        assert run["forward.h"].iterations.tolist() == [1, 2, 3]
+        assert run["forward.x"].get(iteration=1).equal(x)
+        assert run["forward.h"].get(iteration=1).equal(expected)  # the mapped dimension first
+        assert run["forward.h"].get(iteration=2).equal(expected[1])
+        assert run["forward.x"].get(iteration=3).equal(x[:2] + 1)
+
+
+def test_every_under_nested_vmaps_puts_the_outer_mapped_dimension_first() -> None:
+    model = Affine()
+    x = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(1))
+    with (
+        pytest.warns(UserWarning, match="2 mapped dimension"),
+        ModelTracer(model, ["forward.h@every"]) as tracer,
+    ):
+        torch.func.vmap(torch.func.vmap(model, in_dims=1))(x)  # inner maps x's dimension 2
+    with torch.no_grad():
+        lin = model.lin(x.transpose(1, 2))  # (2, 5, 2): outer, inner, features
+    values = tracer.results["forward.h"].values
+    assert [v.shape for v in values] == [(2, 5, 2), (2, 5, 2)]
+    assert all(type(v) is torch.Tensor for v in values)
+    assert values[0].equal(lin) and values[1].equal(lin * 2)
+
+
+# -- optimizer wrappers --------------------------------------------------------------------
+
+
+class Wrapped:
+    """The shape of accelerate's AcceleratedOptimizer: subclasses nothing it initialises,
+    holds the torch optimizer in ``.optimizer`` and skips the step on accumulation steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, every: int) -> None:
+        self.optimizer = optimizer
+        self.every = every
+        self.calls = 0
+
+    def step(self) -> None:
+        self.calls += 1
+        if self.calls % self.every == 0:
+            self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        if self.calls % self.every == 0:
+            self.optimizer.zero_grad()
+
+
+class SubclassWrapper(torch.optim.Optimizer):
+    """A wrapper that is an Optimizer by class but never ran ``Optimizer.__init__``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self._optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none)
+
+
+def _accumulate(model: nn.Module, optimizer: Any, micro_batches: int) -> None:
+    for batch in range(micro_batches):
+        model(tokens(batch)).logits.sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("kind", ["attribute", "subclass"])
+def test_an_optimizer_wrapper_counts_the_steps_of_the_optimizer_it_holds(kind: str) -> None:
+    model = TinyTransformer()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+    wrapper = Wrapped(sgd, every=2) if kind == "attribute" else Wrapped(SubclassWrapper(sgd), 2)
+    site = "layers.0.attn.forward.scores"
+    with ModelTracer(model, [site], optimizer=wrapper, change_detection=False) as tracer:
+        _accumulate(model, wrapper, 4)
+    assert tracer.results[site].iterations == [1, 1, 2, 2]
+
+
+def test_an_object_holding_no_optimizer_is_refused_naming_its_type() -> None:
+    with pytest.raises(TypeError, match="not Wrapped"):
+        ModelTracer(TinyTransformer(), ["head"], optimizer=Wrapped(None, 1))  # type: ignore[arg-type]
+
+
+def test_accelerate_prepared_optimizer_numbers_iterations_by_real_steps() -> None:
+    accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed")
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = TinyTransformer()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    site = "layers.0.attn.forward.scores"
+    with ModelTracer(model, [site], optimizer=optimizer, change_detection=False) as tracer:
+        for batch in range(6):
+            with accelerator.accumulate(model):
+                accelerator.backward(model(tokens(batch)).logits.sum())
+                optimizer.step()
+                optimizer.zero_grad()
+    assert tracer.results[site].iterations == [1, 1, 2, 2, 3, 3]
+
+
+# -- __slots__ and pre-save structures -------------------------------------------------------
+
+
+class State:
+    __slots__ = ("__private", "hidden", "steps")
+
+    def __init__(self, hidden: torch.Tensor, private: torch.Tensor) -> None:
+        self.hidden = hidden
+        self.__private = private
+        self.steps = 3
+
+
+class MoreState(State):
+    __slots__ = ("cell", "unset")
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> MoreState:
+        state = MoreState(self.lin(x), x * 2)  # graph tensors: deepcopy refuses them
+        state.cell = self.lin(x).tanh()
+        return state
+
+
+def test_an_object_with_slots_is_split_into_the_tensors_its_slots_hold() -> None:
+    model = Recurrent()
+    x = torch.randn(2, 3)
+    with (
+        pytest.warns(UserWarning, match="MoreState holding tensors"),
+        ModelTracer(model, ["forward"]) as tracer,
+    ):
+        out = model(x)
+    assert sorted(tracer.results) == ["forward._State__private", "forward.cell", "forward.hidden"]
+    assert tracer.results["forward.hidden"].values[0].equal(out.hidden.detach())
+    assert tracer.results["forward.cell"].values[0].equal(out.cell.detach())
+    assert tracer.results["forward._State__private"].values[0].equal(x * 2)
+
+
+def test_a_pre_save_callback_returning_a_dict_of_graph_tensors_gives_leaves(
+    tmp_path: Path,
+) -> None:
+    model = nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+
+    def summary(name: str, value: torch.Tensor, iteration: int) -> Any:
+        return {"mean": value.mean(), "extremes": (value.max(), value.min())}
+
+    path = tmp_path / "run.h5"
+    with (
+        warnings.catch_warnings(),
+        H5PYSaverCallback(path, metadata=False) as saver,
+        ModelTracer(
+            model, ["forward"], pre_save_callbacks=[summary], post_gather_callbacks=[saver]
+        ),
+    ):
+        warnings.simplefilter("error")  # no marker, no warning
+        out = model(x)
+    with vartrace.open(path) as run:
+        assert sorted(run.names) == ["forward.extremes.0", "forward.extremes.1", "forward.mean"]
+        assert run["forward.mean"].get(iteration=1).equal(out.mean().detach())
+        assert run["forward.extremes.1"].get(iteration=1).equal(out.min().detach())
