@@ -7,11 +7,18 @@
   a local (``attention_interface``), as modern HF attention does; the
   attention projection has ``bias=False``;
 * ``Wrapper``: a user's ``forward(self, *args, **kwargs)`` returning the
-  wrapped model's output, whose keys no static analysis can see.
+  wrapped model's output (its keys are the wrapped model's return keys);
+* ``PeftLike``: PEFT's ``PeftModelForCausalLM``: its forward returns, inside
+  a ``with`` block and with keyword names, the call of a tuner module whose
+  ``forward(*args, **kwargs)`` returns ``self.model.forward(...)``;
+* ``GetterWrapper``: PEFT's ``PeftModel``: ``forward(*args, **kwargs)``
+  returns ``self.get_base_model()(*args, **kwargs)``, whose keys only the
+  run can tell.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -177,6 +184,39 @@ class BatchWrapper(Wrapper):
     def forward(self, batch: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
         out = self.model(**batch)
         return out
+
+
+class LoraTuner(nn.Module):
+    """PEFT's ``LoraModel``: calls the wrapped model's ``forward`` method."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return self.model.forward(*args, **kwargs)
+
+
+class PeftLike(nn.Module):
+    """PEFT's ``PeftModelForCausalLM``: the tuner's call, inside a ``with`` block."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.base_model = LoraTuner(model)
+
+    def forward(self, input_ids=None, labels=None, **kwargs):  # type: ignore[no-untyped-def]
+        with contextlib.nullcontext():
+            return self.base_model(input_ids=input_ids, labels=labels, **kwargs)
+
+
+class GetterWrapper(Wrapper):
+    """PEFT's ``PeftModel``: the wrapped model reached through a method's result."""
+
+    def get_base_model(self) -> nn.Module:
+        return self.model
+
+    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return self.get_base_model()(*args, **kwargs)
 
 
 def tokens(seed: int, batch: int = 2, length: int = 5) -> torch.Tensor:

@@ -14,7 +14,9 @@ import vartrace
 from tests._hf_shapes import (
     BatchWrapper,
     BertLike,
+    GetterWrapper,
     LlamaLike,
+    PeftLike,
     Wrapper,
     eager_attention_forward,
     tokens,
@@ -276,18 +278,33 @@ def test_list_sites_leaves_out_class_methods_and_library_machinery() -> None:
 # -- item 8: keys below a return value that static analysis cannot see --------------------------
 
 
-def test_keys_below_an_opaque_return_are_resolved_at_run_time() -> None:
-    model = Wrapper(LlamaLike())
+def test_keys_below_a_wrapper_return_are_followed_into_the_wrapped_model() -> None:
     ids = tokens(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with ModelTracer(model, ["forward.loss", "forward.logits"]) as tracer:
-            model(ids, labels=ids)
-    assert sorted(tracer.results) == ["forward.logits", "forward.loss"]
-    message = r"'forward\.lgoits' recorded nothing"
-    with pytest.warns(UserWarning, match=message), ModelTracer(model, ["forward.lgoits"]):
-        model(ids)
+    for model in (Wrapper(LlamaLike()), PeftLike(LlamaLike()), GetterWrapper(LlamaLike())):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with ModelTracer(model, ["forward.loss", "forward.logits"]) as tracer:
+                model(ids, labels=ids)
+        assert sorted(tracer.results) == ["forward.logits", "forward.loss"], type(model)
+    for model in (Wrapper(LlamaLike()), PeftLike(LlamaLike())):  # issue 22, items 1 and 13
+        with pytest.raises(ValueError, match=r"'forward\.lgoits' matches no.*forward\.logits"):
+            ModelTracer(model, ["forward.lgoits"])
     batched = BatchWrapper(LlamaLike())
     with ModelTracer(batched, ["forward.loss"]) as tracer:
         batched({"input_ids": ids, "labels": ids})
+    assert list(tracer.results) == ["forward.loss"]
+
+
+def test_a_key_only_the_run_can_tell_is_checked_at_the_first_return() -> None:
+    model = GetterWrapper(LlamaLike())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ModelTracer(model, ["forward.lgoits", "forward.loss"]) as tracer:
+            model(tokens(0))  # no labels: the loss is None, its key exists
+            first = [str(w.message) for w in caught]
+            model(tokens(1), labels=tokens(1))
+    assert first == [
+        "vartrace: pattern 'forward.lgoits': forward returned a ModelOutput with keys "
+        "logits, loss; no key 'lgoits'; closest: logits, loss (it records nothing under this name)"
+    ]
     assert list(tracer.results) == ["forward.loss"]

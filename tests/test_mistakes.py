@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -153,3 +154,90 @@ def test_append_without_set_iteration_continues_the_numbering(tmp_path: Path) ->
 def test_a_cuda_device_without_cuda_fails_at_construction() -> None:
     with pytest.raises(ValueError, match=r"device='cuda'.*device='cpu'"):
         ModelTracer(Net(), ["head"], device="cuda")
+
+
+# -- misspelt names below a method that ends in a call (issue 22, item 1) ----------------------
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = x @ x.transpose(-1, -2)
+        h = logits.softmax(-1) @ x
+        return self.proj(h)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _Attention()
+        self.mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.attn(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "closest"),
+    [
+        ("blocks.0.attn.forward.scores", "blocks.0.attn.forward.logits"),  # self.proj(h)
+        ("head.forward.typo", "head.forward.input"),  # F.linear
+        ("blocks.*.mlp.forward.qqq", "blocks.0.mlp.forward"),  # nn.Sequential
+        ("blocks.0.forward.lgoits", "blocks.0.forward.x"),  # a submodule's call, followed
+    ],
+)
+def test_a_misspelt_key_below_a_returned_call_is_refused_before_step_one(
+    pattern: str, closest: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"{re.escape(pattern)}' matches no site.*{closest}"):
+        ModelTracer(_Stack(), [pattern])
+
+
+def test_two_patterns_joined_by_a_comma_are_refused_with_the_list_to_pass() -> None:
+    message = r"pass several as a list, \['blocks\.0\.attn\.forward\.logits', 'head'\]"
+    with pytest.raises(ValueError, match=message):
+        ModelTracer(_Stack(), "blocks.0.attn.forward.logits, head")
+
+
+def test_keys_a_returned_call_can_have_are_accepted() -> None:
+    model = _Stack()
+    patterns = ["blocks.0.attn.forward.logits", "head.forward.shape", "blocks.1.mlp.forward.ndim"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(model, patterns) as tracer:
+            model(torch.randn(3, 2, 4))
+    assert sorted(tracer.results) == [
+        "blocks.0.attn.forward.logits",
+        "blocks.1.mlp.forward.ndim",
+        "head.forward.shape.0",
+        "head.forward.shape.1",
+        "head.forward.shape.2",
+    ]
+
+
+def test_strict_false_keeps_a_misspelt_key_and_warns_at_its_first_return() -> None:
+    model = _Stack()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracer = ModelTracer(model, ["head.forward.typo"], strict=False)
+        assert not caught
+        with tracer:
+            model(torch.randn(3, 2, 4))
+            first = [str(w.message) for w in caught]
+    assert len(first) == 1, first
+    assert "'head.forward.typo': head.forward returned a Tensor which has no keys" in first[0]

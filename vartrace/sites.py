@@ -10,18 +10,32 @@ existing sites.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import inspect
 import re
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cache
+from types import FunctionType
+from typing import Any
 
+import torch
 from torch import nn
 
-from vartrace.engine.code import CALLEE_SEPARATOR, MethodInfo, methods_of
-from vartrace.engine.patching import Probe, Selector
+from vartrace.engine.code import (
+    CALLEE_SEPARATOR,
+    MethodInfo,
+    Returned,
+    function_info,
+    method_code,
+    methods_of,
+    returned_calls,
+)
+from vartrace.engine.patching import Probe, Selector, Sink
 from vartrace.engine.paths import Pattern, States, is_glob, parse
-from vartrace.engine.structures import register_container
+from vartrace.engine.structures import children, register_container, select
 
 __all__ = [
     "Target",
@@ -84,6 +98,218 @@ def _has_forward(module: nn.Module) -> bool:
     return "forward" in module_methods(module)
 
 
+_INDICES = frozenset(str(i) for i in range(8))
+Keys = frozenset[str] | None
+"""The keys a returned value can have, or ``None`` where only the run can tell."""
+
+
+@cache
+def _tensor_keys() -> frozenset[str]:
+    """What a pattern may name below what a torch function returns: an index, a field of
+    torch's named result tuples (``values``, ``indices``), a tensor attribute (``shape``)."""
+    fields = {
+        name
+        for kind in vars(torch.return_types).values()
+        if isinstance(kind, type)
+        for name in getattr(kind, "__match_args__", ())
+    }
+    attributes = {
+        name
+        for name in dir(torch.Tensor)
+        if not name.startswith("_") and not callable(getattr(torch.Tensor, name, None))
+    }
+    return _INDICES | fields | attributes
+
+
+@cache
+def _tensor_methods() -> frozenset[str]:
+    """Tensor methods that no container, str or module has: called on a local value
+    (``x.softmax(-1)``), they return a tensor."""
+    others = {*dir(dict), *dir(list), *dir(tuple), *dir(str), *dir(nn.Module)}
+    return frozenset(
+        name
+        for name in dir(torch.Tensor)
+        if name not in others and callable(getattr(torch.Tensor, name, None))
+    )
+
+
+def _from_torch(value: object) -> bool:
+    module = getattr(value, "__module__", None)
+    return isinstance(module, str) and module.split(".")[0] == "torch"
+
+
+def _fields(cls: type) -> frozenset[str]:
+    """The field names of a dataclass or namedtuple class (empty for other classes)."""
+    names = set(getattr(cls, "_fields", ()))
+    if dataclasses.is_dataclass(cls):
+        names.update(f.name for f in dataclasses.fields(cls))
+    return frozenset(names)
+
+
+class _ReturnKeys:
+    """Follows the calls a method returns (``return self.proj(h)``) to the keys the result
+    can have: a submodule's own return keys, a function's, a dataclass's fields; torch
+    functions and tensor methods return tensors.  ``None`` where only the run can tell
+    (a wrapper's ``self.model(*args, **kwargs)`` through a hook, a local function)."""
+
+    _DEPTH = 24
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[int, object], Keys] = {}
+        self._busy: set[tuple[int, object]] = set()
+
+    def of_method(self, module: nn.Module | None, info: MethodInfo) -> Keys:
+        """The keys of what ``info`` (a method of ``module``, or a function) returns."""
+        if info.annotated or info.function is None:
+            return info.return_keys
+        key = (id(module), info.code)
+        if key in self._memo:
+            return self._memo[key]
+        if key in self._busy or len(self._busy) >= self._DEPTH:
+            return frozenset()  # a recursive call adds no keys of its own
+        self._busy.add(key)
+        try:
+            keys: set[str] | None = set(info.return_keys)
+            for call in returned_calls(info.function):
+                more = self._of_call(module, info, call)
+                if more is None:
+                    keys = None
+                    break
+                keys.update(more)
+        finally:
+            self._busy.discard(key)
+        found = None if keys is None else frozenset(keys)
+        self._memo[key] = found
+        return found
+
+    def of_module(self, module: nn.Module) -> Keys:
+        """The keys of what calling ``module`` returns (its forward, unless a hook or an
+        instance attribute may change it)."""
+        if module._forward_hooks or "forward" in vars(module):
+            return None
+        forward = module_methods(module).get("forward")
+        return None if forward is None else self.of_method(module, forward)
+
+    def _of_call(self, module: nn.Module | None, info: MethodInfo, call: Returned) -> Keys:
+        if call.kind == "value":
+            return _tensor_keys() if call.names[0] in _tensor_methods() else None
+        if call.kind == "global":
+            return self._of_global(call)
+        if module is None:
+            return None
+        if call.kind == "self":
+            return self._of_attribute(module, call.names)
+        if call.kind == "super":
+            return self._of_super(module, info, call.names[0])
+        if call.kind == "loop":
+            container = _walk(module, call.names)
+            if isinstance(container, (nn.ModuleList, nn.Sequential)) and len(container):
+                return self._union(self.of_module(m) for m in container)
+        return None
+
+    def _of_attribute(self, module: nn.Module, names: tuple[str, ...]) -> Keys:
+        if not names:
+            return self.of_module(module)  # self(...)
+        owner = _walk(module, names[:-1])
+        last = names[-1]
+        if not isinstance(owner, nn.Module) or last in vars(owner):
+            return None
+        if last in owner._modules:
+            child = owner._modules[last]
+            return None if child is None else self.of_module(child)
+        method = module_methods(owner).get(last)
+        return None if method is None else self.of_method(owner, method)
+
+    def _of_super(self, module: nn.Module, info: MethodInfo, name: str) -> Keys:
+        mro = type(module).__mro__
+        here = [i for i, c in enumerate(mro) if method_code(vars(c).get(info.name)) is info.code]
+        for klass in mro[here[0] + 1 :] if here else ():
+            if klass is nn.Module:
+                return None
+            attr = vars(klass).get(name)
+            if attr is not None:
+                found = inspect.unwrap(attr)
+                if not isinstance(found, FunctionType):
+                    return None
+                return self.of_method(module, function_info(found))
+        return None
+
+    def _of_global(self, call: Returned) -> Keys:
+        target = call.target
+        if isinstance(target, type):
+            fields = _fields(target)
+            if fields:
+                return _INDICES | fields
+            # A structure built with keyword names (dict(loss=...)): they are constants.
+            return frozenset() if call.keywords else None
+        if isinstance(target, FunctionType):
+            info = function_info(target)
+            if not _from_torch(target):
+                return self.of_method(None, info)
+            if info.annotated:
+                return _tensor_keys() | info.return_keys
+            return _tensor_keys() if "return" in target.__annotations__ else None
+        return _tensor_keys() if callable(target) and _from_torch(target) else None
+
+    @staticmethod
+    def _union(parts: Iterable[Keys]) -> Keys:
+        keys: set[str] = set()
+        for part in parts:
+            if part is None:
+                return None
+            keys.update(part)
+        return frozenset(keys)
+
+
+def _walk(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
+    """The submodule ``module.<names...>``, or ``None`` where a name is no submodule."""
+    for name in names:
+        found = module._modules.get(name)
+        if found is None:
+            return None
+        module = found
+    return module
+
+
+@dataclass(frozen=True)
+class _CheckedReturn(Selector):
+    """A key below a return value that only the run can tell (a wrapper's
+    ``self.model(*args, **kwargs)``): at the method's first return, a key absent from the
+    value warns right then, naming the value's type, its keys and the closest ones."""
+
+    first: list[bool] = field(default_factory=lambda: [True], compare=False, repr=False)
+
+    def emit(self, value: Any, sink: Sink, seen: set[str] | None) -> None:
+        if self.first[0]:
+            self.first[0] = False
+            _check_keys(self, value)
+        super().emit(value, sink, seen)
+
+
+def _check_keys(selector: Selector, value: Any) -> None:
+    """Warn when the key that ``selector`` names next is not in ``value``."""
+    wanted = sorted(selector.pattern.literal_next(selector.states))
+    if not wanted or next(select(value, selector.pattern, selector.states, selector.site), None):
+        return
+    kids = children(value)
+    if kids is None:  # plain attributes of an object
+        keys = [k for k in getattr(value, "__dict__", {}) if not k.startswith("_")]
+    else:
+        keys = [key for key, _ in kids]
+    if _fields(type(value)).intersection(wanted):
+        return  # a field that is None at this call (a loss without labels)
+    close = dict.fromkeys(c for w in wanted for c in difflib.get_close_matches(w, keys, 3, 0.6))
+    has = f"with keys {', '.join(keys[:20])}" if keys else "which has no keys"
+    warnings.warn(
+        f"vartrace: pattern {selector.pattern.text!r}: {selector.site} returned a "
+        f"{type(value).__name__} {has}; no key {', '.join(map(repr, wanted))}"
+        + (f"; closest: {', '.join(close)}" if close else "")
+        + " (it records nothing under this name)",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
 @dataclass
 class Target:
     """One method of one module to patch, with what to capture from it.
@@ -124,6 +350,7 @@ class _Selection:
     states: States
     site: str = ""
     pattern: Pattern | None = None
+    check: bool = False  # a key only the run can tell: checked at the first return
 
 
 def _segment(method: MethodInfo, callee: MethodInfo | None) -> str:
@@ -133,9 +360,18 @@ def _segment(method: MethodInfo, callee: MethodInfo | None) -> str:
 class _Resolver:
     """Matches one pattern against the static sites of a model."""
 
-    def __init__(self, modules: list[tuple[str, nn.Module]], pattern: Pattern) -> None:
+    def __init__(
+        self,
+        modules: list[tuple[str, nn.Module]],
+        pattern: Pattern,
+        returns: _ReturnKeys,
+        strict: bool = True,
+    ) -> None:
         self.modules = modules
         self.pattern = pattern
+        self.returns = returns
+        self.strict = strict
+        self.refused: list[str] = []  # sites a key below a returned value cannot be in
 
     def _module_states(self, path: str) -> States:
         states = self.pattern.start
@@ -145,9 +381,9 @@ class _Resolver:
                 break
         return states
 
-    def _names_key(self, info: MethodInfo, states: States) -> bool:
-        """Whether a key the code names (a constant, an index, a field) can come next."""
-        return any(self.pattern.explicit(states, key) for key in info.return_keys)
+    def _names_key(self, keys: Iterable[str], states: States) -> bool:
+        """Whether one of ``keys`` (a constant, an index, a field) can come next."""
+        return any(self.pattern.explicit(states, key) for key in keys)
 
     def selections(self) -> Iterator[_Selection]:
         """Every static match of the pattern, in module order."""
@@ -193,18 +429,26 @@ class _Resolver:
             if (
                 p.accepts(var_states)
                 or p.explicit(after, variable)
-                or self._names_key(info, var_states)
+                or self._names_key(info.return_keys, var_states)
             ):
                 yield _Selection(path, module, method, callee, variable, var_states)
+        if self._names_key(info.return_keys, after):
+            yield _Selection(path, module, method, callee, None, after)
+            return
         named = segment in p.literal_next(states)
         # A name that is a variable of the method means the variable, not a key of the result.
         keys = p.literal_next(after)
-        names_variables = bool(keys) and keys <= set(info.variables)
-        open_keys = (
-            info.open_return and named and not names_variables and not self._typo(info, after)
-        )
-        if self._names_key(info, after) or open_keys:
+        if not named or (keys and keys <= set(info.variables)) or self._typo(info, after):
+            return
+        # The keys of a returned call's result: followed statically where it can be.
+        returned = self.returns.of_method(module if callee is None else None, info)
+        if returned is not None and self._names_key(returned, after):
             yield _Selection(path, module, method, callee, None, after)
+        elif returned is None or not self.strict:
+            yield _Selection(path, module, method, callee, None, after, check=True)
+        else:
+            site = _join(path, segment)
+            self.refused += [_join(site, k) for k in sorted(returned - _tensor_keys())]
 
     def _typo(self, info: MethodInfo, states: States) -> bool:
         """Whether the next literal segment looks like a misspelt variable of ``info``."""
@@ -244,7 +488,8 @@ def _add(target: Target, pattern: Pattern, selection: _Selection) -> str | None:
     variable, states, callee = selection.variable, selection.states, selection.callee
     site = selection.site or _join(target.path, _segment(target.method, callee), variable or "")
     # A parameter selection walks from its owner module (named by its path) to the tensor.
-    selector = Selector(
+    kind = _CheckedReturn if selection.check else Selector
+    selector = kind(
         variable,
         target.path if selection.site else site,
         selection.pattern or pattern,
@@ -334,10 +579,15 @@ def _parameter_sites(model: nn.Module) -> Iterator[tuple[str, int]]:
         yield name, name.count(".")
 
 
-def _closest(pattern: Pattern, modules: list[tuple[str, nn.Module]]) -> list[str]:
+def _closest(
+    pattern: Pattern, modules: list[tuple[str, nn.Module]], keys: Sequence[str] = ()
+) -> list[str]:
+    """The existing sites nearest to ``pattern``; ``keys`` adds sites of keys below
+    return values that the resolver found while refusing it."""
     body = ".".join(pattern.segments)
     sites = dict(_static_sites(modules))
     sites.update(_parameter_sites(modules[0][1]))
+    sites.update((k, 0) for k in keys)
     candidates = list(sites)
     close = difflib.get_close_matches(body, candidates, n=5, cutoff=0.6)
     if close and not any(is_glob(s) for s in pattern.segments):
@@ -372,10 +622,12 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
     parsed = [parse(text) for text in patterns]
     modules = list(model.named_modules())
     targets: dict[tuple[int, str], Target] = {}
+    returns = _ReturnKeys()
     for pattern in parsed:
         found = 0
         errors: list[str] = []
-        for selection in _Resolver(modules, pattern).selections():
+        resolver = _Resolver(modules, pattern, returns, strict)
+        for selection in resolver.selections():
             key = (id(selection.module), selection.method.name)
             target = targets.get(key)
             if target is None:
@@ -391,11 +643,14 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
             raise ValueError(
                 f"pattern {pattern.text!r}: {errors[0]}; drop @entry to read it at return"
             )
-        close = ", ".join(_closest(pattern, modules))
+        close = ", ".join(_closest(pattern, modules, resolver.refused))
         message = (
             f"pattern {pattern.text!r} matches no site of {type(model).__name__}; "
             f"closest existing sites: {close} (see vartrace.list_sites(model))"
         )
+        if "," in pattern.text:
+            parts = [part.strip() for part in pattern.text.split(",")]
+            message += f"; a pattern names one path: pass several as a list, {parts!r}"
         if strict:
             raise ValueError(message)
         warnings.warn(message, stacklevel=3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from vartrace.engine.code import methods_of
+from vartrace.engine.code import Returned, methods_of, returned_calls
 
 
 class Base:
@@ -59,6 +59,10 @@ def _scale(value: int) -> int:
     return value * 2
 
 
+def _calls_scale(value: int) -> int:
+    return _scale(value)
+
+
 class Mixed:
     @classmethod
     def build(cls, size: int) -> Mixed:
@@ -95,9 +99,34 @@ def test_functions_called_by_global_name_are_callees() -> None:
     assert methods["forward"].callees == ()
 
 
-def test_a_returned_call_result_is_open() -> None:
-    methods = methods_of(Mixed)
-    assert methods["forward"].open_return
-    assert methods["stored"].open_return  # a local stored straight from a bare call
-    assert not methods["scaled"].open_return
-    assert not methods["named"].open_return  # keyword names are constants of the code
+class Looped:
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        with open(x) as f:  # a return inside a with block
+            if f:
+                return super().forward(x)
+        for _i, layer in enumerate(self.layers[:2]):
+            x = layer(x)
+        return x if x else x.softmax(-1)
+
+
+def test_the_calls_a_method_returns_are_read_from_its_source() -> None:
+    inner = Returned("self", ("inner",))
+    assert returned_calls(Mixed.forward) == (inner,)
+    assert returned_calls(Mixed.stored) == (inner,)  # a local stored straight from a call
+    assert returned_calls(Mixed.scaled) == ()
+    (named,) = returned_calls(Mixed.named)
+    assert (named.kind, named.target, named.keywords) == ("global", dict, True)
+    (scale,) = returned_calls(_calls_scale)
+    assert scale.target is _scale
+    assert set(returned_calls(Looped.forward)) == {
+        Returned("super", ("forward",)),
+        Returned("loop", ("layers",)),
+        Returned("value", ("softmax",)),
+    }
+
+
+def test_a_method_without_source_returns_an_unknown_call() -> None:
+    namespace: dict[str, object] = {}
+    exec("def forward(self, x):\n    return self.inner(x)\n", namespace)
+    assert returned_calls(namespace["forward"]) == (Returned("unknown"),)  # type: ignore[arg-type]
+    assert not methods_of(Mixed)["scaled"].annotated

@@ -8,6 +8,8 @@ lets a tracer validate patterns and suggest near misses up front.
 
 from __future__ import annotations
 
+import ast
+import builtins
 import dataclasses
 import dis
 import inspect
@@ -15,12 +17,14 @@ import os
 import site
 import sys
 import sysconfig
+import textwrap
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
-from types import CodeType, FunctionType
+from types import CodeType, FunctionType, ModuleType
 
-__all__ = ["MethodInfo", "methods_of"]
+__all__ = ["MethodInfo", "Returned", "function_info", "methods_of", "returned_calls"]
 
 CALLEE_SEPARATOR = ">"
 """Joins a method and a function it calls into one site segment: ``forward>attention``."""
@@ -40,9 +44,11 @@ class MethodInfo:
             small indices, and the fields of a dataclass / namedtuple return
             annotation.  Used to decide statically which methods a key
             pattern may concern.
-        open_return: whether some ``return`` hands back a call's result
-            (``return self.model(*args, **kwargs)``), whose keys only the
-            run can tell.
+        annotated: a return annotation names the fields of what the method
+            returns (a dataclass, a namedtuple): ``return_keys`` are its keys.
+            Otherwise keys of a value the method returns from a call
+            (``return self.proj(h)``) are those of the callee's result:
+            :func:`returned_calls` says which calls.
         library: the method comes from a base class of an installed
             library (``PreTrainedModel.from_pretrained`` machinery): wildcards
             skip it, a literal name still reaches it.
@@ -55,9 +61,10 @@ class MethodInfo:
     arguments: tuple[str, ...]
     locals: tuple[str, ...]
     return_keys: frozenset[str]
-    open_return: bool = False
+    annotated: bool = False
     library: bool = False
     callees: tuple[MethodInfo, ...] = field(default=(), compare=False)
+    function: FunctionType | None = field(default=None, compare=False, repr=False)
 
     @property
     def variables(self) -> tuple[str, ...]:
@@ -152,12 +159,191 @@ def _analyse(name: str, code: CodeType, annotated_keys: frozenset[str]) -> Metho
         c for c in code.co_cellvars if c not in arguments
     )
     keys = _string_constants(code) | {str(i) for i in range(8)} | annotated_keys
-    open_return = _returns_a_call(code) and not annotated_keys
-    return MethodInfo(name, code, arguments, local_names, frozenset(keys), open_return)
+    return MethodInfo(name, code, arguments, local_names, frozenset(keys), bool(annotated_keys))
 
 
 def _function_info(name: str, function: FunctionType) -> MethodInfo:
-    return _analyse(name, function.__code__, _annotated_keys(function))
+    info = _analyse(name, function.__code__, _annotated_keys(function))
+    return dataclasses.replace(info, function=function)
+
+
+@cache
+def function_info(function: FunctionType) -> MethodInfo:
+    """What the engine knows about a plain function (a callee followed into)."""
+    return _function_info(function.__name__, function)
+
+
+@dataclass(frozen=True)
+class Returned:
+    """One call whose result a method returns, as the method's code spells the callee.
+
+    ``kind`` says where the callee's name starts:
+
+    * ``"self"``: an attribute chain of the method's object (``self.proj``,
+      ``self.model.forward``); ``names`` is the chain;
+    * ``"super"``: ``super().<name>``; ``names`` is ``(name,)``;
+    * ``"loop"``: a local bound by ``for layer in self.layers`` (or ``in
+      self``) and called; ``names`` is the chain iterated (``("layers",)``);
+    * ``"value"``: a method called on another local value (``x.softmax``);
+      ``names`` is ``(method,)``;
+    * ``"global"``: a name of the function's globals or builtins, through
+      modules (``F.linear``); ``target`` is the object it names, ``keywords``
+      whether the call passes keyword names only (``dict(loss=...)``);
+    * ``"unknown"``: anything else (a call's result called, a local function).
+    """
+
+    kind: str
+    names: tuple[str, ...] = ()
+    target: object = field(default=None, compare=False)
+    keywords: bool = False
+
+
+_MISSING = object()
+_NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+def _syntax(function: FunctionType) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The syntax tree of ``function``, or ``None`` when its source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0] if tree.body else None
+    return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def _own_nodes(node: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[ast.AST]:
+    """The nodes of a function's body, leaving out functions and classes defined in it."""
+    stack: list[ast.AST] = list(node.body)
+    while stack:
+        current = stack.pop()
+        yield current
+        stack.extend(c for c in ast.iter_child_nodes(current) if not isinstance(c, _NESTED))
+
+
+class _Returns:
+    """Reads which calls' results a function returns from its syntax tree."""
+
+    def __init__(self, function: FunctionType, node: ast.FunctionDef | ast.AsyncFunctionDef):
+        self.function = function
+        code = function.__code__
+        self.self_name = code.co_varnames[0] if code.co_argcount else None
+        self.locals = {*code.co_varnames, *code.co_cellvars, *code.co_freevars}
+        self.returns: list[ast.expr] = []
+        self.stored: dict[str, list[ast.Call]] = {}  # local -> calls stored straight into it
+        self.loops: dict[str, ast.expr] = {}  # local -> what a for loop binds it from
+        for current in _own_nodes(node):
+            if isinstance(current, ast.Return) and current.value is not None:
+                self.returns.append(current.value)
+            elif isinstance(current, (ast.Assign, ast.AnnAssign)) and isinstance(
+                current.value, ast.Call
+            ):
+                targets = current.targets if isinstance(current, ast.Assign) else [current.target]
+                for target in targets:
+                    if isinstance(target, ast.Name):
+                        self.stored.setdefault(target.id, []).append(current.value)
+            elif isinstance(current, (ast.For, ast.AsyncFor)):
+                self._bind_loop(current.target, current.iter)
+
+    def _bind_loop(self, target: ast.expr, iterated: ast.expr) -> None:
+        if (  # for i, layer in enumerate(self.layers)
+            isinstance(target, ast.Tuple)
+            and len(target.elts) == 2
+            and isinstance(iterated, ast.Call)
+            and isinstance(iterated.func, ast.Name)
+            and iterated.func.id == "enumerate"
+            and iterated.args
+        ):
+            target, iterated = target.elts[1], iterated.args[0]
+        if isinstance(target, ast.Name):
+            self.loops[target.id] = iterated
+
+    def calls(self) -> tuple[Returned, ...]:
+        found: dict[Returned, None] = {}
+        for value in self.returns:
+            for call in self._calls_in(value):
+                found.setdefault(self._classify(call))
+        return tuple(found)
+
+    def _calls_in(self, expr: ast.expr) -> Iterator[ast.Call]:
+        if isinstance(expr, ast.Call):
+            yield expr
+        elif isinstance(expr, ast.IfExp):
+            yield from self._calls_in(expr.body)
+            yield from self._calls_in(expr.orelse)
+        elif isinstance(expr, ast.Name):
+            yield from self.stored.get(expr.id, ())
+
+    def _self_chain(self, expr: ast.expr) -> tuple[str, ...] | None:
+        """``("layers",)`` for ``self.layers`` (or a slice of it), ``()`` for ``self``."""
+        if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Slice):
+            expr = expr.value
+        chain: list[str] = []
+        while isinstance(expr, ast.Attribute):
+            chain.append(expr.attr)
+            expr = expr.value
+        if isinstance(expr, ast.Name) and expr.id == self.self_name:
+            return tuple(reversed(chain))
+        return None
+
+    def _classify(self, call: ast.Call) -> Returned:
+        func = call.func
+        chain: list[str] = []
+        while isinstance(func, ast.Attribute):
+            chain.append(func.attr)
+            func = func.value
+        chain.reverse()
+        if (
+            isinstance(func, ast.Call)
+            and isinstance(func.func, ast.Name)
+            and func.func.id == "super"
+            and len(chain) == 1
+        ):
+            return Returned("super", tuple(chain))
+        if not isinstance(func, ast.Name):
+            return Returned("unknown")
+        name = func.id
+        if name == self.self_name:
+            return Returned("self", tuple(chain))
+        if name in self.locals:
+            iterated = self.loops.get(name)
+            loop = None if chain or iterated is None else self._self_chain(iterated)
+            if loop is not None:
+                return Returned("loop", loop)
+            return Returned("value", tuple(chain)) if len(chain) == 1 else Returned("unknown")
+        target = self._global(name, chain)
+        if target is _MISSING:
+            return Returned("unknown")
+        keywords = bool(call.keywords) and not call.args and all(k.arg for k in call.keywords)
+        return Returned("global", (name, *chain), target, keywords)
+
+    def _global(self, name: str, chain: list[str]) -> object:
+        """The object a global name and an attribute chain through modules name."""
+        namespace = self.function.__globals__
+        value = namespace[name] if name in namespace else getattr(builtins, name, _MISSING)
+        for attr in chain:
+            if not isinstance(value, ModuleType):
+                return _MISSING
+            value = getattr(value, attr, _MISSING)
+        if isinstance(value, FunctionType):
+            value = inspect.unwrap(value)
+        return value
+
+
+@cache
+def returned_calls(function: FunctionType) -> tuple[Returned, ...]:
+    """The calls whose results ``function`` returns: directly, through a conditional
+    expression, or through a local stored straight from one (``out = self.model(**b)``).
+
+    Read from the source; where it cannot be read, a call seen in the bytecode
+    is an ``"unknown"`` one.  Example::
+
+        returned_calls(Block.forward)   # (Returned("self", ("proj",)),)
+    """
+    node = _syntax(function)
+    if node is None:
+        return (Returned("unknown"),) if _returns_a_call(function.__code__) else ()
+    return _Returns(function, node).calls()
 
 
 @cache
