@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import h5py
+import pytest
 import torch
 
 from vartrace.storage import H5PYSaverCallback, open_run
@@ -234,3 +235,102 @@ def test_credentials_inside_values_never_reach_the_file(tmp_path: Path) -> None:
         "--num-passes",
         "3",
     ]
+
+
+# Fifteen realistic secrets: in the environment, on the command line and in an uncommitted
+# diff (configs, code, a shell script, a private key), each as users write them.
+DIFF_FILES = {
+    "config.yaml": "db:\n  user: trainer\n  password: hunter2-Zq81xV\n",
+    "settings.py": 'WANDB_API_KEY = "5f0c1e2d3b4a69788796a5b4c3d2e1f0a9b8c7d6"\nlr = 0.2\n',
+    ".env": "export HF_TOKEN=hf_QwErTyUiOpAsDfGhJkLzXcVbNm123456\n",
+    "secrets.json": '{"aws_secret_access_key": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"}\n',
+    "notify.py": 'client = Client(token_value="xoxb-1234567890-abcdefghijklmn")\n',
+    "fetch.py": 'auth = {"Authorization": "Bearer eyJhbGciOiJIUzI1NiJ9.cGF5bG9hZA.c2lnbmF0dXJl"}\n',
+    "db.py": 'URL = "postgresql://admin:Adm1n-S3cret-77@db:5432/runs"\n',
+    "id_rsa": "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEAx7Gq3kPrivateKeyBody9\n"
+    "-----END RSA PRIVATE KEY-----\n",
+    "run.sh": "python train.py --password 'Sup3r-Secret-Sh3ll'\n",
+}
+DIFF_SECRETS = [
+    "hunter2-Zq81xV",
+    "5f0c1e2d3b4a69788796a5b4c3d2e1f0a9b8c7d6",
+    "hf_QwErTyUiOpAsDfGhJkLzXcVbNm123456",
+    "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+    "xoxb-1234567890-abcdefghijklmn",
+    "eyJhbGciOiJIUzI1NiJ9.cGF5bG9hZA.c2lnbmF0dXJl",
+    "Adm1n-S3cret-77",
+    "MIIEowIBAAKCAQEAx7Gq3kPrivateKeyBody9",
+    "Sup3r-Secret-Sh3ll",
+]
+ENV_SECRETS = {
+    "TORCH_HUB_TOKEN": "tok-9d8c7b6a5f4e3d2c",
+    "VARTRACE_DB_URL": "mysql://ml:My-Sq1-Pw-4410@10.1.2.3/runs",
+    "SLURM_JOB_COMMENT": "resume with api_key=ak-5566-7788-99aa",
+}
+ENV_PLANTED = ["tok-9d8c7b6a5f4e3d2c", "My-Sq1-Pw-4410", "ak-5566-7788-99aa"]
+ARGV_PLANTED = ["wb-k3y-0a1b2c3d", "Hydra-Pw-1357", "ghp_Z9y8X7w6V5u4T3s2R1q0P9o8N7m6L5k4J3i2"]
+
+
+def _dirty_repo(root: Path) -> Path:
+    """A real git repository with one commit and the secrets of DIFF_FILES uncommitted."""
+    repo = root / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "config", "user.email", "t@example.com")
+    _git(repo, "config", "user.name", "T")
+    for name in DIFF_FILES:
+        (repo / name).write_text("# placeholder\n")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "start")
+    for name, text in DIFF_FILES.items():
+        (repo / name).write_text(text)
+    return repo
+
+
+def test_fifteen_secrets_in_argv_environment_and_uncommitted_diff_never_reach_the_file(
+    tmp_path: Path,
+) -> None:
+    repo = _dirty_repo(tmp_path)
+    path = tmp_path / "run.h5"
+    args = ["--wandb-key", ARGV_PLANTED[0], f"model.db.password={ARGV_PLANTED[1]}"]
+    args += [ARGV_PLANTED[2], "--epochs", "3"]
+    _write_in_subprocess(path, repo, ENV_SECRETS, args)
+    planted = [*DIFF_SECRETS, *ENV_PLANTED, *ARGV_PLANTED]
+    assert len(planted) == 15
+    _assert_absent(path.read_bytes(), planted)
+    with open_run(path) as run:
+        git = run.meta["git"]
+    assert git["dirty"] is True
+    assert "+lr = 0.2" in git["diff"]  # the diff is kept, only its secrets are redacted
+    assert "+  password: <redacted>" in git["diff"].splitlines()
+    assert '+WANDB_API_KEY = "<redacted>"' in git["diff"].splitlines()
+
+
+_DIFFLESS_WRITER = """
+import sys
+from vartrace.storage import H5PYSaverCallback
+from vartrace.trace import Trace
+saver = H5PYSaverCallback(sys.argv[1], metadata={"git_diff": False})
+trace = Trace()
+trace.append(1.5, 1, 0, 0)
+saver("forward.x", trace)
+saver.close()
+"""
+
+
+def test_the_diff_can_be_left_out_alone(tmp_path: Path) -> None:
+    repo = _dirty_repo(tmp_path)
+    (repo / "settings.py").write_text("lr = 0.2  # marker-of-the-diff\n")
+    script = tmp_path / "write.py"
+    script.write_text(_DIFFLESS_WRITER)
+    path = tmp_path / "run.h5"
+    subprocess.run([sys.executable, str(script), str(path)], cwd=repo, check=True, timeout=120)
+    assert b"marker-of-the-diff" not in path.read_bytes()
+    with open_run(path) as run:
+        meta = run.meta
+    assert meta["git"]["commit"] == _git(repo, "rev-parse", "HEAD")
+    assert meta["git"]["dirty"] is True and meta["git"]["diff_left_out"] is True
+    assert "diff" not in meta["git"]
+    assert meta["command"] and meta["versions"]["h5py"] == h5py.__version__
+    with pytest.raises(TypeError, match=r"unknown metadata option\(s\) 'diff'; known: git_diff"):
+        H5PYSaverCallback(tmp_path / "other.h5", metadata={"diff": False})

@@ -7,7 +7,10 @@ variables whose names look secret are never recorded even when allow-listed,
 command-line values given to secret-looking options (long or short: ``--pw``,
 ``-p``) are redacted, and credentials found inside any recorded argument or
 variable value (``user:password@`` in URLs, ``password=...`` pairs, tokens of
-well-known shapes) are replaced by ``<redacted>``.
+well-known shapes, private keys, ``password: ...`` lines of a config) are replaced by
+``<redacted>``: in the arguments, the variables, the git status and the git diff.  The
+diff can be left out alone: ``collect_metadata(git_diff=False)``, or
+``H5PYSaverCallback(path, metadata={"git_diff": False})``.
 
 Example::
 
@@ -26,9 +29,17 @@ import re
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ENV_NAMES", "ENV_PREFIXES", "collect_metadata", "looks_secret", "redact"]
+__all__ = [
+    "ENV_NAMES",
+    "ENV_PREFIXES",
+    "collect_metadata",
+    "looks_secret",
+    "metadata_options",
+    "redact",
+]
 
 ENV_NAMES = frozenset(
     {
@@ -71,9 +82,25 @@ _TOKEN = re.compile(
     r"|hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|xox[abposr]-[A-Za-z0-9-]{10,}"
     r"|AKIA[0-9A-Z]{16})\b"
 )
+# ``name = value`` / ``name: value`` pairs (code, configs, YAML, JSON, shell): the value of a
+# secret-looking name, quoted or to the end of the line, is redacted.
+_PAIR = re.compile(
+    r"""(?P<name>[A-Za-z_][\w.-]*)(?P<sep>["']?[ \t]*[:=][ \t]*)"""
+    r"""(?P<value>"[^"\n]*"?|'[^'\n]*'?|[^\s"'][^\n]*)"""
+)
+# ``--password value`` inside a text (a command in a script or a README).
+_OPTION = re.compile(
+    r"""(?P<name>(?<![\w-])--?[A-Za-z][\w-]*)(?P<sep>[ \t]+)(?P<value>[^\s-]\S*)"""
+)
+_BEARER = re.compile(r"\b(Bearer|Basic|Token)[ \t]+[A-Za-z0-9._~+/=-]{8,}", re.I)
+_PEM = re.compile(
+    r"-----BEGIN (?P<what>[A-Z0-9 ]*PRIVATE KEY[A-Z0-9 ]*)-----.*?(?:-----END (?P=what)-----|\Z)",
+    re.S,
+)
 _REDACTED = "<redacted>"
 _DIFF_LIMIT = 1 << 20
 _GIT_TIMEOUT_S = 10.0
+_OPTIONS = frozenset({"git_diff"})  # keyword options of collect_metadata
 
 
 def looks_secret(name: str) -> bool:
@@ -86,18 +113,31 @@ def looks_secret(name: str) -> bool:
 
 
 def redact(text: str) -> str:
-    """``text`` with the credentials found in its value replaced by ``<redacted>``.
+    """``text`` with the credentials found in it replaced by ``<redacted>``, line by line.
 
     Credentials in URLs (``https://user:password@host`` -> ``https://<redacted>@host``),
-    the value of a ``name=value`` pair whose name looks secret, and tokens of
-    well-known shapes (GitHub, GitLab, Hugging Face, OpenAI, Slack, AWS keys).
+    the value of a ``name=value`` or ``name: value`` pair (code, configs, YAML,
+    JSON) or of a ``--name value`` option whose name looks secret, ``Bearer``
+    tokens, private-key blocks, and tokens of well-known shapes (GitHub, GitLab,
+    Hugging Face, OpenAI, Slack, AWS keys).  Applied to every text of ``/meta``:
+    arguments, environment values, git status and diff.
     Example: ``redact("db.password=hunter2") == "db.password=<redacted>"``.
     """
-    name, equals, _ = text.partition("=")
-    if equals and looks_secret(name):
-        return f"{name}={_REDACTED}"
+    text = _PEM.sub(_REDACTED, text)
+    text = _PAIR.sub(_redact_value, text)
+    text = _OPTION.sub(_redact_value, text)
+    text = _BEARER.sub(lambda match: f"{match.group(1)} {_REDACTED}", text)
     text = _URL_USERINFO.sub(lambda match: f"{match.group(1)}{_REDACTED}@", text)
     return _TOKEN.sub(_REDACTED, text)
+
+
+def _redact_value(match: re.Match[str]) -> str:
+    """A matched pair with its value redacted when its name looks secret (quotes kept)."""
+    name, separator, value = match.group("name", "sep", "value")
+    if not looks_secret(name.lstrip("-")):
+        return match.group()
+    quote = value[0] if value[0] in "\"'" else ""
+    return f"{name}{separator}{quote}{_REDACTED}{quote}"
 
 
 def _environment() -> dict[str, str]:
@@ -153,8 +193,12 @@ def _script_directory() -> str | None:
     return os.path.dirname(os.path.abspath(script)) if script else None
 
 
-def _git_state() -> dict[str, Any]:
-    """Git state of the running script's repository, else of the working directory's."""
+def _git_state(diff: bool) -> dict[str, Any]:
+    """Git state of the running script's repository, else of the working directory's.
+
+    The status and the diff are redacted (:func:`redact`); ``diff=False`` leaves the
+    diff out (``diff_left_out``).
+    """
     for where in dict.fromkeys((_script_directory(), None)):
         commit = _git("rev-parse", "HEAD", where=where)
         if commit is not None:
@@ -162,17 +206,18 @@ def _git_state() -> dict[str, Any]:
     else:
         return {"available": False}
     status = _git("status", "--porcelain", where=where) or b""
-    diff = _git("diff", "HEAD", where=where) or b""
-    return {
+    state = {
         "available": True,
         "repository": _text(_git("rev-parse", "--show-toplevel", where=where)).strip(),
         "commit": _text(commit).strip(),
         "branch": _text(_git("rev-parse", "--abbrev-ref", "HEAD", where=where)).strip(),
         "dirty": bool(status.strip()),
-        "status": _text(status),
-        "diff": _text(diff),
-        "diff_truncated": len(diff) > _DIFF_LIMIT,
+        "status": redact(_text(status)),
     }
+    if not diff:
+        return {**state, "diff_left_out": True}
+    patch = _git("diff", "HEAD", where=where) or b""
+    return {**state, "diff": redact(_text(patch)), "diff_truncated": len(patch) > _DIFF_LIMIT}
 
 
 def _version(name: str) -> str:
@@ -200,8 +245,34 @@ def _packages() -> list[str]:
     return sorted(found, key=str.lower)
 
 
-def collect_metadata(world_size: int = 1) -> dict[str, Any]:
-    """The run metadata as a nested dict of strings, numbers, bools and string lists."""
+def metadata_options(metadata: bool | Mapping[str, Any]) -> dict[str, Any] | None:
+    """The :func:`collect_metadata` options a saver's ``metadata`` argument asks for.
+
+    ``True``: everything (``{}``); ``False``: no metadata (``None``); a dict of
+    options, e.g. ``{"git_diff": False}`` (everything but the uncommitted diff).
+    ``TypeError`` names an unknown option.
+    """
+    if metadata is True or metadata is False:
+        return {} if metadata else None
+    if not isinstance(metadata, Mapping):
+        raise TypeError(
+            f"metadata must be True, False or a dict of options such as {{'git_diff': False}}, "
+            f"not {metadata!r}"
+        )
+    unknown = sorted(set(metadata) - _OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"unknown metadata option(s) {', '.join(map(repr, unknown))}; known: "
+            f"{', '.join(sorted(_OPTIONS))}"
+        )
+    return dict(metadata)
+
+
+def collect_metadata(world_size: int = 1, *, git_diff: bool = True) -> dict[str, Any]:
+    """The run metadata as a nested dict of strings, numbers, bools and string lists.
+
+    ``git_diff=False`` leaves the uncommitted diff out and keeps everything else.
+    """
     import h5py
 
     versions = {
@@ -223,6 +294,6 @@ def collect_metadata(world_size: int = 1) -> dict[str, Any]:
         "world_size": world_size,
         "versions": versions,
         "packages": _packages(),
-        "git": _git_state(),
+        "git": _git_state(git_diff),
         "env": _environment(),
     }

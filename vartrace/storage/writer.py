@@ -64,6 +64,7 @@ from vartrace.storage._layout import (
     writer_alive,
 )
 from vartrace.storage._worker import Worker
+from vartrace.storage.metadata import collect_metadata, metadata_options
 from vartrace.trace import RunContext, Trace, report_during
 
 __all__ = ["COMPRESSIONS", "H5PYSaverCallback", "recover", "unused_savers"]
@@ -461,7 +462,9 @@ class H5PYSaverCallback:
             fast, the recommended one), ``"blosc2"``, ``"blosc2-zstd"`` (smaller, slower);
             the shortcuts need ``pip install hdf5plugin``.  gzip and lzf compress on one
             core inside the training step: far slower.
-        metadata: store the run's metadata under ``/meta`` when the file is created.
+        metadata: store the run's metadata under ``/meta`` when the file is created;
+            ``False``: none; a dict of options, e.g. ``{"git_diff": False}``: all of it but
+            the uncommitted git diff (see :func:`vartrace.storage.collect_metadata`).
         background: write on a thread of the saver's own.  Each call only takes the
             records over; :meth:`flush` (once per gather) hands the gather to the
             thread and returns, so the training step does not wait for the disk.  It
@@ -491,7 +494,7 @@ class H5PYSaverCallback:
         compression: Any = None,
         compression_opts: Any = None,
         shuffle: bool = False,
-        metadata: bool = True,
+        metadata: bool | Mapping[str, Any] = True,
         background: bool = False,
     ) -> None:
         if overwrite and append:
@@ -500,6 +503,7 @@ class H5PYSaverCallback:
         self.overwrite = overwrite
         self.append = append
         self.metadata = metadata
+        self._metadata = metadata_options(metadata)  # collect_metadata's options; None: none
         self._options = {
             "float_dtype": dtype_name(float_dtype, "f"),
             "int_dtype": dtype_name(int_dtype, "i"),
@@ -618,10 +622,8 @@ class H5PYSaverCallback:
 
     def _create(self, path: Path) -> h5py.File:
         meta = None
-        if self.metadata:  # collected first: the file exists outside SWMR mode only briefly
-            from vartrace.storage.metadata import collect_metadata
-
-            meta = collect_metadata(self._context.world_size)
+        if self._metadata is not None:  # collected first: outside SWMR mode only briefly
+            meta = collect_metadata(self._context.world_size, **self._metadata)
         handle = h5py.File(path, "x", libver=LIBVER, rdcc_nbytes=_CACHE_BYTES)
         handle.attrs[FORMAT_ATTR] = FORMAT_VERSION
         handle.attrs["vartrace_version"] = _vartrace_version()
@@ -810,7 +812,9 @@ class H5PYSaverCallback:
     def __call__(self, name: str, trace: Trace) -> None:
         """Append the chunk's records of site ``name`` to the file and empty the chunk."""
         _UNUSED.discard(self)
-        with self._lock:
+        # Ctrl-C is held until the records are written and taken from the chunk: neither
+        # half written nor written twice (the tracer keeps what a callback did not take).
+        with self._lock, _interrupts_held():
             if self._failure is not None:  # the saver stopped writing: drop, never grow
                 trace.clear()
                 return
@@ -823,7 +827,7 @@ class H5PYSaverCallback:
                 )
                 self._pending.append((name, taken))
             else:
-                with _interrupts_held(), self._guard():
+                with self._guard():
                     self._append(name, trace)
             trace.clear()
 
