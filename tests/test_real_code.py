@@ -19,7 +19,10 @@ import vartrace
 from tests._models import TinyTransformer, tokens
 from vartrace import H5PYSaverCallback, ModelTracer
 
-pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning"),
+]
 
 
 class Echo(nn.Module):
@@ -285,3 +288,64 @@ def test_a_pre_save_callback_returning_a_dict_of_graph_tensors_gives_leaves(
         assert sorted(run.names) == ["forward.extremes.0", "forward.extremes.1", "forward.mean"]
         assert run["forward.mean"].get(iteration=1).equal(out.mean().detach())
         assert run["forward.extremes.1"].get(iteration=1).equal(out.min().detach())
+
+
+# -- torch.jit submodules --------------------------------------------------------------------
+
+
+class Scripted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y * 2
+
+
+class HoldsScripted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(3, 3)
+        self.inner = torch.jit.script(Scripted())
+        self.traced = torch.jit.trace(nn.Linear(3, 3), torch.zeros(1, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        out = self.inner(h)
+        return self.traced(out)
+
+
+def test_a_model_holding_scripted_modules_traces_the_rest() -> None:
+    model = HoldsScripted()
+    x = torch.randn(2, 3)
+    paths = ["pre", "forward.h", "forward.out", "pre.weight", "**.bias"]
+    with ModelTracer(model, paths) as tracer:
+        result = model(x)
+    assert sorted(tracer.results) == [
+        "forward.h",
+        "forward.out",
+        "pre.bias",
+        "pre.forward",
+        "pre.weight",
+    ]
+    with torch.no_grad():
+        h = model.pre(x)
+        assert tracer.results["forward.out"].values[0].equal(model.inner(h))
+    assert result.shape == (2, 3)
+    listed = vartrace.list_sites(model)
+    assert "forward.out" in listed and not any(s.startswith(("inner", "traced")) for s in listed)
+
+
+@pytest.mark.parametrize("pattern", ["inner", "inner.forward.y", "inner.lin", "traced.weight"])
+def test_a_pattern_inside_scripted_code_is_refused_saying_why(pattern: str) -> None:
+    model = HoldsScripted()
+    with pytest.raises(ValueError, match=r"inside a torch\.jit module: '(inner|traced)' is a"):
+        ModelTracer(model, [pattern])
+    with pytest.warns(UserWarning, match="TorchScript runs outside Python"):
+        ModelTracer(model, ["pre", pattern], strict=False)
+
+
+def test_a_scripted_model_is_refused_saying_why() -> None:
+    with pytest.raises(ValueError, match="the model is a RecursiveScriptModule"):
+        ModelTracer(torch.jit.script(Scripted()), ["forward.y"])

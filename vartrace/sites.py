@@ -78,6 +78,38 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def _without_scripted(
+    modules: list[tuple[str, nn.Module]],
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """``modules`` without the ``torch.jit`` script or traced modules and what lies below
+    them (their code runs in TorchScript, outside Python), and those modules themselves."""
+    kept: list[tuple[str, nn.Module]] = []
+    scripted: list[tuple[str, nn.Module]] = []
+    for path, module in modules:
+        if any(path == top or path.startswith(f"{top}.") or not top for top, _ in scripted):
+            continue
+        (scripted if isinstance(module, torch.jit.ScriptModule) else kept).append((path, module))
+    return kept, scripted
+
+
+def _scripted_refusal(pattern: Pattern, scripted: list[tuple[str, nn.Module]]) -> str | None:
+    """Why ``pattern`` cannot be traced, if it names a site inside a scripted module."""
+    for path, module in scripted:
+        states = pattern.start
+        for segment in path.split(".") if path else ():
+            states = pattern.step(states, segment, plain=True)
+        if states and not is_glob(pattern.segments[0]):
+            where = f"{path!r} is" if path else "the model is"
+            return (
+                f"pattern {pattern.text!r} names code inside a torch.jit module: {where} a "
+                f"{type(module).__name__}, whose code TorchScript runs outside Python, where "
+                "vartrace cannot see its values; trace the values the Python code around it "
+                "passes in and gets back (the caller's locals), or keep the module "
+                "unscripted while tracing"
+            )
+    return None
+
+
 def is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` or one of its submodules runs under ``torch.compile``."""
     if isinstance(getattr(model, "_orig_mod", None), nn.Module):
@@ -574,19 +606,27 @@ def _static_sites(
                         yield _join(path, segment, variable), depth
 
 
-def _parameter_sites(model: nn.Module) -> Iterator[tuple[str, int]]:
+def _parameter_sites(
+    model: nn.Module, scripted: list[tuple[str, nn.Module]]
+) -> Iterator[tuple[str, int]]:
+    """Parameter and buffer sites, but those of scripted modules (listed in ``scripted``)."""
     for name, _ in (*model.named_parameters(), *model.named_buffers()):
-        yield name, name.count(".")
+        if not any(name.startswith(f"{path}.") or not path for path, _ in scripted):
+            yield name, name.count(".")
 
 
 def _closest(
-    pattern: Pattern, modules: list[tuple[str, nn.Module]], keys: Sequence[str] = ()
+    pattern: Pattern,
+    modules: list[tuple[str, nn.Module]],
+    scripted: list[tuple[str, nn.Module]],
+    keys: Sequence[str] = (),
 ) -> list[str]:
-    """The existing sites nearest to ``pattern``; ``keys`` adds sites of keys below
-    return values that the resolver found while refusing it."""
+    """The existing sites nearest to ``pattern`` (none inside the ``scripted`` modules);
+    ``keys`` adds sites of keys below return values that the resolver found while
+    refusing it."""
     body = ".".join(pattern.segments)
     sites = dict(_static_sites(modules))
-    sites.update(_parameter_sites(modules[0][1]))
+    sites.update(_parameter_sites(modules[0][1], scripted))
     sites.update((k, 0) for k in keys)
     candidates = list(sites)
     close = difflib.get_close_matches(body, candidates, n=5, cutoff=0.6)
@@ -620,7 +660,7 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
     if isinstance(patterns, str):
         patterns = [patterns]
     parsed = [parse(text) for text in patterns]
-    modules = list(model.named_modules())
+    modules, scripted = _without_scripted(list(model.named_modules()))
     targets: dict[tuple[int, str], Target] = {}
     returns = _ReturnKeys()
     for pattern in parsed:
@@ -643,7 +683,13 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
             raise ValueError(
                 f"pattern {pattern.text!r}: {errors[0]}; drop @entry to read it at return"
             )
-        close = ", ".join(_closest(pattern, modules, resolver.refused))
+        refusal = _scripted_refusal(pattern, scripted)
+        if refusal is not None:
+            if strict:
+                raise ValueError(refusal)
+            warnings.warn(refusal, stacklevel=3)
+            continue
+        close = ", ".join(_closest(pattern, modules, scripted, resolver.refused))
         message = (
             f"pattern {pattern.text!r} matches no site of {type(model).__name__}; "
             f"closest existing sites: {close} (see vartrace.list_sites(model))"
@@ -675,10 +721,10 @@ def list_sites(model: nn.Module, pattern: str = "**") -> list[str]:
     """
     parsed = parse(pattern)
     root = unwrap(model)
-    modules = list(root.named_modules())
+    modules, scripted = _without_scripted(list(root.named_modules()))
     literal = set(re.split(r"[.>@]", pattern))
     hidden = _torch_helpers(modules, literal)
-    sites = [*_static_sites(modules, literal), *_parameter_sites(root)]
+    sites = [*_static_sites(modules, literal), *_parameter_sites(root, scripted)]
     return [
         s
         for s, depth in sites
