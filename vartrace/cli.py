@@ -31,7 +31,9 @@ import importlib
 import importlib.util
 import math
 import os
+import shlex
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -44,6 +46,8 @@ __all__ = ["main"]
 _FULL_PRINT = 100
 #: Most lines of one value's preview.
 _PREVIEW_LINES = 24
+#: Longest metadata text or list ``meta`` prints without being asked for that entry.
+_META_LINES = 10
 #: Records whose values ``show`` prints inline in its per-record table.
 _INLINE = 6
 
@@ -78,16 +82,22 @@ def _open(path: str, allow_pickle: bool = False) -> Any:
     """Open a run, turning the usual failures into one-line messages."""
     from vartrace.storage.reader import open_run
 
-    if not glob.has_magic(path) and not os.path.exists(path):
-        raise _UserError(f"no such file: {path}")
-    if glob.has_magic(path) and not glob.glob(path):
-        raise _UserError(f"no file matches {path}")
+    if not os.path.exists(path):  # an existing path is a path, even with [ ] or * in it
+        if not glob.has_magic(path):
+            raise _UserError(f"no such file: {path}")
+        if not glob.glob(path):
+            raise _UserError(f"no file matches {path}")
     try:
-        return open_run(path, allow_pickle=allow_pickle)
-    except ValueError as exc:  # not a vartrace file, or a newer format
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = open_run(path, allow_pickle=allow_pickle)
+    except ValueError as exc:  # not a vartrace file, a newer format, shards of several runs
         raise _UserError(_message(exc)) from exc
     except OSError as exc:
         raise _UserError(f"cannot open {path}: {_message(exc)}") from exc
+    for warning in caught:  # a missing shard: one line, not Python's two
+        sys.stderr.write(f"{warning.message}\n")
+    return run
 
 
 def _site(run: Any, path: str, name: str) -> Any:
@@ -202,7 +212,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                     "-" if nbytes is None else _human_bytes(nbytes),
                 )
             )
-    print(f"{args.run}: {len(rows)} sites, {total_records} records, {_human_bytes(total_bytes)}")
+        live = " (live: its writer still runs; run again for newer records)" if run.live else ""
+    summary = f"{len(rows)} sites, {total_records} records, {_human_bytes(total_bytes)}"
+    print(f"{args.run}: {summary}{live}")
     if rows:
         header = ("site", "records", "shape", "dtype", "iterations", "ranks", "bytes")
         print(_table(header, rows, right=(1, 6)))
@@ -215,9 +227,11 @@ def _format_value(value: Any, dtype: str) -> list[str]:
 
     if isinstance(value, Unreadable):
         return ["  a pickled object: pass --allow-pickle to read it (it runs code from the file)"]
+    if dtype == _STATISTICS:
+        return _statistics_lines(value)
     array = value_as_array(value)
     if array is None:
-        text = repr(value)
+        text = _value_text(value)
         if len(text) > 2000:
             text = text[:2000] + f"... ({len(text)} characters)"
         return [f"  {type(value).__name__}: {text}"]
@@ -237,22 +251,48 @@ def _format_value(value: Any, dtype: str) -> list[str]:
     return lines
 
 
+#: The statistics of ``show``'s record table and value summaries.
+_TABLE_STATS = ("mean", "std", "min", "max")
+#: How ``show`` labels the statistics of :data:`vartrace.sources.STATS` it prints.
+_FINITE_LABEL = "over finite values"
+#: Counts of the values the statistics leave out, with their labels.
+_NONFINITE = (("nan", "NaN"), ("posinf", "+inf"), ("neginf", "-inf"))
+_STATISTICS = "statistics"
+
+
+def _value_text(value: Any) -> str:
+    """``repr`` of a record value; an int too long for decimal text (Python refuses more
+    than 4300 digits) in hexadecimal, its middle cut."""
+    try:
+        return repr(value)
+    except ValueError:
+        if not isinstance(value, int):
+            raise
+        digits = hex(value)
+        return f"{digits[:34]}...{digits[-8:]} (an int of {value.bit_length()} bits)"
+
+
 def _stats_text(array: np.ndarray) -> str:
-    data = np.abs(array) if array.dtype.kind == "c" else array
-    data = data.astype(np.float64, copy=False)
-    finite = data[np.isfinite(data)]
-    parts = []
-    if finite.size:
-        parts += [
-            f"mean {finite.mean():.6g}",
-            f"std {finite.std():.6g}",
-            f"min {finite.min():.6g}",
-            f"max {finite.max():.6g}",
-        ]
-    bad = data.size - finite.size
-    if bad:
-        parts.append(f"non-finite {bad}/{data.size}")
-    return "  ".join(parts)
+    """The one definition of every view (vartrace.sources.STATS): statistics over the finite
+    values, then the counts of NaN, +inf and -inf when there are any."""
+    from vartrace.sources.statistics import STATS, reduce_block
+
+    block = array.reshape(1, -1)
+    parts = [f"{name} {reduce_block(STATS[name], block)[0]:.6g}" for name in _TABLE_STATS]
+    counts = [
+        f"{label} {int(reduce_block(STATS[name], block)[0])}"
+        for name, label in _NONFINITE
+        if reduce_block(STATS[name], block)[0]
+    ]
+    return "  ".join([*parts, f"({_FINITE_LABEL})", *counts])
+
+
+def _statistics_lines(value: Any) -> list[str]:
+    """A statistics record (vartrace.stats): its fields, a few a line."""
+    items = [f"{name} {number:.6g}" for name, number in value.items()]
+    lines = [f"  statistics record ({_FINITE_LABEL}; {len(items)} fields)"]
+    lines += ["  " + "  ".join(items[i : i + 6]) for i in range(0, len(items), 6)]
+    return lines
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
@@ -332,9 +372,12 @@ def _record_value(view: Any, row: int) -> Any:
 
 
 def _record_table(view: Any, rows: np.ndarray, record_stats: Any) -> str:
-    numeric = any(view.shapes[r] is not None for r in rows)
-    small = numeric and all(
-        view.shapes[r] is None or math.prod(view.shapes[r]) <= _INLINE for r in rows
+    statistics = any(view.dtypes[r] == _STATISTICS for r in rows)
+    numeric = statistics or any(view.shapes[r] is not None for r in rows)
+    small = (
+        numeric
+        and not statistics
+        and all(view.shapes[r] is None or math.prod(view.shapes[r]) <= _INLINE for r in rows)
     )
     header: tuple[str, ...]
     if not numeric or small:
@@ -345,7 +388,7 @@ def _record_table(view: Any, rows: np.ndarray, record_stats: Any) -> str:
             text = (
                 np.array2string(np.asarray(value), max_line_width=200)
                 if view.shapes[r] is not None
-                else repr(value)
+                else _value_text(value)
             )
             shape = view.shapes[r]
             body.append(
@@ -357,19 +400,35 @@ def _record_table(view: Any, rows: np.ndarray, record_stats: Any) -> str:
                 )
             )
         return _table(header, body, right=(0, 1))
-    names = ("mean", "std", "min", "max")
-    stats = {s: v[rows] for s, v in record_stats(view, names, progress=sys.stderr.isatty()).items()}
-    header = ("iteration", "rank", "shape", "mean", "std", "min", "max")
+    names = (*_TABLE_STATS, *(name for name, _ in _NONFINITE))
+    found = record_stats(view, names, progress=sys.stderr.isatty())
+    stats = {s: v[rows] for s, v in found.items()}
+    counted = [(n, label) for n, label in _NONFINITE if np.nansum(stats[n]) > 0]
+    header = (
+        "iteration",
+        "rank",
+        "shape",
+        *_TABLE_STATS,
+        *(label for _, label in counted),
+    )
     body = [
         (
             str(view.iterations[r]),
             str(view.ranks[r]),
-            "-" if view.shapes[r] is None else _shape_text(view.shapes[r]),
-            *(f"{stats[s][i]:.6g}" for s in ("mean", "std", "min", "max")),
+            _STATISTICS if view.dtypes[r] == _STATISTICS else _record_shape(view.shapes[r]),
+            *(f"{stats[s][i]:.6g}" for s in _TABLE_STATS),
+            *(f"{stats[n][i]:.0f}" for n, _ in counted),
         )
         for i, r in enumerate(rows)
     ]
-    return _table(header, body, right=(0, 1, 3, 4, 5, 6))
+    table = _table(header, body, right=range(len(header)))
+    if not counted:
+        return table
+    return f"(statistics {_FINITE_LABEL}; NaN and infinities counted)\n{table}"
+
+
+def _record_shape(shape: Sequence[int] | None) -> str:
+    return "-" if shape is None else _shape_text(shape)
 
 
 def _flatten(meta: Any, prefix: str = "") -> list[tuple[str, Any]]:
@@ -381,7 +440,9 @@ def _flatten(meta: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return [(prefix.rstrip("."), meta)]
 
 
-def _meta_lines(key: str, value: Any, width: int) -> list[str]:
+def _meta_lines(key: str, value: Any, width: int, command: str | None) -> list[str]:
+    """The lines of one metadata entry; with ``command`` (how to print one entry), long texts
+    and lists (the git diff, the packages) are summarized in one line."""
     if isinstance(value, bytes):
         value = value.decode("utf-8", "replace")
     if isinstance(value, np.ndarray):
@@ -392,10 +453,16 @@ def _meta_lines(key: str, value: Any, width: int) -> list[str]:
         text = ", ".join(map(str, value))
         if len(text) <= 100:
             return [f"{key.ljust(width)}  {text}"]
+        if command is not None and len(value) > _META_LINES:
+            return [f"{key.ljust(width)}  ({len(value)} entries: {command} {key} lists them)"]
         return [f"{key.ljust(width)}  ({len(value)} entries)", *(f"    {v}" for v in value)]
     text = str(value)
     if "\n" in text:
-        return [f"{key.ljust(width)}  |", *(f"    {line}" for line in text.splitlines())]
+        lines = text.splitlines()
+        if command is not None and len(lines) > _META_LINES:
+            size = _human_bytes(len(text.encode()))
+            return [f"{key.ljust(width)}  ({len(lines)} lines, {size}: {command} {key} prints it)"]
+        return [f"{key.ljust(width)}  |", *(f"    {line}" for line in lines)]
     return [f"{key.ljust(width)}  {text}"]
 
 
@@ -413,8 +480,9 @@ def _cmd_meta(args: argparse.Namespace) -> int:
         print(f"{args.run}: no metadata")
         return 0
     width = min(30, max(len(k) for k, _ in items))
+    command = f"vartrace meta {shlex.quote(args.run)}" if args.key is None else None
     for key, value in items:
-        print("\n".join(_meta_lines(key, value, width)))
+        print("\n".join(_meta_lines(key, value, width, command)))
     return 0
 
 
@@ -507,10 +575,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         raise _UserError("plot needs SITE names after RUN, or a second RUN for a similarity map")
     run = _open(first, args.allow_pickle)
     try:
-        similarity = (
+        similarity = (  # a site glob matching a file of the folder ('forward.*') names sites
             args.stat is None
             and len(rest) == 1
-            and rest[0] not in run.names
+            and not any(_fnmatch(name, rest[0]) for name in run.names)
             and _is_run_path(rest[0])
         )
         if similarity:
@@ -600,7 +668,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("meta", help="print a run's metadata (command, packages, git, ...)")
     p.add_argument("run", metavar="RUN", help=_RUN_HELP)
     p.add_argument(
-        "key", metavar="KEY", nargs="?", help="print only this entry, dotted (git.commit)"
+        "key",
+        metavar="KEY",
+        nargs="?",
+        help="print only this entry, dotted (git.commit), in full: long ones (git.diff, "
+        "packages) are summarized otherwise",
     )
     p.set_defaults(func=_cmd_meta)
 
@@ -640,7 +712,9 @@ def _parser() -> argparse.ArgumentParser:
         help="a run and site names or quoted globs; or two runs for a similarity map",
     )
     p.add_argument(
-        "--stat", help="statistics, comma separated (default mean,std; also var, norm, ...)"
+        "--stat",
+        help="statistics, comma separated (default mean,std; also var, min, max, absmax, norm, "
+        "nan, posinf, neginf, zeros, count; q0.5... of statistics records), over finite values",
     )
     p.add_argument("-o", "--output", required=True, help="image file to write (.png, .pdf, .svg)")
     p.add_argument("--atol", type=float, default=1e-8, help="similarity map: absolute tolerance")

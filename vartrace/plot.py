@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vartrace.sources import Source, open_source, record_stats, stat_function
+from vartrace.sources.views import STATISTICS
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -75,14 +76,12 @@ def _x_positions(iterations: np.ndarray, ranks: np.ndarray, order: np.ndarray) -
 
 
 def _colors(count: int) -> list[Any]:
-    """Distinct colours: tab10 / tab20 for few lines, evenly spaced turbo beyond."""
+    """Distinct colours for few lines (tab10); beyond, a gradient by execution order (depth)."""
     from matplotlib import colormaps
 
     if count <= 10:
         return [colormaps["tab10"](i) for i in range(count)]
-    if count <= 20:
-        return [colormaps["tab20"](i) for i in range(count)]
-    return [colormaps["turbo"](x) for x in np.linspace(0.05, 0.95, count)]
+    return [colormaps["turbo"](x) for x in np.linspace(0.0, 1.0, count)]
 
 
 #: Beyond this many sites a plot colours them by execution order, with a colour bar, not a legend.
@@ -121,8 +120,12 @@ def plot_stat(
     results; ``sites`` names sites or glob patterns; ``stats`` are names from
     :data:`vartrace.sources.STATS` (``"mean,std"`` works too).  Saves to
     ``path`` when given and returns the figure; ``progress`` shows tqdm bars
-    on stderr for work that takes more than a second.  Up to 16 sites get a
-    legend; more are coloured by execution order, named on a colour bar.
+    on stderr for work that takes more than a second.  Beyond 10 sites, lines
+    are coloured by execution order (depth: first blue, last red); up to 16 get
+    a legend, more a colour bar naming them.  Statistics sites
+    (:func:`vartrace.stats`) plot their stored fields (``absmax``, ``nan``,
+    ``q0.5``...); every statistic is over the finite values, NaN, +inf and -inf
+    being counted by ``nan``, ``posinf``, ``neginf``.
 
     Example::
 
@@ -130,13 +133,12 @@ def plot_stat(
         len(fig.axes)   # 2
     """
     Figure = _matplotlib()
-    from matplotlib import colormaps
-
     stat_names = [s.strip() for s in stats.split(",")] if isinstance(stats, str) else list(stats)
     if not stat_names:
         raise ValueError("name at least one statistic")
     for stat in stat_names:
-        stat_function(stat)
+        if not stat.startswith(("q", "log2|x|")):  # those are fields of statistics records
+            stat_function(stat)
     from tqdm.auto import tqdm
 
     with open_source(run) as source:
@@ -144,7 +146,7 @@ def plot_stat(
         curves = []
         for name in tqdm(names, desc="plot", unit="site", disable=not progress, delay=1.0):
             view = source.site(name)
-            if all(shape is None for shape in view.shapes):
+            if all(shape is None for shape in view.shapes) and STATISTICS not in view.dtypes:
                 raise ValueError(f"site {name!r} holds no numeric values to plot")
             values = record_stats(view, stat_names, progress=progress)
             x = _x_positions(view.iterations, view.ranks, view.order)
@@ -153,11 +155,7 @@ def plot_stat(
     all_ranks = sorted({int(r) for _, ranks, _, _ in curves for r in np.unique(ranks)})
     multi_rank = len(all_ranks) > 1
     many = len(curves) > _LEGEND_SITES
-    colors = (
-        _colors(len(curves))
-        if not many
-        else [colormaps["turbo"](x) for x in np.linspace(0, 1, len(curves))]
-    )
+    colors = _colors(len(curves))
     styles = ("-", "--", ":", "-.")
     fig = Figure(figsize=(10.0, 1.2 + 2.6 * len(stat_names)), layout="constrained")
     axes = fig.subplots(len(stat_names), 1, sharex=True, squeeze=False)[:, 0]
@@ -197,19 +195,22 @@ def _similarity_matrix(frame_rows: list[dict[str, Any]], sites: list[str]) -> tu
     row = {site: i for i, site in enumerate(sites)}
     cos = np.full((len(sites), len(iterations)), np.nan)
     bad = np.zeros(cos.shape, dtype=bool)
+    unscored = np.zeros(cos.shape, dtype=bool)
     for r in frame_rows:
         if r["site"] not in row or int(r["iteration"]) not in col:
             continue
         i, j = row[r["site"]], col[int(r["iteration"])]
         value = r["cosine"]
         if value is None or math.isnan(value):
-            # a non-numeric pair (str, None, ...): equal counts as 1, else the cell is marked
+            # no cosine (str, None, statistics records...): equal counts as 1; a differing
+            # pair is painted the lowest colour below, never the "no record" grey
             value = 1.0 if r["status"] == "ok" else math.nan
+            unscored[i, j] |= r["status"] != "not compared" and math.isnan(value)
         if not math.isnan(value):
             cos[i, j] = value if math.isnan(cos[i, j]) else min(cos[i, j], value)
         if r["status"] not in ("ok", "not compared"):
             bad[i, j] = True
-    return cos, bad, iterations
+    return cos, bad, unscored, iterations
 
 
 def plot_similarity(
@@ -227,8 +228,9 @@ def plot_similarity(
     Each cell is the smallest cosine similarity of that site's records in
     that iteration (over ranks and repeated calls); cells beyond tolerance
     (``atol``/``rtol``, or a shape mismatch, or a record missing on one side)
-    carry a red ``x``; grey cells have no record.  Non-numeric records count
-    as 1 when equal.  Sites are in execution
+    carry a red ``x``; grey cells have no record.  Records without a cosine
+    (non-numeric, statistics) count as 1 when equal and take the lowest colour
+    when they differ.  Sites are in execution
     order.  Pass ``comparison`` (a :class:`~vartrace.comparison.Comparison`)
     to reuse one already computed.
 
@@ -246,7 +248,7 @@ def plot_similarity(
     sites = [s.site for s in comparison.sites]
     if not sites:
         raise ValueError("the two runs have no site in common: nothing to plot")
-    cos, bad, iterations = _similarity_matrix(list(comparison.rows()), sites)
+    cos, bad, unscored, iterations = _similarity_matrix(list(comparison.rows()), sites)
     n_sites, n_iters = cos.shape
     font = 9 if n_sites <= 30 else 7
     longest = max(len(s) for s in sites)
@@ -257,6 +259,7 @@ def plot_similarity(
     finite = cos[np.isfinite(cos)]
     low = float(finite.min()) if finite.size else 0.0
     low = min(low, 1.0 - 1e-6)
+    cos = np.where(unscored & np.isnan(cos), low, cos)
     cmap = _colormap()
     image = ax.imshow(
         np.ma.masked_invalid(cos),

@@ -43,6 +43,9 @@ from vartrace.sources import (
     value_as_array,
     value_dtype_name,
 )
+from vartrace.sources.statistics import STATS, statistic_of
+from vartrace.sources.views import STATISTICS
+from vartrace.stat_records import as_statistics
 
 #: Largest block (bytes per side, counted as float64) read from a file in one go.
 _READ_BYTES = 32 << 20
@@ -181,6 +184,9 @@ class _SiteResult:
         if isinstance(x, Unreadable) or isinstance(y, Unreadable):
             self.status[p] = STATUS_SKIPPED
             return
+        if self.dtype_a[p] == STATISTICS or self.dtype_b[p] == STATISTICS:
+            self._compare_statistics(p, x, y)
+            return
         array_a, array_b = value_as_array(x), value_as_array(y)
         self.shape_a[p] = None if array_a is None else tuple(array_a.shape)
         self.shape_b[p] = None if array_b is None else tuple(array_b.shape)
@@ -197,6 +203,41 @@ class _SiteResult:
                 self.floats[name][p] = stats[name][0]
             self.allclose[p] = bool(stats["allclose"][0])
         self.status[p] = STATUS_OK if self.allclose[p] else STATUS_DIFFERS
+
+    def _compare_statistics(self, p: int, x: Any, y: Any) -> None:
+        """Compare statistics records as statistics (a whole record is first reduced to them).
+
+        Each field both sides have is a number compared with the tolerances:
+        ``|a - b| <= atol + rtol * |b|``, NaN equal to NaN and equal infinities
+        equal; the report's mean/std/var columns are the records' own, and the
+        cosine similarity is not defined (NaN).
+        """
+        fields_a, fields_b = _statistics_fields(x), _statistics_fields(y)
+        if fields_a is None or fields_b is None:  # statistics against a str, None...
+            self.status[p] = STATUS_SHAPE
+            return
+        # a whole record (no fields of its own) is reduced to the other side's statistics
+        whole = not fields_a or not fields_b
+        common = [f for f in fields_a or fields_b if f in fields_b or not fields_b]
+        common = [f for f in common if f in STATS] if whole else common
+        fields_a = fields_a or {f: statistic_of(x, f) for f in common}
+        fields_b = fields_b or {f: statistic_of(y, f) for f in common}
+        self.shape_match[p] = True
+        a = np.array([fields_a[f] for f in common], dtype=np.float64)
+        b = np.array([fields_b[f] for f in common], dtype=np.float64)
+        same = (a == b) | (np.isnan(a) & np.isnan(b))
+        with np.errstate(all="ignore"):
+            diff = np.where(same, 0.0, np.abs(a - b))
+            rel = np.where(same, 0.0, diff / np.abs(b))
+        close = bool(np.all(same | (diff <= self.atol + self.rtol * np.abs(b))))
+        for side, values in (("a", fields_a), ("b", fields_b)):
+            self.floats[f"mean_{side}"][p] = values.get("mean", math.nan)
+            self.floats[f"std_{side}"][p] = values.get("std", math.nan)
+            self.floats[f"var_{side}"][p] = values.get("std", math.nan) ** 2
+        self.floats["max_abs_diff"][p] = float(np.nanmax(diff, initial=0.0))
+        self.floats["max_rel_diff"][p] = float(np.nanmax(rel, initial=0.0))
+        self.allclose[p] = close
+        self.status[p] = STATUS_OK if close else STATUS_DIFFERS
 
     def fill(self, task: _Task, stats: dict[str, np.ndarray]) -> None:
         for name in FLOAT_COLUMNS:
@@ -253,6 +294,18 @@ def _worst(reduce: Callable[[np.ndarray], Any], values: np.ndarray) -> float:
     """``reduce`` (nanmax / nanmin) over the numeric rows; NaN when there are none."""
     values = values[~np.isnan(values)]
     return float(reduce(values)) if len(values) else math.nan
+
+
+def _statistics_fields(value: Any) -> dict[str, float] | None:
+    """The fields of a statistics record as floats; ``{}`` for a numeric record; else ``None``.
+
+    A numeric record has every statistic (it is reduced on demand), so its
+    dict is empty and the other side's fields are taken.
+    """
+    statistics = as_statistics(value)
+    if statistics is not None:
+        return {name: statistics.statistic(name) for name in statistics}
+    return None if value_as_array(value) is None else {}
 
 
 def _load(task: _Task, pool: BufferPool) -> Any:
@@ -432,6 +485,7 @@ def _columns(results: list[_SiteResult]) -> dict[str, list[Any]]:
         for name in FLOAT_COLUMNS:
             columns[name].extend(r.floats[name].tolist())
         for stat in ("mean", "std", "var"):
-            diff = r.floats[f"{stat}_a"] - r.floats[f"{stat}_b"]
+            with np.errstate(invalid="ignore"):  # inf - inf: a sum beyond float64 on both sides
+                diff = r.floats[f"{stat}_a"] - r.floats[f"{stat}_b"]
             columns[f"{stat}_diff"].extend(diff.tolist())
     return columns

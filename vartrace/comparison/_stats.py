@@ -118,12 +118,17 @@ def _power_sums(
 
 
 class Partial(NamedTuple):
-    """What a slice of columns contributes to each row's statistics."""
+    """What a slice of columns contributes to each row's statistics.
+
+    The sums are over finite values only (as every vartrace statistic), and
+    ``finite`` counts them: (2, rows), for a and b.
+    """
 
     sums: tuple[np.ndarray, ...]  # sum a, sum b, sum a*a, sum b*b, sum a*b (float64)
     max_abs: np.ndarray
     max_rel: np.ndarray
     close: np.ndarray
+    finite: np.ndarray
 
 
 def _combine(left: Partial, right: Partial) -> Partial:
@@ -133,7 +138,28 @@ def _combine(left: Partial, right: Partial) -> Partial:
         np.maximum(left.max_abs, right.max_abs),  # a NaN (a NaN met a number) stays
         np.maximum(left.max_rel, right.max_rel),
         left.close & right.close,
+        left.finite + right.finite,
     )
+
+
+def _finite_sums(a: np.ndarray, b: np.ndarray, partial: Partial) -> Partial:
+    """``partial`` with the sums of rows holding non-finite values taken over finite ones.
+
+    Only rows whose sums came out non-finite are read again, so blocks of finite
+    values cost nothing more.
+    """
+    sums = np.stack(partial.sums)
+    rows = np.flatnonzero(~np.isfinite(sums).all(axis=0))
+    if not len(rows):
+        return partial
+    sums, finite = sums.copy(), partial.finite.copy()
+    for i in rows:
+        keep_a, keep_b = np.isfinite(a[i]), np.isfinite(b[i])
+        za = np.where(keep_a, a[i], 0.0).astype(np.float64)
+        zb = np.where(keep_b, b[i], 0.0).astype(np.float64)
+        sums[:, i] = (za.sum(), zb.sum(), za @ za, zb @ zb, za @ zb)
+        finite[:, i] = keep_a.sum(), keep_b.sum()
+    return partial._replace(sums=tuple(sums), finite=finite)
 
 
 def numeric_stats(
@@ -153,7 +179,7 @@ def block_partial(block_a: np.ndarray, block_b: np.ndarray, atol: float, rtol: f
     b2 = block_b.reshape(k, m).astype(work, copy=False)
     if m == 0:
         zeros = np.zeros(k)
-        return Partial((zeros,) * 5, zeros, zeros, np.ones(k, dtype=bool))
+        return Partial((zeros,) * 5, zeros, zeros, np.ones(k, dtype=bool), np.zeros((2, k)))
     width = min(m, _COLUMNS)
     step = max(1, _STEP_ELEMENTS // width)
     scratch = _scratch(min(step, k), width, work)
@@ -183,17 +209,24 @@ def concatenate(parts: list[Partial]) -> Partial:
         np.concatenate([p.max_abs for p in parts]),
         np.concatenate([p.max_rel for p in parts]),
         np.concatenate([p.close for p in parts]),
+        np.concatenate([p.finite for p in parts], axis=1),
     )
 
 
 def finish(m: int, partial: Partial) -> dict[str, np.ndarray]:
-    """Turn the row sums of ``partial`` (records of ``m`` elements) into the report's columns."""
+    """Turn the row sums of ``partial`` (records of ``m`` elements) into the report's columns.
+
+    Means, variances and standard deviations are those of the finite values.
+    """
     sa, sb, saa, sbb, sab = partial.sums
     out: dict[str, np.ndarray] = {}
     with np.errstate(all="ignore"):
-        for side, s, ss in (("a", sa, saa), ("b", sb, sbb)):
-            mean = s / m
-            var = np.maximum(ss / m - mean * mean, 0.0)
+        for side, s, ss, count in (
+            ("a", sa, saa, partial.finite[0]),
+            ("b", sb, sbb, partial.finite[1]),
+        ):
+            mean = s / count
+            var = np.maximum(ss / count - mean * mean, 0.0)
             out[f"mean_{side}"] = mean
             out[f"var_{side}"] = var
             out[f"std_{side}"] = np.sqrt(var)
@@ -218,9 +251,13 @@ def _real_partial(
     diff = np.subtract(a, b, out=scratch.diff[:rows, :m])
     np.abs(diff, out=diff)
     max_abs = diff.max(axis=1)
+    finite = np.full((2, rows), float(m))
     if not np.any(max_abs):  # identical rows (a NaN makes max_abs NaN, which is truthy)
         zeros = np.zeros(rows)
-        return Partial(_power_sums(a, b, scratch, same=True), zeros, zeros, np.ones(rows, bool))
+        same = Partial(
+            _power_sums(a, b, scratch, same=True), zeros, zeros, np.ones(rows, bool), finite
+        )
+        return _finite_sums(a, b, same)
     sums = _power_sums(a, b, scratch)
     absb = np.abs(b, out=scratch.other[:rows, :m])
     rel = np.divide(diff, absb, out=scratch.rel[:rows, :m])  # 0/0 -> NaN, which fmax skips
@@ -234,7 +271,7 @@ def _real_partial(
     for i in np.flatnonzero(np.isnan(max_abs)):
         row_a, row_b = a[i].astype(np.float64), b[i].astype(np.float64)
         max_abs[i], max_rel[i], close[i] = _nonfinite_row(row_a, row_b, atol, rtol)
-    return Partial(sums, max_abs, max_rel, close)
+    return _finite_sums(a, b, Partial(sums, max_abs, max_rel, close, finite))
 
 
 def _nonfinite_row(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[float, ...]:
@@ -258,4 +295,5 @@ def _complex_partial(
     diff = np.where(same, 0.0, np.abs(a - b))
     rel = np.where(same, 0.0, diff / mag_b)
     close = np.all(same | (diff <= atol + rtol * mag_b), axis=1)
-    return Partial((*sums[:4], sab), diff.max(axis=1), rel.max(axis=1), close)
+    finite = np.full((2, len(a)), float(a.shape[1]))
+    return Partial((*sums[:4], sab), diff.max(axis=1), rel.max(axis=1), close, finite)
