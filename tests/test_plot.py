@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import math
+import subprocess
+import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -116,3 +120,140 @@ def test_plot_stat_of_forty_sites_names_them_on_a_colour_bar_in_execution_order(
     assert numbers == sorted(numbers), "blocks.2 before blocks.10: execution order"
     lines = fig.axes[0].get_lines()
     assert len(lines) == 40 and lines[0].get_color() != lines[-1].get_color()
+
+
+# -- masked attention (-inf): finite axes, no numpy warning, one definition everywhere ----------
+
+
+def _masked_attention_run(path, seed: int = 0, steps: int = 4) -> None:
+    """A real run of a tiny causal-attention model whose logits use masked_fill(-inf)."""
+    import torch
+    from torch import nn
+
+    import vartrace
+
+    class SelfAttention(nn.Module):
+        def __init__(self, d: int = 8) -> None:
+            super().__init__()
+            self.qk = nn.Linear(d, 2 * d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k = self.qk(x).chunk(2, -1)
+            logits = q @ k.transpose(-2, -1)
+            causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+            logits = logits.masked_fill(causal, -math.inf)
+            return logits.softmax(-1) @ x
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attn = SelfAttention()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.self_attn(x)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(3)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch.manual_seed(seed)
+    model = Model()
+    with (
+        vartrace.H5PYSaverCallback(path) as saver,
+        vartrace.ModelTracer(
+            model, ["blocks.*.self_attn.forward.logits"], post_gather_callbacks=[saver]
+        ),
+    ):
+        for _ in range(steps):
+            model(torch.randn(2, 5, 8)).sum().backward()
+
+
+LOGITS = "blocks.*.self_attn.forward.logits"
+
+
+@pytest.fixture
+def masked(tmp_path):
+    _masked_attention_run(tmp_path / "a.h5")
+    _masked_attention_run(tmp_path / "b.h5", seed=1)
+    return tmp_path
+
+
+def test_masked_attention_plots_finite_axes_and_drawn_lines(masked) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fig = plot_stat(masked / "a.h5", LOGITS, "mean,std,min,max,neginf", masked / "out.png")
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert_png(masked / "out.png")
+    for ax in fig.axes:
+        assert all(math.isfinite(limit) for limit in (*ax.get_xlim(), *ax.get_ylim()))
+        assert ax.get_xlim()[1] - ax.get_xlim()[0] > 1  # iterations 1..4, not -0.04..0.04
+        lines = ax.get_lines()
+        assert len(lines) == 3
+        for line in lines:
+            assert np.isfinite(line.get_ydata()).all() and len(line.get_ydata()) == 4
+    neginf = fig.axes[-1].get_lines()[0].get_ydata()
+    assert list(neginf) == [20.0] * 4  # 2 x (5 x 5 causal mask: 10 above the diagonal)
+
+
+def test_masked_attention_compares_with_itself_without_a_warning(masked) -> None:
+    import vartrace
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = vartrace.compare(masked / "a.h5", masked / "a.h5")
+        frame = report.to_frame()
+        differing = vartrace.compare(masked / "a.h5", masked / "b.h5")
+        fig = plot_similarity(None, None, comparison=differing)
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], caught
+    assert report.ok and report.first_divergence is None
+    assert np.isfinite(frame[["mean_a", "std_a", "mean_diff", "cosine"]].to_numpy()).all()
+    assert (frame["cosine"] == 1.0).all()
+    assert not differing.ok
+    cells = fig.axes[0].get_images()[0].get_array()
+    assert not np.ma.getmaskarray(cells).any(), "a differing record painted as 'no record'"
+
+
+def test_masked_attention_one_definition_in_every_view(masked, capsys) -> None:
+    import vartrace
+    from vartrace.cli import main
+
+    path = masked / "a.h5"
+    with vartrace.open(path) as run:
+        site = run["blocks.1.self_attn.forward.logits"]
+        value = site.get(2).double().numpy()
+        frame = run.to_frame(["mean", "std", "max", "neginf"], names=[site.name])
+    finite = value[np.isfinite(value)]
+    row = frame.set_index("iteration").loc[2]
+    assert row["mean"] == pytest.approx(finite.mean()) and row["max"] == finite.max()
+    assert row["std"] == pytest.approx(finite.std()) and row["neginf"] == 20
+    report = vartrace.compare(path, path, names=site.name).to_frame().set_index("iteration")
+    assert report.loc[2, "mean_a"] == pytest.approx(finite.mean())
+    assert report.loc[2, "std_a"] == pytest.approx(finite.std())
+    assert main(["show", str(path), site.name, "-i", "2"]) == 0
+    summary = capsys.readouterr().out.splitlines()[2].split()
+    assert summary[:4] == ["mean", f"{finite.mean():.6g}", "std", f"{finite.std():.6g}"]
+    assert summary[-2:] == ["-inf", "20"] and "(over finite values)" in " ".join(summary)
+
+
+def test_masked_attention_cli_prints_no_runtime_warning(masked) -> None:
+    for args in (
+        ["compare", masked / "a.h5", masked / "a.h5"],
+        ["plot", masked / "a.h5", masked / "b.h5", "-o", masked / "heat.png"],
+        ["plot", masked / "a.h5", LOGITS, "-o", masked / "lines.png"],
+        ["show", masked / "a.h5", "blocks.0.self_attn.forward.logits"],
+    ):
+        result = subprocess.run(
+            [sys.executable, "-W", "always", "-m", "vartrace", *map(str, args)],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stderr
+        assert "Warning" not in result.stderr, result.stderr
+    assert "(statistics over finite values; NaN and infinities counted)" in result.stdout
+    assert "-inf" in result.stdout.splitlines()[2]
