@@ -429,7 +429,7 @@ class _Resolver:
                 yield _Selection(path, module, methods["forward"], None, None, states)
             literal = p.literal_next(states)
             for name, info in methods.items():
-                if info.library and name not in literal:
+                if (info.library or _torch_helper(module, name)) and name not in literal:
                     continue
                 yield from self._code(path, module, info, None, states)
                 for callee in info.callees:
@@ -587,8 +587,9 @@ def _static_sites(
 ) -> Iterator[tuple[str, int]]:
     """Every static site with the number of its module path segments.
 
-    Methods from an installed library's base classes are left out unless
-    their name is in ``literal`` (the names a pattern spells out).
+    Methods from an installed library's base classes and torch's own helpers
+    are left out unless their name is in ``literal`` (the names a pattern
+    spells out).
     """
     for path, module in modules:
         depth = path.count(".") + 1 if path else 0
@@ -596,7 +597,7 @@ def _static_sites(
         if path and "forward" in methods:
             yield path, depth
         for info in methods.values():
-            if info.library and info.name not in literal:
+            if (info.library or _torch_helper(module, info.name)) and info.name not in literal:
                 continue
             for callee in (None, *info.callees):
                 segment = _segment(info, callee)
@@ -723,34 +724,22 @@ def list_sites(model: nn.Module, pattern: str = "**") -> list[str]:
     root = unwrap(model)
     modules, scripted = _without_scripted(list(root.named_modules()))
     literal = set(re.split(r"[.>@]", pattern))
-    hidden = _torch_helpers(modules, literal)
     sites = [*_static_sites(modules, literal), *_parameter_sites(root, scripted)]
-    return [
-        s
-        for s, depth in sites
-        if parsed.matches(s.split("."), plain=depth) and not _below(s, hidden)
-    ]
+    return [s for s, depth in sites if parsed.matches(s.split("."), plain=depth)]
 
 
-def _torch_helpers(modules: list[tuple[str, nn.Module]], literal: set[str]) -> set[str]:
-    """Sites of torch's own helper methods (``reset_parameters``, ``extra_repr``,
-    ``_conv_forward``...): methods other than ``forward`` that a class of the ``torch``
-    package defines, unless the pattern names the method literally (in ``literal``)."""
-    hidden = set()
-    for path, module in modules:
-        for name in module_methods(module):
-            if name == "forward" or name in literal:
-                continue
-            owner = next(c for c in type(module).__mro__ if name in vars(c))
-            if owner.__module__.split(".")[0] == "torch":
-                hidden.add(_join(path, name))
-    return hidden
+def _torch_helper(module: nn.Module, name: str) -> bool:
+    """Whether ``name`` is a helper method of torch's own (``_get_abs_string_index`` of a
+    ``ModuleList``, ``reset_parameters``, ``_conv_forward``): a method other than
+    ``forward`` that a class of the ``torch`` package defines.  Wildcards skip them; a
+    literal name reaches them."""
+    return name != "forward" and _defined_by_torch(type(module), name)
 
 
-def _below(site: str, methods: set[str]) -> bool:
-    """Whether ``site`` is one of ``methods``, or a variable or called function of one."""
-    cuts = [match.start() for match in re.finditer(r"[.>]", site)]
-    return any(site[:cut] in methods for cut in [*cuts, len(site)])
+@cache
+def _defined_by_torch(cls: type, name: str) -> bool:
+    owner = next(c for c in cls.__mro__ if name in vars(c))
+    return owner.__module__.split(".")[0] == "torch"
 
 
 def sites_of_type(model: nn.Module, *types: type[nn.Module]) -> list[str]:
