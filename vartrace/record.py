@@ -15,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
+# Defined in the torch-free engine, which marks references back into a walked structure.
+from vartrace.engine.structures import Unstored
+
 __all__ = ["DROP", "Unstored", "record"]
 
 
@@ -27,25 +30,6 @@ class _Drop:
 
 DROP: Final = _Drop()
 """Return this from a pre-save callback to drop the record."""
-
-
-class Unstored(str):
-    """A record that stands for a value vartrace could not keep: a text saying what and why.
-
-    Where a captured value can be neither copied nor split into tensors, the
-    tracer records this marker (with a warning naming the site); where the
-    saver cannot store a record, it writes this marker instead of failing
-    the step.  Reading a file gives it back.  Example::
-
-        value = run["forward.gen"].get(iteration=1)
-        if isinstance(value, vartrace.Unstored):
-            print(value)   # "generator: cannot pickle 'generator' object"
-    """
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"vartrace.Unstored({str.__repr__(self)})"
 
 
 _sinks: list[Callable[[str, Any], None]] = []

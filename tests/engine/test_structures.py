@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from vartrace.engine.paths import parse
-from vartrace.engine.structures import children, leaf_types, leaves, register_container, select
+from vartrace.engine.structures import (
+    Unstored,
+    children,
+    leaf_types,
+    leaves,
+    register_container,
+    select,
+)
 
 Point = namedtuple("Point", ["x", "y"])
 
@@ -115,12 +124,74 @@ def test_a_type_first_seen_as_a_leaf_can_be_registered_as_a_container() -> None:
     assert dict(leaves(pouch, "m")) == {"m.coin": 1}
 
 
+def _ring(size: int) -> list[dict[str, Any]]:
+    """Nodes linked both ways, as in a doubly linked ring: every node reaches every other."""
+    nodes: list[dict[str, Any]] = [{"value": i} for i in range(size)]
+    for i, node in enumerate(nodes):
+        node["next"] = nodes[(i + 1) % size]
+        node["prev"] = nodes[i - 1]
+    return nodes
+
+
 def test_self_referencing_structure_terminates() -> None:
     loop: list[Any] = [1]
     loop.append(loop)
-    sites = dict(leaves(loop, "f"))
-    assert sites["f.0"] == 1
-    assert len(sites) > 1
+    with pytest.warns(RuntimeWarning, match=r"loop\.1 is a reference back to loop \(a cycle\)"):
+        sites = dict(leaves(loop, "loop"))
+    assert sites == {"loop.0": 1, "loop.1": "list: a reference back to loop (a cycle)"}
+    assert isinstance(sites["loop.1"], Unstored)
+
+
+def test_a_ring_is_walked_once_with_markers_at_the_references_back() -> None:
+    ring = _ring(3)
+    with pytest.warns(RuntimeWarning, match="ring is not walked as a tree"):
+        sites = dict(itertools.islice(leaves(ring[0], "ring"), 1000))  # a tree: 2**32 leaves
+    values = {site: leaf for site, leaf in sites.items() if not isinstance(leaf, Unstored)}
+    assert values == {
+        "ring.value": 0,
+        "ring.next.value": 1,
+        "ring.next.next.value": 2,
+        "ring.prev.value": 2,
+        "ring.prev.prev.value": 1,
+    }
+    markers = {site: leaf for site, leaf in sites.items() if isinstance(leaf, Unstored)}
+    assert markers["ring.next.next.next"] == "dict: a reference back to ring (a cycle)"
+    assert markers["ring.prev.prev.next"] == "dict: a reference back to ring.next.next (a cycle)"
+    assert len(markers) == 6
+
+
+def test_select_in_a_ring_stops_going_round() -> None:
+    ring = _ring(3)
+    pattern = parse("v.**.value")
+    going_round = select(ring[0], pattern, pattern.step(pattern.start, "v"), "v")
+    assert dict(itertools.islice(going_round, 1000)) == {
+        "v.value": 0,
+        "v.next.value": 1,
+        "v.next.next.value": 2,
+        "v.prev.value": 2,
+        "v.prev.prev.value": 1,
+    }
+    # Named literally, a way round the ring is followed as far as the pattern goes.
+    assert _select(ring[0], "v.next.next.next.prev.value") == {"v.next.next.next.prev.value": 2}
+
+
+def test_shared_parts_are_walked_again_until_the_walk_grows_too_large() -> None:
+    shared = {"w": 1}
+    assert dict(leaves({"a": shared, "b": [shared]}, "f")) == {"f.a.w": 1, "f.b.0.w": 1}
+    node: list[Any] = [0]
+    for _ in range(24):  # 2**24 paths to 24 distinct lists
+        node = [node, node]
+    with pytest.warns(RuntimeWarning, match="dag is not walked as a tree.* the same object as"):
+        sites = list(itertools.islice(leaves(node, "dag"), 100_000))
+    assert len(sites) < 100_000
+    assert sum(leaf == 0 for _, leaf in sites) > 1000  # walked as a tree at first
+    assert any(isinstance(leaf, Unstored) for _, leaf in sites)
+    pattern = parse("v.**.0")
+    with pytest.warns(RuntimeWarning, match="v is not walked as a tree"):
+        selected = list(
+            itertools.islice(select(node, pattern, pattern.step(pattern.start, "v"), "v"), 100_000)
+        )
+    assert len(selected) < 100_000
 
 
 _leaf = st.one_of(st.integers(), st.text(max_size=3), st.none(), st.floats(allow_nan=False))

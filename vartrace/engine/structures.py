@@ -12,6 +12,14 @@ Plain attributes of non-container objects (``forward.self.step_count``)
 are reachable by writing their name literally; wildcards only expand over
 container keys.
 
+A structure that refers to itself (a ring of dicts linked by ``prev`` and
+``next``) is walked once: the reference back to a container being walked
+is an :class:`Unstored` leaf naming it, with a warning.  A container
+reached again along another path (shared, not cyclic) is walked again,
+as long as the walk has entered fewer than ``_MAX_NODES`` containers; past
+that, it is an :class:`Unstored` leaf naming where it was walked, so that
+deeply shared structures cost what they hold, not 2**depth.
+
 Example::
 
     >>> from vartrace.engine.paths import parse
@@ -24,16 +32,18 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from vartrace.engine.paths import Pattern, States
 
-__all__ = ["children", "leaf_types", "leaves", "register_container", "select"]
+__all__ = ["Unstored", "children", "leaf_types", "leaves", "register_container", "select"]
 
 Children = Callable[[Any], Iterable[tuple[str, Any]]]
 
 _MAX_DEPTH = 32
+_MAX_NODES = 10_000  # containers one walk enters before a shared one is no longer walked again
 _ATOMIC: frozenset[type] = frozenset(
     {int, float, bool, complex, str, bytes, bytearray, type(None), type(Ellipsis)}
 )
@@ -45,6 +55,70 @@ leaf_types: set[type] = set()
 
 A membership test is cheaper than a call where every microsecond counts (a
 captured tensor, on every traced call)."""
+
+
+class Unstored(str):
+    """A record that stands for a value vartrace could not keep: a text saying what and why.
+
+    Where a captured value can be neither copied nor split into tensors, the
+    tracer records this marker (with a warning naming the site); where the
+    saver cannot store a record, it writes this marker instead of failing
+    the step; a reference back into a structure being walked is one too.
+    Reading a file gives it back.  Example::
+
+        value = run["forward.gen"].get(iteration=1)
+        if isinstance(value, vartrace.Unstored):
+            print(value)   # "generator: cannot pickle 'generator' object"
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"vartrace.Unstored({str.__repr__(self)})"
+
+
+_warned_markers: set[str] = set()
+
+
+class _Walk:
+    """One walk over a captured value: the containers on the current path, and those seen.
+
+    ``ancestors`` holds a key per container being walked (its id, with the
+    pattern's state when selecting); ``first`` the site where each container
+    was first walked; ``nodes`` counts the containers entered.
+    """
+
+    __slots__ = ("ancestors", "first", "nodes", "root")
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.ancestors: set[tuple[int, States | None]] = set()
+        self.first: dict[int, str] = {}
+        self.nodes = 0
+
+    def enter(self, value: Any, key: tuple[int, States | None], path: str) -> Unstored | None:
+        """Start walking the container ``value`` at ``path``; or the marker to record instead."""
+        self.nodes += 1
+        first = self.first.setdefault(key[0], path)
+        if key in self.ancestors:
+            return self._marker(value, path, f"a reference back to {first} (a cycle)")
+        if first != path and self.nodes > _MAX_NODES:
+            return self._marker(value, path, f"the same object as {first}, walked there")
+        self.ancestors.add(key)
+        return None
+
+    def _marker(self, value: Any, path: str, what: str) -> Unstored:
+        """The marker for a container not walked again; the first one of a site warns."""
+        marker = Unstored(f"{type(value).__qualname__}: {what}")
+        if self.root not in _warned_markers:
+            _warned_markers.add(self.root)
+            warnings.warn(
+                f"vartrace: {self.root} is not walked as a tree: {path} is {what}; such "
+                f"parts are recorded as markers ({marker!r}) instead of walked again",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return marker
 
 
 def register_container(cls: type, children_of: Children) -> None:
@@ -126,14 +200,23 @@ def children(value: Any) -> Iterable[tuple[str, Any]] | None:
     return None if kind is None else kind(value)
 
 
-def leaves(value: Any, path: str, _depth: int = 0) -> Iterator[tuple[str, Any]]:
+def leaves(
+    value: Any, path: str, _depth: int = 0, _walk: _Walk | None = None
+) -> Iterator[tuple[str, Any]]:
     """Yield ``(site, leaf)`` for every leaf below ``value``, named from ``path``."""
     kids = children(value) if _depth < _MAX_DEPTH else None
     if kids is None:
         yield path, value
         return
-    for key, child in kids:
-        yield from leaves(child, _join(path, key), _depth + 1)
+    walk = _Walk(path) if _walk is None else _walk
+    key = (id(value), None)
+    marker = walk.enter(value, key, path)
+    if marker is not None:
+        yield path, marker
+        return
+    for name, child in kids:
+        yield from leaves(child, _join(path, name), _depth + 1, walk)
+    walk.ancestors.discard(key)
 
 
 def _join(path: str, key: str) -> str:
@@ -149,27 +232,42 @@ def _attribute(value: Any, name: str) -> Any:
 
 
 def select(
-    value: Any, pattern: Pattern, states: States, path: str, _depth: int = 0
+    value: Any,
+    pattern: Pattern,
+    states: States,
+    path: str,
+    _depth: int = 0,
+    _walk: _Walk | None = None,
 ) -> Iterator[tuple[str, Any]]:
     """Yield ``(site, leaf)`` for the parts of ``value`` the rest of ``pattern`` selects.
 
     ``states`` is the pattern's state after the segments that led to
     ``value`` (named ``path``).  A node that completes the pattern
-    contributes all its leaves.
+    contributes all its leaves.  Going round a cycle back to a container
+    in the same pattern state selects nothing new: the walk stops there.
     """
+    walk = _Walk(path) if _walk is None else _walk
     if pattern.accepts(states):
-        yield from leaves(value, path, _depth)
+        yield from leaves(value, path, _depth, walk)
         return
     if _depth >= _MAX_DEPTH or not pattern.alive(states):
         return
     kids = children(value)
     seen: set[str] = set()
     if kids is not None:
-        for key, child in kids:
-            seen.add(key)
-            after = pattern.step(states, key)
+        key = (id(value), states)
+        if key in walk.ancestors:
+            return
+        marker = walk.enter(value, key, path)
+        if marker is not None:
+            yield path, marker
+            return
+        for name, child in kids:
+            seen.add(name)
+            after = pattern.step(states, name)
             if after:
-                yield from select(child, pattern, after, _join(path, key), _depth + 1)
+                yield from select(child, pattern, after, _join(path, name), _depth + 1, walk)
+        walk.ancestors.discard(key)
         if isinstance(value, (Mapping, list, tuple)):
             return
     for name in pattern.literal_next(states) - seen:
@@ -177,4 +275,5 @@ def select(
             child = _attribute(value, name)
         except AttributeError:
             continue
-        yield from select(child, pattern, pattern.step(states, name), _join(path, name), _depth + 1)
+        after = pattern.step(states, name)
+        yield from select(child, pattern, after, _join(path, name), _depth + 1, walk)
