@@ -192,3 +192,116 @@ def test_statistics_of_every_block_output_and_grad_without_a_sync(tmp_path: Any)
             assert site.dtype == "statistics", name
             assert len(site) == 3 and site.values["count"].min() > 0, name
             assert np.isfinite(site.values["absmax"]).all(), name
+
+
+# -- a statistics run read back: to_frame, show, plot, compare; mixed with whole records --------
+
+STAT_PATHS = ["layers.*", "layers.*@grad", "head", "head.weight"]
+
+
+def _cpu_run(path: Any, seed: int = 0, reducer: Any = None, steps: int = 4) -> None:
+    torch.manual_seed(seed)
+    model = TinyTransformer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    callbacks = [] if reducer is None else [reducer]
+    with (
+        vartrace.H5PYSaverCallback(path) as saver,
+        vartrace.ModelTracer(
+            model, STAT_PATHS, pre_save_callbacks=callbacks, post_gather_callbacks=[saver]
+        ),
+    ):
+        for step in range(1, steps + 1):
+            batch = tokens(step)
+            logits = model(batch).logits
+            F.cross_entropy(logits.flatten(0, 1), batch.roll(-1, 1).flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: Any) -> Any:
+    folder = tmp_path_factory.mktemp("stats")
+    mixed = vartrace.stats(quantiles=(0.5,), sites=["layers.*"])
+    _cpu_run(folder / "stats.h5", reducer=mixed)
+    _cpu_run(folder / "other.h5", seed=1, reducer=mixed)
+    _cpu_run(folder / "whole.h5")
+    return folder
+
+
+def test_a_mixed_run_reads_back_statistics_and_whole_records(runs: Any) -> None:
+    with vartrace.open(runs / "stats.h5") as stats, vartrace.open(runs / "whole.h5") as whole:
+        assert stats.names == whole.names
+        site = stats["layers.1.forward"]
+        assert site.dtype == "statistics" and list(site.kinds) == ["statistics"] * 4
+        assert site.values.dtype.names[:3] == ("count", "mean", "std")
+        recorded = whole["layers.1.forward"].get(3).double().numpy()
+        got = site.get(3)
+        assert isinstance(got, vartrace.Statistics) and got["count"] == recorded.size
+        assert got["mean"] == pytest.approx(recorded.mean(), rel=1e-12)
+        assert got["absmax"] == np.abs(recorded).max()
+        assert site.values["absmax"][2] == got["absmax"]
+        assert got.quantiles[0.5] == pytest.approx(np.median(recorded.reshape(-1)[::1]))
+        assert stats["head.weight"].dtype == "float32"  # not reduced: sites=["layers.*"]
+        frame = stats.to_frame(["absmax", "nan", "q0.5"])
+    assert list(frame.columns[-3:]) == ["absmax", "nan", "q0.5"]
+    reduced = frame[frame["site"] == "layers.1.forward"]
+    assert list(reduced["dtype"]) == ["statistics"] * 4
+    assert reduced["absmax"].tolist() == site_column(runs / "stats.h5", "layers.1.forward")
+    assert (frame["nan"] == 0).all() and frame["absmax"].notna().all()
+    whole_rows = frame[frame["site"] == "head.forward"]
+    assert whole_rows["q0.5"].isna().all()  # a field only statistics records have
+
+
+def site_column(path: Any, name: str, field: str = "absmax") -> list[float]:
+    with vartrace.open(path) as run:
+        return run[name].values[field].tolist()
+
+
+def test_show_prints_statistics_records(runs: Any, capsys: Any) -> None:
+    from vartrace.cli import main
+
+    assert main(["show", str(runs / "stats.h5"), "layers.0.forward"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == "layers.0.forward: 4 records, dtype statistics"
+    assert table[1].split() == ["iteration", "rank", "shape", "mean", "std", "min", "max"]
+    assert table[3].split()[2] == "statistics" and len(table) == 7
+    assert main(["show", str(runs / "stats.h5"), "layers.0.forward", "-i", "2"]) == 0
+    shown = capsys.readouterr().out
+    assert "statistics record (over finite values; 12 fields)" in shown
+    assert "absmax" in shown and "q0.5" in shown
+
+
+def test_plot_stat_of_statistics_sites(runs: Any, capsys: Any) -> None:
+    from vartrace.cli import main
+    from vartrace.plot import plot_stat
+
+    fig = plot_stat(runs / "stats.h5", ["layers.*.forward", "head.forward"], "absmax,nan,q0.5")
+    absmax, nan, median = fig.axes[:3]
+    lines = absmax.get_lines()
+    assert len(lines) == 3  # two statistics sites and one whole one, on the same axes
+    assert lines[0].get_ydata().tolist() == site_column(runs / "stats.h5", "layers.0.forward")
+    assert all(np.isfinite(line.get_ydata()).all() for line in lines)
+    assert nan.get_lines()[0].get_ydata().tolist() == [0.0] * 4
+    assert np.isnan(median.get_lines()[2].get_ydata()).all()  # head: no stored quantile
+    out = runs / "absmax.png"
+    argv = ["plot", str(runs / "stats.h5"), "layers.*.forward", "--stat", "absmax,nan"]
+    assert main([*argv, "-o", str(out)]) == 0
+    assert "absmax,nan over iterations, 2 line(s)" in capsys.readouterr().out
+    assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_compare_statistics_as_statistics(runs: Any) -> None:
+    same = vartrace.compare(runs / "stats.h5", runs / "stats.h5")
+    assert same.ok
+    other = vartrace.compare(runs / "stats.h5", runs / "other.h5")
+    assert not other.ok and other.first_divergence is not None
+    frame = other.to_frame().set_index(["site", "iteration"])
+    row = frame.loc[("layers.0.forward", 2)]
+    assert row["status"] == "differs" and row["dtype_a"] == "statistics"
+    assert row["mean_a"] == site_column(runs / "stats.h5", "layers.0.forward", "mean")[1]
+    assert row["max_abs_diff"] > 0 and math.isnan(row["cosine"])
+    # a statistics run against a run of whole records (same seed): reduced, then equal
+    against_whole = vartrace.compare(runs / "stats.h5", runs / "whole.h5")
+    assert against_whole.ok, against_whole
+    tight = vartrace.compare(runs / "stats.h5", runs / "other.h5", atol=1e9, rtol=0)
+    assert tight.ok  # every field within the tolerance: statistics compared with atol/rtol
