@@ -241,3 +241,24 @@ def test_strict_false_keeps_a_misspelt_key_and_warns_at_its_first_return() -> No
             first = [str(w.message) for w in caught]
     assert len(first) == 1, first
     assert "'head.forward.typo': head.forward returned a Tensor which has no keys" in first[0]
+
+
+def test_grad_sites_warn_about_no_grad_evaluations_only_when_no_step_recorded() -> None:
+    model = Net()
+
+    def evaluate() -> None:
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+        model.train()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(model, ["body@grad"], mode="any") as tracer:
+            evaluate()
+            model(torch.randn(2, 4)).backward()
+            evaluate()
+    assert list(tracer.results["body.forward@grad"].iterations) == [2]
+    message = r"no gradient is recorded for body\.forward@grad: the tensor does not require grad"
+    with pytest.warns(UserWarning, match=message), ModelTracer(model, ["body@grad"], mode="any"):
+        evaluate()

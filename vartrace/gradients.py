@@ -94,6 +94,8 @@ class GradientWatcher:
         self._prune_at = _MIN_PRUNE
         self._parameters: dict[int, _ParameterWatch] = {}
         self._warned: set[str] = set()
+        self._watched: set[str] = set()  # sites that registered a hook at least once
+        self._no_grad: dict[str, str] = {}  # site -> why, seen with grad mode off
         self._closed = False
 
     def watch(self, site: str, value: Any, iteration: int) -> None:
@@ -102,7 +104,9 @@ class GradientWatcher:
         ``iteration`` is the iteration of the forward that produced ``value``.
         A value that cannot receive a gradient (not a tensor, a tensor that
         does not require grad, a parameter used under ``torch.no_grad()``)
-        records nothing and warns once per site.
+        records nothing and warns once per site; with grad mode off (an
+        evaluation under ``torch.no_grad()``) only at :meth:`close`, and only if
+        the site never received a gradient hook (``mode="any"`` runs that also train).
         """
         if self._closed:
             return
@@ -125,7 +129,14 @@ class GradientWatcher:
             self._watch_tensor(site, value, iteration)
 
     def close(self) -> None:
-        """Remove every hook this watcher registered; later backwards record nothing."""
+        """Remove every hook this watcher registered; later backwards record nothing.
+
+        Warns for the sites seen only with grad mode off.
+        """
+        for site, reason in self._no_grad.items():
+            if site not in self._watched:
+                self._say(site, reason)
+        self._no_grad.clear()
         with self._lock:
             self._closed = True
             handles = list(self._handles.values())
@@ -139,6 +150,7 @@ class GradientWatcher:
 
     def _watch_tensor(self, site: str, value: torch.Tensor, iteration: int) -> None:
         store, lock, handles = self._store, self._lock, self._handles
+        self._watched.add(site)
 
         def hook(grad: torch.Tensor) -> None:
             with lock:
@@ -168,6 +180,7 @@ class GradientWatcher:
     # -- parameters -----------------------------------------------------------------------------
 
     def _watch_parameter(self, site: str, parameter: torch.Tensor, iteration: int) -> None:
+        self._watched.add(site)
         with self._lock:
             watch = self._parameters.get(id(parameter))
             if watch is None or watch.ref() is not parameter:
@@ -190,6 +203,12 @@ class GradientWatcher:
     # -- warnings -------------------------------------------------------------------------------
 
     def _warn(self, site: str, reason: str) -> None:
+        if torch.is_grad_enabled():
+            self._say(site, reason)
+        else:  # decided at close: a training step may still record it
+            self._no_grad.setdefault(site, reason)
+
+    def _say(self, site: str, reason: str) -> None:
         if site in self._warned:
             return
         self._warned.add(site)
