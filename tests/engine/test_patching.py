@@ -563,3 +563,22 @@ def test_function_behind_decorators_is_read(core: FrameCore) -> None:
     finally:
         detach(user, "forward", hook)
     assert rec.sites() == {"forward>_masked.cache": [1, 0], "forward>_masked.mask": [21, 30]}
+
+
+def test_a_method_the_program_installs_while_traced_stays(core: FrameCore) -> None:
+    """``block.forward = MethodType(f, block)`` while traced: the program's, never deleted."""
+    import types
+
+    def faster(self: Calc, n: int) -> int:
+        return n * (n - 1) // 2
+
+    calc = Calc()
+    hook, rec = _attach(calc, "loop", _probe("loop", "acc:exit"))
+    assert calc.loop(3) == 3
+    installed = calc.loop = types.MethodType(faster, calc)  # type: ignore[method-assign]
+    snapshot = copy.deepcopy(calc)
+    detach(calc, "loop", hook)
+    assert vars(calc) == {"offset": 0, "loop": installed}
+    assert calc.loop(4) == 6
+    assert vars(snapshot)["loop"].__func__ is faster, "a copy made while traced keeps it too"
+    assert rec.sites() == {"loop.acc": [3]}

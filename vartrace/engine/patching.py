@@ -243,8 +243,15 @@ class _CleanState:
         self.release()
 
     def release(self) -> None:
-        """Restore the ``__getstate__`` entry once no patch and no filter is left."""
-        if not self.originals and not self.filters:
+        """Restore the ``__getstate__`` entry once no patch and no filter is left.
+
+        An entry the program put in its place meanwhile stays.
+        """
+        if (
+            not self.originals
+            and not self.filters
+            and vars(self.instance).get("__getstate__") is self
+        ):
             if self.previous is _MISSING:
                 del vars(self.instance)["__getstate__"]
             else:
@@ -269,6 +276,8 @@ class _CleanState:
     def _clean(self, state: dict[str, Any]) -> dict[str, Any]:
         state = dict(state)
         for name, original in [*self.originals.items(), ("__getstate__", self.previous)]:
+            if not isinstance(state.get(name), (_Wrapper, _CleanState)):
+                continue  # the program's own value, set while traced
             if original is _MISSING:
                 state.pop(name, None)
             else:
@@ -298,8 +307,9 @@ class _Patch:
         # The callee handlers for one set of active hooks (normally all of them, every call).
         self._callee_handlers: tuple[tuple[Hook, ...], dict[CodeType, Callee]] = ((), {})
         call = self._call if decorate is None else decorate(self._call)
-        _CleanState.of(instance).originals[name] = self.original
-        vars(instance)[name] = _Wrapper(bound, call)
+        self.clean = _CleanState.of(instance)
+        self.clean.originals[name] = self.original
+        self.wrapper = vars(instance)[name] = _Wrapper(bound, call)
 
     def set_hooks(self, hooks: tuple[Hook, ...]) -> None:
         self.hooks = hooks
@@ -333,12 +343,19 @@ class _Patch:
             self.armed = armed
 
     def restore(self) -> None:
+        """Put back what the object held, unless the program replaced the patch meanwhile.
+
+        A ``forward`` the program installs while traced
+        (``block.forward = MethodType(f, block)``) is the program's: it stays.
+        """
         self.set_hooks(())
-        if self.original is _MISSING:
-            del vars(self.instance)[self.name]
-        else:
-            vars(self.instance)[self.name] = self.original
-        vars(self.instance)["__getstate__"].forget(self.name)
+        namespace = vars(self.instance)
+        if namespace.get(self.name) is self.wrapper:
+            if self.original is _MISSING:
+                del namespace[self.name]
+            else:
+                namespace[self.name] = self.original
+        self.clean.forget(self.name)
 
     def _call(self, wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         hooks = self.hooks
