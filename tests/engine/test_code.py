@@ -130,3 +130,19 @@ def test_a_method_without_source_returns_an_unknown_call() -> None:
     exec("def forward(self, x):\n    return self.inner(x)\n", namespace)
     assert returned_calls(namespace["forward"]) == (Returned("unknown"),)  # type: ignore[arg-type]
     assert not methods_of(Mixed)["scaled"].annotated
+
+
+class Checked:
+    """A class in a module pytest rewrites: its ``assert`` adds ``@py_assert...`` locals."""
+
+    def forward(self, x: int) -> int:
+        y = x + 1
+        assert y > x, "grows"
+        return y
+
+
+def test_names_that_are_not_identifiers_are_left_out() -> None:
+    code = Checked.forward.__code__
+    rewritten = [name for name in code.co_varnames if name.startswith("@py_assert")]
+    assert rewritten, "pytest rewrote the assert of this module (the shape under test)"
+    assert methods_of(Checked)["forward"].variables == ("self", "x", "y")

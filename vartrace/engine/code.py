@@ -155,9 +155,9 @@ def _analyse(name: str, code: CodeType, annotated_keys: frozenset[str]) -> Metho
     n_args += bool(code.co_flags & inspect.CO_VARARGS)
     n_args += bool(code.co_flags & inspect.CO_VARKEYWORDS)
     arguments = code.co_varnames[:n_args]
-    local_names = code.co_varnames[n_args:] + tuple(
-        c for c in code.co_cellvars if c not in arguments
-    )
+    cells = tuple(c for c in code.co_cellvars if c not in arguments)
+    # Names that are not identifiers (pytest's ``@py_assert0``) are no pattern's to name.
+    local_names = tuple(n for n in code.co_varnames[n_args:] + cells if n.isidentifier())
     keys = _string_constants(code) | {str(i) for i in range(8)} | annotated_keys
     return MethodInfo(name, code, arguments, local_names, frozenset(keys), bool(annotated_keys))
 
