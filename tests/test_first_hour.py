@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import h5py
 import pytest
 import torch
 from torch import nn
@@ -112,3 +113,38 @@ def test_the_typed_example_runs() -> None:
     assert result.returncode == 0, result.stderr
     assert "records gathered: 0.forward=12, 2.forward.input=12" in result.stdout
     assert "0.forward: 12 records, iterations 1-12, float16" in result.stdout
+
+
+def _write(path: Path, sites: dict[str, tuple[int, ...]], steps: int, gather: int) -> int:
+    """Write ``steps`` float32 records of each site in gathers of ``gather``; record bytes."""
+    with H5PYSaverCallback(path, metadata=False) as saver:
+        for start in range(1, steps + 1, gather):
+            for name, shape in sites.items():
+                trace = Trace()
+                for step in range(start, min(start + gather, steps + 1)):
+                    trace.append(torch.full(shape, float(step)), step, 0, step)
+                saver(name, trace)
+            saver.flush()
+    return steps * sum(4 * int(torch.Size(shape).numel()) for shape in sites.values())
+
+
+def test_a_short_run_of_tiny_records_takes_little_space(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.h5"
+    _write(path, {f"loss{i}": () for i in range(4)}, steps=9, gather=1)
+    assert path.stat().st_size < 200 << 10  # 554 KiB when every tag chunk held 4096 rows
+    with vartrace.open(path) as run:
+        assert run["loss3"].iterations.tolist() == list(range(1, 10))
+
+
+def test_chunks_follow_the_record_size_and_the_gather(tmp_path: Path) -> None:
+    short = tmp_path / "short.h5"
+    data = _write(short, {"tokens": (32, 8), "scores": (32, 4, 8, 8)}, steps=60, gather=25)
+    assert short.stat().st_size < 1.25 * data  # 1.5x with 512 KiB chunks of small records
+    long = tmp_path / "long.h5"
+    _write(long, {"loss": ()}, steps=3000, gather=1000)
+    with h5py.File(long, "r") as handle:
+        site = handle["vars"]["loss"]
+        assert site["iterations"].chunks[0] >= 1000  # a chunk holds a whole gather's tags
+        assert site["values"].chunks[0] >= 1000
+    with vartrace.open(long) as run:
+        assert run["loss"].get(2999) == 2999.0

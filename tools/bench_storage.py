@@ -6,6 +6,7 @@ Usage::
     python tools/bench_storage.py memory       # peak RSS of 200 vs 2000 streamed iterations
     python tools/bench_storage.py overhead --size small   # training step traced into HDF5
     python tools/bench_storage.py pagecache    # what the kernel charges per MiB as a file grows
+    python tools/bench_storage.py size         # file bytes against record bytes, short/long runs
 
 ``throughput`` writes the same records (float32 tensors captured from the GPT
 of ``tools/bench_overhead.py``) through ``H5PYSaverCallback`` in gathers of 8,
@@ -103,6 +104,77 @@ def _saver(
     if sync:
         with open(path, "rb+") as handle:
             os.fsync(handle.fileno())
+
+
+#: Runs for ``size``: label -> (iterations, records a gather, {site: record shape}), float32.
+SIZE_RUNS: dict[str, tuple[int, int, dict[str, tuple[int, ...]]]] = {
+    "36 tiny records (4 scalar sites x 9 steps, gather every step)": (
+        9,
+        1,
+        {f"loss{i}": () for i in range(4)},
+    ),
+    "quickstart --steps 60 (gather every 25 steps)": (
+        60,
+        25,
+        {
+            "tokens": (32, 8),
+            "scores0": (32, 4, 8, 8),
+            "scores1": (32, 4, 8, 8),
+            "h0": (3,),
+            "h1": (3,),
+            "loss": (),
+        },
+    ),
+    "100 KiB records, 5 sites x 20 steps, gather every 8": (
+        20,
+        8,
+        {f"act{i}": (25, 1024) for i in range(5)},
+    ),
+    "long run: 2,000 steps of 32 KiB and scalar records, gather every 8": (
+        2000,
+        8,
+        {"scores": (32, 4, 8, 8), "loss": ()},
+    ),
+}
+
+
+def bench_size() -> str:
+    """File bytes against record bytes for short and long runs (``metadata=False``)."""
+    import numpy as np
+
+    from vartrace.storage import H5PYSaverCallback
+    from vartrace.trace import Trace
+
+    lines = [f"{'run':<70} {'records':>9} {'file':>10} {'ratio':>6} {'write':>8}"]
+    with tempfile.TemporaryDirectory() as folder:
+        for label, (steps, gather, sites) in SIZE_RUNS.items():
+            path = Path(folder) / "size.h5"
+            values = {name: np.ones(shape, np.float32) for name, shape in sites.items()}
+            began = time.perf_counter()
+            with H5PYSaverCallback(path, overwrite=True, metadata=False) as saver:
+                for start in range(1, steps + 1, gather):
+                    for order, (name, value) in enumerate(values.items()):
+                        trace = Trace()
+                        for step in range(start, min(start + gather, steps + 1)):
+                            trace.append(value * step, step, 0, step * len(values) + order)
+                        saver(name, trace)
+                    saver.flush()
+            seconds = time.perf_counter() - began
+            data = steps * sum(value.nbytes for value in values.values())
+            size = path.stat().st_size
+            lines.append(
+                f"{label:<70} {_bytes(data):>9} {_bytes(size):>10} {size / data:5.1f}x"
+                f" {seconds * 1e3:6.0f}ms"
+            )
+    return "\n".join(lines)
+
+
+def _bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if count < 1024 or unit == "MiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
 
 
 def bench_throughput(total_mib: int, rounds: int, compressions: list[str], sync: bool) -> str:
@@ -329,7 +401,7 @@ def bench_overhead(size: str, rounds: int, block: int, compressions: list[str]) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=["throughput", "memory", "overhead", "pagecache"])
+    parser.add_argument("mode", choices=["throughput", "memory", "overhead", "pagecache", "size"])
     parser.add_argument(
         "--mib", type=int, default=256, help="throughput: MiB per measurement; pagecache: in all"
     )
@@ -352,6 +424,8 @@ def main() -> None:
         print(bench_throughput(args.mib, args.rounds, compressions, not args.no_fsync))
     elif args.mode == "pagecache":
         print(bench_pagecache(args.mib))
+    elif args.mode == "size":
+        print(bench_size())
     elif args.mode == "memory":
         print(bench_memory([int(count) for count in args.counts.split(",")]))
     else:
