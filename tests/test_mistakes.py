@@ -262,3 +262,33 @@ def test_grad_sites_warn_about_no_grad_evaluations_only_when_no_step_recorded() 
     message = r"no gradient is recorded for body\.forward@grad: the tensor does not require grad"
     with pytest.warns(UserWarning, match=message), ModelTracer(model, ["body@grad"], mode="any"):
         evaluate()
+
+
+def _clipped(x: torch.Tensor) -> torch.Tensor:
+    if x.abs().max() > 1e9:
+        rare = x.clamp(-1e9, 1e9)
+        return rare
+    return x
+
+
+class _Branchy(nn.Module):
+    def forward(self, x: torch.Tensor, clip: bool = False) -> torch.Tensor:
+        if x.abs().max() > 1e9:
+            huge = x.abs().max()
+            print(huge)
+        return _clipped(x) if clip else x + 1
+
+
+def test_recorded_nothing_tells_a_function_never_called_from_a_variable_never_bound() -> None:
+    model = _Branchy()
+    patterns = ["forward.huge", "forward>_clipped.rare"]
+    never_called, unbound = "the function it is in was never called", "the variable was never bound"
+    for clip, reason in ((False, never_called), (True, unbound)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ModelTracer(model, patterns):
+                model(torch.ones(2), clip=clip)
+        messages = sorted(str(w.message) for w in caught)
+        assert len(messages) == 2, messages
+        assert "'forward.huge' recorded nothing: the variable was never bound" in messages[0]
+        assert f"'forward>_clipped.rare' recorded nothing: {reason}" in messages[1]

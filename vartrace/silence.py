@@ -98,7 +98,15 @@ class SilenceWatch:
         if not any(id(t) in called_ids for t in targets):
             methods = ", ".join(sorted({f"{t.path or '<root>'}.{t.method.name}" for t in targets}))
             return f"its method was never called ({methods})"
+        functions = {
+            name: ran.ran[0]
+            for target in targets
+            for name, ran in target.functions.items()
+            if any(site == name or site.startswith(f"{name}.") for site in sites)
+        }
+        if functions and not any(functions.values()):
+            return f"the function it is in was never called ({', '.join(sorted(functions))})"
         return (
             "the variable was never bound when its method (or function) returned, or the key "
-            "was not in the value (a branch the run did not take, a function not called)"
+            "was not in the value (a branch the run did not take)"
         )

@@ -342,12 +342,25 @@ def _check_keys(selector: Selector, value: Any) -> None:
     )
 
 
+@dataclass(frozen=True)
+class _CalleeRan(Selector):
+    """Selects nothing from a called function's return; notes that it returned, so that
+    a function never called is told from a variable never bound."""
+
+    ran: list[bool] = field(default_factory=lambda: [False], compare=False, repr=False)
+
+    def emit(self, value: Any, sink: Sink, seen: set[str] | None) -> None:
+        self.ran[0] = True
+
+
 @dataclass
 class Target:
     """One method of one module to patch, with what to capture from it.
 
     ``origins`` maps each pattern's text to the site names of the selectors
-    it contributed (a tracer uses it to say which pattern recorded nothing).
+    it contributed (a tracer uses it to say which pattern recorded nothing);
+    ``functions`` maps each called function read from (``attn.forward>eager``)
+    to a selector that notes whether it ever returned.
     """
 
     path: str
@@ -359,6 +372,7 @@ class Target:
     returns: list[Selector] = field(default_factory=list)
     calls: list[Selector] = field(default_factory=list)
     origins: dict[str, list[str]] = field(default_factory=dict)
+    functions: dict[str, _CalleeRan] = field(default_factory=dict)
 
     def probe(self) -> Probe:
         return Probe(
@@ -535,6 +549,12 @@ def _add(target: Target, pattern: Pattern, selection: _Selection) -> str | None:
         if when == "entry" or (when == "every" and variable is None):
             return f"{site} is read in a called function when it returns or @every, not @{when}"
         target.calls.append(selector)
+        called = _join(target.path, _segment(target.method, callee))
+        if called not in target.functions:
+            ran = target.functions[called] = _CalleeRan(
+                None, called, parse(called), frozenset(), callee=callee.code
+            )
+            target.calls.append(ran)
         return None
     if variable is None:
         if when == "entry":
