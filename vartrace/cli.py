@@ -612,6 +612,21 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tensorboard(args: argparse.Namespace) -> int:
+    from vartrace.tensorboard import export_run
+
+    stats = [s for s in args.stat.split(",") if s] if args.stat else None
+    with _open(args.run, args.allow_pickle) as run:
+        names = _matching(run, args.run, args.sites) if args.sites else list(run.names)
+        options: dict[str, Any] = {"histograms": not args.no_histograms}
+        if stats is not None:
+            options["stats"] = stats
+        written = export_run(run, args.logdir, names=_progress(names, "tensorboard"), **options)
+    print(f"wrote {written} record(s) of {len(names)} site(s) to {args.logdir}")
+    print(f"view them with: tensorboard --logdir {args.logdir}")
+    return 0
+
+
 def _fnmatch(name: str, pattern: str) -> bool:
     import fnmatch
 
@@ -721,6 +736,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rtol", type=float, default=1e-5, help="similarity map: relative tolerance")
     p.add_argument("--allow-pickle", action="store_true", help=_PICKLE_HELP)
     p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser(
+        "tensorboard",
+        help="write a run's statistics and histograms as TensorBoard event files",
+        description="Each numeric record becomes scalars <site>/<statistic> (over finite "
+        "values; nan, posinf, neginf count the others) and a histogram <site>, at its "
+        "iteration.  Needs pip install 'torch-vartrace[tensorboard]'.",
+    )
+    p.add_argument("run", metavar="RUN", help=_RUN_HELP)
+    p.add_argument("--logdir", required=True, help="folder of the event files to write")
+    p.add_argument(
+        "--sites", nargs="+", metavar="SITE", help="only these sites (names or quoted globs)"
+    )
+    p.add_argument(
+        "--stat",
+        help="statistics written as scalars, comma separated "
+        "(default mean,std,min,max,absmax,nan,posinf,neginf)",
+    )
+    p.add_argument("--no-histograms", action="store_true", help="write scalars only")
+    p.add_argument("--allow-pickle", action="store_true", help=_PICKLE_HELP)
+    p.set_defaults(func=_cmd_tensorboard)
     return parser
 
 

@@ -1,0 +1,239 @@
+"""Crafted run files, as a hostile sender makes them: nothing outside the file is read, and
+nothing beyond what the file holds is allocated, through ``vartrace.open`` and every command.
+
+Each file is a real vartrace file (written by the saver) altered with h5py: data kept in an
+external file, external links, virtual datasets mapping another file, and datasets declaring
+gigabytes they do not hold.  The "secret" is a local file (a ``.netrc`` stand-in).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import vartrace
+from vartrace.storage import H5PYSaverCallback
+from vartrace.storage.reader import RunFileError
+from vartrace.trace import Trace
+
+SECRET = "machine example.org login alice password hunter2-crafted"
+#: Peak memory a command may reach on any crafted file (its own baseline is about 60 MiB).
+RSS_LIMIT_MIB = 400
+GIB = 1 << 30
+
+
+def _base(path: Path) -> None:
+    """A small genuine run: a float site, a str site, and a little metadata."""
+    with H5PYSaverCallback(path, metadata=False) as saver:
+        saver("w", Trace([torch.arange(4.0) + i for i in range(3)], [1, 2, 3], [0] * 3, [0, 1, 2]))
+        saver("note", Trace(["a", "b"], [1, 2], [0, 0], [3, 4]))
+    with h5py.File(path, "r+") as handle:
+        meta = handle.create_group("meta")
+        meta.create_dataset("command", data=["train.py", "--lr", "0.1"])
+        meta.create_group("git").create_dataset("commit", data="0123abcd")
+
+
+def _secret_h5(root: Path) -> Path:
+    path = root / "secret.h5"
+    with h5py.File(path, "w") as handle:
+        handle["x"] = np.frombuffer(SECRET.encode(), np.uint8)
+        group = handle.create_group("w")
+        group["values"] = np.frombuffer(SECRET.encode(), np.uint8)[None, :4].astype(np.float32)
+    return path
+
+
+def _meta_external_storage(handle: h5py.File, root: Path) -> str:
+    size = len(SECRET)
+    handle["meta"].create_dataset("notes", (size,), np.uint8, external=[(root / "netrc", 0, size)])
+    return "/meta/notes"
+
+
+def _values_external_storage(handle: h5py.File, root: Path) -> str:
+    group = handle["vars/w"]
+    shape, dtype = group["values"].shape, group["values"].dtype
+    del group["values"]
+    values = group.create_dataset(
+        "values", shape, dtype, external=[(root / "netrc", 0, int(np.prod(shape)) * 4)]
+    )
+    values.attrs.update(storage="array", key="float32/1", torch_dtype="")
+    return "/vars/w/values"
+
+
+def _meta_external_link(handle: h5py.File, root: Path) -> str:
+    handle["meta/notes"] = h5py.ExternalLink(str(_secret_h5(root)), "/x")
+    return "/meta/notes"
+
+
+def _site_external_link(handle: h5py.File, root: Path) -> str:
+    del handle["vars/w"]
+    handle["vars/w"] = h5py.ExternalLink(str(_secret_h5(root)), "/w")
+    return "/vars/w"
+
+
+def _vanished_external_link(handle: h5py.File, root: Path) -> str:
+    del handle["vars/w"]
+    handle["vars/w"] = h5py.ExternalLink(str(root / "gone" / "vanished.h5"), "/w")
+    return "/vars/w"
+
+
+def _meta_virtual(handle: h5py.File, root: Path) -> str:
+    layout = h5py.VirtualLayout((len(SECRET),), np.uint8)
+    layout[:] = h5py.VirtualSource(str(_secret_h5(root)), "x", shape=(len(SECRET),))
+    handle["meta"].create_virtual_dataset("notes", layout)
+    return "/meta/notes"
+
+
+def _values_virtual(handle: h5py.File, root: Path) -> str:
+    group = handle["vars/w"]
+    shape = group["values"].shape
+    del group["values"]
+    layout = h5py.VirtualLayout(shape, np.float32)
+    layout[0, :4] = h5py.VirtualSource(str(_secret_h5(root)), "w/values", shape=(1, 4))
+    group.create_virtual_dataset("values", layout).attrs.update(
+        storage="array", key="float32/1", torch_dtype=""
+    )
+    return "/vars/w/values"
+
+
+def _meta_declared_8_gib(handle: h5py.File, root: Path) -> str:
+    handle["meta"].create_dataset("big", (GIB,), np.int64, chunks=(1 << 16,))
+    return "/meta/big"
+
+
+def _tags_declared_8_gib(handle: h5py.File, root: Path) -> str:
+    group = handle["vars/w"]
+    for name in ("iterations", "ranks", "order", "kinds"):
+        group[name].resize((GIB,))
+    handle["committed"][int(group.attrs["slot"])] = GIB
+    return "/vars/w/iterations"
+
+
+def _record_declared_1_gib(handle: h5py.File, root: Path) -> str:
+    group = handle["vars/w"]
+    del group["values"], group["shapes"]
+    values = group.create_dataset("values", (3, GIB // 4), np.float32, chunks=(1, 1 << 16))
+    values[:, :4] = 1.0
+    values.attrs.update(storage="array", key="float32/1", torch_dtype="")
+    group["shapes"] = np.full((3, 1), GIB // 4, np.int64)
+    return "/vars/w/values"
+
+
+CASES: dict[str, Callable[[h5py.File, Path], str]] = {
+    "meta external storage": _meta_external_storage,
+    "values external storage": _values_external_storage,
+    "meta external link": _meta_external_link,
+    "site external link": _site_external_link,
+    "vanished external link": _vanished_external_link,
+    "meta virtual dataset": _meta_virtual,
+    "values virtual dataset": _values_virtual,
+    "meta declared 8 GiB": _meta_declared_8_gib,
+    "tags declared 8 GiB": _tags_declared_8_gib,
+    "record declared 1 GiB": _record_declared_1_gib,
+}
+
+
+def _craft(root: Path, name: str) -> tuple[Path, str]:
+    """The crafted file of case ``name`` and the dataset or link it names in its error."""
+    (root / "netrc").write_text(SECRET + "\n")
+    path = root / "crafted.h5"
+    _base(path)
+    with h5py.File(path, "r+") as handle:
+        where = CASES[name](handle, root)
+    return path, where
+
+
+def _read_everything(path: Path) -> str:
+    """Everything ``vartrace.open`` gives of a run, as text."""
+    with vartrace.open(path) as run:
+        parts = [repr(run.names), repr(run.meta)]
+        for name in run.names:
+            site = run[name]
+            parts += [repr(site.record(i)) for i in range(len(site))]
+            parts.append(repr(np.asarray(site.values)))
+        parts.append(run.to_frame().to_string())
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_open_refuses_a_crafted_file_naming_the_dataset(tmp_path: Path, case: str) -> None:
+    path, where = _craft(tmp_path, case)
+    with pytest.raises(RunFileError) as raised:
+        _read_everything(path)
+    message = str(raised.value)
+    assert where in message and str(path) in message
+    assert "hunter2" not in message
+
+
+def _command(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``vartrace ARGS`` (at most 120 s); the result and the peak memory it reached (MiB)."""
+    out, err = cwd / "stdout.txt", cwd / "stderr.txt"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "vartrace", *args], cwd=cwd, stdout=stdout, stderr=stderr
+        )
+    deadline = time.monotonic() + 120
+    while True:  # os.wait4 reaps the child itself: its own peak memory, not the suite's
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"vartrace {' '.join(args)} ran past 120 s")
+        time.sleep(0.02)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    done = subprocess.CompletedProcess(args, process.returncode, out.read_text(), err.read_text())
+    return done, usage.ru_maxrss / 1024
+
+
+COMMANDS = {
+    "ls": ["ls", "crafted.h5"],
+    "show": ["show", "crafted.h5", "*"],
+    "meta": ["meta", "crafted.h5"],
+    "compare": ["compare", "crafted.h5", "crafted.h5"],
+    "plot": ["plot", "crafted.h5", "w", "-o", "stat.png"],
+    "plot similarity": ["plot", "crafted.h5", "crafted.h5", "-o", "similarity.png"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_command_refuses_or_ignores_a_crafted_file(tmp_path: Path, case: str) -> None:
+    """A command that reads the crafted part fails in one line naming it (exit 2); one that
+    does not read it (only ``meta`` reads /meta) works.  Never the secret, never gigabytes."""
+    _, where = _craft(tmp_path, case)
+    if where.startswith("/meta"):
+        readers = {"meta"}
+    else:  # ls checks where a site's values lie but reads none of them
+        readers = set(COMMANDS) - {"meta"} - ({"ls"} if case == "record declared 1 GiB" else set())
+    for command, args in COMMANDS.items():
+        done, peak_mib = _command(args, tmp_path)
+        assert "hunter2" not in done.stdout + done.stderr, (command, done)
+        assert peak_mib < RSS_LIMIT_MIB, (command, peak_mib)
+        if command not in readers:
+            assert done.returncode in (0, 1), (command, done.stderr)
+            continue
+        assert done.returncode == 2, (command, done)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in done.stderr, (command, done.stderr)
+        assert where in lines[0], (command, lines[0])
+
+
+def test_a_genuine_file_reads_exactly(tmp_path: Path) -> None:
+    """The checks refuse nothing vartrace writes: the base of every crafted case reads back."""
+    path = tmp_path / "run.h5"
+    _base(path)
+    with vartrace.open(path) as run:
+        assert run.names == ["w", "note"]
+        assert run.meta == {"command": ["train.py", "--lr", "0.1"], "git": {"commit": "0123abcd"}}
+        assert torch.equal(run["w"].get(2), torch.arange(4.0) + 1)
+        assert run["note"].calls(2) == ["b"]
+        assert run.to_frame()["mean"].tolist()[:3] == [1.5, 2.5, 3.5]
