@@ -43,6 +43,7 @@ _LAZY = {
     "Comparison": "vartrace.comparison",
     "stats": "vartrace.stat_records",
     "Statistics": "vartrace.stat_records",
+    "TensorBoardCallback": "vartrace.tensorboard",
 }
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "RunContext",
     "Site",
     "Statistics",
+    "TensorBoardCallback",
     "Trace",
     "Unstored",
     "__version__",
@@ -79,6 +81,7 @@ if TYPE_CHECKING:
     from vartrace.storage.reader import Run, Site
     from vartrace.storage.reader import open_run as open
     from vartrace.storage.writer import H5PYSaverCallback
+    from vartrace.tensorboard import TensorBoardCallback
     from vartrace.tracer import CallbackError, ModelTracer
 
 
