@@ -11,6 +11,9 @@
 * ``PeftLike``: PEFT's ``PeftModelForCausalLM``: its forward returns, inside
   a ``with`` block and with keyword names, the call of a tuner module whose
   ``forward(*args, **kwargs)`` returns ``self.model.forward(...)``;
+* ``MoeLike``: Mixtral / Qwen2-MoE: each layer's router computes
+  ``router_logits``, the layer returns them, the model collects them in its
+  output, and the causal-LM model around it returns them again;
 * ``GetterWrapper``: PEFT's ``PeftModel``: ``forward(*args, **kwargs)``
   returns ``self.get_base_model()(*args, **kwargs)``, whose keys only the
   run can tell.
@@ -217,6 +220,61 @@ class GetterWrapper(Wrapper):
 
     def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         return self.get_base_model()(*args, **kwargs)
+
+
+class Router(nn.Module):
+    def __init__(self, d: int = 8, experts: int = 4) -> None:
+        super().__init__()
+        self.weight = nn.Linear(d, experts, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        router_logits = self.weight(hidden_states)
+        return router_logits.softmax(-1), router_logits
+
+
+class MoeLayer(nn.Module):
+    def __init__(self, d: int = 8, experts: int = 4) -> None:
+        super().__init__()
+        self.gate = Router(d, experts)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(experts))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        routing_weights, router_logits = self.gate(hidden_states)
+        out = torch.stack([expert(hidden_states) for expert in self.experts], -1)
+        return hidden_states + (out * routing_weights.unsqueeze(-2)).sum(-1), router_logits
+
+
+@dataclass
+class MoeOutput:
+    logits: torch.Tensor
+    router_logits: tuple[torch.Tensor, ...] = ()
+
+
+class MoeModel(nn.Module):
+    def __init__(self, d: int = 8, vocab: int = 16) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(MoeLayer(d) for _ in range(2))
+
+    def forward(self, input_ids: torch.Tensor) -> MoeOutput:
+        hidden_states = self.embed_tokens(input_ids)
+        all_router_logits: tuple[torch.Tensor, ...] = ()
+        for layer in self.layers:
+            hidden_states, router_logits = layer(hidden_states)
+            all_router_logits += (router_logits,)
+        return MoeOutput(logits=hidden_states, router_logits=all_router_logits)
+
+
+class MoeLike(nn.Module):
+    def __init__(self, d: int = 8, vocab: int = 16) -> None:
+        super().__init__()
+        self.model = MoeModel(d, vocab)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> MoeOutput:
+        outputs = self.model(input_ids)
+        logits = self.lm_head(outputs.logits)
+        return MoeOutput(logits=logits, router_logits=outputs.router_logits)
 
 
 def tokens(seed: int, batch: int = 2, length: int = 5) -> torch.Tensor:

@@ -16,6 +16,7 @@ from tests._hf_shapes import (
     BertLike,
     GetterWrapper,
     LlamaLike,
+    MoeLike,
     PeftLike,
     Wrapper,
     eager_attention_forward,
@@ -311,3 +312,23 @@ def test_a_key_only_the_run_can_tell_is_checked_at_the_first_return() -> None:
         "logits, loss; no key 'lgoits'; closest: logits, loss (it records nothing under this name)"
     ]
     assert list(tracer.results) == ["forward.loss"]
+
+
+# -- issue 22 item 15: a tensor handed up through return values is stored once -----------------
+
+
+def test_star_star_stores_a_tensor_handed_up_through_returns_once() -> None:
+    model = MoeLike()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(model, ["**.router_logits"], change_detection=False) as tracer:
+            for step in range(2):
+                model(tokens(step))
+    gate = "model.layers.{}.gate.forward.router_logits"
+    assert sorted(tracer.results) == [gate.format(0), gate.format(1)]
+    assert len(tracer.results[gate.format(0)].values) == 2
+    reference = model.model.layers[0].gate.weight(model.model.embed_tokens(tokens(1)))
+    torch.testing.assert_close(tracer.results[gate.format(0)].values[1], reference)
+    with ModelTracer(model, ["forward.router_logits"]) as tracer:  # named: recorded there
+        model(tokens(0))
+    assert sorted(tracer.results) == ["forward.router_logits.0", "forward.router_logits.1"]

@@ -101,3 +101,15 @@ def test_gpt2_parameter_names_and_listing_without_machinery() -> None:
             model(ids, labels=ids).loss.backward()
     grad = tracer.results["transformer.h.0.attn.c_attn.weight@grad"].values[0]
     torch.testing.assert_close(grad, model.transformer.h[0].attn.c_attn.weight.grad)
+
+
+def test_mixtral_router_logits_are_stored_once_per_layer() -> None:
+    config = transformers.MixtralConfig(
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, **_SMALL
+    )
+    model = _eager(transformers.MixtralForCausalLM, config)
+    with ModelTracer(model, ["**.router_logits"]) as tracer:
+        out = model(_ids(), output_router_logits=True)
+    gate = "model.layers.{}.mlp.gate.forward.router_logits"
+    assert sorted(tracer.results) == [gate.format(0), gate.format(1)]  # issue 22 item 15
+    torch.testing.assert_close(tracer.results[gate.format(1)].values[0], out.router_logits[1])

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 import re
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -342,6 +344,50 @@ def _check_keys(selector: Selector, value: Any) -> None:
     )
 
 
+class _Claims:
+    """Which site first captured each tensor, for the selectors of one ``**`` pattern.
+
+    A tensor handed up through return values (a router's logits, returned by its
+    layer, collected in the model's output, in the output of the model around it)
+    matches ``**.router_logits`` at every level: it is stored once, under the site
+    that captured it first (where it was computed), until it changes in place.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[weakref.ref[torch.Tensor], str, int]] = {}
+
+    def admit(self, sink: Sink, name: str, leaf: Any, grad: bool) -> None:
+        """Pass ``leaf`` on to ``sink`` unless another site holds the same tensor, unchanged."""
+        if isinstance(leaf, torch.Tensor):
+            try:
+                version = leaf._version
+            except RuntimeError:  # an inference tensor keeps no version counter
+                version = -1
+            key = id(leaf)
+            held = self._held.get(key)
+            if held is not None and held[0]() is leaf and held[1] != name and held[2] == version:
+                return
+            ref = weakref.ref(leaf, functools.partial(self._forget, key))
+            self._held[key] = (ref, name, version)
+        sink(name, leaf, grad)
+
+    def _forget(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
+        held = self._held.get(key)
+        if held is not None and held[0] is ref:
+            del self._held[key]
+
+
+@dataclass(frozen=True)
+class _FirstSite(Selector):
+    """A selector of a ``**`` pattern: a tensor that another site of the pattern captured
+    first is not stored again (see :class:`_Claims`)."""
+
+    claims: _Claims = field(default_factory=_Claims, compare=False, repr=False)
+
+    def emit(self, value: Any, sink: Sink, seen: set[str] | None) -> None:
+        super().emit(value, functools.partial(self.claims.admit, sink), seen)
+
+
 @dataclass(frozen=True)
 class _CalleeRan(Selector):
     """Selects nothing from a called function's return; notes that it returned, so that
@@ -529,12 +575,22 @@ class _Resolver:
                     yield replace(found, site=full, pattern=literal)
 
 
-def _add(target: Target, pattern: Pattern, selection: _Selection) -> str | None:
-    """Add one selection to ``target``; return an error message for a bad timing."""
+def _add(
+    target: Target, pattern: Pattern, selection: _Selection, claims: _Claims | None
+) -> str | None:
+    """Add one selection to ``target``; return an error message for a bad timing.
+
+    ``claims``, for a ``**`` pattern, stores each tensor under one of its sites.
+    """
     variable, states, callee = selection.variable, selection.states, selection.callee
     site = selection.site or _join(target.path, _segment(target.method, callee), variable or "")
+    kind: type[Selector] = Selector
+    extra: dict[str, Any] = {}
+    if selection.check:
+        kind = _CheckedReturn
+    elif claims is not None:
+        kind, extra = _FirstSite, {"claims": claims}
     # A parameter selection walks from its owner module (named by its path) to the tensor.
-    kind = _CheckedReturn if selection.check else Selector
     selector = kind(
         variable,
         target.path if selection.site else site,
@@ -542,6 +598,7 @@ def _add(target: Target, pattern: Pattern, selection: _Selection) -> str | None:
         states,
         grad=pattern.when == "grad",
         callee=None if callee is None else callee.code,
+        **extra,
     )
     when = pattern.when
     target.origins.setdefault(pattern.text, []).append(site)
@@ -688,12 +745,13 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
         found = 0
         errors: list[str] = []
         resolver = _Resolver(modules, pattern, returns, strict)
+        claims = _Claims() if "**" in pattern.segments else None
         for selection in resolver.selections():
             key = (id(selection.module), selection.method.name)
             target = targets.get(key)
             if target is None:
                 target = targets[key] = Target(selection.path, selection.module, selection.method)
-            error = _add(target, pattern, selection)
+            error = _add(target, pattern, selection, claims)
             if error is None:
                 found += 1
             else:
