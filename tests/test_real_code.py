@@ -7,6 +7,10 @@ library installs here (accelerate), a test runs it too, skipped with a reason wi
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -349,3 +353,79 @@ def test_a_pattern_inside_scripted_code_is_refused_saying_why(pattern: str) -> N
 def test_a_scripted_model_is_refused_saying_why() -> None:
     with pytest.raises(ValueError, match="the model is a RecursiveScriptModule"):
         ModelTracer(torch.jit.script(Scripted()), ["forward.y"])
+
+
+# -- a process group that starts after the tracer (Lightning DDP) ----------------------------
+
+_LATE_DEADLINE_S = 300.0  # two processes importing torch on a loaded machine
+
+
+def late_group_rank(out_dir: str, rank: int, port: int) -> None:
+    """One rank of a run whose tracer starts before ``torch.distributed`` does, as around
+    Lightning's ``trainer.fit``: the saver is built and the tracer started, then the
+    group initialised, then three DDP steps (run in a subprocess by the test below)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    out = Path(out_dir)
+    model = TinyTransformer()
+    site = "layers.0.attn.forward.scores"
+    saver = H5PYSaverCallback(out / "run.h5")
+    seen = []
+
+    def keep(name: str, value: torch.Tensor, iteration: int) -> torch.Tensor:
+        seen.append(value.detach().clone())
+        return value
+
+    with ModelTracer(model, [site], pre_save_callbacks=[keep], post_gather_callbacks=[saver]):
+        # The launcher's rank 0 has no rank variable yet; the others have LOCAL_RANK.
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        wrapped = DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        for step in range(3):
+            optimizer.zero_grad()
+            wrapped(tokens(10 * rank + step)).logits.sum().backward()
+            optimizer.step()
+    saver.close()
+    torch.save(seen, out / f"seen{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_group_started_after_the_tracer_leaves_the_file_to_rank_0(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = (
+        "import sys; from tests.test_real_code import late_group_rank; "
+        "late_group_rank(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))"
+    )
+    root = str(Path(__file__).resolve().parent.parent)
+    procs = []
+    for rank in (0, 1):
+        launcher = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "WORLD_SIZE")
+        env = {k: v for k, v in os.environ.items() if k not in launcher}
+        if rank:
+            env.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2")  # as Lightning sets
+        command = [sys.executable, "-c", code, str(tmp_path), str(rank), str(port)]
+        procs.append(
+            subprocess.Popen(command, cwd=root, env=env, stderr=subprocess.PIPE, text=True)
+        )
+    try:
+        errors = [proc.communicate(timeout=_LATE_DEADLINE_S)[1] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [0, 0], "\n".join(errors)
+    seen = [torch.load(tmp_path / f"seen{rank}.pt") for rank in (0, 1)]
+    with vartrace.open(tmp_path / "run.h5") as run:
+        scores = run["layers.0.attn.forward.scores"]
+        tags = zip(scores.iterations.tolist(), scores.ranks.tolist(), strict=True)
+        assert sorted(tags) == [(i, r) for i in (1, 2, 3) for r in (0, 1)]
+        for rank in (0, 1):
+            for iteration in (1, 2, 3):
+                got = scores.get(iteration=iteration, rank=rank)
+                assert got.equal(seen[rank][iteration - 1])

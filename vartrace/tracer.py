@@ -738,11 +738,23 @@ class ModelTracer:
         with self._flush_lock, torch._C._DisableFuncTorch():
             self._hand_over()
 
+    def _retag(self, chunk: dict[str, Trace]) -> None:
+        """Tag ``chunk`` with this process's rank, if the process group started after the
+        tracer did (a tracer around Lightning's ``trainer.fit``): every record in it was
+        captured here."""
+        rank = distributed.rank()
+        if rank == self._rank or distributed.world_size() == 1:
+            return
+        self._rank = rank
+        for trace in chunk.values():
+            trace.ranks = [rank] * len(trace.ranks)
+
     def _hand_over(self) -> None:
         with self._lock:
             chunk, self._chunk = self._chunk, {}
         if not chunk and distributed.world_size() == 1:
             return  # nothing to hand on, and no other rank waits for this gather
+        self._retag(chunk)
         for name, trace in chunk.items():
             _run_callbacks("pre_gather", self.pre_gather_callbacks, name, trace)
         gathered = distributed.gather_chunk(chunk, self._group) if self.gather else chunk
