@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vartrace.sources.statistics import COUNTS, STATS, SUMMARY_FIELDS
+from vartrace.sources.statistics import COUNTS, SUMMARY_FIELDS, summarize
 
 __all__ = [
     "Statistics",
@@ -304,6 +304,11 @@ class StatsReducer:
             raise ValueError(f"sample must be >= 1, got {sample}")
         self.layout = Layout(bins, probabilities)
         self.sample = sample
+        # A record before its statistics: the header, the probabilities, NaN quantiles.
+        self._template = np.full(self.layout.size, math.nan)
+        self._template[0] = self.layout.header
+        if probabilities:
+            self._template[-2 * len(probabilities) : -len(probabilities)] = probabilities
         self.sites = None if sites is None else [sites] if isinstance(sites, str) else list(sites)
         self._constants: dict[Any, tuple[Any, Any]] = {}
 
@@ -321,7 +326,7 @@ class StatsReducer:
             if value.layout is not torch.strided or value.is_meta or value.is_quantized:
                 return value
             if value.is_cpu:
-                return torch.from_numpy(self._host(_float64(value.detach()).numpy()))
+                return torch.from_numpy(self._host(_numbers(value.detach())))
             return self._device(value.detach())
         if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
             return self._host(np.abs(value) if value.dtype.kind == "c" else value)
@@ -332,31 +337,30 @@ class StatsReducer:
     def _host(self, array: np.ndarray) -> np.ndarray:
         row = array.reshape(1, -1).astype(np.float64, copy=False)
         layout = self.layout
-        out = np.empty(layout.size)
-        out[0] = layout.header
-        with np.errstate(all="ignore"):
-            out[1 : 1 + len(SUMMARY_FIELDS)] = [STATS[f](row)[0] for f in SUMMARY_FIELDS]
-            at = 1 + len(SUMMARY_FIELDS)
-            if layout.bins is not None:
-                low, high = layout.bins
-                finite = np.isfinite(row[0]) & (row[0] != 0)
-                exponent = np.frexp(np.where(finite, row[0], 1.0))[1] - 1
-                index = np.clip(exponent, low, high) - low
-                counts = np.bincount(index[finite], minlength=high - low + 1)
-                out[at : at + len(counts)] = counts
-                at += len(counts)
-            if layout.quantiles:
-                count = len(layout.quantiles)
-                out[at : at + count] = layout.quantiles
-                sample = row[0][:: _step(row.size, self)]
-                ordered = np.sort(np.where(np.isfinite(sample), sample, np.inf))
-                finite = int(np.isfinite(sample).sum())
-                if finite:
-                    low, high, weight = _positions(finite, out[at : at + count])
-                    below, above = ordered[low.astype(int)], ordered[high.astype(int)]
+        out = self._template.copy()
+        summary = summarize(row, SUMMARY_FIELDS)
+        out[1 : 1 + len(SUMMARY_FIELDS)] = [summary[f][0] for f in SUMMARY_FIELDS]
+        if layout.bins is None and not layout.quantiles:
+            return out
+        at = 1 + len(SUMMARY_FIELDS)
+        if layout.bins is not None:
+            low, high = layout.bins
+            finite = np.isfinite(row[0]) & (row[0] != 0)
+            exponent = np.frexp(np.where(finite, row[0], 1.0))[1] - 1
+            index = np.clip(exponent, low, high) - low
+            counts = np.bincount(index[finite], minlength=high - low + 1)
+            out[at : at + len(counts)] = counts
+            at += len(counts)
+        if layout.quantiles:
+            count = len(layout.quantiles)
+            sample = row[0][:: _step(row.size, self)]
+            ordered = np.sort(np.where(np.isfinite(sample), sample, np.inf))
+            finite_count = int(np.isfinite(sample).sum())
+            if finite_count:
+                low, high, weight = _positions(finite_count, out[at : at + count])
+                below, above = ordered[low.astype(int)], ordered[high.astype(int)]
+                with np.errstate(invalid="ignore"):
                     out[at + count :] = below + (above - below) * weight
-                else:
-                    out[at + count :] = math.nan
         return out
 
     # -- on the device: the same definitions in torch, without a sync ---------------------------
@@ -427,9 +431,24 @@ def _positions(count: Any, probabilities: Any) -> tuple[Any, Any, Any]:
     return low, (-(-position // 1)).clip(0, None), position - low
 
 
+#: CPU tensor dtypes whose values numpy reads as they are (no conversion by torch first).
+_NUMPY_DTYPES = frozenset(
+    f"torch.{name}"
+    for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8")
+)
+
+
 def _step(size: int, reducer: StatsReducer) -> int:
     """Stride of the quantile sample: at most ``reducer.sample`` values, evenly spread."""
     return max(1, -(-size // reducer.sample))
+
+
+def _numbers(tensor: Any) -> np.ndarray:
+    """A CPU tensor's values as numpy: its own array where numpy has the dtype (converted
+    to float64 by the reduction), else a float64 copy (bfloat16, float8, bool, complex)."""
+    if str(tensor.dtype) in _NUMPY_DTYPES:
+        return tensor.numpy()
+    return _float64(tensor).numpy()
 
 
 def _float64(tensor: Any) -> Any:

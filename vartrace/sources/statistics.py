@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,8 @@ __all__ = [
     "reduce_block",
     "stat_function",
     "statistic_of",
+    "summarize",
+    "summarize_block",
     "value_as_array",
     "value_dtype_name",
 ]
@@ -35,70 +37,111 @@ def _magnitude(block: np.ndarray) -> np.ndarray:
     return np.abs(block) if block.dtype.kind == "c" else block
 
 
-def _finite(block: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(finite mask, finite count per row, block with non-finite values set to 0)."""
-    finite = np.isfinite(block)
-    return finite, finite.sum(axis=1), np.where(finite, block, 0.0)
+class _Finite:
+    """What the statistics of a (records, elements) float64 block share: its finite values.
+
+    Every statistic is taken over the finite values; a block without NaN or
+    infinities (the usual case) skips the masking.  Intermediate results are
+    kept, so that :func:`summarize` computes each once.
+    """
+
+    def __init__(self, block: np.ndarray) -> None:
+        self.block = block
+        self.mask = np.isfinite(block)
+        self.clean = bool(self.mask.all()) and block.shape[1] > 0
+        self.count = self.mask.sum(axis=1)
+        self.zeroed = block if self.clean else np.where(self.mask, block, 0.0)
+        self._mean: np.ndarray | None = None
+        self._var: np.ndarray | None = None
+        self._min: np.ndarray | None = None
+        self._max: np.ndarray | None = None
+
+    def _none_left(self, values: np.ndarray) -> np.ndarray:
+        return values if self.clean else np.where(self.count > 0, values, math.nan)
+
+    def mean(self) -> np.ndarray:
+        if self._mean is None:
+            self._mean = self.zeroed.sum(axis=1) / self.count
+        return self._mean
+
+    def var(self) -> np.ndarray:
+        """Population variance, two-pass (the device reducer's too)."""
+        if self._var is None:
+            centred = self.zeroed - self.mean()[:, None]
+            if not self.clean:
+                centred = np.where(self.mask, centred, 0.0)
+            self._var = np.einsum("ij,ij->i", centred, centred) / self.count
+        return self._var
+
+    def min(self) -> np.ndarray:
+        if self._min is None:
+            kept = self.block if self.clean else np.where(self.mask, self.block, math.inf)
+            self._min = self._none_left(kept.min(axis=1, initial=math.inf))
+        return self._min
+
+    def max(self) -> np.ndarray:
+        if self._max is None:
+            kept = self.block if self.clean else np.where(self.mask, self.block, -math.inf)
+            self._max = self._none_left(kept.max(axis=1, initial=-math.inf))
+        return self._max
+
+    def absmax(self) -> np.ndarray:
+        return np.maximum(-self.min(), self.max())  # exact: the largest |x| is -min or max
+
+    def norm(self) -> np.ndarray:
+        return np.sqrt(np.einsum("ij,ij->i", self.zeroed, self.zeroed))
+
+    def nonfinite(self, test: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        if self.clean:
+            return np.zeros(self.block.shape[0])
+        return test(self.block).sum(axis=1).astype(np.float64)
+
+    def zeros(self) -> np.ndarray:
+        return (self.block == 0).sum(axis=1).astype(np.float64)
 
 
-def _none_finite(count: np.ndarray, values: np.ndarray) -> np.ndarray:
-    return np.where(count > 0, values, math.nan)
+_FIELDS: dict[str, Callable[[_Finite], np.ndarray]] = {
+    "count": lambda f: f.block.shape[1] + np.zeros(f.block.shape[0]),
+    "mean": _Finite.mean,
+    "std": lambda f: np.sqrt(f.var()),
+    "var": _Finite.var,
+    "min": _Finite.min,
+    "max": _Finite.max,
+    "absmax": _Finite.absmax,
+    "norm": _Finite.norm,
+    "nan": lambda f: f.nonfinite(np.isnan),
+    "posinf": lambda f: f.nonfinite(lambda b: b == math.inf),
+    "neginf": lambda f: f.nonfinite(lambda b: b == -math.inf),
+    "zeros": _Finite.zeros,
+}
 
 
-def _mean(block: np.ndarray) -> np.ndarray:
-    _, count, zeroed = _finite(block)
-    return zeroed.sum(axis=1) / count
-
-
-def _var(block: np.ndarray) -> np.ndarray:
-    """Population variance over the finite values, two-pass (as the device reducer)."""
-    finite, count, zeroed = _finite(block)
-    centred = np.where(finite, block - (zeroed.sum(axis=1) / count)[:, None], 0.0)
-    return np.einsum("ij,ij->i", centred, centred) / count
-
-
-def _extreme(block: np.ndarray, fill: float, reduce: Callable[..., np.ndarray]) -> np.ndarray:
-    finite = np.isfinite(block)
-    return _none_finite(
-        finite.sum(axis=1), reduce(np.where(finite, block, fill), axis=1, initial=fill)
-    )
-
-
-def _absmax(block: np.ndarray) -> np.ndarray:
-    _, count, zeroed = _finite(block)
-    return _none_finite(count, np.abs(zeroed).max(axis=1, initial=0.0))
-
-
-def _norm(block: np.ndarray) -> np.ndarray:
-    _, _, zeroed = _finite(block)
-    return np.sqrt(np.einsum("ij,ij->i", zeroed, zeroed))
-
-
-def _counter(test: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], np.ndarray]:
-    return lambda block: test(block).sum(axis=1).astype(np.float64)
+def _statistic(name: str) -> Callable[[np.ndarray], np.ndarray]:
+    field = _FIELDS[name]
+    return lambda block: field(_Finite(block))
 
 
 #: Statistics a frame or plot can carry, by name; each reduces a (records, elements) float64
 #: array (complex values by magnitude) to one float per record.  One definition everywhere
-#: (``Run.to_frame``, ``vartrace show``/``plot``/``compare`` and the device reducer
+#: (``Run.to_frame``, ``vartrace show``/``plot``/``compare`` and the reducer
 #: :func:`vartrace.stats`): ``mean``, ``std``, ``var`` (population), ``min``, ``max``,
 #: ``absmax`` and ``norm`` are taken over the *finite* values only (NaN when there is none;
 #: ``norm`` is then 0), and ``nan``, ``posinf``, ``neginf`` count the values left out;
 #: ``zeros`` counts exact zeros and ``count`` every element.
-STATS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "count": lambda b: np.full(b.shape[0], float(b.shape[1])),
-    "mean": _mean,
-    "std": lambda b: np.sqrt(_var(b)),
-    "var": _var,
-    "min": lambda b: _extreme(b, math.inf, np.min),
-    "max": lambda b: _extreme(b, -math.inf, np.max),
-    "absmax": _absmax,
-    "norm": _norm,
-    "nan": _counter(np.isnan),
-    "posinf": _counter(lambda b: b == math.inf),
-    "neginf": _counter(lambda b: b == -math.inf),
-    "zeros": _counter(lambda b: b == 0),
-}
+STATS: dict[str, Callable[[np.ndarray], np.ndarray]] = {name: _statistic(name) for name in _FIELDS}
+
+
+def summarize(block: np.ndarray, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Several :data:`STATS` of a (records, elements) float64 block, sharing the work.
+
+    Example::
+
+        summarize(np.array([[1.0, np.nan, 3.0]]), ["mean", "nan"])   # mean 2, nan 1
+    """
+    with np.errstate(all="ignore"):
+        finite = _Finite(block)
+        return {name: _FIELDS[name](finite) for name in names}
+
 
 #: The statistics that count values (whole numbers), stored as integers by statistics mode.
 COUNTS = ("count", "nan", "posinf", "neginf", "zeros")
@@ -127,9 +170,23 @@ def reduce_block(fn: Callable[[np.ndarray], Any], block: np.ndarray) -> np.ndarr
         reduce_block(STATS["max"], np.array([[1.0, -np.inf, 3.0]]))   # array([3.])
     """
     k = block.shape[0]
-    flat = _magnitude(block.reshape(k, -1)).astype(np.float64, copy=False)
     with np.errstate(all="ignore"):
-        return np.asarray(fn(flat), dtype=np.float64).reshape(k)
+        return np.asarray(fn(_float_rows(block)), dtype=np.float64).reshape(k)
+
+
+def _float_rows(block: np.ndarray) -> np.ndarray:
+    """A (k, *shape) numeric block as (k, elements) float64 (complex values by magnitude)."""
+    return _magnitude(block.reshape(block.shape[0], -1)).astype(np.float64, copy=False)
+
+
+def summarize_block(block: np.ndarray, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """:func:`summarize` of a (k, *shape) numeric block, as :func:`reduce_block` takes it.
+
+    Example::
+
+        summarize_block(np.ones((2, 3), np.float32), ["mean", "zeros"])["mean"]   # [1., 1.]
+    """
+    return summarize(_float_rows(block), names)
 
 
 def value_as_array(value: Any) -> np.ndarray | None:

@@ -18,9 +18,9 @@ from vartrace.sources.buffers import BufferPool
 from vartrace.sources.chunk_maps import ChunkMap, FileMaps
 from vartrace.sources.statistics import (
     BLOCK_BYTES,
-    reduce_block,
     stat_function,
     statistic_of,
+    summarize_block,
     value_as_array,
     value_dtype_name,
 )
@@ -330,12 +330,14 @@ def record_stats(
     from tqdm.auto import tqdm
 
     names = [stats] if isinstance(stats, str) else list(stats)
-    reducers = {name: stat_function(name) for name in names if not _field_name(name)}
+    computed = [name for name in names if not _field_name(name)]
+    for name in computed:
+        stat_function(name)  # an unknown name raises, naming the known ones
     out = {name: np.full(len(view.iterations), math.nan) for name in names}
 
     def reduce(rows: np.ndarray, block: np.ndarray) -> None:
-        for name, reducer in reducers.items():
-            out[name][rows] = reduce_block(reducer, block)
+        for name, values in summarize_block(block, computed).items():
+            out[name][rows] = values
 
     groups = numeric_groups(view)
     total = sum(len(rows) for rows in groups.values())
