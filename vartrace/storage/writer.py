@@ -71,7 +71,10 @@ __all__ = ["COMPRESSIONS", "H5PYSaverCallback", "recover", "unused_savers"]
 
 _CHUNK_TARGET = 512 << 10  # bytes of a multi-record chunk
 _CHUNK_MAX = 8 << 20  # a record bigger than this is split into several chunks
-_TAG_CHUNK = 4096
+_TAG_CHUNK = 4096  # most rows of a chunk
+_CHUNK_MIN = 4 << 10  # bytes: a chunk of small records holds at least this much
+_GATHERS_A_CHUNK = 2  # a chunk of small records holds about this many gathers' records
+_TAG_ROWS_MIN = 256  # fewest rows of a chunk of per-record tags (2 KiB of int64)
 # Sites whose datasets stay open between gathers.  Beyond this they are reopened when
 # written: HDF5's SWMR mode fails ("Child entry doesn't have a flush dependency parent
 # array") once thousands of objects are open while new ones are created.
@@ -148,13 +151,27 @@ def _probe(filters: dict[str, Any], compression: Any) -> None:
         raise ValueError(f"compression {compression!r} cannot be used{hint}: {error}") from None
 
 
-def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    """Chunk shape: whole records (split when huge), several small records per chunk."""
+def _gather_rows(records: int) -> int:
+    """Rows of a site's tag chunks, from the records of its first gather: about
+    :data:`_GATHERS_A_CHUNK` gathers' worth (a power of two), so that a short run's file
+    holds little unused space and a long run's few chunks.
+
+    Example: ``_gather_rows(8) == 256`` (the floor), ``_gather_rows(1000) == 2048``.
+    """
+    rows = 1 << (max(1, records * _GATHERS_A_CHUNK) - 1).bit_length()
+    return min(_TAG_CHUNK, max(_TAG_ROWS_MIN, rows))
+
+
+def _chunks(shape: tuple[int, ...], itemsize: int, gather_rows: int) -> tuple[int, ...]:
+    """Chunk shape: whole records (split when huge), several small records per chunk: up to
+    :data:`_CHUNK_TARGET` bytes, but no more rows than ``gather_rows`` (about two gathers)
+    unless that leaves less than :data:`_CHUNK_MIN` bytes."""
     dims = [max(1, size) for size in shape]
     while int(np.prod(dims)) * itemsize > _CHUNK_MAX:
         largest = int(np.argmax(dims))
         dims[largest] = -(-dims[largest] // 2)
-    rows = _CHUNK_TARGET // max(1, int(np.prod(dims)) * itemsize)
+    record = max(1, int(np.prod(dims)) * itemsize)
+    rows = min(_CHUNK_TARGET // record, max(gather_rows, _CHUNK_MIN // record))
     return (min(max(rows, 1), _TAG_CHUNK), *dims)
 
 
@@ -198,6 +215,7 @@ class _Site:
         self.slot = int(group.attrs["slot"])
         self.tags = {name: group[name] for name in TAGS}
         self.values: h5py.Dataset | None = group.get("values")
+        self.gather_rows = int(self.tags["iterations"].chunks[0])  # see _gather_rows
         self.shapes: h5py.Dataset | None = group.get("shapes")
         self.other: h5py.Dataset | None = group.get("other")
         self.rows = rows  # committed records; rows past them (a killed writer's) are rewritten
@@ -208,14 +226,18 @@ class _Site:
         self.warned = False  # about a record that could not be stored
 
     @classmethod
-    def create(cls, parent: h5py.Group, name: str, options: dict[str, Any], slot: int) -> _Site:
+    def create(
+        cls, parent: h5py.Group, name: str, options: dict[str, Any], slot: int, records: int
+    ) -> _Site:
+        """A new site whose first gather holds ``records`` records (its chunks' size)."""
         group = parent.create_group(escape(name))
         group.attrs["slot"] = slot
         if _utf8(name):  # for people browsing the file; the reader unescapes the link name
             group.attrs["name"] = name
         for tag in TAGS:
             dtype = np.uint8 if tag == "kinds" else np.int64
-            group.create_dataset(tag, (0,), dtype, maxshape=(None,), chunks=(_TAG_CHUNK,))
+            chunks = (_gather_rows(records),)
+            group.create_dataset(tag, (0,), dtype, maxshape=(None,), chunks=chunks)
         return cls(group, options, 0)
 
     def _encode(self, value: Any) -> Leaf:
@@ -250,7 +272,7 @@ class _Site:
                 (rows, *shape),
                 leaf.data.dtype,
                 maxshape=(None,) * (ndim + 1),
-                chunks=_chunks(shape, leaf.data.dtype.itemsize),
+                chunks=_chunks(shape, leaf.data.dtype.itemsize, self.gather_rows),
                 **self.options["filters"],
             )
             values.attrs.update(storage="array", key=leaf.key, torch_dtype=leaf.torch_dtype)
@@ -261,14 +283,14 @@ class _Site:
                     (rows, ndim),
                     np.int64,
                     maxshape=(None, ndim),
-                    chunks=(_TAG_CHUNK, ndim),
+                    chunks=(self.gather_rows, ndim),
                     fillvalue=-1,
                 )
         else:
             self.storage = "str" if leaf.kind == Kind.STR and _utf8(leaf.data) else "blob"
             dtype = _STR if self.storage == "str" else _BLOB
             values = self.group.create_dataset(
-                "values", (rows,), dtype, maxshape=(None,), chunks=(_TAG_CHUNK,)
+                "values", (rows,), dtype, maxshape=(None,), chunks=(self.gather_rows,)
             )
             values.attrs["storage"] = self.storage
         self.values = values
@@ -350,7 +372,7 @@ class _Site:
         ]
         if any(misfits) and self.other is None:
             self.other = self.group.create_dataset(
-                "other", (start,), _BLOB, maxshape=(None,), chunks=(_TAG_CHUNK,)
+                "other", (start,), _BLOB, maxshape=(None,), chunks=(self.gather_rows,)
             )
         if self.storage == "array":
             self._extend(
@@ -854,7 +876,7 @@ class H5PYSaverCallback:
             if group is None:
                 slot = len(self._committed)
                 self._committed = np.append(self._committed, 0)
-                site = _Site.create(handle["vars"], name, self._options, slot)
+                site = _Site.create(handle["vars"], name, self._options, slot, len(trace))
             else:
                 slot = int(group.attrs["slot"])
                 site = _Site(group, self._options, int(self._committed[slot]))
