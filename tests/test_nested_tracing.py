@@ -248,3 +248,56 @@ def test_assertion_temporaries_are_not_sites() -> None:
         with ModelTracer(model, ["forward.*"]) as tracer:
             model(torch.zeros(2))
     assert sorted(tracer.results) == ["forward.x", "forward.y"]
+
+
+def _pieces(x: torch.Tensor, n: int) -> Iterator[torch.Tensor]:
+    for piece in x.chunk(n):
+        half = piece / 2
+        yield half * 2
+
+
+class Streamer(nn.Module):
+    """A model whose code runs in generators and a coroutine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def chunks(self, x: torch.Tensor, n: int) -> Iterator[torch.Tensor]:
+        for part in _pieces(x, n):
+            out = self.proj(part)
+            yield out
+
+    async def later(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat(list(self.chunks(x, 2)))
+
+
+@pytest.mark.parametrize(
+    ("pattern", "kind"),
+    [
+        ("chunks.out", "chunks, a generator"),
+        ("**.out", "chunks, a generator"),
+        ("chunks.part@every", "chunks, a generator"),
+        ("chunks.x@return", "chunks, a generator"),
+        ("later.y", "later, a coroutine \\(async def\\)"),
+        ("chunks>_pieces.half", "_pieces, a generator"),
+    ],
+)
+def test_variables_of_generators_and_coroutines_are_refused_before_step_1(
+    pattern: str, kind: str
+) -> None:
+    with pytest.raises(ValueError, match=f"is in {kind} function: its body runs after the call"):
+        ModelTracer(Streamer(), [pattern])
+
+
+def test_arguments_of_a_generator_are_read_at_entry() -> None:
+    model = Streamer()
+    x = torch.ones(4, 4)
+    with ModelTracer(model, ["chunks.n", "chunks.x"]) as tracer:
+        model(x)
+    assert tracer.results["chunks.n"].values == [2]
+    torch.testing.assert_close(tracer.results["chunks.x"].values[0], x)

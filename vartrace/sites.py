@@ -34,6 +34,7 @@ from vartrace.engine.code import (
     method_code,
     methods_of,
     returned_calls,
+    runs_later,
 )
 from vartrace.engine.patching import Probe, Selector, Sink
 from vartrace.engine.paths import Pattern, States, is_glob, parse
@@ -575,6 +576,28 @@ class _Resolver:
                     yield replace(found, site=full, pattern=literal)
 
 
+def _runs_later(
+    method: MethodInfo, callee: MethodInfo | None, variable: str | None, when: str | None
+) -> str | None:
+    """Why a variable cannot be read: its function is a generator or ``async def``.
+
+    Such a function's body runs after the call returned (when the generator is
+    iterated, the coroutine awaited), outside the call the tracer brackets;
+    its arguments at entry and the method's return value (the generator) can
+    still be read.
+    """
+    info = callee or method
+    kind = runs_later(info.code)
+    at_entry = variable in method.arguments and when in (None, "entry", "grad")
+    if kind is None or (callee is None and (variable is None or at_entry)):
+        return None
+    return (
+        f"is in {info.name}, {kind} function: its body runs after the call returned (when "
+        "it is iterated or awaited), where vartrace cannot read it; record the arguments "
+        "(read at entry) or the values where they are consumed"
+    )
+
+
 def _add(
     target: Target, pattern: Pattern, selection: _Selection, claims: _Claims | None
 ) -> str | None:
@@ -602,9 +625,15 @@ def _add(
     )
     when = pattern.when
     target.origins.setdefault(pattern.text, []).append(site)
+    later = _runs_later(target.method, callee, variable, when)
+    if later is not None:
+        return f"{site} {later}"
     if callee is not None:
         if when == "entry" or (when == "every" and variable is None):
-            return f"{site} is read in a called function when it returns or @every, not @{when}"
+            return (
+                f"{site} is read in a called function when it returns or @every, not "
+                f"@{when}; drop @{when} to read it at return"
+            )
         target.calls.append(selector)
         called = _join(target.path, _segment(target.method, callee))
         if called not in target.functions:
@@ -615,7 +644,7 @@ def _add(
         return None
     if variable is None:
         if when == "entry":
-            return f"{site} is a return value, which does not exist at entry"
+            return f"{site} is a return value, which does not exist at entry; drop @entry"
         target.returns.append(selector)
         return None
     is_argument = variable in target.method.arguments
@@ -623,7 +652,9 @@ def _add(
         target.every.append(selector)
     elif when == "entry" or (when in (None, "grad") and is_argument):
         if not is_argument:
-            return f"{site} is a local variable, not bound at entry"
+            return (
+                f"{site} is a local variable, not bound at entry; drop @entry to read it at return"
+            )
         target.entry.append(selector)
     else:
         target.exit.append(selector)
@@ -759,9 +790,7 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
         if found:
             continue
         if errors:
-            raise ValueError(
-                f"pattern {pattern.text!r}: {errors[0]}; drop @entry to read it at return"
-            )
+            raise ValueError(f"pattern {pattern.text!r}: {errors[0]}")
         refusal = _scripted_refusal(pattern, scripted)
         if refusal is not None:
             if strict:

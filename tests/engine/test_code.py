@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Iterator
 
-from vartrace.engine.code import Returned, methods_of, returned_calls
+from vartrace.engine.code import Returned, methods_of, returned_calls, runs_later
 
 
 class Base:
@@ -146,3 +147,29 @@ def test_names_that_are_not_identifiers_are_left_out() -> None:
     rewritten = [name for name in code.co_varnames if name.startswith("@py_assert")]
     assert rewritten, "pytest rewrote the assert of this module (the shape under test)"
     assert methods_of(Checked)["forward"].variables == ("self", "x", "y")
+
+
+class Streams:
+    def plain(self, x: int) -> int:
+        return x
+
+    def stream(self, n: int) -> Iterator[int]:
+        yield from range(n)
+
+    async def fetch(self, x: int) -> int:
+        return x
+
+    async def pages(self, n: int) -> AsyncIterator[int]:
+        for i in range(n):
+            yield i
+
+
+def test_generators_and_coroutines_run_later() -> None:
+    methods = methods_of(Streams)
+    kinds = {name: runs_later(info.code) for name, info in methods.items()}
+    assert kinds == {
+        "plain": None,
+        "stream": "a generator",
+        "fetch": "a coroutine (async def)",
+        "pages": "an async generator",
+    }

@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from functools import cache
 from types import CodeType, FunctionType, ModuleType
 
-__all__ = ["MethodInfo", "Returned", "function_info", "methods_of", "returned_calls"]
+__all__ = [
+    "MethodInfo",
+    "Returned",
+    "function_info",
+    "methods_of",
+    "returned_calls",
+    "runs_later",
+]
 
 CALLEE_SEPARATOR = ">"
 """Joins a method and a function it calls into one site segment: ``forward>attention``."""
@@ -359,6 +366,29 @@ def _is_library_base(klass: type, cls: type) -> bool:
         return False
     path = getattr(sys.modules.get(klass.__module__), "__file__", None)
     return path is not None and os.path.realpath(path).startswith(_installed_roots())
+
+
+_RUNS_LATER = (
+    (inspect.CO_ASYNC_GENERATOR, "an async generator"),
+    (inspect.CO_COROUTINE, "a coroutine (async def)"),
+    (inspect.CO_GENERATOR, "a generator"),
+)
+
+
+def runs_later(code: CodeType) -> str | None:
+    """What ``code`` is when a call of it returns before its body runs, else ``None``.
+
+    A generator or ``async def`` function returns a generator (coroutine)
+    object at once; its body runs when that is iterated (awaited), after the
+    call a tracer brackets has returned, so no local of it can be read at
+    that return.  Example::
+
+        runs_later(Model.stream.__code__)   # 'a generator'
+    """
+    for flag, kind in _RUNS_LATER:
+        if code.co_flags & flag:
+            return kind
+    return None
 
 
 def method_code(function: object) -> CodeType | None:
