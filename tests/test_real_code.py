@@ -429,3 +429,63 @@ def test_a_group_started_after_the_tracer_leaves_the_file_to_rank_0(tmp_path: Pa
             for iteration in (1, 2, 3):
                 got = scores.get(iteration=iteration, rank=rank)
                 assert got.equal(seen[rank][iteration - 1])
+
+
+_LIGHTNING_SCRIPT = """
+import sys
+
+import lightning
+import torch
+
+from tests._models import TinyTransformer
+from vartrace import H5PYSaverCallback, ModelTracer
+
+
+class Lit(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = TinyTransformer()
+
+    def training_step(self, batch, index):
+        return self.model(batch[0]).logits.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 16, (8, 5)))
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    lit = Lit()
+    saver = H5PYSaverCallback(sys.argv[1])
+    paths = ["model.layers.0.attn.forward.scores"]
+    with ModelTracer(lit, paths, post_gather_callbacks=[saver], gathering_interval=2):
+        trainer.fit(lit, torch.utils.data.DataLoader(data, batch_size=2))
+    saver.close()
+"""
+
+
+@pytest.mark.slow
+def test_real_lightning_ddp_with_the_tracer_around_fit_writes_every_rank(tmp_path: Path) -> None:
+    pytest.importorskip("lightning", reason="lightning is not installed")
+    script = tmp_path / "train.py"
+    script.write_text(_LIGHTNING_SCRIPT)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run.h5")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=_LATE_DEADLINE_S,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    with vartrace.open(tmp_path / "run.h5") as run:
+        scores = run["model.layers.0.attn.forward.scores"]
+        tags = zip(scores.iterations.tolist(), scores.ranks.tolist(), strict=True)
+        assert sorted(tags) == [(i, r) for i in (1, 2, 3) for r in (0, 1)]
