@@ -14,6 +14,8 @@
 * ``MoeLike``: Mixtral / Qwen2-MoE: each layer's router computes
   ``router_logits``, the layer returns them, the model collects them in its
   output, and the causal-LM model around it returns them again;
+* ``CachedLike``: transformers' ``cache``: an argument of ``forward`` and
+  a field of its output, both named ``cache``;
 * ``GetterWrapper``: PEFT's ``PeftModel``: ``forward(*args, **kwargs)``
   returns ``self.get_base_model()(*args, **kwargs)``, whose keys only the
   run can tell.
@@ -275,6 +277,28 @@ class MoeLike(nn.Module):
         outputs = self.model(input_ids)
         logits = self.lm_head(outputs.logits)
         return MoeOutput(logits=logits, router_logits=outputs.router_logits)
+
+
+@dataclass
+class CacheOutput:
+    logits: torch.Tensor
+    cache: dict[str, torch.Tensor] | None = None
+
+
+class CachedLike(nn.Module):
+    def __init__(self, d: int = 8, vocab: int = 16) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, cache: dict[str, torch.Tensor] | None = None
+    ) -> CacheOutput:
+        hidden_states = self.embed_tokens(input_ids)
+        if cache is not None:
+            hidden_states = torch.cat([cache["hidden_states"], hidden_states], 1)
+        cache = {"hidden_states": hidden_states}
+        return CacheOutput(logits=self.lm_head(hidden_states), cache=cache)
 
 
 def tokens(seed: int, batch: int = 2, length: int = 5) -> torch.Tensor:

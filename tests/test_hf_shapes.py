@@ -14,6 +14,7 @@ import vartrace
 from tests._hf_shapes import (
     BatchWrapper,
     BertLike,
+    CachedLike,
     GetterWrapper,
     LlamaLike,
     MoeLike,
@@ -332,3 +333,24 @@ def test_star_star_stores_a_tensor_handed_up_through_returns_once() -> None:
     with ModelTracer(model, ["forward.router_logits"]) as tracer:  # named: recorded there
         model(tokens(0))
     assert sorted(tracer.results) == ["forward.router_logits.0", "forward.router_logits.1"]
+
+
+# -- issue 22 item 14: an argument and a return key of the same name ------------------------------
+
+
+def test_an_argument_and_an_output_field_of_one_name_keep_both() -> None:
+    model = CachedLike()
+    cache = model(tokens(0)).cache
+    for patterns in (["forward.cache", "forward"], ["forward.*"]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with ModelTracer(model, patterns) as tracer:
+                out = model(tokens(1), cache=cache)
+        given = tracer.results["forward.cache.hidden_states"].values[0]
+        returned = tracer.results["forward.cache.hidden_states@return"].values[0]
+        torch.testing.assert_close(given, cache["hidden_states"])
+        torch.testing.assert_close(returned, out.cache["hidden_states"])
+        assert given.shape == (2, 5, 8) and returned.shape == (2, 10, 8)
+    with ModelTracer(model, ["forward"]) as tracer:  # the argument not traced: the plain name
+        model(tokens(1), cache=cache)
+    assert sorted(tracer.results) == ["forward.cache.hidden_states", "forward.logits"]

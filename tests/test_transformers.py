@@ -113,3 +113,19 @@ def test_mixtral_router_logits_are_stored_once_per_layer() -> None:
     gate = "model.layers.{}.mlp.gate.forward.router_logits"
     assert sorted(tracer.results) == [gate.format(0), gate.format(1)]  # issue 22 item 15
     torch.testing.assert_close(tracer.results[gate.format(1)].values[0], out.router_logits[1])
+
+
+def test_llama_cache_argument_and_output_field_keep_both() -> None:
+    model = _llama()
+    ids = _ids()
+    cache = model(ids, use_cache=True).cache
+    patterns = ["forward.cache", "forward"]
+    with (
+        pytest.warns(UserWarning, match="DynamicCache holding tensors"),
+        ModelTracer(model, patterns) as tracer,
+    ):
+        model(ids[:, :1], cache=cache, use_cache=True)
+    given = tracer.results["forward.cache.layers.0.keys"].values[0]  # issue 22 item 14
+    returned = tracer.results["forward.cache@return.layers.0.keys"].values[0]
+    assert given.shape[-2] == 6 and returned.shape[-2] == 7
+    torch.testing.assert_close(returned, cache.layers[0].keys)

@@ -666,7 +666,11 @@ def _tag_timings(target: Target) -> None:
 
     The variable's default timing (entry for an argument, return for a
     local; return in a called function) keeps the plain key; the other
-    timing's key ends in ``@entry``, ``@return`` or ``@every``.
+    timing's key ends in ``@entry``, ``@return`` or ``@every``.  Likewise a
+    key of the return value named like an argument read at entry
+    (``forward.cache``, transformers' cache argument and output field) ends in
+    ``@return``: ``forward.cache`` is the argument, ``forward.cache@return``
+    the output's.
     """
     lists = {"entry": target.entry, "return": target.exit, "every": target.every}
     for timing, selectors in lists.items():
@@ -680,6 +684,9 @@ def _tag_timings(target: Target) -> None:
             ]
             if timing != default and len(others) > 1:
                 selectors[i] = replace(selector, tag=f"@{timing}")
+    arguments = frozenset(s.variable for s in target.entry if s.variable != "self" and not s.grad)
+    if arguments:
+        target.returns = [replace(s, renamed=arguments) for s in target.returns]
     for i, selector in enumerate(target.calls):
         if selector.pattern.when == "every" and any(
             other.callee is selector.callee

@@ -65,6 +65,9 @@ class Selector:
     function the method calls, when the variable is that function's
     (``forward>eager_attention_forward.attn_weights``).  ``tag`` is appended
     to every key (``@return`` when one variable is read at two timings).
+    ``renamed`` lists the keys of a returned value that are also names of
+    arguments read at entry: leaves below them get ``@return`` too
+    (``forward.cache`` is the argument, ``forward.cache@return`` the output's).
     """
 
     variable: str | None
@@ -74,6 +77,7 @@ class Selector:
     grad: bool = False
     callee: CodeType | None = None
     tag: str = ""
+    renamed: frozenset[str] = frozenset()
     suffix: str = field(init=False, repr=False)
     whole: bool = field(init=False, repr=False)
 
@@ -99,6 +103,8 @@ class Selector:
             return
         for site, leaf in select(value, self.pattern, self.states, self.site):
             name = site + self.suffix
+            if self.renamed and site[len(self.site) + 1 :].split(".", 1)[0] in self.renamed:
+                name = f"{site}@return{self.suffix}"
             if seen is not None:
                 if name in seen:
                     continue
