@@ -489,3 +489,38 @@ def test_real_lightning_ddp_with_the_tracer_around_fit_writes_every_rank(tmp_pat
         scores = run["model.layers.0.attn.forward.scores"]
         tags = zip(scores.iterations.tolist(), scores.ranks.tolist(), strict=True)
         assert sorted(tags) == [(i, r) for i in (1, 2, 3) for r in (0, 1)]
+
+
+def test_a_launcher_rank_other_than_0_leaves_the_file_alone_until_the_group_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "run.h5"
+    path.write_bytes(b"rank 0's file")
+    model = Echo()
+    # Lightning's launcher starts rank 1 with these; its group starts inside trainer.fit.
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    saver = H5PYSaverCallback(path, overwrite=True)
+    with ModelTracer(model, ["forward"], post_gather_callbacks=[saver]):
+        assert path.read_bytes() == b"rank 0's file"  # not replaced, not opened
+    saver.close()
+    assert path.read_bytes() == b"rank 0's file"
+
+
+def test_a_rank_variable_without_a_world_of_several_writes_as_usual(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "3")  # one task of a sweep: a process of its own
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with vartrace.open(_trace_to_file(tmp_path / "run.h5")) as run:
+        assert run["forward"].iterations.tolist() == [1]
+
+
+def _trace_to_file(path: Path) -> Path:
+    model = Echo()
+    with (
+        H5PYSaverCallback(path, metadata=False) as saver,
+        ModelTracer(model, ["forward"], post_gather_callbacks=[saver]),
+    ):
+        model(torch.ones(2))
+    return path

@@ -447,19 +447,24 @@ def _objects(rows: list[str | bytes]) -> np.ndarray:
 _UNUSED: weakref.WeakSet[H5PYSaverCallback] = weakref.WeakSet()
 
 
-# Set by launchers (torchrun, Lightning, accelerate, SLURM) before torch.distributed starts.
-_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID")
+# Set with WORLD_SIZE by launchers (torchrun, accelerate, Lightning's DDP) before
+# torch.distributed starts.
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 
 
 def _launched_as_other_rank() -> bool:
-    """Whether a launcher started this process as a rank other than 0 whose process group
-    is not initialised yet (a tracer around Lightning's ``trainer.fit``, which initialises
-    it inside): the file is rank 0's to create, and this process must not touch it."""
-    for name in _RANK_VARIABLES:
-        value = os.environ.get(name, "0").strip()
-        if value.isdigit() and int(value) != 0:
-            return True
-    return False
+    """Whether a launcher started this process as a rank other than 0 of several, whose
+    process group is not initialised yet (a tracer around Lightning's ``trainer.fit``, which
+    initialises it inside): the file is rank 0's to create, and this process must not
+    touch it."""
+    if not _number(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return False
+    return any(_number(os.environ.get(name, "0")) > 0 for name in _RANK_VARIABLES)
+
+
+def _number(text: str) -> int:
+    text = text.strip()
+    return int(text) if text.isdigit() else 0
 
 
 def unused_savers() -> list[H5PYSaverCallback]:
@@ -619,9 +624,16 @@ class H5PYSaverCallback:
         if self._closed:
             raise RuntimeError(f"H5PYSaverCallback for {self.path} is closed")
         if self._idle:
+            rank = f"rank {self._context.rank}"
+            if self._context.world_size == 1:
+                rank = (
+                    "a process that its launcher started as a rank other than 0 (RANK / "
+                    "LOCAL_RANK / NODE_RANK, WORLD_SIZE), with no torch.distributed group to "
+                    "gather to"
+                )
             raise RuntimeError(
-                f"H5PYSaverCallback for {self.path} received records on rank "
-                f"{self._context.rank} of a gathered run, where only rank 0 writes"
+                f"H5PYSaverCallback for {self.path} received records on {rank} of a gathered "
+                "run, where only rank 0 writes"
             )
         if self._file is not None:
             return self._file
