@@ -305,3 +305,87 @@ def test_compare_statistics_as_statistics(runs: Any) -> None:
     assert against_whole.ok, against_whole
     tight = vartrace.compare(runs / "stats.h5", runs / "other.h5", atol=1e9, rtol=0)
     assert tight.ok  # every field within the tolerance: statistics compared with atol/rtol
+
+
+# -- the recipe: statistics of every module output and every @grad of a 12-layer model ---------
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.up = torch.nn.Linear(d, 4 * d)
+        self.down = torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class _Deep(torch.nn.Module):
+    def __init__(self, layers: int = 12, d: int = 8, vocab: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList([_Block(d) for _ in range(layers)])
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_recipe_every_module_output_and_grad_of_a_12_layer_model(tmp_path: Any) -> None:
+    import tracemalloc
+
+    from vartrace.plot import plot_stat
+
+    torch.manual_seed(0)
+    model = _Deep()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = tmp_path / "recipe.h5"
+    steps, interval, held = 16, 4, []
+    tracemalloc.start()
+    try:
+        with (
+            vartrace.H5PYSaverCallback(path) as saver,
+            vartrace.ModelTracer(
+                model,
+                ["**.forward", "**.forward@grad"],
+                pre_save_callbacks=[vartrace.stats()],
+                post_gather_callbacks=[saver],
+                gathering_interval=interval,
+            ) as tracer,
+        ):
+            for step in range(1, steps + 1):
+                batch = torch.randint(0, 16, (2, 8))
+                F.cross_entropy(model(batch).flatten(0, 1), batch.flatten()).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if step in (8, steps):
+                    held.append(tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    # Memory stays flat: 8 more steps of ~100 records each would hold ~100 KiB if kept.
+    assert held[1] - held[0] < 48 << 10, held
+    assert all(len(trace) == 0 for trace in tracer.results.values())  # the saver took them
+    with vartrace.open(path) as run:
+        outputs = [n for n in run.names if not n.endswith("@grad")]
+        grads = [n for n in run.names if n.endswith("@grad")]
+        blocks = [n for n in outputs if n.startswith("blocks.")]
+        assert len(blocks) == 12 * 4 and {"embed.forward", "head.forward"} <= set(outputs)
+        assert "blocks.11.down.forward@grad" in grads and "blocks.0.forward@grad" in grads
+        assert {run[n].dtype for n in run.names} == {"statistics"}
+        records = sum(len(run[n]) for n in run.names)
+        row = run["blocks.0.forward"].values.dtype.itemsize + 3 * 8 + 1  # + iteration, rank...
+        assert records == steps * len(run.names)
+    per_step = records * row / steps
+    assert per_step < 12 << 10  # what a step adds to the file, chunk slack aside: ~11 KiB
+    layers = ["blocks.?.forward", "blocks.??.forward"]  # fnmatch: * would cross the dots
+    fig = plot_stat(path, layers, "absmax", tmp_path / "absmax.png")
+    lines = fig.axes[0].get_lines()
+    assert len(lines) == 12 and all(np.isfinite(line.get_ydata()).all() for line in lines)
+    from matplotlib import colormaps
+
+    depth = [colormaps["turbo"](x) for x in np.linspace(0.0, 1.0, 12)]
+    assert [line.get_color() for line in lines] == depth  # coloured by depth, first to last
