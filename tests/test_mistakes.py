@@ -180,16 +180,31 @@ class _Block(nn.Module):
         return self.mlp(self.attn(x))
 
 
+class _Activation(nn.Module):
+    """Hugging Face's GELUActivation: the function it applies is held by the instance."""
+
+    def __init__(self, python: bool) -> None:
+        super().__init__()
+        self.act = self._python_gelu if python else nn.functional.gelu
+
+    def _python_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5 * (1.0 + torch.erf(x / 2.0**0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x)
+
+
 class _Stack(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.acts = nn.ModuleList([_Activation(False), _Activation(True)])
         self.head = nn.Linear(4, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
-        return self.head(x)
+        return self.head(self.acts[1](self.acts[0](x)))
 
 
 @pytest.mark.parametrize(
@@ -199,6 +214,7 @@ class _Stack(nn.Module):
         ("head.forward.typo", "head.forward.input"),  # F.linear
         ("blocks.*.mlp.forward.qqq", "blocks.0.mlp.forward"),  # nn.Sequential
         ("blocks.0.forward.lgoits", "blocks.0.forward.x"),  # a submodule's call, followed
+        ("acts.*.forward.qqq", "acts.0.forward"),  # a function held by the instance
     ],
 )
 def test_a_misspelt_key_below_a_returned_call_is_refused_before_step_one(

@@ -229,7 +229,7 @@ class _ReturnKeys:
         if call.kind == "value":
             return _tensor_keys() if call.names[0] in _tensor_methods() else None
         if call.kind == "global":
-            return self._of_global(call)
+            return self._of_target(call.target, call.keywords)
         if module is None:
             return None
         if call.kind == "self":
@@ -247,8 +247,13 @@ class _ReturnKeys:
             return self.of_module(module)  # self(...)
         owner = _walk(module, names[:-1])
         last = names[-1]
-        if not isinstance(owner, nn.Module) or last in vars(owner):
+        if not isinstance(owner, nn.Module):
             return None
+        if last in vars(owner):  # a function held by the instance (self.act = F.gelu)
+            held = vars(owner)[last]
+            if getattr(held, "__self__", None) is owner:  # a bound method of its own
+                return self._of_target(held.__func__, False, owner)
+            return self._of_target(held, False)
         if last in owner._modules:
             child = owner._modules[last]
             return None if child is None else self.of_module(child)
@@ -269,18 +274,19 @@ class _ReturnKeys:
                 return self.of_method(module, function_info(found))
         return None
 
-    def _of_global(self, call: Returned) -> Keys:
-        target = call.target
+    def _of_target(self, target: object, keywords: bool, owner: nn.Module | None = None) -> Keys:
+        """The keys of what calling ``target`` returns (``keywords``: with keyword names
+        only); ``owner`` is the module a method of its own is bound to."""
         if isinstance(target, type):
             fields = _fields(target)
             if fields:
                 return _INDICES | fields
             # A structure built with keyword names (dict(loss=...)): they are constants.
-            return frozenset() if call.keywords else None
+            return frozenset() if keywords else None
         if isinstance(target, FunctionType):
-            info = function_info(target)
+            info = function_info(inspect.unwrap(target))
             if not _from_torch(target):
-                return self.of_method(None, info)
+                return self.of_method(owner, info)
             if info.annotated:
                 return _tensor_keys() | info.return_keys
             return _tensor_keys() if "return" in target.__annotations__ else None
