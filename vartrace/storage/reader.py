@@ -574,6 +574,46 @@ class Site:
         rows = self._rows(rank)
         return [self.record(int(r)) for r in rows[self.iterations[rows] == iteration]]
 
+    def to_xarray(self) -> Any:
+        """The site's records as an xarray ``DataArray`` named after the site.
+
+        Dimension ``record`` is indexed by ``iteration`` and ``rank`` (a
+        MultiIndex: ``da.sel(iteration=3, rank=0)``; several calls of one
+        iteration stay separate records) with ``order`` as a coordinate, then
+        the record's axes ``dim_1``, ``dim_2``... at the padded shape (ragged
+        records are zero-padded as in ``values``; ``shapes`` has the true ones).
+        Numeric records only; bfloat16 and float8 come as float32 / float64.
+        Needs ``pip install 'torch-vartrace[xarray]'``.
+
+        Example::
+
+            da = run["layers.0.attn.forward.scores"].to_xarray()
+            da.sel(rank=0).mean(["dim_1", "dim_2"])      # one number per record
+        """
+        try:
+            import xarray as xr
+        except ImportError as exc:
+            hint = "pip install 'torch-vartrace[xarray]'"
+            raise ImportError(f"Site.to_xarray() needs xarray: {hint}") from exc
+        values = self.values
+        if values is None or values.dtype.kind not in "biufc" or not self.in_values.all():
+            raise TypeError(
+                f"site {self.name!r}: to_xarray() takes sites of numeric records only "
+                f"(dtype {self.dtype}); read the others with Site.record()"
+            )
+        data = np.asarray(values[()])
+        torch_dtype = next((p.torch_dtype for p in self._parts if p.torch_dtype), "")
+        if torch_dtype:
+            data = _decode_raw(data, torch_dtype)
+        coords = {"iteration": ("record", self.iterations), "rank": ("record", self.ranks)}
+        array = xr.DataArray(
+            data,
+            dims=("record", *(f"dim_{axis}" for axis in range(1, data.ndim))),
+            coords={**coords, "order": ("record", self.order)},
+            name=self.name,
+        )
+        return array.set_index(record=["iteration", "rank"])
+
 
 def _elements(dims: tuple[int, ...], cut: tuple[slice, ...]) -> int:
     """Elements of a record read with ``cut`` (slices from 0) of a record of ``dims``."""

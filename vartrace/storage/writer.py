@@ -151,6 +151,27 @@ def _probe(filters: dict[str, Any], compression: Any) -> None:
         raise ValueError(f"compression {compression!r} cannot be used{hint}: {error}") from None
 
 
+#: What netCDF-4 names a dimension scale that is no variable (h5netcdf reads it so).
+_DIMENSION = "This is a netCDF dimension but not a netCDF variable."
+
+
+def _label(dataset: h5py.Dataset) -> None:
+    """Label ``dataset``'s axes for h5netcdf / xarray: the record axis by the site's
+    ``iterations`` (a dimension scale: a coordinate), the others by dimension-only
+    scales ``<name>_dim<k>`` (resized with it); files made before scales stay as they are.
+    """
+    group = dataset.parent
+    iterations = group["iterations"]
+    if not h5py.h5ds.is_scale(iterations.id):
+        return
+    dataset.dims[0].attach_scale(iterations)
+    stem = dataset.name.rsplit("/", 1)[-1]
+    for axis, size in enumerate(dataset.shape[1:], 1):
+        scale = group.create_dataset(f"{stem}_dim{axis}", (size,), np.uint8, maxshape=(None,))
+        scale.make_scale(_DIMENSION)
+        dataset.dims[axis].attach_scale(scale)
+
+
 def _gather_rows(records: int) -> int:
     """Rows of a site's tag chunks, from the records of its first gather: about
     :data:`_GATHERS_A_CHUNK` gathers' worth (a power of two), so that a short run's file
@@ -224,6 +245,9 @@ class _Site:
         self.storage = "" if self.values is None else str(self.values.attrs["storage"])
         self.key = "" if self.values is None else str(self.values.attrs.get("key", ""))
         self.warned = False  # about a record that could not be stored
+        # Scales are attached only in the gather that creates the site: HDF5 cannot change
+        # a scale's back references once SWMR readers may have seen it.
+        self.labelled = False
 
     @classmethod
     def create(
@@ -238,7 +262,13 @@ class _Site:
             dtype = np.uint8 if tag == "kinds" else np.int64
             chunks = (_gather_rows(records),)
             group.create_dataset(tag, (0,), dtype, maxshape=(None,), chunks=chunks)
-        return cls(group, options, 0)
+        group["iterations"].make_scale()  # the record axis' coordinate (see _label)
+        for tag in TAGS:
+            if tag != "iterations":
+                _label(group[tag])
+        site = cls(group, options, 0)
+        site.labelled = True
+        return site
 
     def _encode(self, value: Any) -> Leaf:
         try:
@@ -276,6 +306,8 @@ class _Site:
                 **self.options["filters"],
             )
             values.attrs.update(storage="array", key=leaf.key, torch_dtype=leaf.torch_dtype)
+            if self.labelled:
+                _label(values)
             self.chunk = values.chunks
             if ndim:
                 self.shapes = self.group.create_dataset(
@@ -286,6 +318,8 @@ class _Site:
                     chunks=(self.gather_rows, ndim),
                     fillvalue=-1,
                 )
+                if self.labelled:
+                    _label(self.shapes)
         else:
             self.storage = "str" if leaf.kind == Kind.STR and _utf8(leaf.data) else "blob"
             dtype = _STR if self.storage == "str" else _BLOB
@@ -293,6 +327,8 @@ class _Site:
                 "values", (rows,), dtype, maxshape=(None,), chunks=(self.gather_rows,)
             )
             values.attrs["storage"] = self.storage
+            if self.labelled:
+                _label(values)
         self.values = values
 
     def append(self, trace: Trace) -> None:
@@ -313,6 +349,7 @@ class _Site:
             self.tags[name].id.set_extent((stop,))
             _put(self.tags[name], (start,), data)
         self.rows = stop
+        self.labelled = False
 
     def _block(self, trace: Trace) -> Leaf | None:
         """The stacked values of ``trace`` as one leaf, when they go to ``values`` as they are."""
@@ -332,6 +369,10 @@ class _Site:
         if shapes:
             self.padded = tuple(max(sizes) for sizes in zip(self.padded, *shapes, strict=True))
         self.values.id.set_extent((stop, *self.padded))
+        for axis, size in enumerate(self.padded, 1):  # the labels of the record's axes
+            scale = self.group.get(f"values_dim{axis}")
+            if scale is not None and scale.shape[0] < size:
+                scale.id.set_extent((size,))
         if self.shapes is not None:
             self.shapes.id.set_extent((stop, len(self.padded)))
         if self.other is not None:
