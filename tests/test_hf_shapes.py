@@ -312,6 +312,7 @@ def test_a_key_only_the_run_can_tell_is_checked_at_the_first_return() -> None:
         "vartrace: pattern 'forward.lgoits': forward returned a ModelOutput with keys "
         "logits, loss; no key 'lgoits'; closest: logits, loss (it records nothing under this name)"
     ]
+    assert len(caught) == 1  # not said again when the tracer stops
     assert list(tracer.results) == ["forward.loss"]
 
 

@@ -83,8 +83,9 @@ class SilenceWatch:
                 id(t) for t in self._targets if t.module is root and t.method.name == "forward"
             )
         for text, (sites, targets) in patterns.items():
-            if self._seen(sites, self._values):
-                continue
+            missing = set().union(*(t.missing_keys() for t in targets))
+            if self._seen(sites, self._values) or sites <= missing:
+                continue  # recorded, or said at the first return
             why = self._why(sites, targets, called_ids)
             warnings.warn(
                 f"vartrace: pattern {text!r} recorded nothing: {why}",

@@ -319,26 +319,28 @@ class _CheckedReturn(Selector):
     value warns right then, naming the value's type, its keys and the closest ones."""
 
     first: list[bool] = field(default_factory=lambda: [True], compare=False, repr=False)
+    missing: list[bool] = field(default_factory=lambda: [False], compare=False, repr=False)
 
     def emit(self, value: Any, sink: Sink, seen: set[str] | None) -> None:
         if self.first[0]:
             self.first[0] = False
-            _check_keys(self, value)
+            self.missing[0] = _check_keys(self, value)
         super().emit(value, sink, seen)
 
 
-def _check_keys(selector: Selector, value: Any) -> None:
-    """Warn when the key that ``selector`` names next is not in ``value``."""
+def _check_keys(selector: Selector, value: Any) -> bool:
+    """Warn (and return ``True``) when the key that ``selector`` names next is not in
+    ``value``."""
     wanted = sorted(selector.pattern.literal_next(selector.states))
     if not wanted or next(select(value, selector.pattern, selector.states, selector.site), None):
-        return
+        return False
     kids = children(value)
     if kids is None:  # plain attributes of an object
         keys = [k for k in getattr(value, "__dict__", {}) if not k.startswith("_")]
     else:
         keys = [key for key, _ in kids]
     if _fields(type(value)).intersection(wanted):
-        return  # a field that is None at this call (a loss without labels)
+        return False  # a field that is None at this call (a loss without labels)
     close = dict.fromkeys(c for w in wanted for c in difflib.get_close_matches(w, keys, 3, 0.6))
     has = f"with keys {', '.join(keys[:20])}" if keys else "which has no keys"
     warnings.warn(
@@ -349,6 +351,7 @@ def _check_keys(selector: Selector, value: Any) -> None:
         UserWarning,
         stacklevel=2,
     )
+    return True
 
 
 class _Claims:
@@ -426,6 +429,11 @@ class Target:
     calls: list[Selector] = field(default_factory=list)
     origins: dict[str, list[str]] = field(default_factory=dict)
     functions: dict[str, _CalleeRan] = field(default_factory=dict)
+
+    def missing_keys(self) -> set[str]:
+        """The sites of return values found at their first return without the key a
+        pattern names (warned about then)."""
+        return {s.site for s in self.returns if isinstance(s, _CheckedReturn) and s.missing[0]}
 
     def probe(self) -> Probe:
         return Probe(
