@@ -272,7 +272,8 @@ class ModelTracer:
             site of the model, else ``ValueError`` (a warning if ``strict=False``).
         pre_save_callbacks: ``cb(name, value, iteration) -> value`` on each
             captured leaf before it is copied; return :data:`vartrace.DROP`
-            to drop the record.
+            to drop the record.  A structure it returns (a dict of statistics)
+            is recorded as its leaves, ``<name>.<key>``.
         pre_gather_callbacks: ``cb(name, trace)`` on each rank's chunk.
         post_gather_callbacks: ``cb(name, trace)`` on the gathered chunk (rank 0).
         post_trace_callbacks: ``cb(name, trace)`` on each accumulated result at exit.
