@@ -35,6 +35,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 from torch import nn
@@ -49,7 +50,7 @@ def _running(module: nn.Module) -> bool:
     """Whether a call of ``module`` is on this thread's stack besides the one starting now:
     the model calls itself (a chunked forward, a recursive tree model)."""
     calls = 0
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is _CALL and frame.f_locals.get("self") is module:
             calls += 1
