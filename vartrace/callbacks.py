@@ -9,12 +9,14 @@ and change the :class:`~vartrace.trace.Trace` in place.  Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from vartrace._warnings import warn
 from vartrace.trace import Trace
 
 __all__ = ["pad_to", "reduce_chunk", "stack_padded_tensors", "stack_tensors"]
@@ -35,56 +37,97 @@ _SCALAR_DTYPES = {
 }
 
 
-def _as_tensors(name: str, values: Sequence[Any], *, one_dtype: bool = True) -> list[torch.Tensor]:
-    """The records as tensors of their exact dtypes (Python numbers in 64 bits).
+class _Unstackable(TypeError):
+    """Why the records of a chunk cannot be stacked without changing a value."""
 
-    Raises ``TypeError`` for a record that is not a number or a tensor, an int
-    that does not fit int64, or (with ``one_dtype``) records of different
-    dtypes: stacking would change their values silently.
-    """
-    out = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif type(value) in _SCALAR_DTYPES:
-            try:
-                out.append(torch.tensor(value, dtype=_SCALAR_DTYPES[type(value)]))
-            except (OverflowError, RuntimeError, ValueError) as error:
-                raise TypeError(
-                    f"site {name!r}: cannot stack the int {value:#x} exactly ({error})"
-                ) from None
-        else:
-            raise TypeError(
-                f"site {name!r}: cannot stack a {type(value).__name__} record; "
-                "stacking needs tensors or numbers"
-            )
-    dtypes = {t.dtype for t in out}
-    if one_dtype and len(dtypes) > 1:
-        raise TypeError(
-            f"site {name!r}: records have different dtypes "
-            f"{sorted(str(d).removeprefix('torch.') for d in dtypes)}; stacking would "
-            "convert some of them, so it is refused (convert them with a pre_save callback)"
+
+def _tensor(value: Any) -> torch.Tensor:
+    """``value`` as a tensor of its exact dtype (Python numbers in 64 bits)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if type(value) not in _SCALAR_DTYPES:
+        raise _Unstackable(
+            f"cannot stack a {type(value).__name__} record; stacking needs tensors or numbers"
         )
-    return out
+    try:
+        return torch.tensor(value, dtype=_SCALAR_DTYPES[type(value)])
+    except (OverflowError, RuntimeError, ValueError) as error:
+        raise _Unstackable(f"cannot stack the int {value:#x} exactly ({error})") from None
+
+
+def _exact_in(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every value of ``tensor`` survives a round trip through ``dtype``."""
+    if tensor.dtype == dtype:
+        return True
+    back = tensor.to(dtype).to(tensor.dtype)
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return torch.equal(back, tensor)
+    nan = torch.isnan(tensor)
+    return torch.equal(torch.isnan(back), nan) and torch.equal(back[~nan], tensor[~nan])
+
+
+def _common_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
+    """The dtype that holds every record exactly: the promoted one, else its 64-bit kind
+    (bfloat16 + float32 -> float32; int64 + float32 -> float64 when the ints fit)."""
+    dtypes = {t.dtype for t in tensors}
+    promoted = functools.reduce(torch.promote_types, dtypes)
+    if len(dtypes) == 1:
+        return promoted
+    candidates = [promoted]
+    if promoted.is_floating_point and promoted != torch.float64:
+        candidates.append(torch.float64)
+    elif promoted.is_complex and promoted != torch.complex128:
+        candidates.append(torch.complex128)
+    for dtype in candidates:
+        if all(_exact_in(t, dtype) for t in tensors):
+            return dtype
+    names = sorted(str(d).removeprefix("torch.") for d in dtypes)
+    raise _Unstackable(f"no dtype holds every value of its records of dtypes {names}")
+
+
+def _as_tensors(values: Sequence[Any]) -> list[torch.Tensor]:
+    """The records as tensors of one dtype that holds each exactly, else ``_Unstackable``."""
+    tensors = [_tensor(value) for value in values]
+    dtype = _common_dtype(tensors)
+    return [t.to(dtype) for t in tensors]
+
+
+_warned: set[tuple[str, str]] = set()  # (callback, site) pairs already warned about
+
+
+def _unstacked(callback: str, name: str, why: Exception) -> None:
+    """Warn, once per callback and site, that a chunk stays a list of records."""
+    if (callback, name) not in _warned:
+        _warned.add((callback, name))
+        warn(
+            f"vartrace: {callback} leaves the records of site {name!r} unstacked (a list): {why}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def stack_tensors(name: str, trace: Trace) -> None:
     """Stack equally shaped records into one tensor with a leading record dimension.
 
-    Tags become 1-D int64 tensors.  Records of different shapes raise
-    ``ValueError``: use :func:`stack_padded_tensors` for those.  Every record
-    keeps its exact value: Python floats stack as float64, ints as int64, and
-    records of different dtypes raise ``TypeError`` rather than being converted.
+    Tags become 1-D int64 tensors.  Every record keeps its exact value: Python
+    floats stack as float64, ints as int64; records of different dtypes stack in
+    the dtype that holds them all exactly (bfloat16 + float32 as float32, int64 +
+    float32 as float64 when the ints fit).  A chunk that cannot be stacked so
+    (different shapes: use :func:`stack_padded_tensors`; values no dtype holds;
+    records that are not numbers) stays a list, with one warning per site.
     """
     if isinstance(trace.values, torch.Tensor) or not len(trace):
         return
-    tensors = _as_tensors(name, trace.values)
-    shapes = {tuple(t.shape) for t in tensors}
-    if len(shapes) > 1:
-        raise ValueError(
-            f"site {name!r}: records have different shapes {sorted(shapes)}; "
-            "use stack_padded_tensors to pad them"
-        )
+    try:
+        tensors = _as_tensors(trace.values)
+        shapes = {tuple(t.shape) for t in tensors}
+        if len(shapes) > 1:
+            raise _Unstackable(
+                f"records have different shapes {sorted(shapes)}; stack_padded_tensors pads them"
+            )
+    except _Unstackable as why:
+        _unstacked("stack_tensors", name, why)
+        return
     trace.values = torch.stack(tensors)
     _tags(trace)
 
@@ -104,15 +147,19 @@ def stack_padded_tensors(name: str, trace: Trace) -> None:
 
     ``trace.shapes`` keeps each record's true shape, so
     ``trace.values[i][tuple(slice(n) for n in trace.shapes[i])]`` is record ``i``.
+    Dtypes are handled as by :func:`stack_tensors`; records with different
+    numbers of dimensions stay a list, with one warning per site.
     """
     if isinstance(trace.values, torch.Tensor) or not len(trace):
         return
-    tensors = _as_tensors(name, trace.values)
-    ranks = {t.dim() for t in tensors}
-    if len(ranks) > 1:
-        raise ValueError(
-            f"site {name!r}: records have different numbers of dimensions {sorted(ranks)}"
-        )
+    try:
+        tensors = _as_tensors(trace.values)
+        ranks = {t.dim() for t in tensors}
+        if len(ranks) > 1:
+            raise _Unstackable(f"records have different numbers of dimensions {sorted(ranks)}")
+    except _Unstackable as why:
+        _unstacked("stack_padded_tensors", name, why)
+        return
     shapes = [tuple(t.shape) for t in tensors]
     biggest = [max(sizes) for sizes in zip(*shapes, strict=True)] if shapes[0] else []
     trace.values = torch.stack([pad_to(t, biggest) for t in tensors])
@@ -121,8 +168,7 @@ def stack_padded_tensors(name: str, trace: Trace) -> None:
 
 
 def _mean(values: list[Any]) -> torch.Tensor:
-    tensors = _as_tensors("", values, one_dtype=False)
-    return torch.stack([t.double() for t in tensors]).mean(dim=0)
+    return torch.stack([_tensor(value).double() for value in values]).mean(dim=0)
 
 
 def reduce_chunk(fn: Callable[[list[Any]], Any] = _mean) -> Callable[[str, Trace], None]:

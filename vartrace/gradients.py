@@ -30,7 +30,6 @@ Example::
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from vartrace._warnings import warn
 
 __all__ = ["GradientWatcher"]
 
@@ -212,6 +213,4 @@ class GradientWatcher:
         if site in self._warned:
             return
         self._warned.add(site)
-        warnings.warn(
-            f"vartrace: no gradient is recorded for {site}: {reason}", UserWarning, stacklevel=3
-        )
+        warn(f"vartrace: no gradient is recorded for {site}: {reason}", UserWarning, stacklevel=3)

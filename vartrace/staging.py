@@ -48,12 +48,10 @@ Example::
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -62,6 +60,7 @@ from typing import Any, Literal
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from vartrace._warnings import warn
 from vartrace.record import Unstored
 from vartrace.tensors import copy_leaf
 
@@ -428,20 +427,22 @@ class Stager:
     def _warn_wait(self, nbytes: int) -> None:
         if not self._warned_wait:
             self._warned_wait = True
-            _warn(
+            warn(
                 f"vartrace: the step waited for records in flight to reach the host "
                 f"({self._inflight} bytes in flight, {nbytes} more, max_inflight_bytes="
                 f"{self._bound}); waits are counted in tracer.staging_stats.  Raise "
-                "max_inflight_bytes, record less, or pass on_full='drop'"
+                "max_inflight_bytes, record less, or pass on_full='drop'",
+                RuntimeWarning,
             )
 
     def _skip_capturing(self, site: str) -> None:
         self.stats.skipped_capturing += 1
         if not self._warned_capture:
             self._warned_capture = True
-            _warn(
+            warn(
                 f"vartrace: not recording {site} (and later records) while a stream captures "
-                "a graph: a replay of the graph runs no Python; record outside the capture"
+                "a graph: a replay of the graph runs no Python; record outside the capture",
+                RuntimeWarning,
             )
 
     # -- the staging thread -----------------------------------------------------------------
@@ -498,9 +499,3 @@ class Stager:
                 self._error = error
                 self._cv.notify_all()
             return True
-
-
-def _warn(message: str) -> None:
-    """Warn without ever raising into the step (``-W error`` turns warnings into exceptions)."""
-    with contextlib.suppress(Warning):
-        warnings.warn(message, RuntimeWarning, stacklevel=3)

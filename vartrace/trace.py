@@ -13,10 +13,11 @@ back from a file.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from vartrace._warnings import warn
 
 __all__ = ["RunContext", "Trace", "TraceLengthError", "report_during"]
 
@@ -157,7 +158,7 @@ def report_during(exc: BaseException, what: str, error: Exception) -> None:
         f"vartrace: {what} while the step was raising {type(exc).__name__}: "
         f"{type(error).__name__}: {error}"
     )
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    warn(message, RuntimeWarning, stacklevel=2)
     add_note = getattr(exc, "add_note", None)
     if add_note is not None:
         add_note(message)

@@ -17,7 +17,6 @@ import inspect
 import itertools
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -25,14 +24,14 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from vartrace import _forks, distributed
+from vartrace import _forks, _warnings, distributed
 from vartrace.engine.frames import set_change_test
 from vartrace.engine.patching import Hook, attach, detach, filter_state
 from vartrace.engine.structures import leaves
 from vartrace.gradients import GradientWatcher
 from vartrace.iterations import IterationCounter
 from vartrace.record import DROP, subscribe, unsubscribe
-from vartrace.results import Results
+from vartrace.results import Results, join_traces
 from vartrace.silence import SilenceWatch
 from vartrace.sites import Target, is_compiled, resolve, unwrap
 from vartrace.staging import OnFull, Stager, StagingStats
@@ -157,10 +156,10 @@ def _warn_unused_savers(callbacks: list[Any]) -> None:
         return
     for saver in writer.unused_savers():
         if not any(saver is callback for callback in callbacks):
-            warnings.warn(
+            _warnings.warn(
                 f"vartrace: {saver!r} is not among this tracer's callbacks, so it will write "
                 "nothing; pass it as ModelTracer(..., post_gather_callbacks=[saver])",
-                stacklevel=4,
+                stacklevel=3,
             )
 
 
@@ -470,21 +469,45 @@ class ModelTracer:
         return self
 
     def stop(self, *, flush: bool = True) -> None:
-        """Restore the model, hand over the last chunk and run post-trace callbacks."""
+        """Restore the model, hand over the last chunk and run post-trace callbacks.
+
+        Then the warnings that a ``-W error`` filter turned into errors while the
+        steps ran are emitted again (see :mod:`vartrace._warnings`): the first one
+        raises here, once every record was handed over.
+        """
+        self._finish(flush)
+        _warnings.release()
+
+    def _finish(self, flush: bool) -> None:
+        """:meth:`stop` without emitting the warnings kept during the steps."""
         if not self._started or self._finished:
             return
         called = [target for target, hook in self._hooks if hook.calls]
         self._release()
-        counter = self._iterations
-        self._silence.report(counter.in_mode_calls > 0, counter.other_mode_calls, called)
-        if self._stager is not None:
-            self._stager.close(self._hand_over if flush else None)
-        elif flush:
-            self._flush()
-        if flush:
-            results = self._results
-            for name in list(results):
-                _run_callbacks("post_trace", self.post_trace_callbacks, name, results[name])
+        try:
+            if self._stager is not None:
+                self._stager.close(self._hand_over if flush else None)
+            elif flush:
+                self._flush()
+            if flush:
+                results = self._results
+                for name in list(results):
+                    _run_callbacks("post_trace", self.post_trace_callbacks, name, results[name])
+        finally:  # after the flush: what warns here never keeps the records from the file
+            counter = self._iterations
+            self._silence.report(counter.in_mode_calls > 0, counter.other_mode_calls, called)
+            self._restate_failures()
+
+    def _restate_failures(self) -> None:
+        """Warn again about each callback that stopped on a failure (a saver's full disk)."""
+        for callback in self._all_callbacks():
+            failure = getattr(callback, "failure", None)
+            if isinstance(failure, BaseException):
+                _warnings.warn(
+                    f"vartrace: {type(callback).__name__} stopped during this run: {failure}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
 
     def _forget(self) -> None:
         """In a forked child (a DataLoader worker...): restore the model, record nothing.
@@ -520,9 +543,10 @@ class ModelTracer:
             self.stop(flush=flush)
             return
         try:
-            self.stop(flush=flush)
+            self._finish(flush)
         except Exception as error:  # the step's exception goes on, unchanged
             report_during(exc, "the tracer's final flush failed", error)
+        _warnings.release(during=exc)
 
     # -- patching -----------------------------------------------------------------------------
 
@@ -590,10 +614,10 @@ class ModelTracer:
 
     def _warn_compiled(self) -> None:
         names = ", ".join(f"{t.path or '<root>'}.{t.method.name}" for t in self._targets)
-        warnings.warn(
+        _warnings.warn(
             f"vartrace: the model is compiled; these traced methods run eagerly while "
             f"tracing (excluded from torch.compile): {names}",
-            stacklevel=4,
+            stacklevel=3,
         )
 
     def _remove_part_hooks(self) -> None:
@@ -722,6 +746,14 @@ class ModelTracer:
             trace = self._chunk[site] = Trace()
         trace.append(record, iteration, self._rank, self._order)
 
+    def _put_back(self, traces: dict[str, Trace]) -> None:
+        """Return the traces of an interrupted hand-over to the chunk, before later records."""
+        with self._lock:
+            later, self._chunk = self._chunk, traces
+            for name, trace in later.items():
+                earlier = traces.get(name)
+                traces[name] = trace if earlier is None else join_traces([earlier, trace])
+
     def _record_manual(self, name: str, value: Any) -> None:
         if self._iterations.records_manual():
             iteration = self._iterations.state.iteration
@@ -756,14 +788,21 @@ class ModelTracer:
         if not chunk and distributed.world_size() == 1:
             return  # nothing to hand on, and no other rank waits for this gather
         self._retag(chunk)
-        for name, trace in chunk.items():
-            _run_callbacks("pre_gather", self.pre_gather_callbacks, name, trace)
-        gathered = distributed.gather_chunk(chunk, self._group) if self.gather else chunk
-        if gathered is None:
-            return
-        for name, trace in gathered.items():
-            _run_callbacks("post_gather", self.post_gather_callbacks, name, trace)
-            self._results.add(name, trace)
+        pending = dict(chunk)  # the traces not yet in the results
+        try:
+            for name, trace in chunk.items():
+                _run_callbacks("pre_gather", self.pre_gather_callbacks, name, trace)
+            gathered = distributed.gather_chunk(chunk, self._group) if self.gather else chunk
+            if gathered is None:
+                return
+            pending = dict(gathered)
+            for name, trace in gathered.items():
+                _run_callbacks("post_gather", self.post_gather_callbacks, name, trace)
+                self._results.add(name, trace)
+                del pending[name]
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C in a callback: the records stay
+            self._put_back(pending)
+            raise
         for callback in self.post_gather_callbacks:
             flush = getattr(callback, "flush", None)
             if flush is not None:

@@ -895,6 +895,8 @@ class H5PYSaverCallback:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open" if self._file is not None else "not opened"
+        if self._failure is not None:
+            state = "stopped after a failed write"
         return f"<H5PYSaverCallback {str(self.path)!r} {state} sites={len(self._sites)}>"
 
     # -- writing --------------------------------------------------------------------------

@@ -1,0 +1,245 @@
+"""Ctrl-C during the foreground saver's flush: does the interrupt always reach the user's loop?
+
+Usage::
+
+    python tools/sigint_stress.py --runs 200 --seed 0
+
+Each run forks a child from this process (which imported torch and vartrace
+but ran no torch operation, so the child starts clean and fast).  The child
+trains a tiny model under ``ModelTracer`` with a foreground
+``H5PYSaverCallback``, gathering every iteration, 16 KiB records at ``--sites``
+sites (default 1); two
+marker callbacks around the saver report when a gather's writes start and
+when its flush ended.  The parent measures how long those take, then sends
+SIGINT at a random moment inside the writes of a random gather.  A run is:
+
+- ``interrupted``: ``KeyboardInterrupt`` reached the child's training loop;
+- ``swallowed``: the loop ran to its end anyway (or the child printed
+  ``Exception ignored ... KeyboardInterrupt``);
+- ``failed``: the child died otherwise, or hung (killed at the deadline).
+
+Afterwards the file must open with ``vartrace.open`` and hold the records of
+iterations 1..n without a gap, each with its exact value.  The counts are
+printed as JSON; the exit status is 1 unless every run was interrupted and
+every file was right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import vartrace
+from vartrace import H5PYSaverCallback, ModelTracer
+
+# Small records: the writes spend their time in the Python code around HDF5 calls, where a
+# signal's handler runs (inside an h5py weakref callback, before the fix, it was ignored).
+_SHAPE = (64, 64)
+_STEPS = 80  # a child that runs them all after the SIGINT swallowed it
+_DEADLINE = 120.0  # seconds a child may take
+
+
+class _Multiples(nn.Module):
+    """Returns ``{"k0": x, "k1": 2 * x, ...}``: the sites ``forward.k0``, ..."""
+
+    def __init__(self, sites: int) -> None:
+        super().__init__()
+        self.sites = sites
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {f"k{k}": x * (k + 1) for k in range(self.sites)}
+
+
+class _Marker:
+    """A post-gather callback: ``start`` at the first site of a gather, ``end`` after its flush."""
+
+    def __init__(self, fd: int, start: bytes, end: bytes) -> None:
+        self._fd, self._start, self._end = fd, start, end
+
+    def __call__(self, name: str, trace: object) -> None:
+        if self._start and name == "forward.k0":
+            os.write(self._fd, self._start)
+
+    def flush(self) -> None:
+        if self._end:
+            os.write(self._fd, self._end)
+
+
+def _child(path: Path, fd: int, log: Path, sites: int) -> None:
+    """Train until interrupted; write ``interrupted`` or ``finished`` to ``fd``."""
+    errors = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(errors, 2)
+    model = _Multiples(sites)
+    saver = H5PYSaverCallback(path, metadata=False)
+    callbacks = [_Marker(fd, b"w\n", b""), saver, _Marker(fd, b"", b"d\n")]
+    outcome = b"finished\n"
+    try:
+        with saver, ModelTracer(model, ["forward"], post_gather_callbacks=callbacks):
+            for step in range(_STEPS):
+                model(torch.full(_SHAPE, float(step)))
+    except KeyboardInterrupt:
+        outcome = b"interrupted\n"
+    os.write(fd, outcome)
+
+
+@dataclass
+class _Lines:
+    """The lines a child wrote to its pipe, read as they come."""
+
+    fd: int
+    buffer: bytes = b""
+    lines: list[str] = field(default_factory=list)
+    closed: bool = False
+
+    def wait(self, deadline: float) -> str | None:
+        """The next line, or ``None`` when the pipe closed or the deadline passed."""
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if self.closed or left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                return None
+            data = os.read(self.fd, 4096)
+            self.closed = not data
+            self.buffer += data
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        self.lines.append(line.decode())
+        return self.lines[-1]
+
+
+def _check_file(path: Path, sites: int) -> str:
+    """``""`` when every site of ``path`` holds iterations 1..n, each record exact; else what
+    is wrong (a site may lack the last iteration: the interrupt came before its write)."""
+    try:
+        with vartrace.open(path) as run:
+            for k in range(sites):
+                site = run[f"forward.k{k}"]
+                iterations = np.asarray(site.iterations)
+                if not np.array_equal(iterations, np.arange(1, len(iterations) + 1)):
+                    return f"forward.k{k}: iterations {iterations.tolist()} are not 1..n"
+                values = site.values
+                for row, iteration in enumerate(iterations):
+                    if not (values[row] == np.float32((k + 1) * (iteration - 1))).all():
+                        return f"forward.k{k}: the record of iteration {iteration} is wrong"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+def _one_run(directory: Path, rng: random.Random, index: int, sites: int) -> dict[str, object]:
+    path = directory / f"run{index}.h5"
+    log = directory / f"run{index}.err"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(read)
+        status = 1
+        try:
+            _child(path, write, log, sites)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    lines = _Lines(read)
+    deadline = time.monotonic() + _DEADLINE
+    target = rng.randint(3, 12)  # the gather to interrupt
+    windows: list[float] = []
+    started = 0.0
+    gathers = 0
+    sent_in_flush = False
+    while True:
+        line = lines.wait(deadline)
+        if line is None:
+            break
+        if line == "w":
+            gathers += 1
+            started = time.monotonic()
+            if gathers == target:
+                time.sleep(rng.uniform(0.0, 1.2 * float(np.median(windows))))
+                os.kill(pid, signal.SIGINT)
+                sent_in_flush = not lines.buffer and not select.select([read], [], [], 0)[0]
+        elif line == "d":
+            windows.append(time.monotonic() - started)
+        elif line in ("interrupted", "finished"):
+            break
+    outcome = lines.lines[-1] if lines.lines else ""
+    while lines.wait(deadline) is not None:
+        pass
+    os.close(read)
+    hung = False
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            hung = True
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            break
+        time.sleep(0.01)
+    stderr = log.read_text(errors="replace")
+    ignored = "Exception ignored" in stderr and "KeyboardInterrupt" in stderr
+    if hung or os.waitstatus_to_exitcode(status) != 0 or outcome not in ("interrupted", "finished"):
+        result = "failed"
+    elif outcome == "finished" or ignored:
+        result = "swallowed"
+    else:
+        result = "interrupted"
+    problem = _check_file(path, sites)
+    for leftover in (path, log):
+        leftover.unlink(missing_ok=True)
+    return {
+        "run": index,
+        "result": result,
+        "file": problem or "ok",
+        "in_flush": sent_in_flush,
+        "stderr": stderr[-2000:] if result != "interrupted" or problem else "",
+    }
+
+
+def stress(runs: int, seed: int, directory: Path, sites: int = 1) -> dict[str, object]:
+    """Run ``runs`` interrupted children; the counts, and the runs that went wrong."""
+    rng = random.Random(seed)
+    counts = {"interrupted": 0, "swallowed": 0, "failed": 0, "bad_files": 0, "in_flush": 0}
+    wrong: list[dict[str, object]] = []
+    for index in range(runs):
+        outcome = _one_run(directory, rng, index, sites)
+        counts[str(outcome["result"])] += 1
+        counts["in_flush"] += int(bool(outcome["in_flush"]))
+        if outcome["file"] != "ok":
+            counts["bad_files"] += 1
+        if outcome["result"] != "interrupted" or outcome["file"] != "ok":
+            wrong.append(outcome)
+    return {"runs": runs, "seed": seed, "sites": sites, **counts, "wrong": wrong}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the arguments, run the stress, print the counts as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sites", type=int, default=1, help="sites written per gather")
+    parser.add_argument("--dir", type=Path, default=None, help="where the run files go")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        report = stress(args.runs, args.seed, Path(directory), args.sites)
+    print(json.dumps(report, indent=1))
+    good = report["interrupted"] == args.runs and report["bad_files"] == 0
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
