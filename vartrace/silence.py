@@ -61,9 +61,9 @@ class SilenceWatch:
         called_ids = {id(target) for target in called}
         patterns: dict[str, tuple[set[str], list[Target]]] = {}
         for target in self._targets:
-            for text, sites in target.origins.items():
+            for text, names in target.origins.items():
                 entry = patterns.setdefault(text, (set(), []))
-                entry[0].update(sites)
+                entry[0].update(names)
                 entry[1].append(target)
         if not patterns or not (in_mode or other_calls or called_ids):
             return  # the model never ran while the tracer was active
@@ -83,7 +83,7 @@ class SilenceWatch:
                 id(t) for t in self._targets if t.module is root and t.method.name == "forward"
             )
         for text, (sites, targets) in patterns.items():
-            missing = set().union(*(t.missing_keys() for t in targets))
+            missing = {site for t in targets for site in t.missing_keys()}
             if self._seen(sites, self._values) or sites <= missing:
                 continue  # recorded, or said at the first return
             why = self._why(sites, targets, called_ids)

@@ -204,16 +204,11 @@ class _ReturnKeys:
             return frozenset()  # a recursive call adds no keys of its own
         self._busy.add(key)
         try:
-            keys: set[str] | None = set(info.return_keys)
-            for call in returned_calls(info.function):
-                more = self._of_call(module, info, call)
-                if more is None:
-                    keys = None
-                    break
-                keys.update(more)
+            calls = returned_calls(info.function)
+            found = self._union(self._of_call(module, info, call) for call in calls)
         finally:
             self._busy.discard(key)
-        found = None if keys is None else frozenset(keys)
+        found = None if found is None else found | info.return_keys
         self._memo[key] = found
         return found
 
@@ -698,7 +693,9 @@ def _tag_timings(target: Target) -> None:
             ]
             if timing != default and len(others) > 1:
                 selectors[i] = replace(selector, tag=f"@{timing}")
-    arguments = frozenset(s.variable for s in target.entry if s.variable != "self" and not s.grad)
+    arguments = frozenset(
+        s.variable for s in target.entry if s.variable not in (None, "self") and not s.grad
+    )
     if arguments:
         target.returns = [replace(s, renamed=arguments) for s in target.returns]
     for i, selector in enumerate(target.calls):

@@ -231,7 +231,9 @@ def _own_nodes(node: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[ast.AST
 class _Returns:
     """Reads which calls' results a function returns from its syntax tree."""
 
-    def __init__(self, function: FunctionType, node: ast.FunctionDef | ast.AsyncFunctionDef):
+    def __init__(
+        self, function: FunctionType, node: ast.FunctionDef | ast.AsyncFunctionDef
+    ) -> None:
         self.function = function
         code = function.__code__
         self.self_name = code.co_varnames[0] if code.co_argcount else None
