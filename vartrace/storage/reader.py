@@ -714,6 +714,8 @@ def _shard(path: Path, handle: h5py.File) -> tuple[str, int, int | None]:
 
 def _check_shards(paths: list[Path], files: list[h5py.File]) -> list[int]:
     """Refuse files that are not shards of one run; return the ranks missing from them."""
+    if len(files) == 1 and SHARD_ATTR not in files[0].attrs:
+        return []  # a run of its own
     shards = [_shard(path, handle) for path, handle in zip(paths, files, strict=True)]
     by_rank: dict[int, Path] = {}
     for path, (_, rank, world) in zip(paths, shards, strict=True):
@@ -760,7 +762,7 @@ class Run:
             for path in paths:
                 self._files.append(open_file(path))
             #: Ranks of a sharded run whose shard is not among the files opened.
-            self.missing_ranks = _check_shards(paths, self._files) if len(paths) > 1 else []
+            self.missing_ranks = _check_shards(paths, self._files)
         except BaseException:
             self.close()
             raise
