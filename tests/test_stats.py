@@ -389,3 +389,18 @@ def test_recipe_every_module_output_and_grad_of_a_12_layer_model(tmp_path: Any) 
 
     depth = [colormaps["turbo"](x) for x in np.linspace(0.0, 1.0, 12)]
     assert [line.get_color() for line in lines] == depth  # coloured by depth, first to last
+
+
+def test_in_memory_results_frame_reads_statistics_records() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    with vartrace.ModelTracer(
+        model, ["layers.*", "head"], pre_save_callbacks=[vartrace.stats(sites=["layers.*"])]
+    ) as tracer:
+        model(tokens(1))
+    frame = tracer.results.to_frame("absmax").set_index("site")
+    assert frame.loc["layers.0.forward", "dtype"] == "statistics"
+    record = tracer.results["layers.0.forward"].values[0]
+    assert frame.loc["layers.0.forward", "absmax"] == Statistics.of(record)["absmax"]
+    head = tracer.results["head.forward"].values[0]
+    assert frame.loc["head.forward", "absmax"] == head.abs().max().item()

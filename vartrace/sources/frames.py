@@ -14,14 +14,13 @@ Example::
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from vartrace.sources.statistics import (
-    reduce_block,
     stat_function,
+    statistic_of,
     value_as_array,
     value_dtype_name,
 )
@@ -65,7 +64,8 @@ def results_frame(
         column = "stat" if name == "<lambda>" else name
     else:
         column = stat
-        reducer = stat_function(stat)
+        if not stat.startswith(("q", "log2|x|")):  # those are fields of statistics records
+            stat_function(stat)
     rows: dict[str, list[Any]] = {
         k: [] for k in ("site", "iteration", "rank", "order", "shape", "dtype", column)
     }
@@ -79,12 +79,7 @@ def results_frame(
             array = value_as_array(value)
             rows["shape"].append(() if array is None else tuple(array.shape))
             rows["dtype"].append(value_dtype_name(value))
-            if callable(stat):
-                rows[column].append(stat(value))
-            else:
-                rows[column].append(
-                    math.nan if array is None else float(reduce_block(reducer, array[None])[0])
-                )
+            rows[column].append(stat(value) if callable(stat) else statistic_of(value, stat))
     frame = pd.DataFrame(rows)
     for tag in ("iteration", "rank", "order"):
         frame[tag] = frame[tag].astype("int64")
