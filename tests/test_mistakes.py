@@ -246,6 +246,43 @@ def test_keys_a_returned_call_can_have_are_accepted() -> None:
     ]
 
 
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.proj(x)}
+
+
+class _Checkpointed(nn.Module):
+    """A torch function that returns what the module it runs returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+class _Functional(_Checkpointed):
+    """The same, from a torch function annotated ``-> Any``."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return torch.func.functional_call(self.inner, dict(self.inner.named_parameters()), (x,))
+
+
+@pytest.mark.parametrize("kind", [_Checkpointed, _Functional])
+def test_torch_functions_returning_what_a_module_returns_are_not_taken_for_tensors(
+    kind: type[nn.Module],
+) -> None:
+    model = kind()
+    with ModelTracer(model, ["forward.logits"]) as tracer:
+        model(torch.randn(2, 4))
+    assert list(tracer.results) == ["forward.logits"]
+
+
 def test_strict_false_keeps_a_misspelt_key_and_warns_at_its_first_return() -> None:
     model = _Stack()
     with warnings.catch_warnings(record=True) as caught:

@@ -15,6 +15,8 @@ import difflib
 import functools
 import inspect
 import re
+import types
+import typing
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -173,6 +175,26 @@ def _from_torch(value: object) -> bool:
     return isinstance(module, str) and module.split(".")[0] == "torch"
 
 
+def _returns_tensors(function: FunctionType) -> bool:
+    """Whether ``function``'s return annotation says tensors: a tensor, ``None``, or a
+    tuple, list or union of those (not ``Any``: ``torch.func.functional_call``)."""
+    try:
+        hint = typing.get_type_hints(function).get("return", Any)
+    except Exception:  # an unresolvable annotation says nothing
+        return False
+    return _holds_tensors(hint)
+
+
+def _holds_tensors(hint: object) -> bool:
+    if hint is None or hint is type(None):
+        return True
+    if isinstance(hint, type) and typing.get_origin(hint) is None:
+        return issubclass(hint, torch.Tensor)
+    if typing.get_origin(hint) in (tuple, list, typing.Union, types.UnionType):
+        return all(arg is Ellipsis or _holds_tensors(arg) for arg in typing.get_args(hint))
+    return False
+
+
 def _fields(cls: type) -> frozenset[str]:
     """The field names of a dataclass or namedtuple class (empty for other classes)."""
     names = set(getattr(cls, "_fields", ()))
@@ -284,7 +306,7 @@ class _ReturnKeys:
                 return self.of_method(owner, info)
             if info.annotated:
                 return _tensor_keys() | info.return_keys
-            return _tensor_keys() if "return" in target.__annotations__ else None
+            return _tensor_keys() if _returns_tensors(target) else None
         return _tensor_keys() if callable(target) and _from_torch(target) else None
 
     @staticmethod
