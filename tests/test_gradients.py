@@ -147,6 +147,7 @@ def _assert_equal(recorded: list[torch.Tensor], expected: list[torch.Tensor]) ->
         assert torch.equal(got, want)
 
 
+@pytest.mark.warnings_as_errors
 def test_scores_outputs_and_parameters_match_autograd() -> None:
     steps = 3
     batches = _batches(steps)
@@ -204,6 +205,7 @@ def test_argument_gradient_is_the_gradient_of_the_input() -> None:
     _assert_equal(tracer.results["layers.1.forward.x@grad"].values, [inputs[0].grad])
 
 
+@pytest.mark.warnings_as_errors
 def test_accumulation_one_backward_for_several_forwards() -> None:
     steps, micro = 2, 3
     batches = _batches(steps * micro)
@@ -339,6 +341,7 @@ def _vartrace_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if str(w.message).startswith("vartrace:")]
 
 
+@pytest.mark.warnings_as_errors
 def test_no_grad_and_non_differentiable_values_warn_once_per_site() -> None:
     model = _model()
     tokens = _batches(1)[0]

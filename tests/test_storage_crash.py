@@ -8,6 +8,7 @@ of the next gather's writes) and then reads the file.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -21,7 +22,9 @@ import pytest
 import torch
 
 from vartrace.storage import H5PYSaverCallback, open_run, recover
-from vartrace.trace import Trace
+from vartrace.trace import RunContext, Trace
+
+REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
 
@@ -191,3 +194,46 @@ def test_a_live_writer_is_not_recovered_and_blocks_append(tmp_path: Path) -> Non
     finally:
         os.kill(process.pid, signal.SIGKILL)
         process.wait(timeout=60)
+
+
+def test_overwrite_refuses_the_file_of_a_live_writer_and_replaces_a_killed_ones(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "run.h5"
+    script = tmp_path / "trainer.py"
+    script.write_text(_TRAINER)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(path), "", "inline"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        flushed = int(process.stdout.readline().split()[1])
+        with pytest.raises(OSError, match=f"the writer process {process.pid} still runs"):
+            H5PYSaverCallback(path, overwrite=True).on_start(RunContext())
+        for _ in range(2):  # the live run goes on writing the same file
+            flushed = int(process.stdout.readline().split()[1])
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    _check_records(path, flushed)
+    saver = H5PYSaverCallback(path, overwrite=True, metadata=False)  # its writer is gone
+    saver("forward.x", Trace([torch.zeros(1)], [1], [0], [1]))
+    saver.close()
+    with open_run(path) as run:
+        assert run.names == ["forward.x"] and len(run["forward.x"]) == 1
+
+
+@pytest.mark.warnings_as_errors
+def test_ctrl_c_during_foreground_flushes_always_reaches_the_loop(tmp_path: Path) -> None:
+    """A seeded, shorter run of tools/sigint_stress.py (the README quotes 200 runs)."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "sigint_stress.py"), "--runs", "12", "--seed", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    report = json.loads(done.stdout)
+    assert report["interrupted"] == 12, report
+    assert report["swallowed"] == report["failed"] == report["bad_files"] == 0, report
+    assert done.returncode == 0, done.stderr

@@ -52,6 +52,7 @@ def test_an_existing_file_raises_file_exists_and_stays_byte_identical(tmp_path: 
     assert other.read_text() == "not ours"
 
 
+@pytest.mark.warnings_as_errors
 def test_overwrite_replaces_the_file(tmp_path: Path) -> None:
     path = tmp_path / "run.h5"
     _write(path, [1, 2, 3])
@@ -60,6 +61,7 @@ def test_overwrite_replaces_the_file(tmp_path: Path) -> None:
         assert run["forward.x"].iterations.tolist() == [7]
 
 
+@pytest.mark.warnings_as_errors
 def test_append_continues_a_run_with_new_records_and_new_sites(tmp_path: Path) -> None:
     path = tmp_path / "run.h5"
     _write(path, [1, 2])
@@ -207,6 +209,7 @@ def test_a_sharded_saver_writes_its_rank_file_and_a_glob_reads_them_as_one_run(
         assert run["forward.x"].ranks.tolist() == [0, 0, 0, 2, 0]
 
 
+@pytest.mark.warnings_as_errors
 def test_non_zero_ranks_of_a_gathered_run_write_nothing(tmp_path: Path) -> None:
     saver = H5PYSaverCallback(tmp_path / "run.h5")
     saver.on_start(RunContext(rank=1, world_size=2, sharded=False))

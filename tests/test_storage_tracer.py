@@ -50,6 +50,7 @@ def _equal(got: Any, want: Any) -> bool:
     return type(got) is type(want) and got == want
 
 
+@pytest.mark.warnings_as_errors
 @pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
 def test_the_file_holds_exactly_what_the_tracer_recorded(tmp_path: Path, background: bool) -> None:
     reference = _train({}).results
@@ -83,6 +84,7 @@ def test_a_layer_called_twice_per_step_gives_two_calls_per_iteration(tmp_path: P
         assert type(run["layers.0.forward.self.step_count"].get(3)) is int
 
 
+@pytest.mark.warnings_as_errors
 def test_ragged_batches_and_padded_stacking_come_back_with_true_shapes(tmp_path: Path) -> None:
     reference = _train({}).results["layers.0.attn.forward.scores"]
     path = tmp_path / "run.h5"
@@ -130,6 +132,7 @@ class _Undetachable(torch.Tensor):
         raise RuntimeError("this tensor cannot be detached")
 
 
+@pytest.mark.warnings_as_errors
 def test_a_background_writer_error_is_raised_and_earlier_gathers_stay(tmp_path: Path) -> None:
     from vartrace.storage import WorkerError
     from vartrace.trace import Trace

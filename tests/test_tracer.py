@@ -30,6 +30,7 @@ def _scores(attn: Attention, x: torch.Tensor) -> torch.Tensor:
     return (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
 
 
+@pytest.mark.warnings_as_errors
 def test_records_locals_with_exact_values_and_tags() -> None:
     torch.manual_seed(0)
     model = TinyTransformer().eval()
@@ -270,6 +271,7 @@ def test_pre_save_reduces_and_drops() -> None:
     assert all(isinstance(v, float) for v in trace.values)
 
 
+@pytest.mark.warnings_as_errors
 def test_gathering_interval_chunks_and_flush() -> None:
     chunks: list[tuple[str, list[int]]] = []
     finals: list[str] = []
@@ -323,6 +325,7 @@ def test_length_invariant_violation_names_the_callback() -> None:
     assert "forward" not in vars(model), "the model is restored even when a callback fails"
 
 
+@pytest.mark.warnings_as_errors
 def test_stacking_callbacks_and_reducer() -> None:
     model = TinyTransformer()
     with ModelTracer(
@@ -350,13 +353,16 @@ def test_stacking_callbacks_and_reducer() -> None:
     assert trace.values[0].shape == (5, 16)
 
 
-def test_stack_tensors_refuses_ragged_records() -> None:
+@pytest.mark.warnings_as_errors
+def test_stack_tensors_leaves_ragged_records_unstacked_with_a_warning() -> None:
     trace = Trace([torch.zeros(2), torch.zeros(3)], [1, 2], [0, 0], [1, 2])
-    with pytest.raises(ValueError, match="stack_padded_tensors"):
+    with pytest.warns(RuntimeWarning, match="different shapes.*stack_padded_tensors pads them"):
         vartrace.stack_tensors("site", trace)
+    assert isinstance(trace.values, list) and len(trace.values) == 2
     vartrace.stack_tensors("site", Trace([1.0, 2.0], [1, 2], [0, 0], [1, 2]))
 
 
+@pytest.mark.warnings_as_errors
 def test_manual_record() -> None:
     vartrace.record("nothing.active", torch.ones(1))  # a no-op without tracers
     model = TinyTransformer()
@@ -370,6 +376,7 @@ def test_manual_record() -> None:
         assert len(tracer.results["head.forward"].values) == 2
 
 
+@pytest.mark.warnings_as_errors
 def test_restores_model_and_propagates_exceptions() -> None:
     class Failing(nn.Module):
         def __init__(self) -> None:
