@@ -283,6 +283,25 @@ def test_torch_functions_returning_what_a_module_returns_are_not_taken_for_tenso
     assert list(tracer.results) == ["forward.logits"]
 
 
+@pytest.mark.parametrize("everywhere", [False, True])
+def test_a_forward_hook_may_change_what_a_submodule_returns(everywhere: bool) -> None:
+    model = _Stack()
+
+    def hook(module: nn.Module, args: Any, out: Any) -> Any:
+        return {"out": out, "top": out.max()} if module is model.head else None
+
+    register = nn.modules.module.register_module_forward_hook
+    handle = register(hook) if everywhere else model.head.register_forward_hook(hook)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with ModelTracer(model, ["forward.top"]) as tracer:
+                model(torch.randn(3, 2, 4))
+    finally:
+        handle.remove()
+    assert list(tracer.results) == ["forward.top"]
+
+
 def test_strict_false_keeps_a_misspelt_key_and_warns_at_its_first_return() -> None:
     model = _Stack()
     with warnings.catch_warnings(record=True) as caught:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks
 
 from vartrace.engine.code import (
     CALLEE_SEPARATOR,
@@ -235,9 +236,14 @@ class _ReturnKeys:
         return found
 
     def of_module(self, module: nn.Module) -> Keys:
-        """The keys of what calling ``module`` returns (its forward, unless a hook or an
-        instance attribute may change it)."""
-        if module._forward_hooks or "forward" in vars(module):
+        """The keys of what calling ``module`` returns (its forward, unless a hook, an
+        instance attribute or a ``__call__`` of its class may change it)."""
+        if (
+            module._forward_hooks
+            or _global_forward_hooks
+            or "forward" in vars(module)
+            or type(module).__call__ is not nn.Module.__call__
+        ):
             return None
         forward = module_methods(module).get("forward")
         return None if forward is None else self.of_method(module, forward)
