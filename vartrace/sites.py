@@ -810,7 +810,11 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
     """Resolve ``patterns`` into the targets to patch on ``model`` (already unwrapped).
 
     Raises ``ValueError`` quoting the pattern when one is malformed or, with
-    ``strict=True``, matches nothing (with ``strict=False`` it warns).
+    ``strict=True``, matches nothing (with ``strict=False`` it warns).  A key
+    below a value a method returns from a call (``return self.proj(h)``)
+    matches when the callee's result can have it, followed statically; where
+    only the run can tell, or with ``strict=False``, it is checked at the
+    method's first return instead (a missing key warns then).
     """
     if isinstance(patterns, str):
         patterns = [patterns]
