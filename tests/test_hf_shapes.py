@@ -313,6 +313,9 @@ def test_a_key_only_the_run_can_tell_is_checked_at_the_first_return() -> None:
         "logits, loss; no key 'lgoits'; closest: logits, loss (it records nothing under this name)"
     ]
     assert len(caught) == 1  # not said again when the tracer stops
+    message = r"no key 'logits,loss'.*pass several as a list, \['forward\.logits', 'loss'\]"
+    with pytest.warns(UserWarning, match=message), ModelTracer(model, "forward.logits,loss"):
+        model(tokens(0))
     assert list(tracer.results) == ["forward.loss"]
 
 

@@ -351,6 +351,14 @@ class _CheckedReturn(Selector):
         super().emit(value, sink, seen)
 
 
+def _comma_hint(text: str) -> str:
+    """For a pattern holding a comma, how to pass what it seems to list."""
+    if "," not in text:
+        return ""
+    parts = [part.strip() for part in text.split(",")]
+    return f"; a pattern names one path: pass several as a list, {parts!r}"
+
+
 def _check_keys(selector: Selector, value: Any) -> bool:
     """Warn (and return ``True``) when the key that ``selector`` names next is not in
     ``value``."""
@@ -370,7 +378,8 @@ def _check_keys(selector: Selector, value: Any) -> bool:
         f"vartrace: pattern {selector.pattern.text!r}: {selector.site} returned a "
         f"{type(value).__name__} {has}; no key {', '.join(map(repr, wanted))}"
         + (f"; closest: {', '.join(close)}" if close else "")
-        + " (it records nothing under this name)",
+        + " (it records nothing under this name)"
+        + _comma_hint(selector.pattern.text),
         UserWarning,
         stacklevel=2,
     )
@@ -852,9 +861,7 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
             f"pattern {pattern.text!r} matches no site of {type(model).__name__}; "
             f"closest existing sites: {close} (see vartrace.list_sites(model))"
         )
-        if "," in pattern.text:
-            parts = [part.strip() for part in pattern.text.split(",")]
-            message += f"; a pattern names one path: pass several as a list, {parts!r}"
+        message += _comma_hint(pattern.text)
         if strict:
             raise ValueError(message)
         warnings.warn(message, stacklevel=3)
