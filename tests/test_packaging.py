@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import email
 import pydoc
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,8 +19,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
-    """The wheel pip builds from this checkout (no dependencies, no build isolation)."""
-    out = tmp_path_factory.mktemp("wheel")
+    """The wheel pip builds from a copy of this checkout's sources (no dependencies, no build
+    isolation; the copy keeps setuptools' build folder out of the checkout)."""
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, source / name)
+    shutil.copytree(
+        ROOT / "vartrace", source / "vartrace", ignore=shutil.ignore_patterns("__pycache__")
+    )
     subprocess.run(
         [
             sys.executable,
@@ -31,7 +38,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
             "--no-build-isolation",
             "--wheel-dir",
             str(out),
-            str(ROOT),
+            str(source),
         ],
         check=True,
         capture_output=True,
