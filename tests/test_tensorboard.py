@@ -113,6 +113,31 @@ def test_the_command_exports_a_finished_run_with_the_same_scalars(tmp_path: Path
     assert len(exported.Histograms("forward.scores")) == 5
 
 
+def test_the_command_takes_sites_and_statistics(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    with H5PYSaverCallback(path, metadata=False) as saver:
+        saver("a.loss", Trace([1.0, 3.0], [1, 2], [0, 0], [0, 1]))
+        saver("b.loss", Trace([5.0], [1], [0], [2]))
+    logdir = tmp_path / "board"
+    command = [sys.executable, "-m", "vartrace", "tensorboard", str(path), "--logdir", str(logdir)]
+    result = subprocess.run(
+        [*command, "--sites", "a.*", "--stat", "max,absmax", "--no-histograms"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    events = _events(logdir)
+    assert set(events.Tags()["scalars"]) == {"a.loss/max", "a.loss/absmax"}
+    assert _scalars(events, "a.loss/max") == {1: 1.0, 2: 3.0}
+    assert events.Tags()["histograms"] == []
+    wrong = subprocess.run(
+        [*command, "--stat", "median"], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert wrong.returncode == 2 and "unknown statistic(s) ['median']" in wrong.stderr
+
+
 def test_ranks_get_their_own_tags_and_odd_records_are_skipped(tmp_path: Path) -> None:
     path = tmp_path / "run.h5"
     with H5PYSaverCallback(path, metadata=False) as saver:
