@@ -124,3 +124,95 @@ def test_reading_a_blosc_file_without_hdf5plugin_names_the_plugin(tmp_path: Path
     assert "blosc" in error and "HDF5 filter 32001" in error
     assert "pip install 'torch-vartrace[compress]'" in error
     assert "can't open directory" not in error
+
+
+_KILLED_BETWEEN_WRITE_AND_COMMIT = """
+import os, sys
+import torch
+from vartrace.storage import H5PYSaverCallback
+from vartrace.trace import Trace
+saver = H5PYSaverCallback(sys.argv[1], metadata=False)
+saver("x", Trace([torch.full((2,), float(i)) for i in range(3)], [1, 2, 3], [0] * 3, [0, 1, 2]))
+saver.flush()  # committed: 3 records
+saver("x", Trace([torch.full((2,), 9.0)] * 2, [4, 5], [0] * 2, [3, 4]))  # written, never committed
+saver.datasets["x"].file.flush()
+os._exit(0)  # killed before the next flush commits them
+"""
+
+
+def test_every_reader_path_reads_only_committed_records_of_a_killed_writer(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "killed.h5"
+    script = tmp_path / "writer.py"
+    script.write_text(_KILLED_BETWEEN_WRITE_AND_COMMIT)
+    subprocess.run([sys.executable, str(script), str(path)], check=True, timeout=120)
+    with vartrace.open(path) as run:
+        assert run["x"].values.shape[0] == 3
+        frame = run.to_frame()
+        assert frame["iteration"].tolist() == [1, 2, 3]
+        assert frame["mean"].tolist() == [0.0, 1.0, 2.0]
+    report = vartrace.compare(path, path)
+    assert report.ok and report.sites[0].records == 3
+
+
+def test_an_int_beyond_4300_digits_reads_and_shows(tmp_path: Path) -> None:
+    huge = 7**20000  # 16,902 decimal digits: Python refuses to print it in decimal
+    path = tmp_path / "run.h5"
+    with H5PYSaverCallback(path, metadata=False) as saver:
+        saver("big", vartrace.Trace([huge, 3], [1, 2], [0, 0], [0, 2]))
+        saver("after", vartrace.Trace([1.5], [1], [0], [1]))
+    with vartrace.open(path) as run:
+        assert run["big"].get(1) == huge
+        frame = run.to_frame()
+    assert frame["mean"].isna().tolist() == [True, False, False]
+    shown = subprocess.run(
+        [sys.executable, "-m", "vartrace", "show", str(path), "*"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert (
+        f"{hex(huge)[:34]}...{hex(huge)[-8:]} (an int of {huge.bit_length()} bits)" in shown.stdout
+    )
+    assert "after: 1 records" in shown.stdout  # show '*' goes on past the site
+
+
+_LIVE_TRAINER = """
+import sys
+import torch
+from vartrace.storage import H5PYSaverCallback
+from vartrace.trace import Trace
+saver = H5PYSaverCallback(sys.argv[1], compression="gzip", compression_opts=9, metadata=False)
+step = 0
+while True:
+    step += 1
+    saver("x", Trace([torch.randn(64, 256)], [step], [0], [step]))
+    saver.flush()
+    if step == 3:
+        print("writing", flush=True)
+"""
+
+
+def test_a_live_gzip_run_opens_every_time_and_says_it_is_live(tmp_path: Path) -> None:
+    path = tmp_path / "live.h5"
+    script = tmp_path / "trainer.py"
+    script.write_text(_LIVE_TRAINER)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "writing\n"
+        counts = []
+        for _ in range(150):
+            with vartrace.open(path) as run:
+                assert run.live
+                counts.append(len(run["x"]))
+                run["x"].record(len(run["x"]) - 1)
+        assert counts == sorted(counts) and counts[-1] > counts[0]
+    finally:
+        process.kill()
+        process.wait(timeout=60)
+    with vartrace.open(path) as run:
+        assert not run.live  # its writer is gone
