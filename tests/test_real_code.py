@@ -11,7 +11,9 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -381,7 +383,7 @@ def late_group_rank(out_dir: str, rank: int, port: int) -> None:
     with ModelTracer(model, [site], pre_save_callbacks=[keep], post_gather_callbacks=[saver]):
         # The launcher's rank 0 has no rank variable yet; the others have LOCAL_RANK.
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=2)
+        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=90))
         wrapped = DistributedDataParallel(model)
         optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
         for step in range(3):
@@ -411,14 +413,21 @@ def test_a_group_started_after_the_tracer_leaves_the_file_to_rank_0(tmp_path: Pa
         if rank:
             env.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2")  # as Lightning sets
         command = [sys.executable, "-c", code, str(tmp_path), str(rank), str(port)]
-        procs.append(
-            subprocess.Popen(command, cwd=root, env=env, stderr=subprocess.PIPE, text=True)
-        )
+        # A file, not a pipe: a rank retrying its connection while the other starts writes
+        # warnings enough to fill a pipe nobody reads yet, and would block there.
+        with open(tmp_path / f"stderr{rank}.txt", "w") as stderr:
+            procs.append(subprocess.Popen(command, cwd=root, env=env, stderr=stderr))
+    end = time.monotonic() + _LATE_DEADLINE_S
     try:
-        errors = [proc.communicate(timeout=_LATE_DEADLINE_S)[1] for proc in procs]
+        for proc in procs:
+            proc.wait(timeout=max(1.0, end - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass  # reported below, with what each rank wrote
     finally:
         for proc in procs:
             proc.kill()
+            proc.wait()
+    errors = [(tmp_path / f"stderr{rank}.txt").read_text()[-3000:] for rank in (0, 1)]
     assert [proc.returncode for proc in procs] == [0, 0], "\n".join(errors)
     seen = [torch.load(tmp_path / f"seen{rank}.pt") for rank in (0, 1)]
     with vartrace.open(tmp_path / "run.h5") as run:
