@@ -27,7 +27,7 @@ from vartrace import H5PYSaverCallback, ModelTracer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors"),
-    pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.(trace|script):DeprecationWarning"),
 ]
 
 
