@@ -3,7 +3,9 @@
 Everything a pattern can name below a module — its methods, their
 arguments and locals, the keys their return values may have — is known
 before the first step from the class and each method's code object.  This
-lets a tracer validate patterns and suggest near misses up front.
+lets a tracer validate patterns and suggest near misses up front.  Where a
+method returns another call's result (``return self.proj(h)``), its source
+says which call (:func:`returned_calls`), for the torch side to follow.
 """
 
 from __future__ import annotations
