@@ -362,7 +362,7 @@ def record_stats(
             for name in names:
                 out[name][row] = statistic_of(value, name)
             continue
-        array = value_as_array(value)
-        if array is not None:
-            reduce(np.asarray([row]), array[None])
+        numbers = value_as_array(value)
+        if numbers is not None:
+            reduce(np.asarray([row]), numbers[None])
     return out
