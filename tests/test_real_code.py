@@ -533,3 +533,16 @@ def _trace_to_file(path: Path) -> Path:
     ):
         model(torch.ones(2))
     return path
+
+
+def test_records_under_functionalize_and_jacrev_are_the_values_they_stand_for() -> None:
+    model = Affine()
+    x = torch.randn(3, generator=torch.Generator().manual_seed(2))
+    with ModelTracer(model, ["forward.h@every"], change_detection=False) as tracer:
+        torch.func.functionalize(model)(x)
+        torch.func.jacrev(model)(x)
+    with torch.no_grad():
+        lin = model.lin(x)
+    values = tracer.results["forward.h"].values
+    assert all(type(v) is torch.Tensor and v.requires_grad is False for v in values)
+    assert [v.tolist() for v in values] == [lin.tolist(), (lin * 2).tolist()] * 2
