@@ -87,6 +87,8 @@ def test_the_report_prints_as_the_readme_says(
     report = vartrace.compare(*runs)
     print(report)
     assert "first divergence: none" in capsys.readouterr().out
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert "report.print()" not in readme and "a readable `print()`" not in readme
-    assert 'run.meta["git"]["commit"]' not in readme
+    root = Path(__file__).parents[1]
+    for page in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:  # the reference
+        text = page.read_text()
+        assert "report.print()" not in text and "a readable `print()`" not in text, page
+        assert 'run.meta["git"]["commit"]' not in text, page
