@@ -47,6 +47,7 @@ class RunFileError(ValueError):
 #: Reads up to this size are allowed whatever a dataset holds; larger ones only when the
 #: file holds that much of the dataset (a declared size costs a crafted file nothing).
 FREE_READ_BYTES = 64 << 20
+_OBJECT_SCALE = 16  # bytes in memory per byte of a variable-length element's descriptor
 
 
 def file_name(object_id: Any) -> str:
@@ -55,6 +56,9 @@ def file_name(object_id: Any) -> str:
 
 def check_link(group: h5py.Group, link: str) -> None:
     """Refuse a link other than a hard link (vartrace writes no other kind): never follow it."""
+    if not group.id.links.exists(link.encode()):
+        path = f"{group.name.rstrip('/')}/{link}"
+        raise RunFileError(f"{file_name(group.id)}: {path} is missing: a damaged file")
     info = group.id.links.get_info(link.encode())
     if info.type == h5py.h5l.TYPE_HARD:
         return
@@ -123,10 +127,16 @@ def check_read(dataset: h5py.Dataset | h5py.h5d.DatasetID, elements: int) -> Non
     does not hold cannot make a reader allocate them.
     """
     dsid = dataset.id if isinstance(dataset, h5py.Dataset) else dataset
-    nbytes = elements * dsid.get_type().get_size()
+    kind = dsid.get_type()
+    variable = kind.get_class() == h5py.h5t.VLEN or (
+        kind.get_class() == h5py.h5t.STRING and kind.is_variable_str()
+    )
+    # A variable-length element costs a Python object when read, far more than its 16 bytes.
+    scale = _OBJECT_SCALE if variable else 1
+    nbytes = elements * kind.get_size() * scale
     if nbytes <= FREE_READ_BYTES:
         return
-    held = held_bytes(dsid)
+    held = held_bytes(dsid) * scale
     if nbytes > held:
         name = os.fsdecode(h5py.h5i.get_name(dsid) or b"?")
         raise RunFileError(

@@ -196,7 +196,7 @@ def has_write_flags(path: Path) -> bool:
     """Whether the superblock says a writer has the file open (or was killed)."""
     with open(path, "rb") as handle:
         head = handle.read(12)
-    return head[:8] == SIGNATURE and head[8] in (2, 3) and head[11] != 0
+    return len(head) == 12 and head[:8] == SIGNATURE and head[8] in (2, 3) and head[11] != 0
 
 
 def clear_write_flags(path: Path) -> bool:

@@ -64,6 +64,7 @@ from vartrace.storage._layout import (
     SHARD_ATTR,
     SIGNATURE,
     TAGS,
+    has_write_flags,
     unescape,
     writer_alive,
 )
@@ -104,22 +105,24 @@ def _has_signature(path: Path) -> bool:
 def _open_hdf5(path: Path) -> h5py.File:
     """``path`` opened read-only: plainly, else in SWMR mode (a running or killed writer's).
 
-    A running writer may be mid-flush, its file's end not yet written out: a
-    file with an HDF5 signature is retried a few times before it is called damaged.
+    A running writer may be mid-flush, its file's end not yet written out: such a
+    file is retried a few times before it is called damaged.
     """
     try:
         return h5py.File(path, "r")
     except OSError as error:
         plain = error
-    for attempt in range(_OPEN_TRIES):
+    # Only a file a writer holds (or held when killed) is worth SWMR mode: HDF5 retries each
+    # unreadable piece of a damaged file there for minutes.
+    tries = _OPEN_TRIES if has_write_flags(path) else 0
+    swmr = plain
+    for attempt in range(tries):
         if attempt:
             time.sleep(_OPEN_PAUSE_S)
         try:
             return h5py.File(path, "r", swmr=True)
         except OSError as error:
             swmr = error
-        if not _has_signature(path):
-            break
     if "already open for write" in str(plain):
         raise OSError(
             errno.EBUSY,
@@ -157,8 +160,9 @@ def open_file(path: str | os.PathLike[str]) -> h5py.File:
     return handle
 
 
-#: Most groups read under /meta (vartrace writes 4).
+#: Most groups read under /meta (vartrace writes 4), and most entries of one of its datasets.
 _META_GROUPS = 64
+_META_ENTRIES = 1 << 16
 
 
 def _read_tree(group: h5py.Group, seen: set[int] | None = None) -> dict[str, Any]:
@@ -181,7 +185,11 @@ def _read_tree(group: h5py.Group, seen: set[int] | None = None) -> dict[str, Any
             tree[key] = _read_tree(item, seen)
             continue
         check_storage(item.id, item.name)
-        check_read(item, item.size)
+        if item.size > _META_ENTRIES:
+            raise RunFileError(
+                f"{file_name(group.id)}: {item.name} holds {item.size} entries, more than "
+                f"metadata ever does ({_META_ENTRIES}): a crafted file"
+            )
         if h5py.check_string_dtype(item.dtype):
             value = item.asstr(errors="replace")[()]
             tree[key] = list(value) if item.ndim else value
@@ -232,10 +240,14 @@ def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
     check_storage(dataset, where)
     space = dataset.get_space()
     dims = space.get_simple_extent_dims()
-    if not dims or dims[0] < rows:
-        held = dims[0] if dims else 0
+    if len(dims) != (2 if name == "shapes" else 1) or dataset.dtype.kind not in "iu":
         raise RunFileError(
-            f"{file_name(group.id)}: {where} holds {held} records where /committed counts "
+            f"{file_name(group.id)}: {where} is not a dataset of integers of the expected "
+            f"rank: a damaged file"
+        )
+    if dims[0] < rows:
+        raise RunFileError(
+            f"{file_name(group.id)}: {where} holds {dims[0]} records where /committed counts "
             f"{rows}: a damaged file"
         )
     shape = (rows, *dims[1:])
