@@ -47,10 +47,18 @@ class _Finite:
 
     def __init__(self, block: np.ndarray) -> None:
         self.block = block
-        self.mask = np.isfinite(block)
-        self.clean = bool(self.mask.all()) and block.shape[1] > 0
-        self.count = self.mask.sum(axis=1)
-        self.zeroed = block if self.clean else np.where(self.mask, block, 0.0)
+        rows, size = block.shape
+        # A NaN or an infinity makes its row's sum non-finite: only such blocks are masked.
+        self.total = block.sum(axis=1)
+        self.clean = size > 0 and bool(np.isfinite(self.total).all())
+        self.mask = np.ones((0, 0), bool)
+        self.count = np.full(rows, size)
+        self.zeroed = block
+        if not self.clean:
+            self.mask = np.isfinite(block)
+            self.count = self.mask.sum(axis=1)
+            self.zeroed = np.where(self.mask, block, 0.0)
+            self.total = self.zeroed.sum(axis=1)
         self._mean: np.ndarray | None = None
         self._var: np.ndarray | None = None
         self._min: np.ndarray | None = None
@@ -61,7 +69,7 @@ class _Finite:
 
     def mean(self) -> np.ndarray:
         if self._mean is None:
-            self._mean = self.zeroed.sum(axis=1) / self.count
+            self._mean = self.total / self.count
         return self._mean
 
     def var(self) -> np.ndarray:
@@ -89,7 +97,9 @@ class _Finite:
         return np.maximum(-self.min(), self.max())  # exact: the largest |x| is -min or max
 
     def norm(self) -> np.ndarray:
-        return np.sqrt(np.einsum("ij,ij->i", self.zeroed, self.zeroed))
+        """sqrt(sum x**2) = sqrt(count * (var + mean**2)): no pass of its own over the data."""
+        mean = self.mean()
+        return np.where(self.count > 0, np.sqrt(self.count * (self.var() + mean * mean)), 0.0)
 
     def nonfinite(self, test: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         if self.clean:
@@ -97,6 +107,9 @@ class _Finite:
         return test(self.block).sum(axis=1).astype(np.float64)
 
     def zeros(self) -> np.ndarray:
+        rows, size = self.block.shape
+        if rows == 1:  # one record (the reducer's case): numpy's one-pass count
+            return np.array([float(size - np.count_nonzero(self.block))])
         return (self.block == 0).sum(axis=1).astype(np.float64)
 
 
