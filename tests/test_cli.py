@@ -400,3 +400,41 @@ def test_compare_counts_pairs_differing_pairs_and_unpaired_records_apart(tmp_pat
     assert lines[1].split()[:4] == ["site", "pairs", "differing", "unpaired"]
     row = next(line.split() for line in lines if line.startswith("mixed "))
     assert row[1:4] == ["2", "0", "2"], row
+
+
+def test_meta_summarizes_a_long_diff_and_lists_unless_asked(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for args in (["init", "-q"], ["config", "user.email", "t@e.com"], ["config", "user.name", "T"]):
+        subprocess.run(["git", *args], cwd=repo, check=True)
+    (repo / "train.py").write_text("lr = 0.1\n")
+    subprocess.run(["git", "add", "."], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-q", "-m", "start"], cwd=repo, check=True)
+    (repo / "train.py").write_text("".join(f"step_{i} = {i}\n" for i in range(1000)))
+    write = "import sys; from vartrace.storage import H5PYSaverCallback as S\n"
+    write += "from vartrace.trace import Trace\n"
+    write += "with S(sys.argv[1]) as s: s('x', Trace([1], [1], [0], [0]))"
+    subprocess.run([sys.executable, "-c", write, str(tmp_path / "run.h5")], cwd=repo, check=True)
+    summary = vartrace("meta", "run.h5", cwd=tmp_path)
+    assert summary.returncode == 0, summary.stderr
+    assert len(summary.stdout.splitlines()) < 60
+    diff_line = next(line for line in summary.stdout.splitlines() if line.startswith("git.diff"))
+    assert "lines" in diff_line and "vartrace meta run.h5 git.diff prints it" in diff_line
+    assert any(
+        "entries: vartrace meta run.h5 packages lists them" in line
+        for line in summary.stdout.splitlines()
+    )
+    whole = vartrace("meta", "run.h5", "git.diff", cwd=tmp_path)
+    assert "    +step_999 = 999" in whole.stdout.splitlines()
+
+
+def test_existing_paths_and_site_globs_are_not_taken_for_other_things(
+    runs: Path, tmp_path: Path
+) -> None:
+    shutil.copy(runs / "a.h5", tmp_path / "run[1].h5")  # a glob character in a real name
+    listed = vartrace("ls", "run[1].h5", cwd=tmp_path)
+    assert listed.returncode == 0 and "layers.0.forward" in listed.stdout, listed.stderr
+    (tmp_path / "layers.py").write_text("# a file that the site glob 'layers.*' matches\n")
+    plotted = vartrace("plot", "run[1].h5", "layers.*", "-o", "out.png", cwd=tmp_path)
+    assert plotted.returncode == 0, plotted.stderr
+    assert "over iterations" in plotted.stdout and (tmp_path / "out.png").is_file()
