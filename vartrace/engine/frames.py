@@ -91,14 +91,24 @@ def _wraps(frame: FrameType, code: CodeType) -> bool:
     return False
 
 
-def _callee_caller(frame: FrameType) -> FrameType | None:
-    """The frame that called a callee's ``frame``, past the decorators wrapping the callee."""
+def _past_wrappers(frame: FrameType, check: Callable[[FrameType], Any]) -> Any:
+    """The first ``check(caller)`` not ``None``, past the decorators of ``frame``'s function.
+
+    While the frame's caller is a decorator's wrapper around the function
+    (``functools.wraps``), the wrapper's caller is checked; the direct
+    caller itself is the caller's to check first (the common case).
+    """
     code = frame.f_code
     back = frame.f_back
     for _ in range(_MAX_DECORATOR_FRAMES):
         if back is None or not _wraps(back, code):
-            return back
+            return None
         back = back.f_back
+        if back is None:
+            return None
+        found = check(back)
+        if found is not None:
+            return found
     return None
 
 
@@ -238,8 +248,9 @@ class _Watch:
 class FrameCore:
     """The interface both cores implement.
 
-    ``arm(code, lines)`` / ``disarm(code, lines)`` are reference counted and
-    bracket the time a code object may be traced (callees' code included);
+    ``arm(code, lines, callee)`` / ``disarm(code, lines, callee)`` are
+    reference counted and bracket the time a code object may be traced
+    (``callee``: as a function a traced method calls);
     ``run`` calls ``function`` and returns ``(result, snapshot)``, where
     ``snapshot`` maps each name in ``names`` still bound at return to its
     value (``None`` if the call was not observed, which cannot happen for a
@@ -249,10 +260,10 @@ class FrameCore:
 
     name = "abstract"
 
-    def arm(self, code: CodeType, lines: bool) -> None:
+    def arm(self, code: CodeType, lines: bool, callee: bool = False) -> None:
         """Start observing ``code`` (with line events if ``lines``)."""
 
-    def disarm(self, code: CodeType, lines: bool) -> None:
+    def disarm(self, code: CodeType, lines: bool, callee: bool = False) -> None:
         """Stop observing ``code`` once no armed user is left."""
 
     def run(
@@ -311,17 +322,19 @@ class _ChainedTracer:
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
         watch = self.watch
-        # This tracer, or a nested traced call's tracer that chains to this one.
-        front = sys.gettrace()
-        local = None if self.previous is None else self.previous(frame, event, arg)
-        current = sys.gettrace()
-        if current is not front:
-            # The tool called above installed itself (coverage's C tracer does when a
-            # Python trace function calls it): chain to it, and put the front back.
-            # Only a change made during that call is adopted, so two tracers never
-            # adopt each other.
-            self.previous = current
-            sys.settrace(front)
+        local = None
+        if self.previous is not None:
+            # This tracer, or a nested traced call's tracer that chains to this one.
+            front = sys.gettrace()
+            local = self.previous(frame, event, arg)
+            current = sys.gettrace()
+            if current is not front:
+                # The tool called above installed itself (coverage's C tracer does when a
+                # Python trace function calls it): chain to it, and put the front back.
+                # Only a change made during that call is adopted, so two tracers never
+                # adopt each other.
+                self.previous = current
+                sys.settrace(front)
         if self.target is None:
             if frame.f_code is watch.code and _called_from(frame, watch.caller):
                 self.target = frame
@@ -333,9 +346,14 @@ class _ChainedTracer:
                 if watch.every:
                     self.previous_local = local
                     local = self.local_trace
-        elif frame.f_code in watch.callees and _callee_caller(frame) is self.target:
+        elif frame.f_code in watch.callees and (
+            frame.f_back is self.target or _past_wrappers(frame, self._target) is not None
+        ):
             local = _CalleeTracer(watch, local).trace
         return local
+
+    def _target(self, frame: FrameType) -> FrameType | None:
+        return frame if frame is self.target else None
 
     def local_trace(self, frame: FrameType, event: str, arg: Any) -> Any:
         if self.previous_local is not None:
@@ -398,8 +416,11 @@ class MonitoringCore(FrameCore):
 
     def __init__(self) -> None:
         self._tool: int | None = None
-        self._armed: dict[CodeType, list[int]] = {}  # code -> [users, users wanting lines]
         self._pending: dict[FrameType, _Watch] = {}
+        # code -> [users, users wanting lines, users tracing it as a method]
+        self._armed: dict[CodeType, list[int]] = {}
+        # The ids of the code armed only as a callee (an int's hash is cheap, a code's is not).
+        self._callees: set[int] = set()
         self._lock = threading.Lock()
 
     def _acquire_tool(self) -> int:
@@ -423,26 +444,32 @@ class MonitoringCore(FrameCore):
 
     def _apply(self, code: CodeType) -> None:
         monitoring = sys.monitoring  # type: ignore[attr-defined]
-        users, line_users = self._armed.get(code, (0, 0))
+        users, line_users, methods = self._armed.get(code, (0, 0, 0))
+        if users and not methods:
+            self._callees.add(id(code))
+        else:
+            self._callees.discard(id(code))
         events = monitoring.events.PY_RETURN if users else monitoring.events.NO_EVENTS
         if line_users:
             events |= monitoring.events.LINE
         monitoring.set_local_events(self._tool, code, events)
 
-    def arm(self, code: CodeType, lines: bool) -> None:
+    def arm(self, code: CodeType, lines: bool, callee: bool = False) -> None:
         with self._lock:
             if self._tool is None:
                 self._tool = self._acquire_tool()
-            counts = self._armed.setdefault(code, [0, 0])
+            counts = self._armed.setdefault(code, [0, 0, 0])
             counts[0] += 1
             counts[1] += lines
+            counts[2] += not callee
             self._apply(code)
 
-    def disarm(self, code: CodeType, lines: bool) -> None:
+    def disarm(self, code: CodeType, lines: bool, callee: bool = False) -> None:
         with self._lock:
             counts = self._armed[code]
             counts[0] -= 1
             counts[1] -= lines
+            counts[2] -= not callee
             self._apply(code)
             if not counts[0]:
                 del self._armed[code]
@@ -456,6 +483,8 @@ class MonitoringCore(FrameCore):
 
     def _find(self, frame: FrameType) -> _Watch | None:
         code = frame.f_code
+        if id(code) in self._callees:
+            return None  # a callee's frame: no walk up the stack
         back = frame.f_back
         pending = self._pending
         for _ in range(_MAX_DECORATOR_FRAMES):
@@ -466,6 +495,14 @@ class MonitoringCore(FrameCore):
                 return watch  # past other traced calls (a decorator running this one's code)
             back = back.f_back
         return None
+
+    def _caller_watch(self, frame: FrameType) -> _Watch | None:
+        """The watch of the traced call that called ``frame`` (through decorators), if any."""
+        caller = frame.f_back
+        watch = None if caller is None else self._find(caller)  # the common case first
+        if watch is None:
+            watch = _past_wrappers(frame, self._find)
+        return watch
 
     def _on_return(self, code: CodeType, offset: int, retval: Any) -> None:
         frame = sys._getframe(1)
@@ -478,8 +515,7 @@ class MonitoringCore(FrameCore):
         if watch is not None:
             watch.returned(frame)
             return
-        caller = _callee_caller(frame)
-        watch = None if caller is None else self._find(caller)
+        watch = self._caller_watch(frame)
         if watch is not None and code in watch.callees:
             watch.called(frame, retval)
 
@@ -490,8 +526,7 @@ class MonitoringCore(FrameCore):
             if watch.every:
                 watch.line(frame)
             return
-        caller = _callee_caller(frame)
-        watch = None if caller is None else self._find(caller)
+        watch = self._caller_watch(frame)
         if watch is not None and code in watch.callees:
             watch.callee_line(frame)
 

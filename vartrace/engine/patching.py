@@ -334,10 +334,10 @@ class _Patch:
         wanted = {code: (tuple(sorted(a)), tuple(sorted(b))) for code, (a, b) in callees.items()}
         for code, (_, lines) in wanted.items():
             if self.callees.get(code, (None, None))[1] != lines:
-                _core.arm(code, bool(lines))
+                _core.arm(code, bool(lines), callee=True)
         for code, (_, lines) in self.callees.items():
             if wanted.get(code, (None, None))[1] != lines:
-                _core.disarm(code, bool(lines))
+                _core.disarm(code, bool(lines), callee=True)
         self.callees = wanted
         self._callee_handlers = ((), {})
         armed = (bool(frame), bool(every))
