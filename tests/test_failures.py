@@ -1,4 +1,4 @@
-"""Failures around the step: the user's exception wins, and a full disk never crashes the process.
+"""Failures around the step: the user's exception wins, a full disk never breaks the step.
 
 The full-disk tests fill a real file system in a subprocess: a 1 MiB tmpfs
 mounted for the test (needs root and ``mount``), or a file-size limit
@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ import torch
 from torch import nn
 
 import vartrace
-from vartrace import H5PYSaverCallback, ModelTracer
+from vartrace import H5PYSaverCallback, ModelTracer, stack_padded_tensors, stack_tensors
+from vartrace.trace import Trace
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,9 +110,13 @@ _FILL = textwrap.dedent(
         ):
             for i in range(40):
                 model(torch.full((64, 1024), float(i)))  # 256 KiB a record
+            print("steps", i + 1, flush=True)
             raise KeyError("the user's own error")
     except Exception as error:
         print("raised", type(error).__name__, getattr(error, "errno", None), error, flush=True)
+        print("notes", getattr(error, "__notes__", []), flush=True)
+    failure = saver.failure
+    print("failure", getattr(failure, "errno", None), failure, flush=True)
     saver.close()  # closing again is harmless
     print("closed", flush=True)
     """
@@ -144,10 +150,13 @@ def small_disk(request: Any, tmp_path: Path) -> Iterator[tuple[Path, int]]:
         subprocess.run(["umount", str(where)], check=False)
 
 
-def _fill(path: Path, limit: int, *, background: bool, at_exit: bool) -> str:
+def _fill(
+    path: Path, limit: int, *, background: bool, at_exit: bool, warnings: str = "default"
+) -> tuple[str, str]:
+    """Run the filling script; its stdout and stderr."""
     flags = ["1" if background else "0", "1" if at_exit else "0"]
     done = subprocess.run(
-        [sys.executable, "-c", _FILL, str(path), str(limit), *flags],
+        [sys.executable, "-W", warnings, "-c", _FILL, str(path), str(limit), *flags],
         capture_output=True,
         text=True,
         timeout=300,
@@ -156,7 +165,7 @@ def _fill(path: Path, limit: int, *, background: bool, at_exit: bool) -> str:
     )
     assert done.returncode == 0, f"exit status {done.returncode}\n{done.stdout}\n{done.stderr}"
     assert done.stdout.endswith("closed\n"), done.stdout
-    return done.stdout + done.stderr
+    return done.stdout, done.stderr
 
 
 def _assert_committed_records_readable(path: Path) -> None:
@@ -168,18 +177,33 @@ def _assert_committed_records_readable(path: Path) -> None:
             assert value.equal(torch.full((64, 1024), 2.0 * (int(iteration) - 1)))
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
-def test_a_full_disk_closes_the_file_and_keeps_what_was_committed(
-    small_disk: tuple[Path, int], background: bool
+def _cause(limit: int) -> tuple[int, str]:
+    return (errno.EFBIG, "File too large") if limit else (errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize(
+    ("background", "warnings"),
+    [(False, "default"), (True, "default"), (False, "error")],
+    ids=["foreground", "background", "warnings-as-errors"],
+)
+def test_a_full_disk_stops_the_saver_and_training_goes_on(
+    small_disk: tuple[Path, int], background: bool, warnings: str
 ) -> None:
     directory, limit = small_disk
     path = directory / "run.h5"
-    output = _fill(path, limit, background=background, at_exit=False)
-    first = output.splitlines()[0]
-    assert first.startswith("raised"), output
-    assert str(path) in first and "writing the run file failed" in first, output
-    cause = "No space left on device" if not limit else "File too large"
-    assert cause in first, output
+    out, err = _fill(path, limit, background=background, at_exit=False, warnings=warnings)
+    number, cause = _cause(limit)
+    lines = out.splitlines()
+    assert lines[0] == "steps 40", out  # every step ran
+    assert lines[1] == 'raised KeyError None "the user\'s own error"', out
+    assert lines[3].startswith(f"failure {number} [Errno {number}] writing the run file failed")
+    assert cause in lines[3] and str(path) in lines[3], out
+    first = f"H5PYSaverCallback stopped writing {path}: {cause} (errno {number})"
+    again = "vartrace: H5PYSaverCallback stopped during this run: [Errno"
+    if warnings == "default":  # shown as they arise, once each
+        assert err.count(first) == 1 and err.count(again) == 1, err
+    else:  # -W error: kept out of the step, then notes on the exception leaving the block
+        assert first in lines[2] and again in lines[2], out
     if not limit:
         _assert_committed_records_readable(path)
 
@@ -189,6 +213,187 @@ def test_a_full_disk_at_exit_leaves_the_user_exception_in_place(
 ) -> None:
     directory, limit = small_disk
     path = directory / "run.h5"
-    output = _fill(path, limit, background=False, at_exit=True)
-    assert output.startswith('raised KeyError None "the user\'s own error"\n'), output
-    assert "the tracer's final flush failed while the step was raising KeyError" in output
+    out, err = _fill(path, limit, background=False, at_exit=True)
+    number, cause = _cause(limit)
+    assert out.startswith('steps 40\nraised KeyError None "the user\'s own error"\n'), out
+    assert f"failure {number} " in out, out
+    assert err.count(f"H5PYSaverCallback stopped writing {path}: {cause}") == 1, err
+
+
+# -- warnings as errors ------------------------------------------------------------------
+
+_WARNED_STEPS = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch import nn
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    class Box:  # an object holding a tensor: recorded as its tensors, with a warning
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+    class Net(nn.Module):
+        def forward(self, x):
+            big = x * 2  # x does not require grad: big@grad warns
+            box = Box(big)
+            numbers = (n for n in range(3))  # cannot be copied: a marker, with a warning
+            if x.sum() < 0:
+                never = 0  # never bound: "recorded nothing" at exit
+            return big
+
+    model = Net()
+    paths = ["forward.big", "forward.big@grad", "forward.box", "forward.numbers", "forward.never"]
+    with H5PYSaverCallback(sys.argv[1], metadata=False) as saver, ModelTracer(
+        model, paths, post_gather_callbacks=[saver], gathering_interval=3
+    ):
+        for step in range(10):
+            model(torch.full((3,), float(step)))
+            print("step", step + 1, flush=True)
+    """
+)
+
+
+@pytest.mark.warnings_as_errors
+def test_warnings_as_errors_never_break_the_step_and_the_file_keeps_every_record(
+    tmp_path: Path,
+) -> None:
+    path, script = tmp_path / "run.h5", tmp_path / "script.py"
+    script.write_text(_WARNED_STEPS)
+    done = subprocess.run(
+        [sys.executable, "-W", "error", str(script), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=False,
+    )
+    # Every step ran; the first warning is raised once the tracer is done, the others
+    # are notes on it.
+    assert done.stdout.splitlines() == [f"step {i}" for i in range(1, 11)], done.stderr
+    assert done.returncode == 1, done.stderr
+    assert "in __exit__" in done.stderr, done.stderr
+    assert "UserWarning: vartrace: forward.box is a Box holding tensors" in done.stderr
+    for kept in ("no gradient is recorded for forward.big@grad", "cannot copy a generator"):
+        assert kept in done.stderr, done.stderr
+    assert "pattern 'forward.never' recorded nothing" in done.stderr, done.stderr
+    with vartrace.open(path) as run:
+        assert run["forward.big"].iterations.tolist() == list(range(1, 11))
+        assert run["forward.box.tensor"].iterations.tolist() == list(range(1, 11))
+        assert isinstance(run["forward.numbers"].get(iteration=10), vartrace.Unstored)
+
+
+@pytest.mark.warnings_as_errors
+def test_a_warning_kept_during_the_steps_is_a_note_on_the_exception_leaving_the_block(
+    tmp_path: Path,
+) -> None:
+    class Box:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor = tensor
+
+    def boxed(name: str, value: Any, iteration: int) -> Any:
+        return Box(value)  # split into its tensors, with a warning, inside the step
+
+    model = Step()
+    with (
+        warnings.catch_warnings(),
+        H5PYSaverCallback(tmp_path / "run.h5", metadata=False) as saver,
+        pytest.raises(ValueError, match="the user's step failed") as caught,
+    ):
+        warnings.simplefilter("error")
+        with ModelTracer(
+            model, ["forward.big"], pre_save_callbacks=[boxed], post_gather_callbacks=[saver]
+        ):
+            model(torch.ones(2))
+            model(-torch.ones(2))
+    notes = getattr(caught.value, "__notes__", [])
+    assert sys.version_info < (3, 11) or any("holding tensors" in note for note in notes)
+    with vartrace.open(tmp_path / "run.h5") as run:
+        assert run["forward.big.tensor"].iterations.tolist() == [1]
+
+
+# -- Ctrl-C in a callback ----------------------------------------------------------------
+
+
+@pytest.mark.warnings_as_errors
+def test_a_keyboard_interrupt_in_a_callback_keeps_the_chunk_for_the_final_flush(
+    tmp_path: Path,
+) -> None:
+    calls: list[int] = []
+
+    def interrupt_once(name: str, trace: Any) -> None:
+        calls.append(len(trace))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    model = Step()
+    with (
+        H5PYSaverCallback(tmp_path / "run.h5", metadata=False) as saver,
+        pytest.raises(KeyboardInterrupt),
+        ModelTracer(
+            model,
+            ["forward.big"],
+            post_gather_callbacks=[interrupt_once, saver],
+            gathering_interval=2,
+        ),
+    ):
+        for step in range(5):
+            model(torch.full((2,), float(step)))
+    assert calls == [2, 2]  # the interrupted chunk came back at the final flush
+    with vartrace.open(tmp_path / "run.h5") as run:
+        assert run["forward.big"].iterations.tolist() == [1, 2]
+        assert torch.equal(torch.as_tensor(run["forward.big"].get(iteration=2)), 2 * torch.ones(2))
+
+
+# -- mixed dtypes in the built-in stacking callbacks --------------------------------------
+
+
+@pytest.mark.warnings_as_errors
+@pytest.mark.parametrize("stack", [stack_tensors, stack_padded_tensors])
+def test_mixed_dtypes_stack_in_the_dtype_that_holds_every_value(stack: Any) -> None:
+    half = torch.tensor([1.5, -(2.0**-20), 3e38], dtype=torch.float32).to(torch.bfloat16)
+    autocast = Trace([torch.tensor([0.1, 2.0, 3.0]), half], [1, 2], [0, 0], [1, 2])
+    stack("a", autocast)
+    assert autocast.values.dtype == torch.float32
+    assert torch.equal(autocast.values[1], half.float())
+    assert autocast.values[0].tolist() == torch.tensor([0.1, 2.0, 3.0]).tolist()
+    ints = Trace(
+        [torch.tensor([2**40 + 1]), torch.tensor([0.5]), torch.tensor([7], dtype=torch.int32)],
+        [1, 2, 3],
+        [0] * 3,
+        [1, 2, 3],
+    )
+    stack("i", ints)
+    assert ints.values.dtype == torch.float64
+    assert ints.values.flatten().tolist() == [2**40 + 1, 0.5, 7.0]
+    assert ints.iterations.tolist() == [1, 2, 3]
+
+
+@pytest.mark.warnings_as_errors
+def test_a_site_alternating_float32_and_bfloat16_is_stacked_at_each_gather(
+    tmp_path: Path,
+) -> None:
+    class Alternating(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = x * 2 if x.flatten()[0] % 2 else (x * 2).to(torch.bfloat16)
+            return out
+
+    model = Alternating()
+    saver = H5PYSaverCallback(tmp_path / "run.h5", metadata=False)
+    with (
+        saver,
+        ModelTracer(
+            model,
+            ["forward.out"],
+            post_gather_callbacks=[stack_tensors, saver],
+            gathering_interval=4,
+        ),
+    ):
+        for step in range(8):
+            model(torch.full((3,), float(step)))
+    with vartrace.open(tmp_path / "run.h5") as run:
+        site = run["forward.out"]
+        assert site.iterations.tolist() == list(range(1, 9))
+        got = [torch.as_tensor(site.get(iteration=i)) for i in range(1, 9)]
+    assert all(value.dtype == torch.float32 for value in got)
+    assert [value[0].item() for value in got] == [2.0 * step for step in range(8)]

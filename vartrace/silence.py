@@ -20,10 +20,10 @@ Example::
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from vartrace._warnings import warn
 from vartrace.sites import Target
 
 __all__ = ["SilenceWatch"]
@@ -69,12 +69,12 @@ class SilenceWatch:
             return  # the model never ran while the tracer was active
         if not in_mode and other_calls and not (self._values or self._nones):
             other = "eval" if self._mode == "train" else "train"
-            warnings.warn(
+            warn(
                 f"vartrace: recorded nothing: the model ran {other_calls} time(s), only in "
                 f"{other} mode, and this tracer has mode={self._mode!r}; pass "
                 f"mode={other!r} or mode='any' (patterns: {', '.join(map(repr, patterns))})",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             return
         if in_mode:
@@ -87,10 +87,10 @@ class SilenceWatch:
             if self._seen(sites, self._values) or sites <= missing:
                 continue  # recorded, or said at the first return
             why = self._why(sites, targets, called_ids)
-            warnings.warn(
+            warn(
                 f"vartrace: pattern {text!r} recorded nothing: {why}",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
 
     def _why(self, sites: set[str], targets: list[Target], called_ids: set[int]) -> str:

@@ -17,7 +17,6 @@ import inspect
 import re
 import types
 import typing
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _global_forward_hooks
 
+from vartrace._warnings import warn
 from vartrace.engine.code import (
     CALLEE_SEPARATOR,
     MethodInfo,
@@ -374,7 +374,7 @@ def _check_keys(selector: Selector, value: Any) -> bool:
         return False  # a field that is None at this call (a loss without labels)
     close = dict.fromkeys(c for w in wanted for c in difflib.get_close_matches(w, keys, 3, 0.6))
     has = f"with keys {', '.join(keys[:20])}" if keys else "which has no keys"
-    warnings.warn(
+    warn(
         f"vartrace: pattern {selector.pattern.text!r}: {selector.site} returned a "
         f"{type(value).__name__} {has}; no key {', '.join(map(repr, wanted))}"
         + (f"; closest: {', '.join(close)}" if close else "")
@@ -854,7 +854,7 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
         if refusal is not None:
             if strict:
                 raise ValueError(refusal)
-            warnings.warn(refusal, stacklevel=3)
+            warn(refusal, stacklevel=3)
             continue
         close = ", ".join(_closest(pattern, modules, scripted, resolver.refused))
         message = (
@@ -864,7 +864,7 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
         message += _comma_hint(pattern.text)
         if strict:
             raise ValueError(message)
-        warnings.warn(message, stacklevel=3)
+        warn(message, stacklevel=3)
     for target in targets.values():
         _tag_timings(target)
     return [t for t in targets.values() if t.probe()]

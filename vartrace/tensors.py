@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import ctypes
 import struct
-import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -26,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from vartrace._warnings import warn
 from vartrace.engine.structures import children
 from vartrace.record import Unstored
 
@@ -109,7 +109,7 @@ def split_object(site: str, value: Any, warned: set[type]) -> Iterator[tuple[str
         return
     if type(value) not in warned:
         warned.add(type(value))
-        warnings.warn(
+        warn(
             f"vartrace: {site} is a {type(value).__name__} holding tensors; recording its "
             f"{len(tensors)} tensors ({tensors[0][0]}, ...) instead of the live object, "
             "which would keep their autograd graph alive",
@@ -145,7 +145,7 @@ def untransformed(value: torch.Tensor, site: str, warned: set[str]) -> torch.Ten
         marker = Unstored("torch.func: a wrapper tensor of an unknown kind")
         if site not in warned:
             warned.add(site)
-            warnings.warn(
+            warn(
                 f"vartrace: {site} is a torch.func wrapper tensor of an unknown kind; "
                 f"recording the marker {marker!r} instead",
                 RuntimeWarning,
@@ -155,7 +155,7 @@ def untransformed(value: torch.Tensor, site: str, warned: set[str]) -> torch.Ten
     tensor, mapped = unwrapped
     if mapped and site not in warned:
         warned.add(site)
-        warnings.warn(
+        warn(
             f"vartrace: {site} is computed under torch.func.vmap; each record holds every "
             f"mapped call, the {mapped} mapped dimension(s) first: shape "
             f"{tuple(tensor.shape)} for the per-call shape {tuple(value.shape)}",
@@ -223,7 +223,7 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
         marker = Unstored(f"{type(value).__qualname__}: cannot copy it ({error})")
         if type(value) not in _uncopyable_warned:
             _uncopyable_warned.add(type(value))
-            warnings.warn(
+            warn(
                 f"vartrace: site {site!r}: cannot copy a {type(value).__name__} ({error}); "
                 f"recording the marker {marker!r} instead of the live object",
                 RuntimeWarning,

@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from types import CodeType, FrameType, FunctionType
 from typing import Any
+
+from vartrace._warnings import warn
 
 __all__ = [
     "Callee",
@@ -429,7 +430,7 @@ class MonitoringCore(FrameCore):
             if monitoring.get_tool(tool) is None:
                 monitoring.use_tool_id(tool, "vartrace")
                 if tool in self._OWNERS:
-                    warnings.warn(
+                    warn(
                         f"vartrace: sys.monitoring tool ids 3 and 4 are taken; using id {tool}, "
                         f"which Python assigns to {self._OWNERS[tool]}: such a tool cannot "
                         "start while vartrace traces",

@@ -32,10 +32,10 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from vartrace._warnings import warn
 from vartrace.engine.paths import Pattern, States
 
 __all__ = ["Unstored", "children", "leaf_types", "leaves", "register_container", "select"]
@@ -112,7 +112,7 @@ class _Walk:
         marker = Unstored(f"{type(value).__qualname__}: {what}")
         if self.root not in _warned_markers:
             _warned_markers.add(self.root)
-            warnings.warn(
+            warn(
                 f"vartrace: {self.root} is not walked as a tree: {path} is {what}; such "
                 f"parts are recorded as markers ({marker!r}) instead of walked again",
                 RuntimeWarning,
