@@ -4,13 +4,17 @@ Usage::
 
     python tools/sigint_stress.py --runs 200 --seed 0
 
+Measured on 2 shared CPU cores: before Ctrl-C was held during the saver's writes,
+5 of 100 runs (seed 7) swallowed the interrupt ("Exception ignored in: ...
+WeakValueDictionary ... KeyboardInterrupt"); after, 0 of 200 (seed 0), every
+file readable and exact.
+
 Each run forks a child from this process (which imported torch and vartrace
 but ran no torch operation, so the child starts clean and fast).  The child
 trains a tiny model under ``ModelTracer`` with a foreground
 ``H5PYSaverCallback``, gathering every iteration, 16 KiB records at ``--sites``
-sites (default 1); two
-marker callbacks around the saver report when a gather's writes start and
-when its flush ended.  The parent measures how long those take, then sends
+sites (default 1); two marker callbacks around the saver report when a
+gather's writes start and when its flush ended.  The parent measures how long those take, then sends
 SIGINT at a random moment inside the writes of a random gather.  A run is:
 
 - ``interrupted``: ``KeyboardInterrupt`` reached the child's training loop;
