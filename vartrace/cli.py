@@ -382,7 +382,7 @@ def _record_table(view: Any, rows: np.ndarray, record_stats: Any) -> str:
     header: tuple[str, ...]
     if not numeric or small:
         header = ("iteration", "rank", "shape", "value")
-        body = []
+        body: list[tuple[str, ...]] = []
         for r in rows:
             value = _record_value(view, int(r))
             text = (

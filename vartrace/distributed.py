@@ -207,10 +207,10 @@ def gather_chunk(chunk: dict[str, Trace], group: Any = None) -> dict[str, Trace]
             failure = failure or (sender, exc)
     _receive_all([[], *(decoder.targets for decoder in decoders)], device, group)
     if failure is not None:
-        sender, exc = failure
+        sender, error = failure
         raise RuntimeError(
-            f"vartrace: rank 0 could not unpack the chunk of rank {sender}: {exc}"
-        ) from exc
+            f"vartrace: rank 0 could not unpack the chunk of rank {sender}: {error}"
+        ) from error
     return _merge(parts_by_rank)
 
 
@@ -475,7 +475,8 @@ class _Decoder:
 
     def parts(self) -> dict[str, _Part]:
         parts = {}
-        for name, stacked, count, tag_offset, payload in pickle.loads(self.header.numpy()):
+        entries = pickle.loads(self.header.numpy().tobytes())
+        for name, stacked, count, tag_offset, payload in entries:
             raw = self.data[tag_offset : tag_offset + 3 * count * 8]
             tags = raw.view(torch.int64).reshape(3, count).clone()
             if stacked:
@@ -483,9 +484,9 @@ class _Decoder:
                 values = self._tensor(location, dtype, shape)
                 parts[name] = _Part(True, values, tags[0], tags[1], tags[2], shapes)
             else:
-                values = [self._record(entry) for entry in payload]
+                records = [self._record(entry) for entry in payload]
                 iterations, ranks, order = tags.tolist()
-                parts[name] = _Part(False, values, iterations, ranks, order, None)
+                parts[name] = _Part(False, records, iterations, ranks, order, None)
         return parts
 
 

@@ -61,9 +61,10 @@ def join_traces(pieces: list[Trace]) -> Trace:
                 for shape in (p.shapes if p.shapes is not None else [p.values.shape[1:]] * len(p))
             ]
         tags = [torch.as_tensor([t for p in pieces for t in _ints(getattr(p, f))]) for f in _TAGS]
-        return Trace(values, *tags, shapes=shapes)
-    tags = [[t for p in pieces for t in _ints(getattr(p, f))] for f in _TAGS]
-    return Trace([record for p in pieces for record in p.records()], *tags)
+        return Trace(values, tags[0], tags[1], tags[2], shapes=shapes)
+    lists = [[t for p in pieces for t in _ints(getattr(p, f))] for f in _TAGS]
+    records = [record for p in pieces for record in p.records()]
+    return Trace(records, lists[0], lists[1], lists[2])
 
 
 class Results(Mapping[str, Trace]):

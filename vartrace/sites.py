@@ -77,9 +77,9 @@ def unwrap(model: nn.Module) -> nn.Module:
         if type(model).__name__ in _WRAPPER_NAMES and isinstance(
             getattr(model, "module", None), nn.Module
         ):
-            model = model.module
+            model = typing.cast(nn.Module, model.module)
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod  # torch.compile's OptimizedModule
+            model = typing.cast(nn.Module, model._orig_mod)  # torch.compile's OptimizedModule
         else:
             return model
 
@@ -125,7 +125,7 @@ def is_compiled(model: nn.Module) -> bool:
 
 def module_methods(module: nn.Module) -> dict[str, MethodInfo]:
     """The methods of a module's class that a pattern can name (those below nn.Module)."""
-    return methods_of(type(module), nn.Module)
+    return methods_of(type(module), nn.Module)  # type: ignore[arg-type]  # classes hash
 
 
 def _join(*parts: str) -> str:
@@ -897,7 +897,7 @@ def _torch_helper(module: nn.Module, name: str) -> bool:
     ``ModuleList``, ``reset_parameters``, ``_conv_forward``): a method other than
     ``forward`` that a class of the ``torch`` package defines.  Wildcards skip them; a
     literal name reaches them."""
-    return name != "forward" and _defined_by_torch(type(module), name)
+    return name != "forward" and _defined_by_torch(type(module), name)  # type: ignore[arg-type]
 
 
 @cache

@@ -234,6 +234,7 @@ class _Staged(_Item):
         clone, self.clone = self.clone, None
         host, self.host = self.host, None
         record = host if stager.device == _CPU else clone
+        assert record is not None, "finish() runs once, after start()"
         if record.device != stager.device:
             record = record.to(stager.device, non_blocking=True)
         stager._deliver(self.site, record, self.iteration, host)

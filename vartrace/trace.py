@@ -15,7 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:  # annotations only: this module imports neither at run time
+    import numpy as np
+    import torch
 
 from vartrace._warnings import warn
 
@@ -24,6 +28,10 @@ __all__ = ["RunContext", "Trace", "TraceLengthError", "report_during"]
 
 class TraceLengthError(ValueError):
     """A callback left ``values``, ``iterations``, ``ranks`` and ``order`` unequal in length."""
+
+
+#: Per-record tags: a list of ints, or a 1-D integer tensor / array once stacked.
+_Tags: TypeAlias = "Sequence[int] | torch.Tensor | np.ndarray"
 
 
 class Trace:
@@ -48,10 +56,10 @@ class Trace:
 
     def __init__(
         self,
-        values: Sequence[Any] | None = None,
-        iterations: Sequence[int] | None = None,
-        ranks: Sequence[int] | None = None,
-        order: Sequence[int] | None = None,
+        values: Sequence[Any] | torch.Tensor | np.ndarray | None = None,
+        iterations: _Tags | None = None,
+        ranks: _Tags | None = None,
+        order: _Tags | None = None,
         shapes: Sequence[tuple[int, ...]] | None = None,
     ) -> None:
         self.values: Any = [] if values is None else values

@@ -267,7 +267,7 @@ class ModelTracer:
     Args:
         model: the model; DDP / DataParallel / FSDP / compile wrappers are
             unwrapped, so paths never start with ``module.``.
-        paths: patterns (see the README's path language); each must match a
+        paths: patterns (see the path language in docs/paths.md); each must match a
             site of the model, else ``ValueError`` (a warning if ``strict=False``).
         pre_save_callbacks: ``cb(name, value, iteration) -> value`` on each
             captured leaf before it is copied; return :data:`vartrace.DROP`

@@ -320,7 +320,7 @@ def _load(task: _Task, pool: BufferPool) -> Any:
 class _Aligned(NamedTuple):
     """Zero-copy views of a task's records on both sides, cut at the same positions."""
 
-    count: int
+    count: int  # type: ignore[assignment]  # a field named like tuple.count
     pieces: list[tuple[int, int, np.ndarray, np.ndarray]]
 
 
@@ -349,7 +349,8 @@ def _reduce_task(task: _Task, atol: float, rtol: float, pool: BufferPool) -> dic
         m = int(np.prod(blocks.pieces[0][2].shape[1:], dtype=np.int64))
         return finish(m, parts[0] if len(parts) == 1 else concatenate(parts))
     try:
-        return numeric_stats(*blocks, atol, rtol)
+        block_a, block_b = blocks
+        return numeric_stats(block_a, block_b, atol, rtol)
     finally:
         for block in blocks:
             pool.give(block)

@@ -59,7 +59,7 @@ _MISSING = object()
 _MAX_DECORATOR_FRAMES = 8
 
 
-def _called_from(frame: FrameType, caller: FrameType) -> bool:
+def _called_from(frame: FrameType, caller: FrameType | None) -> bool:
     code = frame.f_code
     back = frame.f_back
     for _ in range(_MAX_DECORATOR_FRAMES):
@@ -369,7 +369,8 @@ class _ChainedTracer:
         The trace function installed now stays when it is not this one: a
         debugger started inside the method keeps running.
         """
-        if sys.gettrace() is self:
+        installed = sys.gettrace() is self  # (an "is" test would narrow self's type)
+        if installed:
             sys.settrace(self.previous)
         if returned and self.target is not None:
             self.watch.returned(self.target)

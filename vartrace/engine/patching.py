@@ -332,12 +332,12 @@ class _Patch:
         self.frame_names = tuple(sorted(frame))
         self.every_names = tuple(sorted(every))
         wanted = {code: (tuple(sorted(a)), tuple(sorted(b))) for code, (a, b) in callees.items()}
-        for code, (_, lines) in wanted.items():
-            if self.callees.get(code, (None, None))[1] != lines:
-                _core.arm(code, bool(lines), callee=True)
-        for code, (_, lines) in self.callees.items():
-            if wanted.get(code, (None, None))[1] != lines:
-                _core.disarm(code, bool(lines), callee=True)
+        for code, (_, wanted_lines) in wanted.items():
+            if self.callees.get(code, (None, None))[1] != wanted_lines:
+                _core.arm(code, bool(wanted_lines), callee=True)
+        for code, (_, armed_lines) in self.callees.items():
+            if wanted.get(code, (None, None))[1] != armed_lines:
+                _core.disarm(code, bool(armed_lines), callee=True)
         self.callees = wanted
         self._callee_handlers = ((), {})
         armed = (bool(frame), bool(every))

@@ -225,9 +225,10 @@ class FileSiteView(SiteView):
     ) -> list[tuple[int, np.ndarray]] | None:
         if self._chunks is False:
             values = self._site.values
-            usable = self._maps is not None and values is not None
+            maps = self._maps
+            usable = maps is not None and values is not None
             usable = usable and values.dtype.name == self._dtype
-            self._chunks = self._maps.chunk_map(values) if usable else None
+            self._chunks = maps.chunk_map(values) if maps is not None and usable else None
         chunks = self._chunks
         if not isinstance(chunks, ChunkMap) or tuple(shape) != chunks.record_shape:
             return None

@@ -352,7 +352,7 @@ class _Part:
                     if kinds[row] & IN_OTHER or kinds[row] == Kind.NONE:
                         continue
                     shape = tuple(int(n) for n in self.shapes[row])
-                    cut = (row - begin, *(slice(0, n) for n in shape))
+                    cut: tuple[int | slice, ...] = (row - begin, *(slice(0, n) for n in shape))
                     kind = int(kinds[row])
                     value = (
                         from_array(kind, block[cut], self.torch_dtype) if callable(stat) else None
@@ -412,13 +412,15 @@ class ValuesView:
         where = [self._where[record] for record in rows.reshape(-1)]
         parts = {part for part, _ in where}
         located = np.array([row for _, row in where], int)
+        stored: list[Any] = [part.values for part in self._parts]  # (a site view has values)
         if len(parts) == 1 and located.size and (np.diff(located) == 1).all():
-            block = self._parts[where[0][0]].values[located[0] : located[-1] + 1]
+            block = stored[where[0][0]][located[0] : located[-1] + 1]
             out[(slice(None), *(slice(0, size) for size in block.shape[1:]))] = block
         else:
             for position, (part, row) in enumerate(where):
-                data = self._parts[part].values[row]
-                out[(position, *(slice(0, size) for size in data.shape))] = data
+                data = stored[part][row]
+                cut: tuple[int | slice, ...] = (position, *(slice(0, size) for size in data.shape))
+                out[cut] = data
         return out.reshape(rows.shape + self.shape[1:])[(slice(None),) * rows.ndim + rest]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -696,10 +698,10 @@ def _expand(path_or_glob: str | os.PathLike[str] | Sequence[str | os.PathLike[st
                 raise FileNotFoundError(errno.ENOENT, "no file matches the pattern", text)
             return [Path(p) for p in paths]
         return [Path(text)]
-    paths = [Path(p) for p in path_or_glob]
-    if not paths:
+    given = [Path(p) for p in path_or_glob]
+    if not given:
         raise ValueError("open_run needs at least one path")
-    return paths
+    return given
 
 
 def _writer_alive(handle: h5py.File) -> bool:

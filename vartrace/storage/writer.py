@@ -31,9 +31,9 @@ import socket
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import h5py
 import numpy as np
@@ -86,7 +86,7 @@ _BLOB = h5py.vlen_dtype(np.uint8)
 _STR = h5py.string_dtype("utf-8")
 
 
-def _blosc(version: int, cname: str) -> dict[str, Any]:
+def _blosc(version: int, cname: Literal["lz4", "zstd"]) -> dict[str, Any]:
     try:
         import hdf5plugin
     except ImportError as error:
@@ -363,7 +363,7 @@ class _Site:
             self._create_values(record)
         return leaf if self._fits(record) else None
 
-    def _extend(self, stop: int, shapes: list[tuple[int, ...]] = ()) -> None:
+    def _extend(self, stop: int, shapes: Sequence[tuple[int, ...]] = ()) -> None:
         """Give every per-record dataset ``stop`` rows, growing ``values`` to fit ``shapes``."""
         assert self.values is not None
         if shapes:
@@ -1003,8 +1003,10 @@ class _Datasets(Mapping[str, h5py.Dataset]):
         return group["values"]
 
     def __iter__(self) -> Iterator[str]:
-        links = [] if self._vars is None else list(self._vars)
-        return (unescape(link) for link in links if "values" in self._vars[link])
+        group = self._vars
+        if group is None:
+            return iter(())
+        return (unescape(link) for link in list(group) if "values" in group[link])
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
