@@ -56,16 +56,17 @@ def file_name(object_id: Any) -> str:
 
 def check_link(group: h5py.Group, link: str) -> None:
     """Refuse a link other than a hard link (vartrace writes no other kind): never follow it."""
-    if not group.id.links.exists(link.encode()):
+    try:
+        kind = group.id.links.get_info(link.encode()).type
+    except (KeyError, RuntimeError):  # h5py's errors for a missing link
         path = f"{group.name.rstrip('/')}/{link}"
-        raise RunFileError(f"{file_name(group.id)}: {path} is missing: a damaged file")
-    info = group.id.links.get_info(link.encode())
-    if info.type == h5py.h5l.TYPE_HARD:
+        raise RunFileError(f"{file_name(group.id)}: {path} is missing: a damaged file") from None
+    if kind == h5py.h5l.TYPE_HARD:
         return
-    if info.type == h5py.h5l.TYPE_EXTERNAL:
+    if kind == h5py.h5l.TYPE_EXTERNAL:
         target, inner = (os.fsdecode(part) for part in group.id.links.get_val(link.encode()))
         what = f"an external link to {inner} in {target}"
-    elif info.type == h5py.h5l.TYPE_SOFT:
+    elif kind == h5py.h5l.TYPE_SOFT:
         what = f"a soft link to {os.fsdecode(group.id.links.get_val(link.encode()))}"
     else:
         what = "a user-defined link"
@@ -75,7 +76,7 @@ def check_link(group: h5py.Group, link: str) -> None:
     )
 
 
-def check_storage(dsid: h5py.h5d.DatasetID, name: str) -> None:
+def check_storage(dsid: h5py.h5d.DatasetID) -> None:
     """Refuse a dataset whose data lies outside its file (external storage, virtual sources)."""
     plist = dsid.get_create_plist()
     outside = [os.fsdecode(plist.get_external(i)[0]) for i in range(plist.get_external_count())]
@@ -84,6 +85,7 @@ def check_storage(dsid: h5py.h5d.DatasetID, name: str) -> None:
         names = {plist.get_virtual_filename(i) for i in range(count)}
         outside += sorted(names - {"."})
     if outside:
+        name = os.fsdecode(h5py.h5i.get_name(dsid) or b"?")
         raise RunFileError(
             f"{file_name(dsid)}: dataset {name} keeps its data in another file ({outside[0]}); "
             "vartrace reads only data stored inside the run file"
@@ -99,7 +101,7 @@ def child(group: h5py.Group, link: str, kind: type) -> Any:
         what = "group" if kind is h5py.Group else "dataset"
         raise RunFileError(f"{file_name(group.id)}: {name} is not a {what}: a damaged file")
     if isinstance(item, h5py.Dataset):
-        check_storage(item.id, name)
+        check_storage(item.id)
     return item
 
 

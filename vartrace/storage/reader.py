@@ -24,10 +24,10 @@ import contextlib
 import difflib
 import errno
 import glob
+import math
 import os
 import re
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -36,6 +36,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from vartrace._warnings import warn
 from vartrace.sources.statistics import STATS, reduce_block
 from vartrace.storage._codec import (
     IN_OTHER,
@@ -184,7 +185,7 @@ def _read_tree(group: h5py.Group, seen: set[int] | None = None) -> dict[str, Any
         if isinstance(item, h5py.Group):
             tree[key] = _read_tree(item, seen)
             continue
-        check_storage(item.id, item.name)
+        check_storage(item.id)
         if item.size > _META_ENTRIES:
             raise RunFileError(
                 f"{file_name(group.id)}: {item.name} holds {item.size} entries, more than "
@@ -234,24 +235,24 @@ def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
     """
     check_link(group, name)
     dataset = h5py.h5o.open(group.id, name.encode())
-    where = f"{group.name}/{name}"
     if not isinstance(dataset, h5py.h5d.DatasetID):
+        where = f"{group.name}/{name}"
         raise RunFileError(f"{file_name(group.id)}: {where} is not a dataset: a damaged file")
-    check_storage(dataset, where)
+    check_storage(dataset)
     space = dataset.get_space()
     dims = space.get_simple_extent_dims()
     if len(dims) != (2 if name == "shapes" else 1) or dataset.dtype.kind not in "iu":
         raise RunFileError(
-            f"{file_name(group.id)}: {where} is not a dataset of integers of the expected "
-            f"rank: a damaged file"
+            f"{file_name(group.id)}: {group.name}/{name} is not a dataset of integers of the "
+            "expected rank: a damaged file"
         )
     if dims[0] < rows:
         raise RunFileError(
-            f"{file_name(group.id)}: {where} holds {dims[0]} records where /committed counts "
-            f"{rows}: a damaged file"
+            f"{file_name(group.id)}: {group.name}/{name} holds {dims[0]} records where "
+            f"/committed counts {rows}: a damaged file"
         )
     shape = (rows, *dims[1:])
-    check_read(dataset, int(np.prod(shape, dtype=object)))
+    check_read(dataset, math.prod(shape))
     out = np.empty(shape, dataset.dtype)
     if not out.size:
         return out
@@ -268,7 +269,10 @@ class _Part:
 
     def __init__(self, group: h5py.Group, committed: np.ndarray) -> None:
         self.group = group
-        slot = group.attrs.get("slot")
+        try:
+            slot = group.attrs["slot"]
+        except KeyError:
+            slot = None
         if not isinstance(slot, (int, np.integer)):
             raise RunFileError(
                 f"{file_name(group.id)}: {group.name} has no integer 'slot' attribute: a "
@@ -752,7 +756,7 @@ def _check_shards(paths: list[Path], files: list[h5py.File]) -> list[int]:
             )
     missing = [] if world is None else sorted(set(range(world)) - set(by_rank))
     if missing:
-        warnings.warn(
+        warn(
             f"vartrace: the shards of rank(s) {', '.join(map(str, missing))} of a "
             f"{world}-rank run are missing: reading the other {len(paths)}",
             RuntimeWarning,
