@@ -429,11 +429,21 @@ def bench_model(size: str, rounds: int, block: int, markdown: bool = False) -> s
         pair, floor = floor_and_vartrace(model, step, which, paths)
         contenders.update(pair)
         floors.update(floor)
+    contenders.update(statistics_contender(model))
     # What asynchronous staging would cost a CPU model (staging="auto" keeps it synchronous).
     contenders["vartrace, staging='async': " + ", ".join(TRACED_PATHS)] = lambda: traced(
         model, TRACED_PATHS, staging="async"
     )
     return step_table(size, contenders, step, rounds, block, floors, markdown)
+
+
+def statistics_contender(model: Any) -> dict[str, Context]:
+    """Statistics mode on :data:`TRACED_PATHS`: each record reduced by ``vartrace.stats()``
+    (float64 statistics, no copy of the tensor kept), to set against recording them whole."""
+    from vartrace import stats
+
+    name = "vartrace statistics (vartrace.stats()): " + ", ".join(TRACED_PATHS)
+    return {name: lambda: traced(model, TRACED_PATHS, pre_save_callbacks=[stats()])}
 
 
 def floor_and_vartrace(
@@ -797,11 +807,12 @@ def instruction_contenders(
     size: str,
 ) -> tuple[Callable[[], None], dict[str, Context], dict[str, tuple[str, int]]]:
     """A fresh training step, the contenders of ``--instructions`` on it (the main rows
-    of the ``--size`` table: untraced, the bare floor and vartrace on :data:`TRACED_PATHS`)
-    and vartrace's floor."""
+    of the ``--size`` table: untraced, the bare floor, vartrace on :data:`TRACED_PATHS`
+    and statistics mode on them) and vartrace's floor."""
     model, step = training_step(size)
     pair, floors = floor_and_vartrace(model, step, "traced", TRACED_PATHS)
-    return step, {"untraced": contextlib.nullcontext, **pair}, floors
+    contenders = {"untraced": contextlib.nullcontext, **pair, **statistics_contender(model)}
+    return step, contenders, floors
 
 
 def _handshake() -> None:

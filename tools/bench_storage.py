@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_overhead import TRACED_PATHS
 
 GATHER = 8
+_STATISTICS = "HDF5 statistics (vartrace.stats())"
 
 
 def _capture(size: str, which: str, steps: int) -> list[object]:
@@ -329,6 +330,7 @@ def bench_overhead(size: str, rounds: int, block: int, compressions: list[str]) 
     import torch
     from bench_overhead import build_model
 
+    from vartrace import stats
     from vartrace.storage import H5PYSaverCallback
     from vartrace.tracer import ModelTracer
 
@@ -354,11 +356,17 @@ def bench_overhead(size: str, rounds: int, block: int, compressions: list[str]) 
         )
         floor = _TofileFloor(Path(folder) / "floor.bin")
 
-        def traced(callback: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        def traced(
+            callback: Any, reduce: bool = False
+        ) -> Callable[[], contextlib.AbstractContextManager[Any]]:
             @contextlib.contextmanager
             def context() -> Iterator[Callable[[], None]]:
                 with ModelTracer(
-                    model, paths, post_gather_callbacks=[callback], gathering_interval=GATHER
+                    model,
+                    paths,
+                    pre_save_callbacks=[stats()] if reduce else [],
+                    post_gather_callbacks=[callback],
+                    gathering_interval=GATHER,
                 ):
                     yield getattr(callback, "flush", lambda **_: None)
 
@@ -371,6 +379,9 @@ def bench_overhead(size: str, rounds: int, block: int, compressions: list[str]) 
         }
         for name, saver in savers.items():
             contenders[f"scores -> {name}"] = traced(saver)
+        statistics_saver = H5PYSaverCallback(Path(folder) / "statistics.h5")
+        savers[_STATISTICS] = statistics_saver
+        contenders[f"scores -> {_STATISTICS}"] = traced(statistics_saver, reduce=True)
         for _ in range(3):
             step()
         times: dict[str, list[float]] = {name: [] for name in contenders}
@@ -385,6 +396,8 @@ def bench_overhead(size: str, rounds: int, block: int, compressions: list[str]) 
         for saver in savers.values():
             saver.close()
         floor.handle.close()
+        steps = rounds * block
+        per_step = {name: os.path.getsize(saver.path) / steps for name, saver in savers.items()}
     base = statistics.median(times["untraced"])
     lines = [
         f"overhead --size {size}: mean step time over blocks of {block} steps (a block spans "
@@ -396,6 +409,10 @@ def bench_overhead(size: str, rounds: int, block: int, compressions: list[str]) 
     for name, samples in times.items():
         seconds = statistics.median(samples)
         lines.append(f"{name:<48} {seconds * 1e3:7.2f} ms {seconds / base:6.3f}x")
+    whole = per_step["HDF5 (uncompressed)"]
+    lines.append(f"file bytes per step ({steps} steps each; {_STATISTICS} against uncompressed)")
+    for name, size in per_step.items():
+        lines.append(f"{name:<48} {_bytes(size):>10} {whole / size:9.0f}x smaller")
     return "\n".join(lines)
 
 
