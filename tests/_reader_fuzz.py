@@ -8,9 +8,9 @@ flipped bytes, truncation, zeroed ranges), reads each through ``vartrace.open``,
 sources behind compare and plot, ``vartrace.compare`` and the ``ls``/``show``/``meta``
 commands (byte damage spares HDF5's global heap collections: see
 :func:`heap_collections`), and prints one JSON line per case: its mutations, the outcome
-(``read``, ``error`` with a clear message, or ``crash``: an exception no reader should raise) and the
-peak of the memory Python and numpy allocated for it (tracemalloc).  Its address space is
-capped, so a runaway allocation fails the case instead of the machine.
+(``read``, ``error`` with a clear message, or ``crash``: an exception no reader should
+raise) and the peak of the memory Python and numpy allocated for it (tracemalloc).  Its
+address space is capped, so a runaway allocation fails the case instead of the machine.
 """
 
 from __future__ import annotations
