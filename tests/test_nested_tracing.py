@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import vartrace
+from tests._hf import tiny_llama
 from vartrace import ModelTracer
 
 needs_transformers = pytest.mark.skipif(
@@ -120,26 +121,9 @@ def test_nested_traced_modules(outer: str, other_tool: _Debugger | None) -> None
         assert other_tool.calls > 0
 
 
-def _tiny_llama() -> nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-    )
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).train()
-
-
 @needs_transformers
 def test_tiny_llama_records_hidden_states_everywhere(other_tool: _Debugger | None) -> None:
-    model = _tiny_llama()
+    model = tiny_llama()
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(0))
     inputs: dict[int, torch.Tensor] = {}
 
@@ -172,7 +156,7 @@ def test_a_function_behind_transformers_decorators_is_recorded() -> None:
     import transformers.masking_utils
 
     assert hasattr(transformers.masking_utils.create_causal_mask, "__wrapped__")
-    model = _tiny_llama()
+    model = tiny_llama()
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(0))
     patterns = [
         "model.forward>create_causal_mask.causal_mask",

@@ -11,24 +11,16 @@ import warnings
 import pytest
 import torch
 
+from tests._hf import tiny_llama
 from vartrace import ModelTracer
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 
 def _lora_llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-    )
     lora = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    return peft.get_peft_model(transformers.LlamaForCausalLM(config), lora)
+    return peft.get_peft_model(tiny_llama(), lora)
 
 
 def test_peft_causal_lm_output_keys_are_sites() -> None:

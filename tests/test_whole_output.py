@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import vartrace
+from tests._hf import tiny_llama
 from tests._models import tokens
 from vartrace import ModelTracer
 
@@ -96,17 +97,7 @@ def test_objects_holding_tensors_are_split_and_never_kept_live() -> None:
 
 def test_hugging_face_dynamic_cache_is_recorded_as_its_tensors() -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).train()
+    model = tiny_llama(num_key_value_heads=2, max_position_embeddings=32)
     ids = torch.randint(0, 32, (2, 6))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
