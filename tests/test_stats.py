@@ -123,6 +123,17 @@ def test_statistics_equal_a_float64_numpy_reference(tensor: torch.Tensor, on_dev
     assert_matches(Statistics.of(host), want)
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tensors())
+def test_summary_alone_equals_the_reference_on_the_host(tensor: torch.Tensor) -> None:
+    """No histogram or quantiles: the host's fast path (it may work in its own copy)."""
+    before = tensor.clone()
+    want = reference(tensor.to(torch.float64).numpy())
+    got = Statistics.of(vartrace.stats()("site", tensor, 1))
+    assert_matches(got, {name: want[name] for name in got})
+    assert torch.equal(tensor, before) or tensor.isnan().any()  # the record is left as it was
+
+
 def test_other_values_pass_unchanged_and_sites_select() -> None:
     reducer = vartrace.stats(sites=["*@grad"])
     x = torch.ones(3)

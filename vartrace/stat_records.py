@@ -338,8 +338,16 @@ class StatsReducer:
         row = array.reshape(1, -1).astype(np.float64, copy=False)
         layout = self.layout
         out = self._template.copy()
-        summary = summarize(row, SUMMARY_FIELDS)
-        out[1 : 1 + len(SUMMARY_FIELDS)] = [summary[f][0] for f in SUMMARY_FIELDS]
+        # The fast path may overwrite the float64 values only when they are our own copy
+        # (converted from another dtype) and no histogram or quantile reads them afterwards.
+        scratch = array.dtype != np.float64 and layout.bins is None and not layout.quantiles
+        summary = _fast_summary(row[0], scratch)
+        if summary is None:
+            if scratch:  # the fast path may have filled some values: convert them again
+                row = array.reshape(1, -1).astype(np.float64)
+            full = summarize(row, SUMMARY_FIELDS)
+            summary = [full[f][0] for f in SUMMARY_FIELDS]
+        out[1 : 1 + len(SUMMARY_FIELDS)] = summary
         if layout.bins is None and not layout.quantiles:
             return out
         at = 1 + len(SUMMARY_FIELDS)
@@ -421,6 +429,48 @@ class StatsReducer:
             on_device = host.to(device, non_blocking=True)
             constants = self._constants[device] = (on_device[:1], on_device[1:])
         return constants
+
+
+def _fast_summary(x: np.ndarray, scratch: bool) -> list[float] | None:
+    """:data:`SUMMARY_FIELDS` of a 1-D float64 array in a few numpy calls, or ``None`` when
+    the general (masked) definition is needed: NaN, both infinities, or finite values that
+    the zero-filled non-finite ones could hide.  ``scratch``: ``x`` may be overwritten.
+
+    All finite (the usual case, told by the sum): sum, min, max, zeros (skipped when the
+    values keep one sign), then the centred sum of squares by one subtraction and a dot.
+    Infinities of one sign: they are set to 0 and counted once, the rest as above."""
+    size = x.size
+    if not size:
+        return None
+    with np.errstate(all="ignore"):
+        total = float(x.sum())  # NaN with a NaN or both infinities; +-inf with one of them
+        mask = None
+        if math.isfinite(total):
+            count, posinf, neginf = size, 0, 0
+            low, high = float(x.min()), float(x.max())
+            zeros = 0 if low > 0 or high < 0 else size - int(np.count_nonzero(x != 0))
+        elif scratch and abs(total) == math.inf:
+            mask = np.isfinite(x)
+            count = int(np.count_nonzero(mask))
+            posinf, neginf = (size - count, 0) if total > 0 else (0, size - count)
+            np.copyto(x, 0.0, where=~mask)
+            low, high = float(x.min()), float(x.max())
+            if not low < 0 < high:  # the least or greatest finite value may be a filled zero
+                return None
+            total = float(x.sum())
+            zeros = count - int(np.count_nonzero(x != 0))
+        else:
+            return None
+        mean = total / count
+        if scratch:  # centred in place; the filled zeros stay 0
+            centred = np.subtract(x, mean, out=x, where=True if mask is None else mask)
+        else:
+            centred = x - mean
+        squares = float(np.dot(centred, centred))
+    var = squares / count
+    norm = math.sqrt(count * (var + mean * mean))
+    spread = [math.sqrt(var), low, high, max(-low, high), norm]
+    return [float(size), mean, *spread, 0.0, float(posinf), float(neginf), float(zeros)]
 
 
 def _positions(count: Any, probabilities: Any) -> tuple[Any, Any, Any]:
