@@ -444,16 +444,16 @@ def _fast_summary(x: np.ndarray, scratch: bool) -> list[float] | None:
         return None
     with np.errstate(all="ignore"):
         total = float(x.sum())  # NaN with a NaN or both infinities; +-inf with one of them
-        mask = None
+        holes = None
         if math.isfinite(total):
             count, posinf, neginf = size, 0, 0
             low, high = float(x.min()), float(x.max())
             zeros = 0 if low > 0 or high < 0 else size - int(np.count_nonzero(x != 0))
         elif scratch and abs(total) == math.inf:
-            mask = np.isfinite(x)
-            count = int(np.count_nonzero(mask))
+            holes = ~np.isfinite(x)
+            count = size - int(np.count_nonzero(holes))
             posinf, neginf = (size - count, 0) if total > 0 else (0, size - count)
-            np.copyto(x, 0.0, where=~mask)
+            np.putmask(x, holes, 0.0)  # far cheaper than a masked copyto or where=
             low, high = float(x.min()), float(x.max())
             if not low < 0 < high:  # the least or greatest finite value may be a filled zero
                 return None
@@ -462,8 +462,10 @@ def _fast_summary(x: np.ndarray, scratch: bool) -> list[float] | None:
         else:
             return None
         mean = total / count
-        if scratch:  # centred in place; the filled zeros stay 0
-            centred = np.subtract(x, mean, out=x, where=True if mask is None else mask)
+        if scratch:  # centred in place; the filled zeros back to 0
+            centred = np.subtract(x, mean, out=x)
+            if holes is not None:
+                np.putmask(centred, holes, 0.0)
         else:
             centred = x - mean
         squares = float(np.dot(centred, centred))
