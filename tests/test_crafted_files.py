@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -173,25 +172,40 @@ def test_open_refuses_a_crafted_file_naming_the_dataset(tmp_path: Path, case: st
     assert "hunter2" not in message
 
 
+#: Runs the ``vartrace`` command (``python -c _MEASURED ARGS...``) and writes the peak resident
+#: memory of the command itself (``VmHWM``: the process image after exec, not the suite that
+#: started it, whose size a forked child's ``ru_maxrss`` would report) to $VARTRACE_TEST_PEAK.
+_MEASURED = """
+import atexit, os, runpy
+
+def _peak():
+    with open("/proc/self/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    with open(os.environ["VARTRACE_TEST_PEAK"], "w") as out:
+        out.write(str(kib))
+
+atexit.register(_peak)
+runpy.run_module("vartrace", run_name="__main__", alter_sys=True)
+"""
+
+
 def _command(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], float]:
     """Run ``vartrace ARGS`` (at most 120 s); the result and the peak memory it reached (MiB)."""
-    out, err = cwd / "stdout.txt", cwd / "stderr.txt"
-    with out.open("w") as stdout, err.open("w") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "vartrace", *args], cwd=cwd, stdout=stdout, stderr=stderr
+    peak = cwd / "peak.txt"
+    peak.unlink(missing_ok=True)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _MEASURED, *args],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "VARTRACE_TEST_PEAK": str(peak)},
         )
-    deadline = time.monotonic() + 120
-    while True:  # os.wait4 reaps the child itself: its own peak memory, not the suite's
-        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
-        if pid:
-            break
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"vartrace {' '.join(args)} ran past 120 s")
-        time.sleep(0.02)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    done = subprocess.CompletedProcess(args, process.returncode, out.read_text(), err.read_text())
-    return done, usage.ru_maxrss / 1024
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"vartrace {' '.join(args)} ran past 120 s")
+    assert peak.exists(), ("the command ended before its exit handlers", args, done.stderr)
+    return done, int(peak.read_text()) / 1024
 
 
 COMMANDS = {
