@@ -351,7 +351,11 @@ def test_an_argument_and_an_output_field_of_one_name_keep_both() -> None:
             with ModelTracer(model, patterns) as tracer:
                 out = model(tokens(1), cache=cache)
         given = tracer.results["forward.cache.hidden_states"].values[0]
-        returned = tracer.results["forward.cache.hidden_states@return"].values[0]
+        returned = tracer.results["forward.cache@return.hidden_states"].values[0]
+        assert sorted(name for name in tracer.results if name.startswith("forward.cache")) == [
+            "forward.cache.hidden_states",
+            "forward.cache@return.hidden_states",  # as an object's split leaves are named
+        ]
         torch.testing.assert_close(given, cache["hidden_states"])
         torch.testing.assert_close(returned, out.cache["hidden_states"])
         assert given.shape == (2, 5, 8) and returned.shape == (2, 10, 8)

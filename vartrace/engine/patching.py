@@ -66,8 +66,9 @@ class Selector:
     (``forward>eager_attention_forward.attn_weights``).  ``tag`` is appended
     to every key (``@return`` when one variable is read at two timings).
     ``renamed`` lists the keys of a returned value that are also names of
-    arguments read at entry: leaves below them get ``@return`` too
-    (``forward.cache`` is the argument, ``forward.cache@return`` the output's).
+    arguments read at entry: that key gets ``@return``, leaves below it keep their keys
+    after it (``forward.cache`` is the argument, ``forward.cache@return`` the output's
+    field and ``forward.cache@return.hidden_states`` a leaf of it).
     """
 
     variable: str | None
@@ -103,8 +104,10 @@ class Selector:
             return
         for site, leaf in select(value, self.pattern, self.states, self.site):
             name = site + self.suffix
-            if self.renamed and site[len(self.site) + 1 :].split(".", 1)[0] in self.renamed:
-                name = f"{site}@return{self.suffix}"
+            if self.renamed:
+                key, dot, below = site[len(self.site) + 1 :].partition(".")
+                if key in self.renamed:
+                    name = f"{self.site}.{key}@return{dot}{below}{self.suffix}"
             if seen is not None:
                 if name in seen:
                     continue
