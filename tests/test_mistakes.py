@@ -200,16 +200,29 @@ class _Stack(nn.Module):
         self.blocks = nn.ModuleList([_Block(), _Block()])
         self.acts = nn.ModuleList([_Activation(False), _Activation(True)])
         self.head = nn.Linear(4, 2)
+        self.mixer = _Mixer()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
-        return self.head(self.acts[1](self.acts[0](x)))
+        return self.head(self.acts[1](self.acts[0](self.mixer(x)["mixed"])))
+
+
+def _mix(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"mixed": x.flip(-1), "gate": x.sigmoid()}
+
+
+class _Mixer(nn.Module):
+    """A method that returns what a function of its module's globals returns."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return _mix(x)
 
 
 @pytest.mark.parametrize(
     ("pattern", "closest"),
     [
+        ("mixer.forward.mixd", "mixer.forward.mixed"),  # a function of the globals, followed
         ("blocks.0.attn.forward.scores", "blocks.0.attn.forward.logits"),  # self.proj(h)
         ("head.forward.typo", "head.forward.input"),  # F.linear
         ("blocks.*.mlp.forward.qqq", "blocks.0.mlp.forward"),  # nn.Sequential
@@ -232,18 +245,28 @@ def test_two_patterns_joined_by_a_comma_are_refused_with_the_list_to_pass() -> N
 
 def test_keys_a_returned_call_can_have_are_accepted() -> None:
     model = _Stack()
-    patterns = ["blocks.0.attn.forward.logits", "head.forward.shape", "blocks.1.mlp.forward.ndim"]
+    patterns = [
+        "blocks.0.attn.forward.logits",
+        "head.forward.shape",
+        "blocks.1.mlp.forward.ndim",
+        "mixer.forward.gate",
+    ]
+    x = torch.randn(3, 2, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with ModelTracer(model, patterns) as tracer:
-            model(torch.randn(3, 2, 4))
+            model(x)
     assert sorted(tracer.results) == [
         "blocks.0.attn.forward.logits",
         "blocks.1.mlp.forward.ndim",
         "head.forward.shape.0",
         "head.forward.shape.1",
         "head.forward.shape.2",
+        "mixer.forward.gate",
     ]
+    with torch.no_grad():
+        expected = _mix(model.blocks[1](model.blocks[0](x)))["gate"]
+    torch.testing.assert_close(tracer.results["mixer.forward.gate"].values[0], expected)
 
 
 class _Inner(nn.Module):

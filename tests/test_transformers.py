@@ -6,6 +6,7 @@ the same code shapes with models of our own.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -129,3 +130,17 @@ def test_llama_cache_argument_and_output_field_keep_both() -> None:
     returned = tracer.results["forward.cache@return.layers.0.keys"].values[0]
     assert given.shape[-2] == 6 and returned.shape[-2] == 7
     torch.testing.assert_close(returned, cache.layers[0].keys)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "closest"),
+    [
+        ("model.layers.0.mlp.forward.qqq", "model.layers.0.mlp.forward"),  # down_proj(...)
+        ("model.layers.0.self_attn.forward.scores", "model.layers.0.self_attn.forward"),
+        ("model.norm.forward.typo", "model.norm.forward"),  # weight * h.to(dtype)
+        ("forward.logitz", "forward.logits"),  # a CausalLMOutputWithPast's fields
+    ],
+)
+def test_llama_misspelt_names_are_refused_before_step_one(pattern: str, closest: str) -> None:
+    with pytest.raises(ValueError, match=rf"'{re.escape(pattern)}' matches no site.*{closest}"):
+        ModelTracer(_llama(), [pattern])  # issue 22 item 1, on the real code
