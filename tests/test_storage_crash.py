@@ -237,3 +237,112 @@ def test_ctrl_c_during_foreground_flushes_always_reaches_the_loop(tmp_path: Path
     assert report["interrupted"] == 12, report
     assert report["swallowed"] == report["failed"] == report["bad_files"] == 0, report
     assert done.returncode == 0, done.stderr
+
+
+# Each step records a Note, which the saver pickles inside its write.  At step AT the pickling
+# drops a temporary object whose finalizer (like the weakref callbacks of h5py's objects that
+# run inside a write) raises SIGINT, only when the saver's _append is on the stack (the tracer
+# copies the Note at capture too).  Python runs the handler right there: a KeyboardInterrupt
+# raised inside a finalizer is ignored ("Exception ignored in ... KeyboardInterrupt") and
+# training goes on, which is what happened before interrupts were held during writes.  With
+# WHERE == "reduce" SIGINT is raised by the pickling code itself, mid-write: the interrupted
+# gather's records must end in the file exactly once.
+_CTRL_C_IN_WRITE = """
+import json
+import os
+import signal
+import sys
+import torch
+from torch import nn
+import vartrace
+from vartrace import H5PYSaverCallback, ModelTracer
+
+AT, WHERE = 4, sys.argv[2]
+WRITER = os.path.join("vartrace", "storage", "writer.py")
+landed = []
+
+
+def ctrl_c():
+    stack, frame = [], sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(WRITER):
+            stack.append(frame.f_code.co_name)
+        frame = frame.f_back
+    if "_append" in stack and not landed:
+        landed.append(stack)
+        signal.raise_signal(signal.SIGINT)
+
+
+class Finalized:
+    def __del__(self):
+        ctrl_c()
+
+
+class Note:
+    def __init__(self, step):
+        self.step = step
+
+    def __reduce__(self):
+        if self.step == AT:
+            if WHERE == "finalizer":
+                Finalized()  # dropped at once: its finalizer runs here, inside the write
+            else:
+                ctrl_c()
+        return (Note, (self.step,))
+
+
+class Net(nn.Module):
+    def forward(self, x, note):
+        return x * 2, note
+
+
+model = Net()
+saver = H5PYSaverCallback(sys.argv[1], metadata=False)
+outcome, reached = "finished", 0
+try:
+    with saver, ModelTracer(model, ["forward"], post_gather_callbacks=[saver]):
+        for step in range(1, 13):
+            reached = step
+            model(torch.full((3,), float(step)), Note(step))
+except KeyboardInterrupt:
+    outcome = "interrupted"
+restored = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+with vartrace.open(sys.argv[1], allow_pickle=True) as run:  # the notes unpickle here only
+    site = run["forward.1"]
+    notes = [site.record(index).step for index in range(len(site))]
+report = {"outcome": outcome, "reached": reached, "landed": landed, "restored": restored}
+print(json.dumps({**report, "notes": notes}))
+"""
+
+
+@pytest.mark.parametrize("where", ["finalizer", "reduce"])
+def test_ctrl_c_inside_the_foreground_write_reaches_the_loop_every_time(
+    tmp_path: Path, where: str
+) -> None:
+    """Deterministic: SIGINT is raised from code the saver runs inside its write, at step 4."""
+    path = tmp_path / "run.h5"
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(_CTRL_C_IN_WRITE)
+    done = subprocess.run(
+        [sys.executable, str(script), str(path), where],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    # It landed inside H5PYSaverCallback.__call__ -> _append, once.
+    assert len(report["landed"]) == 1 and {"_append", "__call__"} <= set(report["landed"][0])
+    assert report["outcome"] == "interrupted", (report, done.stderr)  # was "finished", 12 steps
+    assert "Exception ignored" not in done.stderr, done.stderr
+    assert report["reached"] == 4 and report["restored"], report
+    assert report["notes"] == [1, 2, 3, 4]  # the note being written when Ctrl-C came is there
+    with open_run(path) as run:
+        x, note = run["forward.0"], run["forward.1"]
+        assert x.iterations.tolist() == note.iterations.tolist() == [1, 2, 3, 4]
+        for index in range(4):
+            assert torch.equal(x.record(index), torch.full((3,), 2.0 * (index + 1)))
+    with h5py.File(path, "r") as handle:  # closed cleanly
+        assert handle["vars"]
