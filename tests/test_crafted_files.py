@@ -2,8 +2,9 @@
 nothing beyond what the file holds is allocated, through ``vartrace.open`` and every command.
 
 Each file is a real vartrace file (written by the saver) altered with h5py: data kept in an
-external file, external links, virtual datasets mapping another file, and datasets declaring
-gigabytes they do not hold.  The "secret" is a local file (a ``.netrc`` stand-in).
+external file, external links, virtual datasets mapping another file, datasets declaring
+gigabytes they do not hold (or hold as gzipped zeros, or as a few wide /meta entries).  The
+"secret" is a local file (a ``.netrc`` stand-in).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -126,6 +128,29 @@ def _record_declared_1_gib(handle: h5py.File, root: Path) -> str:
     return "/vars/w/values"
 
 
+def _record_gzip_bomb(handle: h5py.File, root: Path) -> str:
+    """Records of 100 MiB of zeros, every chunk written (gzip: 4 KiB each), in a 0.4 MiB file."""
+    group = handle["vars/w"]
+    del group["values"], group["shapes"]
+    chunk, record = 1 << 20, 25 << 20
+    values = group.create_dataset(
+        "values", (3, record), np.float32, chunks=(1, chunk), compression="gzip"
+    )
+    zeros = zlib.compress(bytes(chunk * 4))
+    for row in range(3):
+        for start in range(0, record, chunk):
+            values.id.write_direct_chunk((row, start), zeros)
+    values.attrs.update(storage="array", key="float32/1", torch_dtype="")
+    group["shapes"] = np.full((3, 1), record, np.int64)
+    return "/vars/w/values"
+
+
+def _meta_wide_entries(handle: h5py.File, root: Path) -> str:
+    """4096 entries of 32 KiB strings: few entries, 128 MiB declared, nothing written."""
+    handle["meta"].create_dataset("wide", (4096,), np.dtype("S32768"))
+    return "/meta/wide"
+
+
 CASES: dict[str, Callable[[h5py.File, Path], str]] = {
     "meta external storage": _meta_external_storage,
     "values external storage": _values_external_storage,
@@ -137,6 +162,8 @@ CASES: dict[str, Callable[[h5py.File, Path], str]] = {
     "meta declared 8 GiB": _meta_declared_8_gib,
     "tags declared 8 GiB": _tags_declared_8_gib,
     "record declared 1 GiB": _record_declared_1_gib,
+    "record gzip bomb": _record_gzip_bomb,
+    "meta wide entries": _meta_wide_entries,
 }
 
 
@@ -218,18 +245,17 @@ COMMANDS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
-def test_every_command_refuses_or_ignores_a_crafted_file(tmp_path: Path, case: str) -> None:
+def _check_commands(root: Path, case: str, commands: dict[str, list[str]]) -> None:
     """A command that reads the crafted part fails in one line naming it (exit 2); one that
     does not read it (only ``meta`` reads /meta) works.  Never the secret, never gigabytes."""
-    _, where = _craft(tmp_path, case)
+    _, where = _craft(root, case)
     if where.startswith("/meta"):
         readers = {"meta"}
     else:  # ls checks where a site's values lie but reads none of them
-        readers = set(COMMANDS) - {"meta"} - ({"ls"} if case == "record declared 1 GiB" else set())
-    for command, args in COMMANDS.items():
-        done, peak_mib = _command(args, tmp_path)
+        declared = case in ("record declared 1 GiB", "record gzip bomb")
+        readers = set(commands) - {"meta"} - ({"ls"} if declared else set())
+    for command, args in commands.items():
+        done, peak_mib = _command(args, root)
         assert "hunter2" not in done.stdout + done.stderr, (command, done)
         assert peak_mib < RSS_LIMIT_MIB, (command, peak_mib)
         if command not in readers:
@@ -239,6 +265,23 @@ def test_every_command_refuses_or_ignores_a_crafted_file(tmp_path: Path, case: s
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in done.stderr, (command, done.stderr)
         assert where in lines[0], (command, lines[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_command_refuses_or_ignores_a_crafted_file(tmp_path: Path, case: str) -> None:
+    _check_commands(tmp_path, case, COMMANDS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_tensorboard_refuses_or_ignores_a_crafted_file(tmp_path: Path, case: str) -> None:
+    """``vartrace tensorboard`` reads every record, as ``show`` does (a test of its own: it
+    needs the tensorboard package)."""
+    pytest.importorskip("tensorboard", reason="vartrace tensorboard needs tensorboard installed")
+    _check_commands(
+        tmp_path, case, {"tensorboard": ["tensorboard", "crafted.h5", "--logdir", "tb"]}
+    )
 
 
 def test_a_genuine_file_reads_exactly(tmp_path: Path) -> None:

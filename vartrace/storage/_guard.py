@@ -4,7 +4,9 @@ Run files travel (sent between users, attached to bug reports), so a reader
 treats each as possibly crafted: data kept in other files (external storage,
 external links, virtual datasets mapping other files) is refused, links are
 never followed, and no read allocates more than :data:`FREE_READ_BYTES` unless
-the file really holds that much of the dataset.
+the file really holds that much of the dataset, and never more than the file's size:
+compressed data counts at most as the file's size whatever its compression ratio, so a
+small file of compressed zeros cannot make a reader allocate gigabytes.
 
 Example::
 
@@ -40,12 +42,14 @@ class RunFileError(ValueError):
     storage, external links, virtual datasets mapping other files), for links and
     structures vartrace never writes, and for reads that a dataset declares larger
     than what the file holds of it (a damaged or crafted file): reading never
-    allocates more than :data:`FREE_READ_BYTES` or what the file holds.
+    allocates more than :data:`FREE_READ_BYTES` or what the file holds, and never
+    more than the file's size (compressed data included).
     """
 
 
 #: Reads up to this size are allowed whatever a dataset holds; larger ones only when the
-#: file holds that much of the dataset (a declared size costs a crafted file nothing).
+#: file holds that much of the dataset, and is that large (a declared size costs a crafted
+#: file nothing, nor does a compression ratio of thousands).
 FREE_READ_BYTES = 64 << 20
 _OBJECT_SCALE = 16  # bytes in memory per byte of a variable-length element's descriptor
 
@@ -106,7 +110,12 @@ def child(group: h5py.Group, link: str, kind: type) -> Any:
 
 
 def held_bytes(dsid: h5py.h5d.DatasetID) -> int:
-    """The bytes of a dataset's data the file really holds (unwritten chunks hold none)."""
+    """The bytes of a dataset's data the file really holds (unwritten chunks hold none).
+
+    Counted as read (decompressed), and never more than the file's size: a compressed
+    dataset may hold more than that, but the bound is on what a read allocates, and a
+    ratio of thousands (a gzip of zeros) would let a small file make any read pass.
+    """
     plist = dsid.get_create_plist()
     layout = plist.get_layout()
     file_size = h5py.h5i.get_file_id(dsid).get_filesize()
@@ -116,8 +125,7 @@ def held_bytes(dsid: h5py.h5d.DatasetID) -> int:
         return min(dsid.get_storage_size(), file_size)
     if layout == h5py.h5d.CHUNKED:
         chunk = int(np.prod(plist.get_chunk(), dtype=object)) * dsid.get_type().get_size()
-        held = dsid.get_num_chunks() * chunk
-        return held if plist.get_nfilters() else min(held, file_size)
+        return min(dsid.get_num_chunks() * chunk, file_size)
     return 0
 
 
@@ -125,8 +133,9 @@ def check_read(dataset: h5py.Dataset | h5py.h5d.DatasetID, elements: int) -> Non
     """Raise :class:`RunFileError` before a read of ``elements`` that the file cannot back.
 
     A read is allowed up to :data:`FREE_READ_BYTES`, beyond that only as far as
-    the file holds data of the dataset: a crafted file declaring gigabytes it
-    does not hold cannot make a reader allocate them.
+    the file holds data of the dataset and no further than the file's size: a
+    crafted file declaring gigabytes it does not hold, or holding them as a few
+    KiB of compressed zeros, cannot make a reader allocate them.
     """
     dsid = dataset.id if isinstance(dataset, h5py.Dataset) else dataset
     kind = dsid.get_type()
@@ -141,9 +150,15 @@ def check_read(dataset: h5py.Dataset | h5py.h5d.DatasetID, elements: int) -> Non
     held = held_bytes(dsid) * scale
     if nbytes > held:
         name = os.fsdecode(h5py.h5i.get_name(dsid) or b"?")
+        compressed = (
+            " (compressed data counts for no more than the file's size: read a genuine record "
+            "in slices of the lazy Site.values)"
+            if dsid.get_create_plist().get_nfilters()
+            else ""
+        )
         raise RunFileError(
             f"{file_name(dsid)}: dataset {name} declares {size_text(nbytes)} to read but the file "
-            f"holds {size_text(held)} of it: a damaged or crafted file"
+            f"holds {size_text(held)} of it: a damaged or crafted file{compressed}"
         )
 
 

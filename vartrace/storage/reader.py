@@ -167,7 +167,8 @@ _META_ENTRIES = 1 << 16
 
 
 def _read_tree(group: h5py.Group, seen: set[int] | None = None) -> dict[str, Any]:
-    """A /meta group as a nested dict, every read bounded and inside the file.
+    """A /meta group as a nested dict, every read bounded (in entries and in bytes: see
+    :func:`check_read`) and inside the file.
 
     Each group is read once: a group linked twice (a loop) is refused.
     """
@@ -191,6 +192,7 @@ def _read_tree(group: h5py.Group, seen: set[int] | None = None) -> dict[str, Any
                 f"{file_name(group.id)}: {item.name} holds {item.size} entries, more than "
                 f"metadata ever does ({_META_ENTRIES}): a crafted file"
             )
+        check_read(item, item.size)  # few entries may still declare wide ones (a 1 MiB string)
         if h5py.check_string_dtype(item.dtype):
             value = item.asstr(errors="replace")[()]
             tree[key] = list(value) if item.ndim else value
