@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from vartrace.storage import H5PYSaverCallback, open_run, recover
+from vartrace.storage import writer as writer_module
 from vartrace.trace import RunContext, Trace
 
 REPO = Path(__file__).resolve().parent.parent
@@ -197,7 +198,7 @@ def test_a_live_writer_is_not_recovered_and_blocks_append(tmp_path: Path) -> Non
 
 
 def test_overwrite_refuses_the_file_of_a_live_writer_and_replaces_a_killed_ones(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "run.h5"
     script = tmp_path / "trainer.py"
@@ -208,14 +209,25 @@ def test_overwrite_refuses_the_file_of_a_live_writer_and_replaces_a_killed_ones(
     try:
         assert process.stdout is not None
         flushed = int(process.stdout.readline().split()[1])
-        with pytest.raises(OSError, match=f"the writer process {process.pid} still runs"):
+        with pytest.raises(OSError, match=f"the writer process {process.pid} still runs") as live:
             H5PYSaverCallback(path, overwrite=True).on_start(RunContext())
+        # advice the saver's user can follow: H5PYSaverCallback has no force option
+        assert "wait for it to end or stop it, or write to another path" in str(live.value)
+        assert "force=True" not in str(live.value)
         for _ in range(2):  # the live run goes on writing the same file
             flushed = int(process.stdout.readline().split()[1])
     finally:
         os.kill(process.pid, signal.SIGKILL)
         process.wait(timeout=60)
     _check_records(path, flushed)
+    with monkeypatch.context() as elsewhere:  # a writer on another host: cannot be told
+        elsewhere.setattr(writer_module, "writer_alive", lambda host, pid: None)
+        for mode in ("overwrite", "append"):
+            with pytest.raises(OSError, match="cannot be told") as unknown:
+                H5PYSaverCallback(path, **{mode: True}).on_start(RunContext())
+            message = str(unknown.value)
+            assert "pass force=True" not in message, message
+            assert "vartrace.storage.recover(path, force=True)" in message, message
     saver = H5PYSaverCallback(path, overwrite=True, metadata=False)  # its writer is gone
     saver("forward.x", Trace([torch.zeros(1)], [1], [0], [1]))
     saver.close()

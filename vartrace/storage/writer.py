@@ -680,7 +680,8 @@ class H5PYSaverCallback:
             return self._file
         path = self.path
         if path.exists() and self.overwrite:
-            _refuse_live_writer(path)  # replacing a live run's file would lose that run
+            # replacing a live run's file would lose that run
+            _refuse_live_writer(path, by_saver=True)
             path.unlink()
         if path.exists() and not self.append:
             raise FileExistsError(
@@ -1109,7 +1110,8 @@ def _check_appendable(path: Path) -> None:
     from vartrace.storage.reader import open_file
 
     open_file(path).close()
-    recover(path)
+    _refuse_live_writer(path, by_saver=True)
+    recover(path, force=True)  # (checked above, with advice a saver's user can follow)
 
 
 def recover(path: str | os.PathLike[str], *, force: bool = False) -> bool:
@@ -1133,13 +1135,24 @@ def recover(path: str | os.PathLike[str], *, force: bool = False) -> bool:
     return clear_write_flags(path)
 
 
-def _refuse_live_writer(path: Path) -> None:
+def _refuse_live_writer(path: Path, *, by_saver: bool = False) -> None:
     """Raise ``OSError(EBUSY)`` unless the writer that left ``path`` open for writing is gone.
 
-    A file whose superblock does not say "open for writing" passes.
+    A file whose superblock does not say "open for writing" passes.  The message says
+    what to do: for :func:`recover`, pass ``force=True``; for a saver (``by_saver``,
+    which has no such option), wait for or stop the writer, write to another path, or
+    clear the flag with ``recover(path, force=True)`` once the writer is known gone.
     """
     if not has_write_flags(path):
         return
+    if by_saver:
+        busy = "; wait for it to end or stop it, or write to another path"
+        unknown = (
+            "; once no process writes the file, vartrace.storage.recover(path, force=True) "
+            "marks it closed, or write to another path"
+        )
+    else:
+        busy, unknown = "", "; pass force=True once no process writes the file"
     try:
         with h5py.File(path, "r", swmr=True) as handle:
             host = str(handle.attrs.get("writer_host", ""))
@@ -1148,10 +1161,14 @@ def _refuse_live_writer(path: Path) -> None:
         raise OSError(
             errno.EBUSY,
             "the writer left the file outside SWMR mode, so whether it still runs cannot "
-            "be told; pass force=True once no process writes the file",
+            f"be told{unknown}",
             str(path),
         ) from None
     alive = writer_alive(host, pid)
     if alive is not False:
-        where = "still runs" if alive else f"ran on host {host!r}; pass force=True if it is gone"
+        where = (
+            f"still runs{busy}"
+            if alive
+            else f"ran on host {host!r}, so whether it still runs cannot be told{unknown}"
+        )
         raise OSError(errno.EBUSY, f"the writer process {pid} {where}", str(path))
