@@ -154,12 +154,15 @@ def test_bad_options_are_refused() -> None:
         vartrace.stats(sample=0)
 
 
-def test_autocast_does_not_change_the_numbers() -> None:
-    x = torch.randn(64)
-    plain = REDUCER("site", x, 1)
+def test_values_made_in_an_autocast_region_reduce_exactly_inside_it() -> None:
+    """bf16 activations of an autocast region, reduced while it is still on (a pre-save call)."""
+    layer = torch.nn.Linear(16, 16)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        cast = REDUCER("site", x, 1)
-    assert torch.equal(plain[1:], cast[1:])
+        y = layer(x)
+        record = REDUCER("site", y, 1)
+    assert y.dtype == torch.bfloat16
+    assert_matches(Statistics.of(record), reference(y.double().detach().numpy()))
 
 
 # -- the stand-in device: no sync on the training or autograd threads ---------------------------
@@ -180,7 +183,7 @@ def _train(model: torch.nn.Module, steps: int) -> None:
 def test_statistics_of_every_block_output_and_grad_without_a_sync(tmp_path: Any) -> None:
     torch.manual_seed(0)
     model = simgpu.to_device_module(TinyTransformer())
-    paths = ["layers.*", "layers.*@grad", "head", "head@grad", "**.weight@grad"]
+    paths = ["layers.*", "layers.*@grad", "head", "head@grad", "**.weight@grad", "**.bias@grad"]
     path = tmp_path / "stats.h5"
     simgpu.LOG.clear()
     with (
@@ -197,7 +200,8 @@ def test_statistics_of_every_block_output_and_grad_without_a_sync(tmp_path: Any)
     assert simgpu.LOG.syncs() == []
     with vartrace.open(path) as run:
         grads = [name for name in run.names if name.endswith("@grad")]
-        assert "layers.1.forward@grad" in grads and "head.weight@grad" in grads
+        assert "layers.1.forward@grad" in grads and "head.forward@grad" in grads
+        assert {f"{name}@grad" for name, _ in model.named_parameters()} <= set(grads)
         for name in run.names:
             site = run[name]
             assert site.dtype == "statistics", name
