@@ -9,8 +9,10 @@ sources behind compare and plot, ``vartrace.compare`` and the ``ls``/``show``/``
 commands (byte damage spares HDF5's global heap collections: see
 :func:`heap_collections`), and prints one JSON line per case: its mutations, the outcome
 (``read``, ``error`` with a clear message, or ``crash``: an exception no reader should
-raise) and the peak of the memory Python and numpy allocated for it (tracemalloc).  Its
-address space is capped, so a runaway allocation fails the case instead of the machine.
+raise, or a read that contradicts itself, see :func:`check_read_back`) and the peak of the
+memory Python and numpy allocated for it (tracemalloc); last, its own peak resident memory
+(``VmHWM``, see tests/_peak.py).  Its address space is capped, so a runaway allocation
+fails the case instead of the machine.
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ import traceback
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
+
+try:
+    from tests._peak import peak_rss_kib
+except ImportError:  # run as a script: this folder is sys.path[0]
+    from _peak import peak_rss_kib  # type: ignore[no-redef]
 
 #: Exceptions that are a clear error on a damaged file; anything else is a crash.  h5py
 #: raises RuntimeError for metadata HDF5 cannot read ("incorrect metadata checksum").
@@ -252,24 +260,57 @@ def make_case(rng: random.Random, base: Path, path: Path, secret: Path) -> list[
     return done
 
 
+def check_read_back(site: Any, index: int, value: Any) -> None:
+    """Raise ``AssertionError`` (a crash) unless record ``index`` of ``site`` is what the reader
+    says it is: its kind, and for a record in ``values`` its shape and dtype."""
+    kind = str(site.kinds[index])
+    where = f"record {index} of {site.name!r} ({kind})"
+    if kind == "none":
+        assert value is None, (where, value)
+    elif kind in ("str", "bytes", "int", "float", "bool", "complex"):
+        assert type(value).__name__ == kind, (where, type(value))
+    if kind not in ("tensor", "ndarray") or not site.in_values[index]:
+        return
+    shape = tuple(int(n) for n in site.shapes[index])
+    assert tuple(value.shape) == shape, (where, tuple(value.shape), shape)
+    dtype = str(value.dtype).removeprefix("torch.")
+    assert dtype == site.dtype, (where, dtype, site.dtype)
+
+
 def read_everything(path: Path) -> None:
-    """Every reader path over ``path``: what ``vartrace.open``, compare, plot and the CLI read."""
+    """Every reader path over ``path``: what ``vartrace.open``, compare, plot and the CLI read.
+
+    What reads is checked against itself: each site's tags of one length, records as the
+    reader describes them (:func:`check_read_back`), ``to_frame`` one row per record with
+    the means the sources (compare, plot) compute from ``values``, and the file equal to
+    itself under ``compare``.
+    """
     import vartrace
     from vartrace.cli import main as cli_main
     from vartrace.sources import open_source, record_stats
 
     with vartrace.open(path) as run:
         _ = (run.names, run.meta, run.live)
+        counts = {}
         for name in run.names:
             site = run[name]
-            _ = (site.kinds, site.shapes, site.iterations, site.dtype)
+            counts[name] = len(site)
+            lengths = {len(site.kinds), len(site.shapes), len(site.iterations), len(site.ranks)}
+            assert lengths == {len(site)}, (name, lengths, len(site))
+            _ = site.dtype
             for index in range(min(len(site), 6)):
-                site.record(index)
-        run.to_frame()
+                check_read_back(site, index, site.record(index))
+        frame = run.to_frame()
+        assert len(frame) == sum(counts.values()), (len(frame), counts)
     with open_source(str(path)) as source:
         for name in source.names:
-            record_stats(source.site(name), ["mean", "std"])
-    vartrace.compare(path, path)
+            mean = record_stats(source.site(name), ["mean", "std"])["mean"]
+            expected = frame.loc[frame["site"] == name, "mean"].to_numpy(float)
+            assert mean.shape == expected.shape, (name, mean.shape, expected.shape)
+            known = ~np.isnan(mean)  # (the sources leave records outside values as NaN)
+            assert np.allclose(mean[known], expected[known]), (name, mean, expected)
+    report = vartrace.compare(path, path)
+    assert report.ok, f"the file differs from itself: {report.first_divergence}"
     for args in (["ls", str(path)], ["show", str(path), "*"], ["meta", str(path)]):
         err = io.StringIO()
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
@@ -319,8 +360,7 @@ def main(base: Path, work: Path, seed: int, cases: int) -> None:
         record.update(peak=peak, seconds=time.perf_counter() - began)
         print(json.dumps(record), flush=True)
         path.unlink()
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    print(json.dumps({"done": True, "maxrss_kib": usage.ru_maxrss}), flush=True)
+    print(json.dumps({"done": True, "peak_rss_kib": peak_rss_kib()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -199,21 +199,9 @@ def test_open_refuses_a_crafted_file_naming_the_dataset(tmp_path: Path, case: st
     assert "hunter2" not in message
 
 
-#: Runs the ``vartrace`` command (``python -c _MEASURED ARGS...``) and writes the peak resident
-#: memory of the command itself (``VmHWM``: the process image after exec, not the suite that
-#: started it, whose size a forked child's ``ru_maxrss`` would report) to $VARTRACE_TEST_PEAK.
-_MEASURED = """
-import atexit, os, runpy
-
-def _peak():
-    with open("/proc/self/status") as status:
-        kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-    with open(os.environ["VARTRACE_TEST_PEAK"], "w") as out:
-        out.write(str(kib))
-
-atexit.register(_peak)
-runpy.run_module("vartrace", run_name="__main__", alter_sys=True)
-"""
+#: Runs ``vartrace ARGS...`` and writes the peak resident memory of the command itself (its
+#: ``VmHWM``, not the suite's high-water mark that a forked child's ``ru_maxrss`` carries).
+_MEASURED = Path(__file__).with_name("_peak.py")
 
 
 def _command(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -222,7 +210,7 @@ def _command(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[st
     peak.unlink(missing_ok=True)
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _MEASURED, *args],
+            [sys.executable, str(_MEASURED), *args],
             cwd=cwd,
             capture_output=True,
             text=True,
