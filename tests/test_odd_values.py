@@ -20,6 +20,7 @@ from torch import nn
 
 import vartrace
 from vartrace import H5PYSaverCallback, ModelTracer, Trace, stack_padded_tensors, stack_tensors
+from vartrace.trace import RunContext
 
 
 class Echo(nn.Module):
@@ -209,19 +210,53 @@ def test_stacking_keeps_python_numbers_exact(stack: Any) -> None:
 
 @pytest.mark.parametrize("stack", [stack_tensors, stack_padded_tensors])
 def test_stacking_never_converts_a_value(stack: Any) -> None:
+    stack.on_start(RunContext())  # a run of its own: no site warned about yet
     mixed = Trace([torch.tensor([2**60 + 1]), torch.tensor([0.5])], [1, 2], [0, 0], [1, 2])
+    again = Trace([torch.tensor([0.25]), torch.tensor([2**60 + 3])], [3, 4], [0, 0], [3, 4])
     name = f"m-{stack.__name__}"
-    with pytest.warns(RuntimeWarning, match=rf"'{name}' unstacked.*dtypes \['float32', 'int64'\]"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         stack(name, mixed)
+        stack(name, again)  # unstackable as well: left a list, and no second warning
+        stack("other", Trace([torch.tensor([2**60 + 1]), torch.tensor([0.5])], [1, 2], [0, 0]))
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 2, said  # one warning a site
+    assert f"'{name}' unstacked" in said[0] and "dtypes ['float32', 'int64']" in said[0]
+    assert "'other' unstacked" in said[1]
     assert isinstance(mixed.values, list) and mixed.values[0].item() == 2**60 + 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # one warning a site
-        stack(name, Trace([torch.tensor([1]), torch.tensor([0.5])], [3, 4], [0, 0], [3, 4]))
+    assert isinstance(again.values, list) and again.values[1].item() == 2**60 + 3
     huge = Trace([2**70], [1], [0], [1])
     name = f"h-{stack.__name__}"
     with pytest.warns(RuntimeWarning, match=rf"'{name}' unstacked.*cannot stack the int 0x4"):
         stack(name, huge)
     assert huge.values == [2**70]
+
+
+@pytest.mark.parametrize("stack", [stack_tensors, stack_padded_tensors])
+def test_each_tracer_warns_once_per_site_about_a_chunk_left_unstacked(stack: Any) -> None:
+    """The once-per-site state is the run's: a second tracer warns again, once, for the site."""
+    values = [torch.tensor([2**60 + 1]), torch.tensor([0.5])]  # no dtype holds both exactly
+    said: list[list[str]] = []
+    for _ in range(2):
+        model = Echo()
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            ModelTracer(
+                model,
+                ["forward"],
+                post_gather_callbacks=[stack],
+                gathering_interval=2,
+                change_detection=False,
+            ) as tracer,
+        ):
+            warnings.simplefilter("always")
+            for step in range(6):  # three gathers, each left unstacked
+                model(values[step % 2])
+        said.append([str(w.message) for w in caught if "unstacked" in str(w.message)])
+        chunks = tracer.results["forward"]
+        assert [value.item() for value in chunks.values] == [2**60 + 1, 0.5] * 3
+    assert [len(run) for run in said] == [1, 1], said
+    assert f"{stack.__name__} leaves the records of site 'forward' unstacked" in said[1][0]
 
 
 def test_a_big_endian_array_keeps_its_byte_order_in_the_file(tmp_path: Path) -> None:

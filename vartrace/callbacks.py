@@ -10,6 +10,7 @@ and change the :class:`~vartrace.trace.Trace` in place.  Example::
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from vartrace._warnings import warn
-from vartrace.trace import Trace
+from vartrace.trace import RunContext, Trace
 
 __all__ = ["pad_to", "reduce_chunk", "stack_padded_tensors", "stack_tensors"]
 
@@ -85,6 +86,9 @@ def _common_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
     raise _Unstackable(f"no dtype holds every value of its records of dtypes {names}")
 
 
+_GatherCallback = Callable[[str, Trace], None]
+
+
 def _as_tensors(values: Sequence[Any]) -> list[torch.Tensor]:
     """The records as tensors of one dtype that holds each exactly, else ``_Unstackable``."""
     tensors = [_tensor(value) for value in values]
@@ -92,13 +96,31 @@ def _as_tensors(values: Sequence[Any]) -> list[torch.Tensor]:
     return [t.to(dtype) for t in tensors]
 
 
-_warned: set[tuple[str, str]] = set()  # (callback, site) pairs already warned about
+# (callback, site) pairs warned about in the current run: a callback's on_start (called by
+# each tracer as it starts) forgets its own pairs, so that every run warns once per site.
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()  # gathers run on staging threads too
+
+
+def _once_per_run(callback: _GatherCallback) -> _GatherCallback:
+    """Give a stacking callback an ``on_start``: each tracer's start begins a new run, in
+    which the callback warns once per site again (not once per process)."""
+    name = callback.__name__
+
+    def on_start(context: RunContext) -> None:
+        with _warned_lock:
+            _warned.difference_update([key for key in _warned if key[0] == name])
+
+    callback.on_start = on_start  # type: ignore[attr-defined]
+    return callback
 
 
 def _unstacked(callback: str, name: str, why: Exception) -> None:
-    """Warn, once per callback and site, that a chunk stays a list of records."""
-    if (callback, name) not in _warned:
+    """Warn, once per callback, site and run, that a chunk stays a list of records."""
+    with _warned_lock:
+        first = (callback, name) not in _warned
         _warned.add((callback, name))
+    if first:
         warn(
             f"vartrace: {callback} leaves the records of site {name!r} unstacked (a list): {why}",
             RuntimeWarning,
@@ -106,6 +128,7 @@ def _unstacked(callback: str, name: str, why: Exception) -> None:
         )
 
 
+@_once_per_run
 def stack_tensors(name: str, trace: Trace) -> None:
     """Stack equally shaped records into one tensor with a leading record dimension.
 
@@ -114,7 +137,8 @@ def stack_tensors(name: str, trace: Trace) -> None:
     the dtype that holds them all exactly (bfloat16 + float32 as float32, int64 +
     float32 as float64 when the ints fit).  A chunk that cannot be stacked so
     (different shapes: use :func:`stack_padded_tensors`; values no dtype holds;
-    records that are not numbers) stays a list, with one warning per site.
+    records that are not numbers) stays a list, with one warning per site and
+    tracer run.
     """
     if isinstance(trace.values, torch.Tensor) or not len(trace):
         return
@@ -142,13 +166,14 @@ def pad_to(tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return F.pad(tensor, padding)
 
 
+@_once_per_run
 def stack_padded_tensors(name: str, trace: Trace) -> None:
     """Stack records of different shapes, zero-padded to the largest in each dimension.
 
     ``trace.shapes`` keeps each record's true shape, so
     ``trace.values[i][tuple(slice(n) for n in trace.shapes[i])]`` is record ``i``.
     Dtypes are handled as by :func:`stack_tensors`; records with different
-    numbers of dimensions stay a list, with one warning per site.
+    numbers of dimensions stay a list, with one warning per site and tracer run.
     """
     if isinstance(trace.values, torch.Tensor) or not len(trace):
         return
