@@ -12,6 +12,7 @@ file shorter than that.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -343,6 +344,80 @@ def test_a_keyboard_interrupt_in_a_callback_keeps_the_chunk_for_the_final_flush(
     with vartrace.open(tmp_path / "run.h5") as run:
         assert run["forward.big"].iterations.tolist() == [1, 2]
         assert torch.equal(torch.as_tensor(run["forward.big"].get(iteration=2)), 2 * torch.ones(2))
+
+
+@pytest.mark.warnings_as_errors
+@pytest.mark.parametrize("saver", [True, False], ids=["saver", "results"])
+@pytest.mark.parametrize(
+    "after",
+    [
+        "exit",
+        pytest.param(
+            "continued",
+            marks=pytest.mark.xfail(
+                raises=AttributeError,
+                strict=True,
+                reason="the chunk put back is stacked: the next capture's Trace.append fails "
+                "inside the step ('Tensor' object has no attribute 'append')",
+            ),
+        ),
+    ],
+)
+def test_a_keyboard_interrupt_after_a_stacking_callback_keeps_the_chunk_exactly_once(
+    tmp_path: Path, saver: bool, after: str
+) -> None:
+    """Ctrl-C lands in a callback after stack_tensors changed the chunk (stacked it): the
+    stacked chunk goes back to the tracer and reaches the file (or the results) once, at the
+    final flush (``exit``) or, when the loop catches the interrupt and trains on
+    (``continued``: a notebook cell interrupted and run again), joined with later records."""
+    seen: list[tuple[str, list[int]]] = []
+
+    def interrupt_once(name: str, trace: Any) -> None:
+        seen.append((type(trace.values).__name__, [int(i) for i in trace.iterations]))
+        if len(seen) == 1:
+            raise KeyboardInterrupt
+
+    model = Step()
+    path = tmp_path / "run.h5"
+    writer = H5PYSaverCallback(path, metadata=False) if saver else None
+    callbacks = [stack_tensors, interrupt_once, *([writer] if writer else [])]
+    steps = 0
+
+    def train(count: int) -> None:
+        nonlocal steps
+        for _ in range(count):
+            steps += 1
+            model(torch.full((2,), float(steps)))
+
+    with (
+        contextlib.nullcontext() if after == "continued" else pytest.raises(KeyboardInterrupt),
+        writer or contextlib.nullcontext(),
+        ModelTracer(
+            model, ["forward.big"], post_gather_callbacks=callbacks, gathering_interval=2
+        ) as tracer,
+    ):
+        if after == "exit":  # Ctrl-C leaves the with-block: the final flush hands the chunk on
+            train(5)
+        with contextlib.suppress(KeyboardInterrupt):
+            train(5)
+        train(3)  # trains on after the interrupt
+    interrupted = seen[0][1]
+    assert seen[0][0] == "Tensor" and interrupted == [1, 2]  # stacked before the interrupt
+    assert all(kind == "Tensor" for kind, _ in seen)  # the kept chunk stacks again, exactly
+    handed = [i for _, iterations in seen[1:] for i in iterations]
+    assert handed == list(range(1, steps + 1)), seen  # every record handed on, once
+    if saver:
+        with vartrace.open(path) as run:
+            site = run["forward.big"]
+            assert site.iterations.tolist() == list(range(1, steps + 1))
+            records = [torch.as_tensor(site.record(i)) for i in range(len(site))]
+        assert "forward.big" not in tracer.results  # the saver took every record
+    else:
+        kept = tracer.results["forward.big"]
+        assert [int(i) for i in kept.iterations] == list(range(1, steps + 1))
+        records = [kept.values[i] for i in range(len(kept))]
+    for step, record in enumerate(records, start=1):
+        assert torch.equal(record, torch.full((2,), 2.0 * step)), (step, record)
 
 
 # -- mixed dtypes in the built-in stacking callbacks --------------------------------------
