@@ -189,6 +189,17 @@ def _read_everything(path: Path) -> str:
     return "\n".join(parts)
 
 
+def test_a_genuine_compressed_record_above_the_free_bound_reads(tmp_path: Path) -> None:
+    """72 MiB of values that gzip about 8x: more than the free bound and than the file."""
+    path = tmp_path / "run.h5"
+    value = (torch.arange(18 << 20) % 4096).to(torch.float32)
+    with H5PYSaverCallback(path, metadata=False, compression="gzip", compression_opts=1) as saver:
+        saver("w", Trace([value], [1], [0], [0]))
+    assert path.stat().st_size * 2 < value.numel() * 4 < 32 * path.stat().st_size
+    with vartrace.open(path) as run:
+        assert torch.equal(run["w"].record(0), value)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_open_refuses_a_crafted_file_naming_the_dataset(tmp_path: Path, case: str) -> None:
     path, where = _craft(tmp_path, case)

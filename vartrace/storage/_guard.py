@@ -4,8 +4,8 @@ Run files travel (sent between users, attached to bug reports), so a reader
 treats each as possibly crafted: data kept in other files (external storage,
 external links, virtual datasets mapping other files) is refused, links are
 never followed, and no read allocates more than :data:`FREE_READ_BYTES` unless
-the file really holds that much of the dataset, and never more than the file's size:
-compressed data counts at most as the file's size whatever its compression ratio, so a
+the file really holds that much of the dataset; compressed data counts for at most
+:data:`MAX_COMPRESSION` times the file's size whatever its real compression ratio, so a
 small file of compressed zeros cannot make a reader allocate gigabytes.
 
 Example::
@@ -42,15 +42,17 @@ class RunFileError(ValueError):
     storage, external links, virtual datasets mapping other files), for links and
     structures vartrace never writes, and for reads that a dataset declares larger
     than what the file holds of it (a damaged or crafted file): reading never
-    allocates more than :data:`FREE_READ_BYTES` or what the file holds, and never
-    more than the file's size (compressed data included).
+    allocates more than :data:`FREE_READ_BYTES` or what the file holds (compressed
+    data: at most :data:`MAX_COMPRESSION` times the file's size).
     """
 
 
 #: Reads up to this size are allowed whatever a dataset holds; larger ones only when the
-#: file holds that much of the dataset, and is that large (a declared size costs a crafted
-#: file nothing, nor does a compression ratio of thousands).
+#: file holds that much of the dataset (a declared size costs a crafted file nothing).
 FREE_READ_BYTES = 64 << 20
+#: The largest compression ratio a read believes: recorded values compress a few times at
+#: most (floats barely, ReLU outputs and masks some tens), a gzip bomb a thousand times.
+MAX_COMPRESSION = 32
 _OBJECT_SCALE = 16  # bytes in memory per byte of a variable-length element's descriptor
 
 
@@ -112,9 +114,9 @@ def child(group: h5py.Group, link: str, kind: type) -> Any:
 def held_bytes(dsid: h5py.h5d.DatasetID) -> int:
     """The bytes of a dataset's data the file really holds (unwritten chunks hold none).
 
-    Counted as read (decompressed), and never more than the file's size: a compressed
-    dataset may hold more than that, but the bound is on what a read allocates, and a
-    ratio of thousands (a gzip of zeros) would let a small file make any read pass.
+    Counted as read (decompressed): no more than the file's size, or than
+    :data:`MAX_COMPRESSION` times it for compressed data, whose real ratio is only known
+    by decompressing (a gzip of zeros reaches thousands).
     """
     plist = dsid.get_create_plist()
     layout = plist.get_layout()
@@ -125,7 +127,8 @@ def held_bytes(dsid: h5py.h5d.DatasetID) -> int:
         return min(dsid.get_storage_size(), file_size)
     if layout == h5py.h5d.CHUNKED:
         chunk = int(np.prod(plist.get_chunk(), dtype=object)) * dsid.get_type().get_size()
-        return min(dsid.get_num_chunks() * chunk, file_size)
+        ratio = MAX_COMPRESSION if plist.get_nfilters() else 1
+        return min(dsid.get_num_chunks() * chunk, ratio * file_size)
     return 0
 
 
@@ -133,9 +136,9 @@ def check_read(dataset: h5py.Dataset | h5py.h5d.DatasetID, elements: int) -> Non
     """Raise :class:`RunFileError` before a read of ``elements`` that the file cannot back.
 
     A read is allowed up to :data:`FREE_READ_BYTES`, beyond that only as far as
-    the file holds data of the dataset and no further than the file's size: a
-    crafted file declaring gigabytes it does not hold, or holding them as a few
-    KiB of compressed zeros, cannot make a reader allocate them.
+    the file holds data of the dataset: a crafted file declaring gigabytes it does
+    not hold, or holding them as a few KiB of compressed zeros, cannot make a
+    reader allocate them.
     """
     dsid = dataset.id if isinstance(dataset, h5py.Dataset) else dataset
     kind = dsid.get_type()
@@ -151,8 +154,8 @@ def check_read(dataset: h5py.Dataset | h5py.h5d.DatasetID, elements: int) -> Non
     if nbytes > held:
         name = os.fsdecode(h5py.h5i.get_name(dsid) or b"?")
         compressed = (
-            " (compressed data counts for no more than the file's size: read a genuine record "
-            "in slices of the lazy Site.values)"
+            f" (compressed data counts for at most {MAX_COMPRESSION} times the file's size: "
+            "read a genuine record in slices of the lazy Site.values)"
             if dsid.get_create_plist().get_nfilters()
             else ""
         )
