@@ -348,21 +348,7 @@ def test_a_keyboard_interrupt_in_a_callback_keeps_the_chunk_for_the_final_flush(
 
 @pytest.mark.warnings_as_errors
 @pytest.mark.parametrize("saver", [True, False], ids=["saver", "results"])
-@pytest.mark.parametrize(
-    "after",
-    [
-        "exit",
-        pytest.param(
-            "continued",
-            marks=pytest.mark.xfail(
-                raises=AttributeError,
-                strict=True,
-                reason="the chunk put back is stacked: the next capture's Trace.append fails "
-                "inside the step ('Tensor' object has no attribute 'append')",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("after", ["exit", "continued"])
 def test_a_keyboard_interrupt_after_a_stacking_callback_keeps_the_chunk_exactly_once(
     tmp_path: Path, saver: bool, after: str
 ) -> None:

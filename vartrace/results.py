@@ -62,6 +62,14 @@ def join_traces(pieces: list[Trace]) -> Trace:
             ]
         tags = [torch.as_tensor([t for p in pieces for t in _ints(getattr(p, f))]) for f in _TAGS]
         return Trace(values, tags[0], tags[1], tags[2], shapes=shapes)
+    return unstacked(pieces)
+
+
+def unstacked(pieces: list[Trace]) -> Trace:
+    """One trace holding the records of ``pieces`` in order, as a list with int tags.
+
+    The form captures append to: a chunk a callback stacked goes back to it so.
+    """
     lists = [[t for p in pieces for t in _ints(getattr(p, f))] for f in _TAGS]
     records = [record for p in pieces for record in p.records()]
     return Trace(records, lists[0], lists[1], lists[2])

@@ -31,7 +31,7 @@ from vartrace.engine.structures import leaves
 from vartrace.gradients import GradientWatcher
 from vartrace.iterations import IterationCounter
 from vartrace.record import DROP, subscribe, unsubscribe
-from vartrace.results import Results, join_traces
+from vartrace.results import Results, unstacked
 from vartrace.silence import SilenceWatch
 from vartrace.sites import Target, is_compiled, resolve, unwrap
 from vartrace.staging import OnFull, Stager, StagingStats
@@ -747,12 +747,16 @@ class ModelTracer:
         trace.append(record, iteration, self._rank, self._order)
 
     def _put_back(self, traces: dict[str, Trace]) -> None:
-        """Return the traces of an interrupted hand-over to the chunk, before later records."""
+        """Return the traces of an interrupted hand-over to the chunk, before later records.
+
+        A callback may have stacked them before the interrupt: they go back unstacked, so
+        that the steps after a caught interrupt append to them as to any chunk.
+        """
         with self._lock:
-            later, self._chunk = self._chunk, traces
-            for name, trace in later.items():
-                earlier = traces.get(name)
-                traces[name] = trace if earlier is None else join_traces([earlier, trace])
+            later, self._chunk = self._chunk, {}
+            for name in dict.fromkeys([*traces, *later]):
+                pieces = [t for t in (traces.get(name), later.get(name)) if t is not None]
+                self._chunk[name] = unstacked(pieces)
 
     def _record_manual(self, name: str, value: Any) -> None:
         if self._iterations.records_manual():
