@@ -9,6 +9,7 @@ gigabytes they do not hold (or hold as gzipped zeros, or as a few wide /meta ent
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -30,6 +31,8 @@ SECRET = "machine example.org login alice password hunter2-crafted"
 #: Peak memory a command may reach on any crafted file (its own baseline is about 60 MiB).
 RSS_LIMIT_MIB = 400
 GIB = 1 << 30
+#: Whether ``Site.to_xarray`` can run (its reads are checked only then).
+XARRAY = importlib.util.find_spec("xarray") is not None
 
 
 def _base(path: Path) -> None:
@@ -177,12 +180,23 @@ def _craft(root: Path, name: str) -> tuple[Path, str]:
     return path, where
 
 
+def _xarray(site: vartrace.Site) -> str:
+    """``site.to_xarray()`` as text: "" for a site of non-numeric records (a TypeError)."""
+    try:
+        return repr(site.to_xarray())
+    except TypeError:
+        return ""
+
+
 def _read_everything(path: Path) -> str:
-    """Everything ``vartrace.open`` gives of a run, as text."""
+    """Everything ``vartrace.open`` gives of a run, as text (``Site.to_xarray`` first, when
+    xarray is installed: it reads a whole ``values`` dataset in one go)."""
     with vartrace.open(path) as run:
         parts = [repr(run.names), repr(run.meta)]
         for name in run.names:
             site = run[name]
+            if XARRAY:
+                parts.append(_xarray(site))
             parts += [repr(site.record(i)) for i in range(len(site))]
             parts.append(repr(np.asarray(site.values)))
         parts.append(run.to_frame().to_string())
@@ -293,3 +307,13 @@ def test_a_genuine_file_reads_exactly(tmp_path: Path) -> None:
         assert torch.equal(run["w"].get(2), torch.arange(4.0) + 1)
         assert run["note"].calls(2) == ["b"]
         assert run.to_frame()["mean"].tolist()[:3] == [1.5, 2.5, 3.5]
+
+
+@pytest.mark.parametrize("case", ["record declared 1 GiB", "record gzip bomb"])
+def test_to_xarray_refuses_a_crafted_record(tmp_path: Path, case: str) -> None:
+    """``Site.to_xarray`` reads the whole ``values`` dataset: bounded like every other read."""
+    pytest.importorskip("xarray", reason="Site.to_xarray needs xarray installed")
+    path, where = _craft(tmp_path, case)
+    with vartrace.open(path) as run, pytest.raises(RunFileError) as raised:
+        run["w"].to_xarray()
+    assert where in str(raised.value)

@@ -621,7 +621,7 @@ class Site:
                 f"site {self.name!r}: to_xarray() takes sites of numeric records only "
                 f"(dtype {self.dtype}); read the others with Site.record()"
             )
-        data = np.asarray(values[()])
+        data = all_values(values)
         torch_dtype = next((p.torch_dtype for p in self._parts if p.torch_dtype), "")
         if torch_dtype:
             data = _decode_raw(data, torch_dtype)
@@ -633,6 +633,14 @@ class Site:
             name=self.name,
         )
         return array.set_index(record=["iteration", "rank"])
+
+
+def all_values(values: h5py.Dataset | ValuesView) -> np.ndarray:
+    """All of a site's ``values`` in one array, the read bounded like every other
+    (:func:`check_read`; a :class:`ValuesView` bounds its own reads)."""
+    if isinstance(values, h5py.Dataset):
+        check_read(values, values.size)
+    return np.asarray(values[:])
 
 
 def _elements(dims: tuple[int, ...], cut: tuple[slice, ...]) -> int:
