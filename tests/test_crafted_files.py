@@ -148,6 +148,30 @@ def _record_gzip_bomb(handle: h5py.File, root: Path) -> str:
     return "/vars/w/values"
 
 
+def _statistics_declared_1_gib(handle: h5py.File, root: Path) -> str:
+    """Site w as statistics records (kind 15) whose compound values declare 1 GiB a record
+    and no shapes: a record reads its whole row, a statistics view the whole dataset."""
+    group = handle["vars/w"]
+    del group["values"], group["shapes"]
+    row = np.dtype([("count", "<i8"), ("mean", "<f8")])
+    values = group.create_dataset("values", (3, GIB // row.itemsize), row, chunks=(1, 1 << 12))
+    values[:, 0] = np.array([(4, 1.5), (4, 2.5), (4, 3.5)], row)
+    values.attrs.update(storage="array", key="statistics:count,mean/0", torch_dtype="statistics")
+    group["kinds"][:] = 15
+    return "/vars/w/values"
+
+
+def _str_record_declared_wide(handle: h5py.File, root: Path) -> str:
+    """Site note's strings as rows of 16 M entries each (one a record), nothing written."""
+    group = handle["vars/note"]
+    attrs, rows = dict(group["values"].attrs), len(group["values"])
+    del group["values"]
+    group.create_dataset(
+        "values", (rows, 1 << 24), h5py.string_dtype(), chunks=(1, 1 << 12)
+    ).attrs.update(attrs)
+    return "/vars/note/values"
+
+
 def _meta_wide_entries(handle: h5py.File, root: Path) -> str:
     """4096 entries of 32 KiB strings: few entries, 128 MiB declared, nothing written."""
     handle["meta"].create_dataset("wide", (4096,), np.dtype("S32768"))
@@ -167,6 +191,8 @@ CASES: dict[str, Callable[[h5py.File, Path], str]] = {
     "record declared 1 GiB": _record_declared_1_gib,
     "record gzip bomb": _record_gzip_bomb,
     "meta wide entries": _meta_wide_entries,
+    "statistics declared 1 GiB": _statistics_declared_1_gib,
+    "str record declared wide": _str_record_declared_wide,
 }
 
 
@@ -265,8 +291,15 @@ def _check_commands(root: Path, case: str, commands: dict[str, list[str]]) -> No
     if where.startswith("/meta"):
         readers = {"meta"}
     else:  # ls checks where a site's values lie but reads none of them
-        declared = case in ("record declared 1 GiB", "record gzip bomb")
+        declared = case in (
+            "record declared 1 GiB",
+            "record gzip bomb",
+            "statistics declared 1 GiB",
+            "str record declared wide",
+        )
         readers = set(commands) - {"meta"} - ({"ls"} if declared else set())
+        if where.startswith("/vars/note"):  # plot draws site w only
+            readers -= {"plot"}
     for command, args in commands.items():
         done, peak_mib = _command(args, root)
         assert "hunter2" not in done.stdout + done.stderr, (command, done)

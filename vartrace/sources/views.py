@@ -250,9 +250,10 @@ class FileSiteView(SiteView):
     def _statistics(self, rows: np.ndarray) -> list[Any]:
         """Records of a statistics site: its compound ``values`` read in one go."""
         from vartrace.stat_records import Statistics
+        from vartrace.storage.reader import all_values
 
         fits = np.asarray(self._site.in_values)
-        table = np.asarray(self._site.values[:]) if fits[rows].any() else None
+        table = all_values(self._site.values) if fits[rows].any() else None
         return [
             Statistics(table[r])
             if table is not None and fits[r]

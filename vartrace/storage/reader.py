@@ -322,10 +322,13 @@ class _Part:
             return None
         if code & IN_OTHER:
             other = child(self.group, "other", h5py.Dataset)
+            check_read(other, math.prod(other.shape[1:]))
             return from_blob(kind, other[row].tobytes(), allow_pickle, where)
         if self.values is None:
             raise RunFileError(f"{where} has no values dataset: a damaged file")
         self.check(where)
+        if self.storage in ("str", "blob"):  # one entry a record: a crafted file declares more
+            check_read(self.values, math.prod(self.values.shape[1:]))
         if self.storage == "str":
             return self.values.asstr()[row]
         if self.storage == "blob":
@@ -644,8 +647,10 @@ def all_values(values: h5py.Dataset | ValuesView) -> np.ndarray:
 
 
 def _elements(dims: tuple[int, ...], cut: tuple[slice, ...]) -> int:
-    """Elements of a record read with ``cut`` (slices from 0) of a record of ``dims``."""
-    return int(np.prod([min(c.stop, d) for c, d in zip(cut, dims, strict=False)], dtype=object))
+    """Elements of a record read with ``cut`` (slices from 0) of a record of ``dims``: the
+    axes past ``cut`` (a crafted file's ``shapes`` narrower than ``values``) read whole."""
+    sizes = [min(c.stop, d) for c, d in zip(cut, dims, strict=False)] + list(dims[len(cut) :])
+    return int(np.prod(sizes, dtype=object))
 
 
 def _first_order(parts: list[_Part]) -> int:
