@@ -15,8 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
-# Defined in the torch-free engine, which marks references back into a walked structure.
-from vartrace.engine.structures import Unstored
+from vartrace._markers import Unstored
 
 __all__ = ["DROP", "Unstored", "record"]
 

@@ -35,6 +35,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from vartrace._markers import Unstored
 from vartrace._warnings import warn
 from vartrace.engine.paths import Pattern, States
 
@@ -55,26 +56,6 @@ leaf_types: set[type] = set()
 
 A membership test is cheaper than a call where every microsecond counts (a
 captured tensor, on every traced call)."""
-
-
-class Unstored(str):
-    """A record that stands for a value vartrace could not keep: a text saying what and why.
-
-    Where a captured value can be neither copied nor split into tensors, the
-    tracer records this marker (with a warning naming the site); where the
-    saver cannot store a record, it writes this marker instead of failing
-    the step; a reference back into a structure being walked is one too.
-    Reading a file gives it back.  Example::
-
-        value = run["forward.gen"].get(iteration=1)
-        if isinstance(value, vartrace.Unstored):
-            print(value)   # "generator: cannot pickle 'generator' object"
-    """
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"vartrace.Unstored({str.__repr__(self)})"
 
 
 _warned_markers: set[str] = set()
