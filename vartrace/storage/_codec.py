@@ -22,6 +22,7 @@ tensor is met.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import sys
@@ -291,7 +292,8 @@ def from_blob(kind: int, blob: bytes, allow_pickle: bool, where: str) -> Any:
     if kind == Kind.TENSOR_SAVED:
         import torch
 
-        return torch.load(io.BytesIO(blob), weights_only=True)  # loads tensors only: safe
+        with _tensor_globals(torch):  # loads tensors only: safe
+            return torch.load(io.BytesIO(blob), weights_only=True)
     if kind == Kind.PICKLE:
         if not allow_pickle:
             raise PickleNotAllowedError(
@@ -328,3 +330,21 @@ def from_array(kind: int, array: Any, torch_dtype: str = "") -> Any:
         signed = torch.from_numpy(array.view(f"i{array.dtype.itemsize}"))
         return signed.view(getattr(torch, torch_dtype))
     return torch.from_numpy(array)
+
+
+def _tensor_globals(torch: Any) -> Any:
+    """Allow ``torch.load(weights_only=True)`` torch's own rebuilders of nested tensors (newer
+    torch versions no longer allow them by default); a no-op where torch lacks the API."""
+    safe_globals = getattr(torch.serialization, "safe_globals", None)
+    if safe_globals is None:
+        return contextlib.nullcontext()
+    try:
+        from torch.nested._internal import nested_tensor as jagged
+    except ImportError:  # a torch without jagged nested tensors
+        jagged = None
+    found = [
+        getattr(torch._utils, "_rebuild_nested_tensor", None),
+        getattr(jagged, "_rebuild_njt", None),
+        getattr(jagged, "NestedTensor", None),
+    ]
+    return safe_globals([g for g in found if g is not None])

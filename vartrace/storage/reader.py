@@ -299,9 +299,18 @@ class _Part:
 
     @cached_property
     def shapes(self) -> np.ndarray:
-        if "shapes" not in self.group:
-            return np.zeros((self.rows, 0), np.int64)
-        return _leading_rows(self.group, "shapes", self.rows)
+        """Each record's true shape: one column per axis of a record in ``values``."""
+        axes = self.values.ndim - 1 if self.storage == "array" and self.values is not None else 0
+        if "shapes" in self.group:
+            shapes = _leading_rows(self.group, "shapes", self.rows)
+        else:  # written only for records of one axis or more
+            shapes = np.zeros((self.rows, 0), np.int64)
+        if shapes.shape[1] != axes:
+            raise RunFileError(
+                f"{file_name(self.group.id)}: {self.group.name} has shapes of {shapes.shape[1]} "
+                f"axes for records of {axes} in its values: a damaged file"
+            )
+        return shapes
 
     @property
     def dtype(self) -> str:
