@@ -334,11 +334,12 @@ def main(base: Path, work: Path, seed: int, cases: int) -> None:
     secret.write_text("machine example.org login alice password hunter2-fuzz\n")
     with h5py.File(secret.with_suffix(".h5"), "w") as handle:
         handle["x"] = np.frombuffer(b"hunter2-fuzz-in-h5", np.uint8)
+    # Warmed up before the cap: a CUDA build of torch maps gigabytes of libraries on import.
+    _warm_up(base)
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     with open("/proc/self/statm") as statm:
         size = int(statm.read().split()[0]) * resource.getpagesize()
     resource.setrlimit(resource.RLIMIT_AS, (size + HEADROOM_BYTES, hard))
-    _warm_up(base)
     rng = random.Random(seed)
     for case in range(cases):
         path = work / f"case{case}.h5"

@@ -23,6 +23,7 @@ tensor is met.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import pickle
 import sys
@@ -339,7 +340,7 @@ def _tensor_globals(torch: Any) -> Any:
     if safe_globals is None:
         return contextlib.nullcontext()
     try:
-        from torch.nested._internal import nested_tensor as jagged
+        jagged: Any = importlib.import_module("torch.nested._internal.nested_tensor")
     except ImportError:  # a torch without jagged nested tensors
         jagged = None
     found = [

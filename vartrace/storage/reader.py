@@ -307,10 +307,22 @@ class _Part:
             shapes = np.zeros((self.rows, 0), np.int64)
         if shapes.shape[1] != axes:
             raise RunFileError(
-                f"{file_name(self.group.id)}: {self.group.name} has shapes of {shapes.shape[1]} "
-                f"axes for records of {axes} in its values: a damaged file"
+                f"{file_name(self.group.id)}: {self.group.name}/values holds records of {axes} "
+                f"axes but its shapes give {shapes.shape[1]}: a damaged file"
             )
         return shapes
+
+    def shape(self, row: int) -> tuple[int, ...]:
+        """Record ``row``'s true shape, checked to lie within the padded one of ``values``."""
+        assert self.values is not None
+        shape = tuple(int(n) for n in self.shapes[row])
+        padded = self.values.shape[1:]
+        if any(not 0 <= n <= most for n, most in zip(shape, padded, strict=True)):
+            raise RunFileError(
+                f"{file_name(self.group.id)}: {self.group.name}/shapes gives record {row} the "
+                f"shape {shape}, outside its values' {padded}: a damaged file"
+            )
+        return shape
 
     @property
     def dtype(self) -> str:
@@ -342,7 +354,7 @@ class _Part:
             return self.values.asstr()[row]
         if self.storage == "blob":
             return from_blob(kind, self.values[row].tobytes(), allow_pickle, where)
-        cut = tuple(slice(0, n) for n in self.shapes[row])
+        cut = tuple(slice(0, n) for n in self.shape(row))
         check_read(self.values, _elements(self.values.shape[1:], cut))
         data = self.values[(row, *cut)]
         written = self.written_dtype
@@ -369,7 +381,7 @@ class _Part:
                 for row in range(begin, begin + len(block)):
                     if kinds[row] & IN_OTHER or kinds[row] == Kind.NONE:
                         continue
-                    shape = tuple(int(n) for n in self.shapes[row])
+                    shape = self.shape(row)
                     cut: tuple[int | slice, ...] = (row - begin, *(slice(0, n) for n in shape))
                     kind = int(kinds[row])
                     value = (
