@@ -437,7 +437,7 @@ def _fast_summary(x: np.ndarray, scratch: bool) -> list[float] | None:
     the zero-filled non-finite ones could hide.  ``scratch``: ``x`` may be overwritten.
 
     All finite (the usual case, told by the sum): sum, min, max, zeros (skipped when the
-    values keep one sign), then the centred sum of squares by one subtraction and a dot.
+    values keep one sign), then the centred sum of squares by one subtraction and einsum.
     Infinities of one sign: they are set to 0 and counted once, the rest as above."""
     size = x.size
     if not size:
@@ -468,7 +468,8 @@ def _fast_summary(x: np.ndarray, scratch: bool) -> list[float] | None:
                 np.putmask(centred, holes, 0.0)
         else:
             centred = x - mean
-        squares = float(np.dot(centred, centred))
+        # einsum, not dot: BLAS threads would spin against torch's own in the training step
+        squares = float(np.einsum("i,i->", centred, centred))
     var = squares / count
     norm = math.sqrt(count * (var + mean * mean))
     spread = [math.sqrt(var), low, high, max(-low, high), norm]
