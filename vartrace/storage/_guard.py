@@ -85,11 +85,14 @@ def check_link(group: h5py.Group, link: str) -> None:
 def check_storage(dsid: h5py.h5d.DatasetID) -> None:
     """Refuse a dataset whose data lies outside its file (external storage, virtual sources)."""
     plist = dsid.get_create_plist()
-    outside = [os.fsdecode(plist.get_external(i)[0]) for i in range(plist.get_external_count())]
-    if plist.get_layout() == h5py.h5d.VIRTUAL:
+    layout = plist.get_layout()
+    outside: list[str] = []
+    if layout == h5py.h5d.CONTIGUOUS:  # the only layout external storage may have
+        outside = [os.fsdecode(plist.get_external(i)[0]) for i in range(plist.get_external_count())]
+    elif layout == h5py.h5d.VIRTUAL:
         count = plist.get_virtual_count()
         names = {plist.get_virtual_filename(i) for i in range(count)}
-        outside += sorted(names - {"."})
+        outside = sorted(names - {"."})
     if outside:
         name = os.fsdecode(h5py.h5i.get_name(dsid) or b"?")
         raise RunFileError(
