@@ -178,6 +178,12 @@ def _meta_wide_entries(handle: h5py.File, root: Path) -> str:
     return "/meta/wide"
 
 
+def _unknown_kind(handle: h5py.File, root: Path) -> str:
+    """A record of site w whose kind code names no kind vartrace writes."""
+    handle["vars/w/kinds"][0] = 126
+    return "/vars/w/kinds"
+
+
 CASES: dict[str, Callable[[h5py.File, Path], str]] = {
     "meta external storage": _meta_external_storage,
     "values external storage": _values_external_storage,
@@ -191,6 +197,7 @@ CASES: dict[str, Callable[[h5py.File, Path], str]] = {
     "record declared 1 GiB": _record_declared_1_gib,
     "record gzip bomb": _record_gzip_bomb,
     "meta wide entries": _meta_wide_entries,
+    "unknown kind": _unknown_kind,
     "statistics declared 1 GiB": _statistics_declared_1_gib,
     "str record declared wide": _str_record_declared_wide,
 }

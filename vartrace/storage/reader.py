@@ -296,7 +296,14 @@ class _Part:
 
     @cached_property
     def tags(self) -> dict[str, np.ndarray]:
-        return {name: _leading_rows(self.group, name, self.rows) for name in TAGS}
+        tags = {name: _leading_rows(self.group, name, self.rows) for name in TAGS}
+        unknown = (tags["kinds"] & 0x7F) >= len(KIND_NAMES)
+        if unknown.any():
+            raise RunFileError(
+                f"{file_name(self.group.id)}: {self.group.name}/kinds holds the unknown kind "
+                f"{int(tags['kinds'][unknown][0])}: a damaged file"
+            )
+        return tags
 
     @cached_property
     def shapes(self) -> np.ndarray:
