@@ -54,6 +54,19 @@ def test_a_saver_outside_the_callbacks_is_reported_when_the_tracer_is_built(
         assert run["head.forward"].iterations.tolist() == [1, 2, 3]
 
 
+def test_savers_made_up_front_for_two_tracers_are_not_reported(tmp_path: Path) -> None:
+    first, second = H5PYSaverCallback(tmp_path / "a.h5"), H5PYSaverCallback(tmp_path / "b.h5")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second saver is not reported by the first tracer
+        _train(ModelTracer(Net(), ["head"], post_gather_callbacks=[first]))
+        _train(ModelTracer(Net(), ["head"], post_gather_callbacks=[second]), steps=2)
+    first.close()
+    second.close()
+    for name, iterations in (("a.h5", [1, 2, 3]), ("b.h5", [1, 2])):
+        with vartrace.open(tmp_path / name) as run:
+            assert run["head.forward"].iterations.tolist() == iterations
+
+
 def test_a_callback_error_names_the_callback_and_the_site() -> None:
     def halve(name: str, value: Any, iteration: int) -> Any:
         raise ZeroDivisionError("no halves today")

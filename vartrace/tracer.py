@@ -150,9 +150,12 @@ def _binds(signature: inspect.Signature, count: int) -> bool:
 
 
 def _warn_unused_savers(callbacks: list[Any]) -> None:
-    """Warn about savers created but given to no tracer: they would write nothing."""
+    """Warn about savers created but given to no tracer, when this tracer has none: they
+    would write nothing.  (A tracer given a saver may leave others to later tracers.)"""
     writer = sys.modules.get("vartrace.storage.writer")
     if writer is None:
+        return
+    if any(isinstance(callback, writer.H5PYSaverCallback) for callback in callbacks):
         return
     for saver in writer.unused_savers():
         if not any(saver is callback for callback in callbacks):
