@@ -362,8 +362,9 @@ class _Part:
             return self.values.asstr()[row]
         if self.storage == "blob":
             return from_blob(kind, self.values[row].tobytes(), allow_pickle, where)
-        cut = tuple(slice(0, n) for n in self.shape(row))
-        check_read(self.values, _elements(self.values.shape[1:], cut))
+        shape = self.shape(row)  # within the padded shape, one size per axis
+        check_read(self.values, math.prod(shape))
+        cut = tuple(slice(0, n) for n in shape)
         data = self.values[(row, *cut)]
         written = self.written_dtype
         if kind in (Kind.NDARRAY, Kind.NPSCALAR) and written is not None:
@@ -673,13 +674,6 @@ def all_values(values: h5py.Dataset | ValuesView) -> np.ndarray:
     if isinstance(values, h5py.Dataset):
         check_read(values, values.size)
     return np.asarray(values[:])
-
-
-def _elements(dims: tuple[int, ...], cut: tuple[slice, ...]) -> int:
-    """Elements of a record read with ``cut`` (slices from 0) of a record of ``dims``: the
-    axes past ``cut`` (a crafted file's ``shapes`` narrower than ``values``) read whole."""
-    sizes = [min(c.stop, d) for c, d in zip(cut, dims, strict=False)] + list(dims[len(cut) :])
-    return int(np.prod(sizes, dtype=object))
 
 
 def _first_order(parts: list[_Part]) -> int:
