@@ -35,6 +35,8 @@ from typing import Any
 import h5py
 import numpy as np
 
+from vartrace.storage._layout import SIGNATURE, _lookup3
+
 try:
     from tests._peak import peak_rss_kib
 except ImportError:  # run as a script: this folder is sys.path[0]
@@ -125,16 +127,28 @@ def _declared_huge(rng: random.Random, handle: h5py.File, secret: Path) -> str:
         dataset.attrs.update(storage=rng.choice(["array", "str", "blob"]), key="float32/1")
 
     _replace(handle, name, make)
-    if rng.random() < 0.5 and "committed" in handle:
-        handle["committed"][:] = rng.choice([GIB, 1 << 20, shape[0]])
+    if rng.random() < 0.5:
+        _set_committed(handle, slice(None), rng.choice([GIB, 1 << 20, shape[0]]))
     return f"{name} declared {shape}"
 
 
+def _set_committed(handle: h5py.File, index: int | slice, value: int) -> bool:
+    """Write ``value`` into /committed (cast as a C cast would, for a dataset another
+    mutation retyped); False where there is no such numeric dataset."""
+    committed = handle.get("committed")
+    if not isinstance(committed, h5py.Dataset) or committed.dtype.kind not in "iuf":
+        return False
+    committed[index] = np.array(value, np.int64).astype(committed.dtype)
+    return True
+
+
 def _counters(rng: random.Random, handle: h5py.File, secret: Path) -> str:
-    if "committed" not in handle:
-        return "no committed"
     value = rng.choice([-5, 0, 1, 7, 1 << 40, -(1 << 62)])
-    handle["committed"][rng.randrange(len(handle["committed"]))] = value
+    committed = handle.get("committed")
+    if not isinstance(committed, h5py.Dataset) or committed.ndim != 1 or not len(committed):
+        return "no committed"
+    if not _set_committed(handle, rng.randrange(len(committed)), value):
+        return "no committed"
     return f"a committed count of {value}"
 
 
@@ -209,6 +223,17 @@ STRUCTURAL = [
 ]
 
 
+def leave_open_for_writing(data: bytearray) -> bool:
+    """Set a file's superblock flags as a SWMR writer killed mid-run leaves them; return
+    whether the superblock has such flags (versions 2 and 3)."""
+    if data[:8] != SIGNATURE or data[8] not in (2, 3):
+        return False
+    end = 12 + 4 * data[9]
+    data[11] = 0x05  # H5F_SUPER_WRITE_ACCESS | H5F_SUPER_SWMR_WRITE_ACCESS
+    data[end : end + 4] = _lookup3(bytes(data[:end])).to_bytes(4, "little")
+    return True
+
+
 def heap_collections(data: bytes) -> list[tuple[int, int]]:
     """(start, end) of each HDF5 global heap collection (variable-length data) in a file."""
     found = []
@@ -243,8 +268,9 @@ def _damage(rng: random.Random, path: Path) -> str:
         start = _outside(rng, len(data), heaps)
         stop = min([len(data), start + rng.randint(1, 4096), *(s for s, _ in heaps if s > start)])
         data[start:stop] = bytes(stop - start)
+    left_open = rng.random() < 0.3 and leave_open_for_writing(data)  # read in SWMR mode
     path.write_bytes(bytes(data))
-    return f"bytes: {how}"
+    return f"bytes: {how}" + (", left open for writing" if left_open else "")
 
 
 def make_case(rng: random.Random, base: Path, path: Path, secret: Path) -> list[str]:

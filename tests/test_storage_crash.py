@@ -21,6 +21,7 @@ import h5py
 import pytest
 import torch
 
+from tests._reader_fuzz import leave_open_for_writing
 from vartrace.storage import H5PYSaverCallback, open_run, recover
 from vartrace.storage import writer as writer_module
 from vartrace.trace import RunContext, Trace
@@ -359,3 +360,29 @@ def test_ctrl_c_inside_the_foreground_write_reaches_the_loop_every_time(
             assert torch.equal(x.record(index), torch.full((3,), 2.0 * (index + 1)))
     with h5py.File(path, "r") as handle:  # closed cleanly
         assert handle["vars"]
+
+
+@pytest.mark.parametrize("target", ["/", "vars", "vars/x", "vars/x/shapes", "vars/x/values"])
+def test_a_damaged_header_in_a_killed_writers_file_is_an_error_in_time(
+    tmp_path: Path, target: str
+) -> None:
+    """A killed writer's file is read in SWMR mode, where HDF5 retries a piece whose
+    checksum fails, sleeping 1 ns, 2 ns, 4 ns, ... up to 2**100 ns: vartrace bounds the
+    retries, so a damaged object header ends in an error naming the object."""
+    path = tmp_path / "run.h5"
+    with H5PYSaverCallback(path) as saver:
+        saver("x", Trace([torch.ones(3, 2)] * 3, [1, 2, 3], [0] * 3, [0, 1, 2]))
+    with h5py.File(path, "r") as handle:
+        header = h5py.h5o.get_info(handle[target].id).addr
+    data = bytearray(path.read_bytes())
+    data[header + 12] ^= 0xFF  # inside the header: its checksum fails
+    assert leave_open_for_writing(data)
+    path.write_bytes(bytes(data))
+    command = [sys.executable, "-m", "vartrace", "ls", str(path)]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("reading the file hangs")
+    assert result.returncode == 2
+    named = str(path) if target == "/" else f"/{target} cannot be read"
+    assert named in result.stderr and "damaged" in result.stderr, result.stderr

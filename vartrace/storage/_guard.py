@@ -31,6 +31,7 @@ __all__ = [
     "child",
     "file_name",
     "held_bytes",
+    "open_object",
     "size_text",
 ]
 
@@ -101,17 +102,30 @@ def check_storage(dsid: h5py.h5d.DatasetID) -> None:
         )
 
 
+def open_object(group: h5py.Group, link: str) -> h5py.h5o.ObjectID:
+    """The low-level object ``link`` of ``group`` (a hard link, checked); an object HDF5
+    cannot open (a damaged header) is a :class:`RunFileError` naming it."""
+    check_link(group, link)
+    try:
+        return h5py.h5o.open(group.id, link.encode())
+    except KeyError as error:
+        where = f"{group.name.rstrip('/')}/{link}"
+        raise RunFileError(
+            f"{file_name(group.id)}: {where} cannot be read: a damaged file ({error.args[0]})"
+        ) from None
+
+
 def child(group: h5py.Group, link: str, kind: type) -> Any:
     """The object ``link`` of ``group`` (a hard link to a ``kind``), its data inside the file."""
-    check_link(group, link)
-    item = group[link]
+    item = open_object(group, link)
+    if kind is h5py.Group and isinstance(item, h5py.h5g.GroupID):
+        return h5py.Group(item)
+    if kind is h5py.Dataset and isinstance(item, h5py.h5d.DatasetID):
+        check_storage(item)
+        return h5py.Dataset(item)
+    what = "group" if kind is h5py.Group else "dataset"
     name = f"{group.name.rstrip('/')}/{link}"
-    if not isinstance(item, kind):
-        what = "group" if kind is h5py.Group else "dataset"
-        raise RunFileError(f"{file_name(group.id)}: {name} is not a {what}: a damaged file")
-    if isinstance(item, h5py.Dataset):
-        check_storage(item.id)
-    return item
+    raise RunFileError(f"{file_name(group.id)}: {name} is not a {what}: a damaged file")
 
 
 def held_bytes(dsid: h5py.h5d.DatasetID) -> int:

@@ -55,6 +55,7 @@ from vartrace.storage._guard import (
     child,
     file_name,
     held_bytes,
+    open_object,
     size_text,
 )
 from vartrace.storage._layout import (
@@ -69,6 +70,7 @@ from vartrace.storage._layout import (
     unescape,
     writer_alive,
 )
+from vartrace.storage._swmr import open_swmr
 
 __all__ = [
     "STATS",
@@ -113,15 +115,15 @@ def _open_hdf5(path: Path) -> h5py.File:
         return h5py.File(path, "r")
     except OSError as error:
         plain = error
-    # Only a file a writer holds (or held when killed) is worth SWMR mode: HDF5 retries each
-    # unreadable piece of a damaged file there for minutes.
+    # Only a file a writer holds (or held when killed) is worth SWMR mode, where HDF5 retries
+    # each unreadable piece of the file (see open_swmr).
     tries = _OPEN_TRIES if has_write_flags(path) else 0
     swmr = plain
     for attempt in range(tries):
         if attempt:
             time.sleep(_OPEN_PAUSE_S)
         try:
-            return h5py.File(path, "r", swmr=True)
+            return open_swmr(path)
         except OSError as error:
             swmr = error
     if "already open for write" in str(plain):
@@ -148,7 +150,11 @@ def open_file(path: str | os.PathLike[str]) -> h5py.File:
     if not path.exists():
         raise _missing(path)
     handle = _open_hdf5(path)
-    version = handle.attrs.get(FORMAT_ATTR)
+    try:
+        version = handle.attrs.get(FORMAT_ATTR)
+    except KeyError as error:  # the root group's header is damaged
+        handle.close()
+        raise RunFileError(f"{path} is a damaged HDF5 file: {error.args[0]}") from None
     if version is None:
         handle.close()
         raise ValueError(f"{path} is not a vartrace file: no {FORMAT_ATTR!r} root attribute")
@@ -235,8 +241,7 @@ def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
     Read through h5py's low-level calls: opening a site reads five such small
     datasets, and the high-level ones cost several times more than the read.
     """
-    check_link(group, name)
-    dataset = h5py.h5o.open(group.id, name.encode())
+    dataset = open_object(group, name)
     if not isinstance(dataset, h5py.h5d.DatasetID):
         where = f"{group.name}/{name}"
         raise RunFileError(f"{file_name(group.id)}: {where} is not a dataset: a damaged file")

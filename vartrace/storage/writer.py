@@ -63,6 +63,7 @@ from vartrace.storage._layout import (
     unescape,
     writer_alive,
 )
+from vartrace.storage._swmr import open_swmr
 from vartrace.storage._worker import Worker
 from vartrace.storage.metadata import collect_metadata, metadata_options
 from vartrace.trace import RunContext, Trace, report_during
@@ -1154,7 +1155,7 @@ def _refuse_live_writer(path: Path, *, by_saver: bool = False) -> None:
     else:
         busy, unknown = "", "; pass force=True once no process writes the file"
     try:
-        with h5py.File(path, "r", swmr=True) as handle:
+        with open_swmr(path) as handle:
             host = str(handle.attrs.get("writer_host", ""))
             pid = int(handle.attrs.get("writer_pid", -1))
     except OSError:
