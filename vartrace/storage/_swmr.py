@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -38,7 +39,7 @@ def _candidates() -> list[Path]:
 
 
 @functools.cache
-def _set_read_attempts() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _set_read_attempts() -> Callable[[int, int], int] | None:
     """``H5Pset_metadata_read_attempts`` of h5py's HDF5 library, or None if not found."""
     wanted = tuple(int(n) for n in h5py.version.hdf5_version_tuple[:3])
     for path in _candidates():
