@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests._reader_fuzz import leave_open_for_writing
-from vartrace.storage import H5PYSaverCallback, open_run, recover
+from vartrace.storage import H5PYSaverCallback, _swmr, open_run, recover
 from vartrace.storage import writer as writer_module
 from vartrace.trace import RunContext, Trace
 
@@ -391,3 +391,21 @@ def test_a_damaged_header_in_a_killed_writers_file_is_an_error_in_time(
     assert result.returncode == 2
     named = str(path) if target == "/" else f"/{target} cannot be read"
     assert named in result.stderr and "damaged" in result.stderr, result.stderr
+
+
+def test_without_hdf5s_library_a_swmr_open_warns_that_it_is_unbounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where h5py's HDF5 library cannot be found (no /proc, an unusual build), the file
+    still opens, with HDF5's own retries, and the reader says a damaged piece would hang."""
+    path = tmp_path / "run.h5"
+    with H5PYSaverCallback(path) as saver:
+        saver("x", Trace([1.0, 2.0], [1, 2], [0, 0], [0, 1]))
+    data = bytearray(path.read_bytes())
+    assert leave_open_for_writing(data)
+    path.write_bytes(bytes(data))
+    monkeypatch.setattr(_swmr, "_set_read_attempts", lambda: None)
+    with pytest.warns(RuntimeWarning, match="cannot bound HDF5's metadata retries"):
+        run = open_run(path)
+    with run:
+        assert run["x"].values[()].tolist() == [1.0, 2.0]
