@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import h5py
+
+from vartrace._warnings import warn
 
 #: Read attempts per piece of metadata: up to 2**READ_ATTEMPTS ns (about 1 s) spent on
 #: one a live writer is rewriting, which takes it microseconds.
@@ -69,7 +70,7 @@ def open_swmr(path: Path) -> h5py.File:
     fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
     setter = _set_read_attempts()
     if setter is None or setter(fapl.id, READ_ATTEMPTS) < 0:
-        warnings.warn(
+        warn(  # never raises: the saver opens files this way inside a step
             f"vartrace cannot bound HDF5's metadata retries here (h5py's HDF5 library was "
             f"not found): reading {path} in SWMR mode hangs if a piece of it is damaged",
             RuntimeWarning,
