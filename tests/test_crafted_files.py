@@ -24,6 +24,7 @@ import torch
 
 import vartrace
 from vartrace.storage import H5PYSaverCallback
+from vartrace.storage._codec import IN_OTHER
 from vartrace.storage.reader import RunFileError
 from vartrace.trace import Trace
 
@@ -184,6 +185,21 @@ def _unknown_kind(handle: h5py.File, root: Path) -> str:
     return "/vars/w/kinds"
 
 
+def _values_too_few_rows(handle: h5py.File, root: Path) -> str:
+    """Site w's values replaced by one row, where its 3 records are committed."""
+    del handle["vars/w/values"]
+    handle["vars/w"].create_dataset("values", data=np.zeros((1, 4), np.float32))
+    handle["vars/w/values"].attrs.update(storage="array", key="float32/1")
+    return "/vars/w/values"
+
+
+def _other_too_few_rows(handle: h5py.File, root: Path) -> str:
+    """Site w's last record said to be kept in an ``other`` dataset holding one row."""
+    handle["vars/w/kinds"][2] |= IN_OTHER
+    handle["vars/w"].create_dataset("other", data=np.zeros((1, 8), np.uint8))
+    return "/vars/w/other"
+
+
 CASES: dict[str, Callable[[h5py.File, Path], str]] = {
     "meta external storage": _meta_external_storage,
     "values external storage": _values_external_storage,
@@ -200,6 +216,8 @@ CASES: dict[str, Callable[[h5py.File, Path], str]] = {
     "unknown kind": _unknown_kind,
     "statistics declared 1 GiB": _statistics_declared_1_gib,
     "str record declared wide": _str_record_declared_wide,
+    "values with too few rows": _values_too_few_rows,
+    "other with too few rows": _other_too_few_rows,
 }
 
 

@@ -254,10 +254,7 @@ def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
             "expected rank: a damaged file"
         )
     if dims[0] < rows:
-        raise RunFileError(
-            f"{file_name(group.id)}: {group.name}/{name} holds {dims[0]} records where "
-            f"/committed counts {rows}: a damaged file"
-        )
+        raise _too_few(group, name, dims[0], rows)
     shape = (rows, *dims[1:])
     if math.prod(shape) * dataset.dtype.itemsize > FREE_READ_BYTES:  # the common case: small
         check_read(dataset, math.prod(shape))
@@ -270,6 +267,13 @@ def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
         space.select_hyperslab((0,) * len(shape), shape)
         dataset.read(h5py.h5s.create_simple(shape), space, out)
     return out
+
+
+def _too_few(group: h5py.Group, name: str, held: int, rows: int) -> RunFileError:
+    return RunFileError(
+        f"{file_name(group.id)}: {group.name}/{name} holds {held} records where /committed "
+        f"counts {rows}: a damaged file"
+    )
 
 
 class _Part:
@@ -288,7 +292,7 @@ class _Part:
             )
         self.rows = max(0, int(committed[slot])) if 0 <= slot < len(committed) else 0
         self.values: h5py.Dataset | None = (
-            child(group, "values", h5py.Dataset) if group.id.links.exists(b"values") else None
+            self._records("values") if group.id.links.exists(b"values") else None
         )
         self.unreadable = None if self.values is None else _load_filters(self.values)
         self.storage = "" if self.values is None else str(self.values.attrs["storage"])
@@ -298,6 +302,14 @@ class _Part:
         # The dtype the records were written with: h5py reads non-native byte orders as native.
         key = "" if self.values is None else str(self.values.attrs.get("key", ""))
         self.written_dtype = np.dtype(key.split("/")[0]) if key and not self.torch_dtype else None
+
+    def _records(self, name: str) -> h5py.Dataset:
+        """The dataset ``name`` of the site, which must hold a row for each committed record."""
+        dataset = child(self.group, name, h5py.Dataset)
+        held = dataset.shape[0] if dataset.shape else 0  # () or None: a scalar or empty one
+        if held < self.rows:
+            raise _too_few(self.group, name, held, self.rows)
+        return dataset
 
     @cached_property
     def tags(self) -> dict[str, np.ndarray]:
@@ -355,7 +367,7 @@ class _Part:
         if kind == Kind.NONE:
             return None
         if code & IN_OTHER:
-            other = child(self.group, "other", h5py.Dataset)
+            other = self._records("other")
             check_read(other, math.prod(other.shape[1:]))
             return from_blob(kind, other[row].tobytes(), allow_pickle, where)
         if self.values is None:
