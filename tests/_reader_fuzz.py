@@ -138,6 +138,8 @@ def _set_committed(handle: h5py.File, index: int | slice, value: int) -> bool:
     committed = handle.get("committed")
     if not isinstance(committed, h5py.Dataset) or committed.dtype.kind not in "iuf":
         return False
+    if committed.size > 1 << 16:  # one declared huge: writing it whole would fill memory
+        return False
     committed[index] = np.array(value, np.int64).astype(committed.dtype)
     return True
 

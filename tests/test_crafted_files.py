@@ -24,7 +24,7 @@ import torch
 
 import vartrace
 from vartrace.storage import H5PYSaverCallback
-from vartrace.storage._codec import IN_OTHER
+from vartrace.storage._codec import IN_OTHER, Kind
 from vartrace.storage.reader import RunFileError
 from vartrace.trace import Trace
 
@@ -118,6 +118,7 @@ def _tags_declared_8_gib(handle: h5py.File, root: Path) -> str:
     group = handle["vars/w"]
     for name in ("iterations", "ranks", "order", "kinds"):
         group[name].resize((GIB,))
+    group["values"].resize((GIB, *group["values"].shape[1:]))  # a row for each, declared too
     handle["committed"][int(group.attrs["slot"])] = GIB
     return "/vars/w/iterations"
 
@@ -200,6 +201,20 @@ def _other_too_few_rows(handle: h5py.File, root: Path) -> str:
     return "/vars/w/other"
 
 
+def _key_names_no_dtype(handle: h5py.File, root: Path) -> str:
+    """Site w's values keyed as numpy records of a dtype that does not exist."""
+    handle["vars/w/values"].attrs.update(key="float99/1", torch_dtype="")
+    return "/vars/w/values"
+
+
+def _str_records_in_numbers(handle: h5py.File, root: Path) -> str:
+    """Site note's str records said to be in a dataset of floats."""
+    del handle["vars/note/values"]
+    handle["vars/note"].create_dataset("values", data=np.zeros(2))
+    handle["vars/note/values"].attrs.update(storage="str")
+    return "/vars/note/values"
+
+
 CASES: dict[str, Callable[[h5py.File, Path], str]] = {
     "meta external storage": _meta_external_storage,
     "values external storage": _values_external_storage,
@@ -218,6 +233,8 @@ CASES: dict[str, Callable[[h5py.File, Path], str]] = {
     "str record declared wide": _str_record_declared_wide,
     "values with too few rows": _values_too_few_rows,
     "other with too few rows": _other_too_few_rows,
+    "key naming no dtype": _key_names_no_dtype,
+    "str records in numbers": _str_records_in_numbers,
 }
 
 
@@ -317,8 +334,13 @@ def _check_commands(root: Path, case: str, commands: dict[str, list[str]]) -> No
         readers = {"meta"}
     else:  # ls checks where a site's values lie but reads none of them
         # (statistics declared 1 GiB: its values have an axis its shapes lack, which ls reads)
-        declared = case in ("record declared 1 GiB", "record gzip bomb", "str record declared wide")
-        readers = set(commands) - {"meta"} - ({"ls"} if declared else set())
+        unread = (
+            "record declared 1 GiB",
+            "record gzip bomb",
+            "str record declared wide",
+            "str records in numbers",
+        )
+        readers = set(commands) - {"meta"} - ({"ls"} if case in unread else set())
         if where.startswith("/vars/note"):  # plot draws site w only
             readers -= {"plot"}
     for command, args in commands.items():
@@ -371,3 +393,15 @@ def test_to_xarray_refuses_a_crafted_record(tmp_path: Path, case: str) -> None:
     with vartrace.open(path) as run, pytest.raises(RunFileError) as raised:
         run["w"].to_xarray()
     assert where in str(raised.value)
+
+
+def test_a_scalar_record_stored_with_axes_is_an_error_naming_it(tmp_path: Path) -> None:
+    """A record whose kind says Python float over values of shape (4,): a clear error
+    naming it, not a TypeError from numpy."""
+    path = tmp_path / "run.h5"
+    _base(path)
+    with h5py.File(path, "r+") as handle:
+        handle["vars/w/kinds"][1] = Kind.FLOAT
+    stored = "record 1 of site 'w' is a float stored with shape"
+    with vartrace.open(path) as run, pytest.raises(ValueError, match=stored):
+        run["w"].record(1)

@@ -307,12 +307,19 @@ def from_blob(kind: int, blob: bytes, allow_pickle: bool, where: str) -> Any:
     if kind in (Kind.TENSOR_RAW, Kind.STATISTICS):
         name, _, blob = blob.partition(b"\n")
         torch_dtype = name.decode()
-    return from_array(kind, np.load(io.BytesIO(blob), allow_pickle=False), torch_dtype)
+    return from_array(kind, np.load(io.BytesIO(blob), allow_pickle=False), torch_dtype, where)
 
 
-def from_array(kind: int, array: Any, torch_dtype: str = "") -> Any:
-    """The record value of a numeric kind from its stored array (or numpy scalar)."""
+def from_array(kind: int, array: Any, torch_dtype: str = "", where: str = "a record") -> Any:
+    """The record value of a numeric kind from its stored array (or numpy scalar).
+
+    ``ValueError`` naming ``where`` for a scalar kind stored with axes (a damaged file).
+    """
     array = np.asarray(array)
+    if array.ndim and (kind == Kind.NPSCALAR or kind in _PY_TYPES):
+        raise ValueError(
+            f"{where} is a {KIND_NAMES[kind]} stored with shape {array.shape}: a damaged file"
+        )
     if kind == Kind.NDARRAY:
         return array
     if kind == Kind.STATISTICS:

@@ -301,7 +301,21 @@ class _Part:
         )
         # The dtype the records were written with: h5py reads non-native byte orders as native.
         key = "" if self.values is None else str(self.values.attrs.get("key", ""))
-        self.written_dtype = np.dtype(key.split("/")[0]) if key and not self.torch_dtype else None
+        self.written_dtype = self._written(key) if key and not self.torch_dtype else None
+
+    def _written(self, key: str) -> np.dtype:
+        """The dtype a values dataset's ``key`` names: its own, in some byte order."""
+        assert self.values is not None
+        try:
+            written = np.dtype(key.split("/")[0])
+        except (TypeError, ValueError):
+            written = None
+        if written is None or written.itemsize != self.values.dtype.itemsize:
+            raise RunFileError(
+                f"{file_name(self.group.id)}: {self.values.name} has the key {key!r}, which "
+                f"does not name its dtype ({self.values.dtype}): a damaged file"
+            )
+        return written
 
     def _records(self, name: str) -> h5py.Dataset:
         """The dataset ``name`` of the site, which must hold a row for each committed record."""
@@ -376,6 +390,11 @@ class _Part:
         if self.storage in ("str", "blob"):  # one entry a record: a crafted file declares more
             check_read(self.values, math.prod(self.values.shape[1:]))
         if self.storage == "str":
+            if not h5py.check_string_dtype(self.values.dtype):
+                raise RunFileError(
+                    f"{file_name(self.group.id)}: {self.values.name} holds str records in a "
+                    f"dataset of {self.values.dtype}: a damaged file"
+                )
             return self.values.asstr()[row]
         if self.storage == "blob":
             return from_blob(kind, self.values[row].tobytes(), allow_pickle, where)
@@ -386,7 +405,7 @@ class _Part:
         written = self.written_dtype
         if kind in (Kind.NDARRAY, Kind.NPSCALAR) and written is not None:
             data = np.asarray(data).astype(written, copy=False)
-        return from_array(kind, data, self.torch_dtype)
+        return from_array(kind, data, self.torch_dtype, where)
 
     def describe(
         self, stat: str | Callable[[Any], Any], allow_pickle: bool, name: str
@@ -411,7 +430,9 @@ class _Part:
                     cut: tuple[int | slice, ...] = (row - begin, *(slice(0, n) for n in shape))
                     kind = int(kinds[row])
                     value = (
-                        from_array(kind, block[cut], self.torch_dtype) if callable(stat) else None
+                        from_array(kind, block[cut], self.torch_dtype, f"row {row} of {name!r}")
+                        if callable(stat)
+                        else None
                     )
                     rows[row] = (_apply(stat, value, numeric[cut]), self.dtype, shape)
         for row, kind in enumerate(kinds & 0x7F):
