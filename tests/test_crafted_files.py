@@ -405,3 +405,22 @@ def test_a_scalar_record_stored_with_axes_is_an_error_naming_it(tmp_path: Path) 
     stored = "record 1 of site 'w' is a float stored with shape"
     with vartrace.open(path) as run, pytest.raises(ValueError, match=stored):
         run["w"].record(1)
+
+
+@pytest.mark.parametrize("torch_dtype", ["float99", "1099511627776", "float64"])
+def test_values_said_to_hold_the_bits_of_no_such_torch_dtype_are_an_error(
+    tmp_path: Path, torch_dtype: str
+) -> None:
+    """A ``torch_dtype`` that names no torch dtype, or one of another size than the stored
+    integers (float64 over 4-byte ones), is a clear error from the API; the CLI works or
+    says so in one line."""
+    path = tmp_path / "run.h5"
+    _base(path)
+    with h5py.File(path, "r+") as handle:
+        handle["vars/w/values"].attrs["torch_dtype"] = torch_dtype
+    with vartrace.open(path) as run, pytest.raises(ValueError, match="no torch dtype of 4 bytes"):
+        run.to_frame()
+    for command in (["ls"], ["show"], ["plot", "w", "-o", str(tmp_path / "w.png")]):
+        done, _ = _command([command[0], str(path), *command[1:]], tmp_path)
+        assert done.returncode in (0, 2) and "Traceback" not in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == (done.returncode == 2), done.stderr

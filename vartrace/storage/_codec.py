@@ -336,8 +336,22 @@ def from_array(kind: int, array: Any, torch_dtype: str = "", where: str = "a rec
         array = array.astype(array.dtype.newbyteorder("="), order="C")
     if kind == Kind.TENSOR_RAW:
         signed = torch.from_numpy(array.view(f"i{array.dtype.itemsize}"))
-        return signed.view(getattr(torch, torch_dtype))
+        return signed.view(raw_dtype(torch_dtype, array.dtype.itemsize, where))
     return torch.from_numpy(array)
+
+
+def raw_dtype(name: str, itemsize: int, where: str) -> Any:
+    """The torch dtype ``name`` whose bits are stored as ``itemsize``-byte integers;
+    ``ValueError`` naming ``where`` if it is none (a damaged file)."""
+    import torch
+
+    dtype = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype) or dtype.itemsize != itemsize:
+        raise ValueError(
+            f"{where} is stored as the bits of {name!r}, which is no torch dtype of "
+            f"{itemsize} bytes: a damaged file"
+        )
+    return dtype
 
 
 def _tensor_globals(torch: Any) -> Any:

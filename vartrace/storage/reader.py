@@ -45,6 +45,7 @@ from vartrace.storage._codec import (
     PickleNotAllowedError,
     from_array,
     from_blob,
+    raw_dtype,
 )
 from vartrace.storage._guard import (
     FREE_READ_BYTES,
@@ -422,7 +423,8 @@ class _Part:
                 stop = min(begin + step, len(kinds))  # rows past the committed ones: unflushed
                 check_read(self.values, (stop - begin) * record_bytes // self.values.dtype.itemsize)
                 block = self.values[begin:stop]
-                numeric = block if callable(stat) else _decode_raw(block, self.torch_dtype)
+                site = f"site {name!r}"
+                numeric = block if callable(stat) else _decode_raw(block, self.torch_dtype, site)
                 for row in range(begin, begin + len(block)):
                     if kinds[row] & IN_OTHER or kinds[row] == Kind.NONE:
                         continue
@@ -695,7 +697,7 @@ class Site:
         data = all_values(values)
         torch_dtype = next((p.torch_dtype for p in self._parts if p.torch_dtype), "")
         if torch_dtype:
-            data = _decode_raw(data, torch_dtype)
+            data = _decode_raw(data, torch_dtype, f"site {self.name!r}")
         coords = {"iteration": ("record", self.iterations), "rank": ("record", self.ranks)}
         array = xr.DataArray(
             data,
@@ -754,15 +756,16 @@ def _apply(stat: str | Callable[[Any], Any], value: Any, numeric: np.ndarray | N
     return float(reduce_block(STATS[stat], numeric.reshape(1, -1))[0])
 
 
-def _decode_raw(block: np.ndarray, torch_dtype: str) -> np.ndarray:
-    """Numbers of a block stored as the raw bits of ``torch_dtype`` (bfloat16, float8...)."""
-    if torch_dtype == "bfloat16":
+def _decode_raw(block: np.ndarray, torch_dtype: str, where: str) -> np.ndarray:
+    """Numbers of a block stored as the raw bits of ``torch_dtype`` (bfloat16, float8...);
+    ``where`` names the site in errors."""
+    if torch_dtype == "bfloat16" and block.dtype.itemsize == 2:  # without importing torch
         block = (block.astype(np.uint32) << 16).view(np.float32)
     elif torch_dtype and not block.dtype.names:  # (compound rows of statistics stay as they are)
         import torch
 
         raw = torch.from_numpy(np.ascontiguousarray(block).view(f"i{block.dtype.itemsize}"))
-        converted = raw.view(getattr(torch, torch_dtype))
+        converted = raw.view(raw_dtype(torch_dtype, block.dtype.itemsize, where))
         block = (
             converted.to(torch.complex128) if converted.is_complex() else converted.double()
         ).numpy()
