@@ -201,6 +201,13 @@ def _other_too_few_rows(handle: h5py.File, root: Path) -> str:
     return "/vars/w/other"
 
 
+def _other_of_fixed_strings(handle: h5py.File, root: Path) -> str:
+    """Site w's last record said to be kept, as bytes, in a dataset of fixed-size strings."""
+    handle["vars/w/kinds"][2] |= IN_OTHER
+    handle["vars/w"].create_dataset("other", data=np.array([b"abc"] * 3, "S8"))
+    return "/vars/w/other"
+
+
 def _key_names_no_dtype(handle: h5py.File, root: Path) -> str:
     """Site w's values keyed as numpy records of a dtype that does not exist."""
     handle["vars/w/values"].attrs.update(key="float99/1", torch_dtype="")
@@ -233,6 +240,7 @@ CASES: dict[str, Callable[[h5py.File, Path], str]] = {
     "str record declared wide": _str_record_declared_wide,
     "values with too few rows": _values_too_few_rows,
     "other with too few rows": _other_too_few_rows,
+    "other of fixed strings": _other_of_fixed_strings,
     "key naming no dtype": _key_names_no_dtype,
     "str records in numbers": _str_records_in_numbers,
 }

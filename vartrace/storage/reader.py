@@ -382,15 +382,12 @@ class _Part:
         if kind == Kind.NONE:
             return None
         if code & IN_OTHER:
-            other = self._records("other")
-            check_read(other, math.prod(other.shape[1:]))
-            return from_blob(kind, other[row].tobytes(), allow_pickle, where)
+            return self._blob(self._records("other"), row, kind, allow_pickle, where)
         if self.values is None:
             raise RunFileError(f"{where} has no values dataset: a damaged file")
         self.check(where)
-        if self.storage in ("str", "blob"):  # one entry a record: a crafted file declares more
+        if self.storage == "str":  # one entry a record: a crafted file declares more
             check_read(self.values, math.prod(self.values.shape[1:]))
-        if self.storage == "str":
             if not h5py.check_string_dtype(self.values.dtype):
                 raise RunFileError(
                     f"{file_name(self.group.id)}: {self.values.name} holds str records in a "
@@ -398,7 +395,7 @@ class _Part:
                 )
             return self.values.asstr()[row]
         if self.storage == "blob":
-            return from_blob(kind, self.values[row].tobytes(), allow_pickle, where)
+            return self._blob(self.values, row, kind, allow_pickle, where)
         shape = self.shape(row)  # within the padded shape, one size per axis
         check_read(self.values, math.prod(shape))
         cut = tuple(slice(0, n) for n in shape)
@@ -407,6 +404,18 @@ class _Part:
         if kind in (Kind.NDARRAY, Kind.NPSCALAR) and written is not None:
             data = np.asarray(data).astype(written, copy=False)
         return from_array(kind, data, self.torch_dtype, where)
+
+    def _blob(
+        self, dataset: h5py.Dataset, row: int, kind: int, allow_pickle: bool, where: str
+    ) -> Any:
+        """The record kept as bytes in row ``row`` of ``dataset`` (of variable-length uint8)."""
+        if h5py.check_vlen_dtype(dataset.dtype) != np.uint8:
+            raise RunFileError(
+                f"{file_name(self.group.id)}: {dataset.name} holds records as bytes in a "
+                f"dataset of {dataset.dtype}: a damaged file"
+            )
+        check_read(dataset, math.prod(dataset.shape[1:]))
+        return from_blob(kind, dataset[row].tobytes(), allow_pickle, where)
 
     def describe(
         self, stat: str | Callable[[Any], Any], allow_pickle: bool, name: str
