@@ -208,6 +208,13 @@ def _other_of_fixed_strings(handle: h5py.File, root: Path) -> str:
     return "/vars/w/other"
 
 
+def _unknown_storage(handle: h5py.File, root: Path) -> str:
+    """Site note's str records said to be stored in a way vartrace does not write: read as
+    numbers, they are strings."""
+    handle["vars/note/values"].attrs["storage"] = "float99/3"
+    return "/vars/note/values"
+
+
 def _key_names_no_dtype(handle: h5py.File, root: Path) -> str:
     """Site w's values keyed as numpy records of a dtype that does not exist."""
     handle["vars/w/values"].attrs.update(key="float99/1", torch_dtype="")
@@ -241,6 +248,7 @@ CASES: dict[str, Callable[[h5py.File, Path], str]] = {
     "values with too few rows": _values_too_few_rows,
     "other with too few rows": _other_too_few_rows,
     "other of fixed strings": _other_of_fixed_strings,
+    "unknown storage": _unknown_storage,
     "key naming no dtype": _key_names_no_dtype,
     "str records in numbers": _str_records_in_numbers,
 }
@@ -347,6 +355,7 @@ def _check_commands(root: Path, case: str, commands: dict[str, list[str]]) -> No
             "record gzip bomb",
             "str record declared wide",
             "str records in numbers",
+            "unknown storage",
         )
         readers = set(commands) - {"meta"} - ({"ls"} if case in unread else set())
         if where.startswith("/vars/note"):  # plot draws site w only
@@ -432,3 +441,26 @@ def test_values_said_to_hold_the_bits_of_no_such_torch_dtype_are_an_error(
         done, _ = _command([command[0], str(path), *command[1:]], tmp_path)
         assert done.returncode in (0, 2) and "Traceback" not in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == (done.returncode == 2), done.stderr
+
+
+def test_numeric_records_in_a_dataset_of_strings_are_an_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    _base(path)
+    with h5py.File(path, "r+") as handle:
+        del handle["vars/w/values"]
+        handle["vars/w"].create_dataset("values", data=np.array([[b"ab"] * 4] * 3, "S4"))
+        handle["vars/w/values"].attrs.update(storage="array", key="float32/1")
+    with vartrace.open(path) as run, pytest.raises(RunFileError, match="/vars/w/values holds"):
+        run["w"].record(0)
+
+
+@pytest.mark.parametrize("version", [np.arange(3), "1", 1.5])
+def test_a_format_version_that_is_no_integer_is_not_a_vartrace_file(
+    tmp_path: Path, version: object
+) -> None:
+    path = tmp_path / "run.h5"
+    _base(path)
+    with h5py.File(path, "r+") as handle:
+        handle.attrs["vartrace_format"] = version
+    with pytest.raises(ValueError, match="not a vartrace file: no integer 'vartrace_format'"):
+        vartrace.open(path)

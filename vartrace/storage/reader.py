@@ -156,9 +156,10 @@ def open_file(path: str | os.PathLike[str]) -> h5py.File:
     except KeyError as error:  # the root group's header is damaged
         handle.close()
         raise RunFileError(f"{path} is a damaged HDF5 file: {error.args[0]}") from None
-    if version is None:
+    if not isinstance(version, (int, np.integer)):
         handle.close()
-        raise ValueError(f"{path} is not a vartrace file: no {FORMAT_ATTR!r} root attribute")
+        what = "no" if version is None else "no integer"
+        raise ValueError(f"{path} is not a vartrace file: {what} {FORMAT_ATTR!r} root attribute")
     if int(version) > FORMAT_VERSION:
         handle.close()
         raise ValueError(
@@ -268,6 +269,10 @@ def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
         space.select_hyperslab((0,) * len(shape), shape)
         dataset.read(h5py.h5s.create_simple(shape), space, out)
     return out
+
+
+#: The numpy dtype kinds of a values dataset of numbers (and compound rows of statistics).
+_NUMERIC_KINDS = "biufcV"
 
 
 def _too_few(group: h5py.Group, name: str, held: int, rows: int) -> RunFileError:
@@ -396,6 +401,11 @@ class _Part:
             return self.values.asstr()[row]
         if self.storage == "blob":
             return self._blob(self.values, row, kind, allow_pickle, where)
+        if self.values.dtype.kind not in _NUMERIC_KINDS:
+            raise RunFileError(
+                f"{file_name(self.group.id)}: {self.values.name} holds numeric records in a "
+                f"dataset of {self.values.dtype}: a damaged file"
+            )
         shape = self.shape(row)  # within the padded shape, one size per axis
         check_read(self.values, math.prod(shape))
         cut = tuple(slice(0, n) for n in shape)
