@@ -464,3 +464,21 @@ def test_a_format_version_that_is_no_integer_is_not_a_vartrace_file(
         handle.attrs["vartrace_format"] = version
     with pytest.raises(ValueError, match="not a vartrace file: no integer 'vartrace_format'"):
         vartrace.open(path)
+
+
+@pytest.mark.parametrize("key", ["float64/1", "int8/1", ">f4/1"])
+def test_a_values_key_must_name_the_values_dtype_in_some_byte_order(
+    tmp_path: Path, key: str
+) -> None:
+    """The key says which dtype (and byte order) the records were written with: one of
+    another size than the dataset's is a damaged file; the same one byte-swapped reads."""
+    path = tmp_path / "run.h5"
+    _base(path)
+    with h5py.File(path, "r+") as handle:
+        handle["vars/w/values"].attrs.update(key=key, torch_dtype="")
+    with vartrace.open(path) as run:
+        if np.dtype(key.split("/")[0]).itemsize == 4:
+            assert np.array_equal(run["w"].record(1), np.arange(4.0) + 1)
+        else:
+            with pytest.raises(RunFileError, match="/vars/w/values has the key"):
+                run["w"].record(1)
