@@ -409,3 +409,30 @@ def test_without_hdf5s_library_a_swmr_open_warns_that_it_is_unbounded(
         run = open_run(path)
     with run:
         assert run["x"].values[()].tolist() == [1.0, 2.0]
+
+
+def test_a_site_made_after_a_reader_opened_a_live_file_appears_on_reopen(tmp_path: Path) -> None:
+    """A running writer makes the site "late" at step 7, after this reader opened the file:
+    HDF5 finds it past the end of the file as the reader saw it, so the reader leaves it out
+    (not "a damaged file") and a reopened run has it."""
+    path = tmp_path / "run.h5"
+    script = tmp_path / "trainer.py"
+    script.write_text(_TRAINER)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(path), "", "inline"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        process.stdout.readline()
+        run = open_run(path)  # its sites are listed at first use
+        for line in process.stdout:
+            if int(line.split()[1]) >= 12:
+                break
+        with run:
+            assert run.live and {"forward.x", "lin.forward", "note"} <= set(run.names)
+            assert len(run["forward.x"]) >= 2
+        with open_run(path) as again:
+            assert "late" in again.names and again["late"].record(0) == 7
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)

@@ -806,6 +806,11 @@ def _expand(path_or_glob: str | os.PathLike[str] | Sequence[str | os.PathLike[st
     return given
 
 
+#: HDF5's error for an object that a running writer made after a SWMR reader opened the
+#: file (past the end of the file as the reader saw it): the site is left out until a reopen.
+_BEYOND_VIEW = "address of object past end of allocation"
+
+
 def _writer_alive(handle: h5py.File) -> bool:
     """Whether the process that last opened ``handle``'s file for writing may still run."""
     host, pid = handle.attrs.get("writer_host", ""), handle.attrs.get("writer_pid", 0)
@@ -901,8 +906,14 @@ class Run:
             check_read(committed, committed.size)
             counts = np.asarray(committed[()], np.int64).reshape(-1)
             sites = child(handle, "vars", h5py.Group)
+            live = handle.swmr_mode and _writer_alive(handle)
             for link in sites:
-                part = _Part(child(sites, link, h5py.Group), counts)
+                try:
+                    part = _Part(child(sites, link, h5py.Group), counts)
+                except RunFileError as error:
+                    if live and _BEYOND_VIEW in str(error):
+                        continue  # the writer made the site after this reader's view of the file
+                    raise
                 if part.rows:  # a site a killed writer created but never flushed is left out
                     links.setdefault(unescape(link), []).append(part)
         return links
