@@ -8,6 +8,7 @@ of the next gather's writes) and then reads the file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import h5py
@@ -108,6 +110,28 @@ def _train_and_kill(
     return last
 
 
+@contextlib.contextmanager
+def _live_trainer(path: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """The trainer writing ``path`` (inline, uncompressed), after its first flush: the process
+    and the iteration it flushed; killed with SIGKILL at the end."""
+    script = path.parent / "trainer.py"
+    script.write_text(_TRAINER)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(path), "", "inline"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        yield process, _flushed(process)
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+
+
+def _flushed(process: subprocess.Popen[str]) -> int:
+    """The iteration of the trainer's next flush (its next line)."""
+    assert process.stdout is not None
+    return int(process.stdout.readline().split()[1])
+
+
 def _check_records(path: Path, flushed: int) -> int:
     """Every record read back is exact, and every iteration up to ``flushed`` is there."""
     with open_run(path) as run:
@@ -184,47 +208,27 @@ def test_recover_clears_the_flags_so_plain_h5py_opens_a_killed_writers_file(
 
 def test_a_live_writer_is_not_recovered_and_blocks_append(tmp_path: Path) -> None:
     path = tmp_path / "run.h5"
-    script = tmp_path / "trainer.py"
-    script.write_text(_TRAINER)
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(path), "", "inline"], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert process.stdout is not None
-        process.stdout.readline()
+    with _live_trainer(path):
         with pytest.raises(OSError, match="still runs"):
             recover(path)
         with pytest.raises(OSError, match="still runs"):
             H5PYSaverCallback(path, append=True)("forward.x", Trace())
         with open_run(path) as run:  # a reader follows the running job
             assert len(run["forward.x"]) >= 2
-    finally:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait(timeout=60)
 
 
 def test_overwrite_refuses_the_file_of_a_live_writer_and_replaces_a_killed_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "run.h5"
-    script = tmp_path / "trainer.py"
-    script.write_text(_TRAINER)
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(path), "", "inline"], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert process.stdout is not None
-        flushed = int(process.stdout.readline().split()[1])
+    with _live_trainer(path) as (process, flushed):
         with pytest.raises(OSError, match=f"the writer process {process.pid} still runs") as live:
             H5PYSaverCallback(path, overwrite=True).on_start(RunContext())
         # advice the saver's user can follow: H5PYSaverCallback has no force option
         assert "wait for it to end or stop it, or write to another path" in str(live.value)
         assert "force=True" not in str(live.value)
         for _ in range(2):  # the live run goes on writing the same file
-            flushed = int(process.stdout.readline().split()[1])
-    finally:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait(timeout=60)
+            flushed = _flushed(process)
     _check_records(path, flushed)
     with monkeypatch.context() as elsewhere:  # a writer on another host: cannot be told
         elsewhere.setattr(writer_module, "writer_alive", lambda host, pid: None)
@@ -416,23 +420,12 @@ def test_a_site_made_after_a_reader_opened_a_live_file_appears_on_reopen(tmp_pat
     HDF5 finds it past the end of the file as the reader saw it, so the reader leaves it out
     (not "a damaged file") and a reopened run has it."""
     path = tmp_path / "run.h5"
-    script = tmp_path / "trainer.py"
-    script.write_text(_TRAINER)
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(path), "", "inline"], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert process.stdout is not None
-        process.stdout.readline()
+    with _live_trainer(path) as (process, _):
         run = open_run(path)  # its sites are listed at first use
-        for line in process.stdout:
-            if int(line.split()[1]) >= 12:
-                break
+        while _flushed(process) < 12:
+            pass
         with run:
             assert run.live and {"forward.x", "lin.forward", "note"} <= set(run.names)
             assert len(run["forward.x"]) >= 2
         with open_run(path) as again:
             assert "late" in again.names and again["late"].record(0) == 7
-    finally:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait(timeout=60)
