@@ -394,18 +394,12 @@ class _Part:
         if self.storage == "str":  # one entry a record: a crafted file declares more
             check_read(self.values, math.prod(self.values.shape[1:]))
             if not h5py.check_string_dtype(self.values.dtype):
-                raise RunFileError(
-                    f"{file_name(self.group.id)}: {self.values.name} holds str records in a "
-                    f"dataset of {self.values.dtype}: a damaged file"
-                )
+                raise self._misstored(self.values, "str records")
             return self.values.asstr()[row]
         if self.storage == "blob":
             return self._blob(self.values, row, kind, allow_pickle, where)
         if self.values.dtype.kind not in _NUMERIC_KINDS:
-            raise RunFileError(
-                f"{file_name(self.group.id)}: {self.values.name} holds numeric records in a "
-                f"dataset of {self.values.dtype}: a damaged file"
-            )
+            raise self._misstored(self.values, "numeric records")
         shape = self.shape(row)  # within the padded shape, one size per axis
         check_read(self.values, math.prod(shape))
         cut = tuple(slice(0, n) for n in shape)
@@ -415,15 +409,18 @@ class _Part:
             data = np.asarray(data).astype(written, copy=False)
         return from_array(kind, data, self.torch_dtype, where)
 
+    def _misstored(self, dataset: h5py.Dataset, what: str) -> RunFileError:
+        return RunFileError(
+            f"{file_name(self.group.id)}: {dataset.name} holds {what} in a dataset of "
+            f"{dataset.dtype}: a damaged file"
+        )
+
     def _blob(
         self, dataset: h5py.Dataset, row: int, kind: int, allow_pickle: bool, where: str
     ) -> Any:
         """The record kept as bytes in row ``row`` of ``dataset`` (of variable-length uint8)."""
         if h5py.check_vlen_dtype(dataset.dtype) != np.uint8:
-            raise RunFileError(
-                f"{file_name(self.group.id)}: {dataset.name} holds records as bytes in a "
-                f"dataset of {dataset.dtype}: a damaged file"
-            )
+            raise self._misstored(dataset, "records as bytes")
         check_read(dataset, math.prod(dataset.shape[1:]))
         return from_blob(kind, dataset[row].tobytes(), allow_pickle, where)
 
