@@ -316,7 +316,7 @@ def _run_wide(steps: int, bound: int, on_full: str, *callbacks: Any) -> ModelTra
             with simgpu.LOG.paused():
                 value = simgpu.to_device(torch.full((256,), float(step)))
             model(value)
-            inflight.append(tracer._stager._inflight)
+            inflight.append(tracer._stager.inflight)
     assert max(inflight) <= bound
     assert tracer.staging_stats.max_inflight_bytes <= bound
     return tracer

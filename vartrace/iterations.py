@@ -79,7 +79,8 @@ class IterationCounter:
 
     ``set_enabled(on)`` switches the tracer's capture hooks (off while no
     thread runs a recorded iteration); ``flush()`` hands the buffered chunk
-    on (every ``gathering_interval`` iterations or optimizer steps).
+    on (every ``gathering_interval`` iterations or optimizer steps); ``end()`` is
+    called at the end of every other outermost call.
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class IterationCounter:
         gathering_interval: int,
         set_enabled: Callable[[bool], None],
         flush: Callable[[], None],
+        end: Callable[[], None] = lambda: None,
     ) -> None:
         self._model = model
         self._mode = mode
@@ -99,6 +101,7 @@ class IterationCounter:
         self._set_enabled = set_enabled
         self._enabled: bool | None = None  # what set_enabled was last told (under _lock)
         self._flush = flush
+        self._end = end
         self._lock = threading.Lock()
         self._count = 0
         self._calls = 0
@@ -225,12 +228,14 @@ class IterationCounter:
         with self._lock:
             self._active -= state.active
             state.active = False
-            if not state.in_mode or self._steps is not None:
-                return
-            self._calls += 1
-            due = not failed and self._calls % self._gathering_interval == 0
+            due = False
+            if state.in_mode and self._steps is None:
+                self._calls += 1
+                due = not failed and self._calls % self._gathering_interval == 0
         if due:
             self._flush()
+        else:
+            self._end()
 
     def stepped(self) -> None:
         """An optimizer step completed: later records belong to the next iteration."""

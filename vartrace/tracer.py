@@ -4,7 +4,7 @@ Data flows one way: the engine captures leaves from patched methods ->
 pre-save callbacks -> a detached copy -> change detection -> the chunk
 buffer -> pre-gather callbacks -> gather to rank 0 -> post-gather
 callbacks -> :attr:`ModelTracer.results`, and post-trace callbacks at the
-end.  With asynchronous staging (:mod:`vartrace.staging`, the default for a
+end.  With asynchronous staging (:mod:`vartrace.device`, the default for a
 model on an accelerator) the capturing thread only admits each record;
 everything from the copy to the host on runs on the stager's thread, in
 capture order.
@@ -34,7 +34,7 @@ from vartrace.record import DROP, subscribe, unsubscribe
 from vartrace.results import Results, unstacked
 from vartrace.silence import SilenceWatch
 from vartrace.sites import Target, is_compiled, resolve, unwrap
-from vartrace.staging import OnFull, Stager, StagingStats
+from vartrace.device import OnFull, Stager, StagingStats, detach_from_ring
 from vartrace.tensors import (
     copy_leaf,
     is_transformed,
@@ -296,7 +296,7 @@ class ModelTracer:
             ``"async"``: a clone on the device and an event at capture, and
             everything else (copy to the host, change detection, gathers,
             post-gather callbacks) on a ``vartrace-staging-N`` thread, so that
-            the step never waits for the device (see :mod:`vartrace.staging`).
+            the step never waits for the device (see :mod:`vartrace.device.staging`).
             ``"sync"``: each record is copied where it is captured (a
             blocking device-to-host copy on a GPU).  ``"auto"`` (default):
             ``"async"`` when the model has parameters or buffers on an
@@ -378,6 +378,7 @@ class ModelTracer:
             gathering_interval=self.gathering_interval,
             set_enabled=self._set_enabled,
             flush=self._flush,
+            end=self._end_iteration,
         )
         self._chunk: dict[str, Trace] = {}
         self._last: dict[str, Any] = {}
@@ -459,6 +460,7 @@ class ModelTracer:
                 max_inflight_bytes=self.max_inflight_bytes,
                 on_full=self.on_full,
                 device=self.device,
+                compare=self.change_detection,
             )
         try:
             self._attach()
@@ -726,22 +728,23 @@ class ModelTracer:
             trace.append(record, iteration, self._rank, self._order)
 
     def _keep(self, site: str, record: Any, iteration: int, host: Any) -> None:
-        """Append a staged ``record`` to the chunk unless ``host`` (its copy on the host)
-        equals the site's last one.
+        """Append a staged ``record`` to the chunk, unless ``host`` (a host copy of a value
+        copied at admission) equals the site's last one; ``host`` is ``None`` for a record
+        the stager already compared on the device.
 
         The stager's thread alone calls it, in capture order, and alone touches the
         chunk, the order numbers and the last records while staging is on: no lock.
         """
         stats = self._stager.stats  # type: ignore[union-attr]
         if self.change_detection:
-            last = self._last.get(site, _MISSING)
-            if last is not _MISSING and same(host, last):
-                stats.unchanged += 1
-                return
-        if record is host:  # out of the pinned buffer it arrived in
-            record = host = Stager.keep(record)
-        if self.change_detection:
-            self._last[site] = host
+            if host is None:
+                self._last.pop(site, None)  # compared on the device from now on
+            else:
+                last = self._last.get(site, _MISSING)
+                if last is not _MISSING and same(host, last):
+                    stats.unchanged += 1
+                    return
+                self._last[site] = host
         stats.kept += 1
         self._order += 1
         trace = self._chunk.get(site)
@@ -767,6 +770,11 @@ class ModelTracer:
             for site, leaf in leaves(value, name):
                 for part, piece in split_object(site, leaf, self._split_warned):
                     self._store(part, piece, iteration)
+
+    def _end_iteration(self) -> None:
+        """An outermost call ended without a gather: its records start for the host."""
+        if self._stager is not None:
+            self._stager.flush()
 
     def _flush(self) -> None:
         if self._stager is not None:
@@ -803,8 +811,12 @@ class ModelTracer:
             if gathered is None:
                 return
             pending = dict(gathered)
+            ring = None if self._stager is None else self._stager.ring
             for name, trace in gathered.items():
                 _run_callbacks("post_gather", self.post_gather_callbacks, name, trace)
+                if ring is not None and isinstance(trace.values, list):
+                    # Kept for good: out of the staging slots, which go back to the ring.
+                    trace.values = [detach_from_ring(ring, value) for value in trace.values]
                 self._results.add(name, trace)
                 del pending[name]
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C in a callback: the records stay

@@ -1,0 +1,202 @@
+"""Host memory for records leaving an accelerator: allocated once, reused, never copied out.
+
+A :class:`HostRing` owns a few large host segments (pinned where the device
+can pin, ordinary memory where it cannot: the stand-in device of the tests
+runs the same code).  A record's host copy is a *slot*, a byte range of a
+segment, handed out as a zero-copy tensor view.  The slot returns to the ring
+when the last tensor (or numpy array) viewing it dies, whoever holds it: the
+saver writing it, a background writer, a user's callback.  So no record is
+copied out of the ring to be kept, and no record's memory is freed while
+something still reads it.
+
+Segments come in on demand, up to ``capacity`` bytes; a record that finds no
+room gets ordinary memory of its own (counted as an overflow), so the staging
+thread never waits for a consumer that itself waits behind it.
+
+Example::
+
+    ring = HostRing(capacity=1 << 30, pin=True)
+    host = ring.tensor((1024, 768), torch.bfloat16)   # a view of a pinned slot
+    host.copy_(device_tensor, non_blocking=True)
+    del host                                          # the slot is free again
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["HostRing", "detach_from_ring"]
+
+_ALIGN = 256  # bytes: every slot starts at a multiple of this
+_SEGMENT = 256 << 20  # bytes of one segment, unless the capacity is smaller
+
+
+class _Segment:
+    """One host buffer, and its free byte ranges (sorted, disjoint, coalesced)."""
+
+    __slots__ = ("array", "base", "end", "free_ends", "free_starts", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.array: np.ndarray = tensor.numpy()
+        self.base = tensor.data_ptr()
+        self.end = self.base + tensor.nbytes
+        self.free_starts = [0]
+        self.free_ends = [tensor.nbytes]
+
+    def take(self, size: int) -> int | None:
+        """The offset of ``size`` free bytes (first fit), now taken; ``None`` when none."""
+        for index, (start, end) in enumerate(zip(self.free_starts, self.free_ends, strict=True)):
+            if end - start >= size:
+                if end - start == size:
+                    del self.free_starts[index], self.free_ends[index]
+                else:
+                    self.free_starts[index] = start + size
+                return start
+        return None
+
+    def give(self, start: int, size: int) -> None:
+        """Return ``[start, start + size)``, merging it with its free neighbours."""
+        end = start + size
+        index = bisect.bisect_left(self.free_starts, start)
+        starts, ends = self.free_starts, self.free_ends
+        if index < len(starts) and starts[index] == end:  # merges with the range after
+            end = ends[index]
+            del starts[index], ends[index]
+        if index and ends[index - 1] == start:  # merges with the range before
+            ends[index - 1] = end
+        else:
+            starts.insert(index, start)
+            ends.insert(index, end)
+
+
+class HostRing:
+    """Host slots for records, out of segments allocated once (see the module's docstring).
+
+    Args:
+        capacity: the most bytes of segments the ring allocates.
+        pin: page-lock the segments (``torch.empty(..., pin_memory=True)``); where
+            the build or the device cannot, the segments are ordinary memory.
+
+    Attributes:
+        pinned: whether the segments are pinned (``None`` before the first one).
+        used: bytes of slots in use now; ``peak``: the most at once.
+        overflows: records that found no room and got memory of their own.
+    """
+
+    def __init__(self, capacity: int, *, pin: bool = True) -> None:
+        self.capacity = capacity
+        self.pinned: bool | None = None if pin else False
+        self.used = 0
+        self.peak = 0
+        self.overflows = 0
+        self._segment_bytes = max(_ALIGN, min(_SEGMENT, capacity))
+        self._segments: list[_Segment] = []
+        self._allocated = 0
+        self._lock = threading.Lock()  # slots return on whatever thread drops the last view
+
+    def tensor(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised host tensor of ``shape`` and ``dtype``: a slot's view, or, when
+        the ring is full, a tensor of its own (an overflow)."""
+        nbytes = _numel(shape) * dtype.itemsize
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)  # no bytes to hold
+        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        with self._lock:
+            place = self._take(size)
+            if place is None:
+                self.overflows += 1
+            else:
+                self.used += size
+                self.peak = max(self.peak, self.used)
+        if place is None:
+            return torch.empty(shape, dtype=dtype)
+        segment, start = place
+        # A numpy view of its own per slot: when the last tensor built on it dies, so does
+        # it, and its finalizer returns the slot.
+        window = segment.array[start : start + nbytes]
+        weakref.finalize(window, self._give, segment, start, size)
+        return torch.from_numpy(window).view(dtype).view(shape)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory lies in one of the ring's segments."""
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu:
+            return False
+        address = tensor.untyped_storage().data_ptr()
+        return any(s.base <= address < s.end for s in self._segments)
+
+    def _take(self, size: int) -> tuple[_Segment, int] | None:
+        for segment in self._segments:
+            start = segment.take(size)
+            if start is not None:
+                return segment, start
+        grow = max(self._segment_bytes, size)
+        if self._allocated + grow > self.capacity:
+            return None
+        segment = _Segment(self._allocate(grow))
+        self._segments.append(segment)
+        self._allocated += grow
+        start = segment.take(size)
+        assert start == 0
+        return segment, start
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        if self.pinned is not False:
+            try:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError:  # no pinning in this build or for this device
+                self.pinned = False
+            else:
+                self.pinned = True
+                return buffer
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _give(self, segment: _Segment, start: int, size: int) -> None:
+        with self._lock:
+            segment.give(start, size)
+            self.used -= size
+
+
+def detach_from_ring(ring: HostRing | None, value: Any) -> Any:
+    """``value``, or a copy of it in memory of its own if it views ``ring`` (records kept in
+    memory for good must not hold the ring's slots).  The copy is numpy's: one thread, no
+    torch CPU kernel."""
+    if ring is None or not ring.owns(value):
+        return value
+    dtype = value.dtype
+    raw = value.view(_BITS[value.element_size()]) if dtype in _NOT_NUMPY else value
+    copy = torch.from_numpy(np.array(raw.numpy(), copy=True))
+    return copy.view(dtype) if raw is not value else copy
+
+
+# Dtypes numpy has no type for: copied through an integer view of the same width.
+_NOT_NUMPY = frozenset(
+    getattr(torch, name)
+    for name in (
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "complex32",
+        "uint16",
+        "uint32",
+        "uint64",
+    )
+    if hasattr(torch, name)
+)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _numel(shape: Any) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

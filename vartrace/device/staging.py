@@ -1,0 +1,652 @@
+"""Asynchronous staging: records of accelerator tensors reach the host with no sync in the step.
+
+On a GPU, a blocking ``.cpu()`` per record drains the launch queue: the CPU
+can no longer run ahead of the device, and a Python-heavy step becomes CPU
+time plus GPU time.  A :class:`Stager` takes every record off the capturing
+thread instead, and costs that thread one clone per record:
+
+1. **Admission** (the capturing thread: the training thread, or autograd's
+   device thread for ``@grad``) counts the record's bytes against
+   ``max_inflight_bytes``, clones the tensor on the device, on the producer's
+   current stream, and appends it to the open batch: no event, no lock, no
+   wake-up.  Values that are not accelerator tensors (CPU tensors, Python
+   scalars, markers) are copied at once and join the batch too, so that
+   records keep capture order.
+2. **Flush** (any thread, at the end of each iteration, at the end of a
+   backward pass, every :data:`FLUSH_BYTES` or :data:`FLUSH_RECORDS`, and
+   before a job): one event per producer stream after the batch's clones,
+   and one hand-off to the staging thread.
+3. **Copy** (one ``vartrace-staging-N`` thread per tracer): a side stream
+   waits for those events, compares each clone with the site's previous one
+   on the device (bit for bit, into one flag per record: no host pass over
+   unchanged records), copies the clones into slots of a :class:`HostRing`
+   (pinned memory allocated once and reused: no copy-out, no allocation per
+   record), and records one event.
+4. **Delivery** (the same thread, in admission order): once that event has
+   completed (a blocking wait that releases the GIL, or polls where a user's
+   ``torch.cuda.set_sync_debug_mode`` watches for syncs), the changed records
+   go to ``deliver(site, record, iteration, host)`` -- the tracer's chunk --
+   as views of their slots; a slot returns to the ring when its last view
+   dies (after the saver wrote it).  Jobs queued with :meth:`Stager.call`
+   (the tracer's gathers) run in the same order, after every record admitted
+   before them.
+
+The staging thread runs no torch CPU kernel on records (views and
+device-to-host ``copy_`` only) and uses one OpenMP thread of its own, so it
+never wakes a team of spinning workers on the training thread's cores.
+
+Memory in flight (records between admission and delivery) is bounded by
+bytes at admission: when a record would exceed the bound the capturing thread
+waits for earlier records to land (``on_full="wait"``, counted, warned once),
+or the record is dropped (``on_full="drop"``, counted per site) and a
+:class:`~vartrace.Unstored` marker takes its place, so that "the last record
+at or before step k" is never silently stale.
+
+A stream that is capturing a CUDA graph skips the record with one warning: a
+replay of the graph runs no Python, so there would be nothing to record.
+
+Example::
+
+    stager = Stager(lambda site, record, iteration, host: print(site, record))
+    stager.admit("forward.x", torch.ones(3, device="cuda"), iteration=1)
+    stager.call(lambda: print("every record admitted so far was delivered"))
+    stager.close()
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Literal
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from vartrace._warnings import warn
+from vartrace.device._threads import one_openmp_thread
+from vartrace.device.ring import HostRing
+from vartrace.record import Unstored
+from vartrace.tensors import copy_leaf
+
+__all__ = ["FLUSH_BYTES", "FLUSH_RECORDS", "OnFull", "Stager", "StagingStats", "stageable"]
+
+OnFull = Literal["wait", "drop"]
+Deliver = Callable[[str, Any, int, Any], None]
+"""``deliver(site, record, iteration, host)``: a changed record, in admission order.
+
+The record lives on the stager's ``device``.  ``host`` is the record's host
+copy for the receiver's own change detection (values copied at admission), or
+``None`` when the stager already compared it with the site's last record.
+"""
+
+FLUSH_BYTES = 64 << 20
+"""Bytes admitted after which the open batch is flushed, so copies start during a long step."""
+FLUSH_RECORDS = 256
+"""Records admitted after which the open batch is flushed."""
+
+_CPU = torch.device("cpu")
+_STREAM_API = ("Stream", "Event", "current_stream", "stream")
+_POLL_FIRST, _POLL_MAX = 2e-5, 1e-3  # seconds between event polls: doubling, capped
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_names = itertools.count(1)
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside autograd's backward
+
+
+@dataclass
+class StagingStats:
+    """What a :class:`Stager` did, for ``tracer.staging_stats``.
+
+    Attributes:
+        admitted: records admitted (staged or copied at once).
+        staged: records cloned on a device and copied to the host asynchronously.
+        kept: records that changed and were recorded.
+        unchanged: records equal to the site's last one, left out.
+        dropped: records dropped because the bound was reached (``on_full="drop"``).
+        dropped_by_site: ``dropped`` per site.
+        waits: admissions that waited for memory in flight (``on_full="wait"``).
+        wait_seconds: the time those waits took, in total.
+        max_inflight_bytes: the most bytes in flight at once.
+        skipped_capturing: records skipped while a stream was capturing a graph.
+        pinned: whether host buffers are pinned (``None`` before the first copy).
+        flushes: batches handed to the staging thread (one event per producer stream each).
+        handoffs: hand-offs to the staging thread (a batch, a job, or both at once).
+        wakeups: times the staging thread woke up (hand-offs seen, event polls).
+        host_bytes_peak: the most bytes of host slots in use at once.
+        overflows: records that found the host ring full and got memory of their own.
+    """
+
+    admitted: int = 0
+    staged: int = 0
+    kept: int = 0
+    unchanged: int = 0
+    dropped: int = 0
+    dropped_by_site: dict[str, int] = field(default_factory=dict)
+    waits: int = 0
+    wait_seconds: float = 0.0
+    max_inflight_bytes: int = 0
+    skipped_capturing: int = 0
+    pinned: bool | None = None
+    flushes: int = 0
+    handoffs: int = 0
+    wakeups: int = 0
+    host_bytes_peak: int = 0
+    overflows: int = 0
+
+
+_stream_modules: dict[str, ModuleType | None] = {}
+
+
+def _stream_module(device: torch.device) -> ModuleType | None:
+    """The device's torch module (``torch.cuda``...) when it has streams and events."""
+    kind = device.type
+    if kind not in _stream_modules:
+        try:
+            module = torch.get_device_module(kind)
+        except (RuntimeError, AttributeError):
+            module = None
+        usable = module is not None and all(hasattr(module, n) for n in _STREAM_API)
+        _stream_modules[kind] = module if usable else None
+    return _stream_modules[kind]
+
+
+def stageable(value: Any) -> bool:
+    """Whether ``value`` is a dense accelerator tensor that a :class:`Stager` copies asynchronously.
+
+    CPU and meta tensors, sparse, quantized and nested tensors, tensor
+    subclasses that flatten into other tensors (``DTensor``, float8
+    wrappers) and functorch wrappers are copied at admission instead.
+    """
+    return (
+        isinstance(value, torch.Tensor)
+        and not value.is_cpu
+        and not value.is_meta
+        and value.layout is torch.strided
+        and not value.is_quantized
+        and not value.is_nested
+        and not is_traceable_wrapper_subclass(value)
+        and not torch._C._functorch.is_functorch_wrapped_tensor(value)
+        and _stream_module(value.device) is not None
+    )
+
+
+def _bit_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous record as integers of its width: equal views mean equal bits."""
+    if tensor.dtype == torch.complex128:
+        tensor = tensor.view(torch.float64)
+    if tensor.dtype == torch.bool:
+        return tensor.view(torch.uint8)
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor.view(_INT_OF_SIZE[tensor.element_size()])
+    return tensor
+
+
+class _Ready:
+    """A value copied at admission, in the batch to keep capture order."""
+
+    __slots__ = ("host", "iteration", "nbytes", "record", "site")
+
+    def __init__(self, site: str, record: Any, iteration: int, host: Any, nbytes: int) -> None:
+        self.site, self.record, self.iteration = site, record, iteration
+        self.host, self.nbytes = host, nbytes
+
+
+class _Staged:
+    """A device clone on its way to the host."""
+
+    __slots__ = ("clone", "host", "iteration", "module", "nbytes", "prev", "site", "stream")
+
+    def __init__(
+        self, site: str, iteration: int, clone: torch.Tensor, stream: Any, module: ModuleType
+    ) -> None:
+        self.site, self.iteration = site, iteration
+        self.clone: torch.Tensor | None = clone
+        self.stream, self.module = stream, module
+        self.nbytes = clone.nbytes
+        self.host: torch.Tensor | None = None
+        self.prev: torch.Tensor | None = None  # what the clone is compared with, kept alive
+
+
+class _Batch:
+    """Records flushed together: one event per producer stream, one copy-done event."""
+
+    __slots__ = ("done", "flags", "items", "module", "ready", "slot")
+
+    def __init__(self, items: list[_Ready | _Staged], ready: dict[Any, Any]) -> None:
+        self.items = items
+        self.ready = ready  # producer stream -> the event recorded after its clones
+        self.done: Any = None
+        self.module: ModuleType | None = None  # the device module of the copies
+        self.flags: dict[int, int] = {}  # item index -> its position in ``slot``
+        self.slot: torch.Tensor | None = None  # host copy of the changed-flags
+
+
+class _Job:
+    __slots__ = ("job",)
+
+    def __init__(self, job: Callable[[], None]) -> None:
+        self.job = job
+
+
+# Under torch's CUDA sanitizer, event polls look like unsynchronised reads: wait instead.
+_SANITIZED = bool(os.environ.get("TORCH_CUDA_SANITIZER"))
+
+
+class Stager:
+    """Admits records on any thread and delivers them, in order, on a thread of its own.
+
+    Args:
+        deliver: ``deliver(site, record, iteration, host)``, called on the
+            staging thread for each changed record, in admission order (see :data:`Deliver`).
+        max_inflight_bytes: the most bytes of records between admission and
+            delivery; a record larger than that alone is admitted when
+            nothing else is in flight.
+        on_full: ``"wait"`` (the admitting thread waits) or ``"drop"`` (the
+            record becomes a marker) when the bound would be exceeded.
+        device: where delivered records live: the host (the default), or a
+            device, where the record is the clone itself (then nothing is copied
+            to the host at all).
+        compare: leave out a staged record equal, bit for bit, to the site's
+            previous one (compared on the device).
+        host_bytes: the most bytes of host memory the ring of host slots allocates
+            (default: twice ``max_inflight_bytes``).
+        name: the thread's name.
+    """
+
+    def __init__(
+        self,
+        deliver: Deliver,
+        *,
+        max_inflight_bytes: int = 1 << 30,
+        on_full: OnFull = "wait",
+        device: torch.device = _CPU,
+        compare: bool = True,
+        host_bytes: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        if on_full not in ("wait", "drop"):
+            raise ValueError(f"on_full must be 'wait' or 'drop', not {on_full!r}")
+        if not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 1:
+            raise ValueError(
+                f"max_inflight_bytes must be a positive integer, not {max_inflight_bytes!r}"
+            )
+        self.stats = StagingStats()
+        self.device = device
+        self.ring = HostRing(2 * max_inflight_bytes if host_bytes is None else host_bytes)
+        self._deliver = deliver
+        self._bound = max_inflight_bytes
+        self._on_full = on_full
+        self._compare = compare
+        self._cv = threading.Condition()
+        self._queue: collections.deque[_Batch | _Job] = collections.deque()
+        self._open: collections.deque[_Ready | _Staged] = collections.deque()
+        self._open_bytes = 0  # admitted into the open batch (approximate across threads)
+        self._flush_lock = threading.Lock()  # batches reach the queue in admission order
+        self._unfinished = 0
+        # Bytes in flight = sum of each admitting thread's count - bytes delivered: each
+        # counter has one writer, so admission takes no lock.
+        self._admitted: list[list[int]] = []
+        self._local = threading.local()
+        self._delivered = 0
+        self._waiting = 0
+        self._task = -1  # the backward pass whose end flushes the open batch
+        self._closing = False
+        self._error: BaseException | None = None
+        self._reported = False
+        self._streams: dict[torch.device, Any] = {}
+        self._prev: dict[str, torch.Tensor] = {}  # site -> its last clone (staging thread)
+        self._warned_wait = False
+        self._warned_capture = False
+        self._thread = threading.Thread(
+            target=self._run, name=name or f"vartrace-staging-{next(_names)}", daemon=True
+        )
+        self._thread.start()
+
+    # -- any capturing thread -------------------------------------------------------------
+
+    def admit(self, site: str, value: Any, iteration: int) -> None:
+        """Queue ``value``'s record: a device clone for an accelerator tensor, else a copy.
+
+        Never raises a failure of the staging thread (that is for :meth:`call`,
+        :meth:`drain` and :meth:`close`, outside the traced code).
+        """
+        stats = self.stats
+        if not stageable(value):
+            host = copy_leaf(value, _CPU, site)
+            record = host if self.device == _CPU else copy_leaf(value, self.device, site)
+            nbytes = host.nbytes if isinstance(host, torch.Tensor) else 0
+            if not self._reserve(site, nbytes):
+                record = host = self._dropped(nbytes)
+                nbytes = 0
+            self._append(_Ready(site, record, iteration, host, nbytes))
+            return
+        module = _stream_module(value.device)
+        assert module is not None
+        capturing = getattr(module, "is_current_stream_capturing", None)
+        if capturing is not None and capturing():
+            self._skip_capturing(site)
+            return
+        nbytes = value.nbytes
+        if not self._reserve(site, nbytes):
+            marker = self._dropped(nbytes)
+            self._append(_Ready(site, marker, iteration, marker, 0))
+            return
+        try:
+            clone = value.detach().resolve_conj().resolve_neg()
+            clone = clone.clone(memory_format=torch.contiguous_format)
+        except Exception as error:  # a device out of memory: a marker, never the step's error
+            self._local.admitted[0] -= nbytes
+            marker = Unstored(f"cannot clone it on {value.device}: {error}")
+            self._append(_Ready(site, marker, iteration, marker, 0))
+            return
+        stats.staged += 1
+        self._append(_Staged(site, iteration, clone, module.current_stream(value.device), module))
+        task = _graph_task_id()
+        if task != -1 and task != self._task:  # a @grad record: flush when backward ends
+            self._task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+
+    def flush(self) -> None:
+        """Hand the open batch to the staging thread: one event per producer stream."""
+        self._hand_off(None)
+
+    def call(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the staging thread once every record admitted before is delivered.
+
+        Raises a failure of the staging thread that was not raised before.
+        """
+        self._raise()
+        self._hand_off(_Job(job))
+
+    def drain(self) -> None:
+        """Wait until everything admitted was delivered and every job ran; raise a failure.
+
+        From the staging thread itself (a callback reading results) it returns at once.
+        """
+        if threading.current_thread() is not self._thread:
+            self.flush()
+            with self._cv:
+                while self._unfinished and self._error is None and self._thread.is_alive():
+                    self._cv.wait()
+        self._raise()
+
+    def close(self, last: Callable[[], None] | None = None) -> None:
+        """Run ``last`` (if given) as :meth:`call` would, drain, and end the staging thread.
+
+        Raises a failure of the thread unless it was raised before (by
+        :meth:`call` or :meth:`drain`): every failure reaches the caller once.
+        """
+        try:
+            if last is not None and self._error is None:
+                self._hand_off(_Job(last))
+            self.drain()
+        finally:
+            with self._cv:
+                self._closing = True
+                self._cv.notify_all()
+            if threading.current_thread() is not self._thread:
+                self._thread.join()
+
+    @property
+    def inflight(self) -> int:
+        """Bytes admitted and not yet delivered."""
+        return sum(counter[0] for counter in self._admitted) - self._delivered
+
+    def _raise(self) -> None:
+        """Raise the staging thread's failure, the first time only."""
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise self._error
+
+    def _append(self, item: _Ready | _Staged) -> None:
+        self.stats.admitted += 1
+        self._open.append(item)
+        self._open_bytes += item.nbytes
+        if self._open_bytes >= FLUSH_BYTES or len(self._open) >= FLUSH_RECORDS:
+            self.flush()
+
+    def _hand_off(self, job: _Job | None) -> None:
+        """One hand-off: the open batch (if any), with an event after its clones on each
+        producer stream, then ``job`` (if any).  Batches reach the queue in admission order."""
+        with self._flush_lock:
+            items: list[_Ready | _Staged] = []
+            pop = self._open.popleft
+            while True:
+                try:
+                    items.append(pop())
+                except IndexError:
+                    break
+            self._open_bytes = 0
+            entries: list[_Batch | _Job] = []
+            if items:
+                ready: dict[Any, Any] = {}
+                for item in items:
+                    if isinstance(item, _Staged) and item.stream not in ready:
+                        event = item.module.Event()
+                        event.record(item.stream)
+                        ready[item.stream] = event
+                entries.append(_Batch(items, ready))
+            if job is not None:
+                entries.append(job)
+            if not entries:
+                return
+            with self._cv:
+                stats = self.stats
+                stats.handoffs += 1
+                stats.flushes += bool(items)
+                self._queue.extend(entries)
+                self._unfinished += len(entries)
+                self._cv.notify_all()
+
+    def _reserve(self, site: str, nbytes: int) -> bool:
+        """Count ``nbytes`` in flight, waiting or refusing (``False``) when over the bound."""
+        counter = getattr(self._local, "admitted", None)
+        if counter is None:
+            counter = self._local.admitted = [0]
+            with self._cv:
+                self._admitted.append(counter)
+        inflight = self.inflight
+        if inflight and inflight + nbytes > self._bound:
+            if self._on_full == "drop":
+                stats = self.stats
+                stats.dropped += 1
+                stats.dropped_by_site[site] = stats.dropped_by_site.get(site, 0) + 1
+                return False
+            self._wait_for_room(nbytes)
+            inflight = self.inflight
+        counter[0] += nbytes
+        inflight += nbytes
+        if inflight > self.stats.max_inflight_bytes:
+            self.stats.max_inflight_bytes = inflight
+        return True
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        stats = self.stats
+        started = time.perf_counter()
+        stats.waits += 1
+        self._warn_wait(nbytes)
+        self.flush()  # what this thread admitted must land for room to come
+        with self._cv:
+            self._waiting += 1
+            try:
+                while (inflight := self.inflight) and inflight + nbytes > self._bound:
+                    if self._error is not None or not self._thread.is_alive():
+                        break
+                    self._cv.wait()
+            finally:
+                self._waiting -= 1
+        stats.wait_seconds += time.perf_counter() - started
+
+    def _dropped(self, nbytes: int) -> Unstored:
+        return Unstored(
+            f"dropped: {nbytes} bytes would exceed max_inflight_bytes={self._bound} "
+            "(on_full='drop')"
+        )
+
+    def _warn_wait(self, nbytes: int) -> None:
+        if not self._warned_wait:
+            self._warned_wait = True
+            warn(
+                f"vartrace: the step waited for records in flight to reach the host "
+                f"({self.inflight} bytes in flight, {nbytes} more, max_inflight_bytes="
+                f"{self._bound}); waits are counted in tracer.staging_stats.  Raise "
+                "max_inflight_bytes, record less, or pass on_full='drop'",
+                RuntimeWarning,
+            )
+
+    def _skip_capturing(self, site: str) -> None:
+        self.stats.skipped_capturing += 1
+        if not self._warned_capture:
+            self._warned_capture = True
+            warn(
+                f"vartrace: not recording {site} (and later records) while a stream captures "
+                "a graph: a replay of the graph runs no Python; record outside the capture",
+                RuntimeWarning,
+            )
+
+    # -- the staging thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        one_openmp_thread()
+        pending: collections.deque[_Batch | _Job] = collections.deque()
+        issued = 0  # pending[:issued] have their device work started
+        stats = self.stats
+        while True:
+            with self._cv:
+                while not self._queue and not pending:
+                    if self._closing:
+                        self._prev.clear()
+                        return
+                    self._cv.wait()
+                stats.wakeups += 1
+                pending.extend(self._queue)
+                self._queue.clear()
+            while issued < len(pending):
+                head = pending[issued]
+                if isinstance(head, _Batch):
+                    self._attempt(self._issue, head)
+                issued += 1
+            head = pending.popleft()
+            issued -= 1
+            if isinstance(head, _Batch):
+                self._attempt(self._wait, head)
+                self._attempt(self._finish, head)
+                self._release(head)
+            elif self._error is None:
+                self._attempt(head.job)
+            with self._cv:
+                self._unfinished -= 1
+                self._cv.notify_all()
+
+    def _attempt(self, step: Callable[..., Any], *args: Any) -> None:
+        """``step(*args)``; its exception is kept for :meth:`call`, :meth:`drain` and
+        :meth:`close`, and the steps after it are skipped."""
+        if self._error is not None:
+            return
+        try:
+            step(*args)
+        except BaseException as error:
+            with self._cv:
+                self._error = error
+                self._cv.notify_all()
+
+    def _issue(self, batch: _Batch) -> None:
+        """Start the batch's device work on the side stream: compare, copy, one event."""
+        to_host = self.device == _CPU
+        flags: list[torch.Tensor] = []
+        module = side = None
+        for index, item in enumerate(batch.items):
+            if isinstance(item, _Ready):
+                self._prev.pop(item.site, None)  # compared on the host from now on
+                continue
+            clone = item.clone
+            assert clone is not None
+            if item.module is not module or clone.device != getattr(side, "device", None):
+                module, side = item.module, self._side(clone.device, item.module)
+                for stream, event in batch.ready.items():
+                    if stream.device == clone.device:
+                        side.wait_event(event)
+            with module.stream(side):
+                if self._compare:
+                    prev = self._prev.get(item.site)
+                    if prev is not None and prev.dtype == clone.dtype and prev.shape == clone.shape:
+                        item.prev = prev
+                        batch.flags[index] = len(flags)
+                        flags.append(torch.ne(_bit_view(clone), _bit_view(prev)).any())
+                    self._prev[item.site] = clone
+                if to_host:
+                    item.host = self.ring.tensor(clone.shape, clone.dtype)
+                    item.host.copy_(clone, non_blocking=True)
+        if module is None:
+            return  # values copied at admission only
+        batch.module = module
+        with module.stream(side):
+            if flags:
+                batch.slot = self.ring.tensor((len(flags),), torch.bool)
+                batch.slot.copy_(torch.stack(flags), non_blocking=True)
+            batch.done = module.Event(blocking=True)
+            batch.done.record(side)
+        self.stats.pinned = self.ring.pinned
+
+    def _side(self, device: torch.device, module: ModuleType) -> Any:
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = module.Stream(device=device)
+        return side
+
+    def _wait(self, batch: _Batch) -> None:
+        """Until the batch's copies landed: a blocking wait (the GIL released), or polls
+        where the device module watches for syncs."""
+        done = batch.done
+        if done is None:
+            return
+        watched = getattr(batch.module, "get_sync_debug_mode", None)
+        if _SANITIZED or watched is None or not watched():
+            done.synchronize()
+            return
+        pause = _POLL_FIRST
+        while not done.query():
+            self.stats.wakeups += 1
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX)
+
+    def _finish(self, batch: _Batch) -> None:
+        """Deliver the batch's changed records, in order."""
+        stats = self.stats
+        changed = batch.slot.numpy().tolist() if batch.slot is not None else []
+        deliver = self._deliver
+        for index, item in enumerate(batch.items):
+            if isinstance(item, _Ready):
+                deliver(item.site, item.record, item.iteration, item.host)
+                continue
+            position = batch.flags.get(index)
+            if position is not None and not changed[position]:
+                stats.unchanged += 1
+                continue
+            record = item.host if item.host is not None else item.clone
+            assert record is not None
+            if record.device != self.device:
+                record = record.to(self.device, non_blocking=True)
+            deliver(item.site, record, item.iteration, None)
+        stats.host_bytes_peak = self.ring.peak
+        stats.overflows = self.ring.overflows
+
+    def _release(self, batch: _Batch) -> None:
+        """Forget the batch (its clones may be reused: the side stream is done with them) and
+        make room for the admissions waiting."""
+        nbytes = 0
+        for item in batch.items:
+            nbytes += item.nbytes
+            if isinstance(item, _Staged):
+                item.clone = item.prev = item.host = None
+        batch.items = []
+        batch.slot = None
+        self._delivered += nbytes
+        if self._waiting:
+            with self._cv:
+                self._cv.notify_all()
