@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from vartrace import _forks, _warnings, distributed
+from vartrace.device import OnFull, Stager, StagingStats, detach_from_ring
 from vartrace.engine.frames import set_change_test
 from vartrace.engine.patching import Hook, attach, detach, filter_state
 from vartrace.engine.structures import leaves
@@ -34,7 +35,6 @@ from vartrace.record import DROP, subscribe, unsubscribe
 from vartrace.results import Results, unstacked
 from vartrace.silence import SilenceWatch
 from vartrace.sites import Target, is_compiled, resolve, unwrap
-from vartrace.device import OnFull, Stager, StagingStats, detach_from_ring
 from vartrace.tensors import (
     copy_leaf,
     is_transformed,
