@@ -4,13 +4,15 @@ A record must not change when the live value does, must not keep an
 autograd graph alive, and must live on the tracer's ``device``.  An object
 that holds tensors in its attributes (a Hugging Face ``DynamicCache``) is
 never recorded live: :func:`split_object` splits it into its tensors, and
-an object that can be neither split nor copied is recorded as a
-:class:`vartrace.Unstored` marker saying why (with a warning).  Change
-detection compares a new copy with the last one recorded for the site,
-bit for bit: in-place writes that do not bump a tensor's version counter
-(BatchNorm running statistics, writes through ``.data``) are still seen,
-a NaN equals only a NaN of the same payload, and ``-0.0`` differs from
-``0.0``, for tensors, numpy arrays and scalars and Python floats alike.
+a value that can be neither split nor copied (an object refusing
+``deepcopy``, a tensor of a dtype torch cannot copy, an expanded view of
+more than 1 GiB) is recorded as a :class:`vartrace.Unstored` marker saying
+why (with a warning per site).  Change detection compares a new copy with
+the last one recorded for the site, bit for bit: in-place writes that do
+not bump a tensor's version counter (BatchNorm running statistics, writes
+through ``.data``) are still seen, a NaN equals only a NaN of the same
+payload, and ``-0.0`` differs from ``0.0``, for tensors, numpy arrays and
+scalars and Python floats alike.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import struct
+import weakref
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -43,7 +46,8 @@ _IMMUTABLE: frozenset[type] = frozenset(
     {int, float, bool, complex, str, bytes, type(None), type(Ellipsis)}
 )
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_uncopyable_warned: set[type] = set()
+_uncopyable_warned: set[str] = set()  # the sites whose value could not be copied
+_MAX_EXPANDED_BYTES = 1 << 30
 # Compared with ``==``: reading ``device.type`` builds a str, about a microsecond a record.
 _CPU = torch.device("cpu")
 _MAX_STATE_DEPTH = 8
@@ -195,8 +199,15 @@ _COMPLEX = struct.Struct("<dd")
 def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     """A detached, independent copy of ``value``; tensors land on ``device``.
 
-    An object that refuses to be copied gives a :class:`vartrace.Unstored`
-    marker instead, with one warning per type naming ``site``.
+    A value that cannot be copied gives a :class:`vartrace.Unstored` marker
+    instead, never an exception in the step, with one warning per site:
+    an object that refuses ``deepcopy``, a tensor whose dtype torch cannot
+    copy (the sub-byte ``torch.uint4``, ``torch.int1`` ... ``torch.int7``,
+    ``torch.quint4x2``), one the device has no memory for.  An expanded view
+    (``expand``, ``broadcast_to``: a dimension of stride 0) is copied whole,
+    as the value it stands for, up to 1 GiB; above that the record is a
+    marker giving both sizes (``"4 bytes expanded to 512 GiB"``): its copy
+    would need that memory, and the file that space.
 
     Example::
 
@@ -204,15 +215,20 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     """
     if isinstance(value, torch.Tensor):
         detached = value.detach()
-        if detached.is_cpu and device == _CPU and detached.layout is torch.strided:
-            return detached.clone(memory_format=torch.contiguous_format)  # the common case
-        if detached.is_meta:
-            return detached.clone()  # no data to move: shape and dtype are the record
-        if detached.layout != torch.strided:  # sparse: copied as it is, in its own layout
-            return detached.clone() if detached.device == device else detached.to(device)
-        if detached.device == device:
-            return detached.clone(memory_format=torch.contiguous_format)
-        return detached.to(device, copy=True, memory_format=torch.contiguous_format)
+        try:
+            if _expanded_too_far(detached):
+                return _uncopyable(site, _tensor_text(detached), _overexpanded(detached))
+            if detached.is_cpu and device == _CPU and detached.layout is torch.strided:
+                return detached.clone(memory_format=torch.contiguous_format)  # the common case
+            if detached.is_meta:
+                return detached.clone()  # no data to move: shape and dtype are the record
+            if detached.layout != torch.strided:  # sparse: copied as it is, in its own layout
+                return detached.clone() if detached.device == device else detached.to(device)
+            if detached.device == device:
+                return detached.clone(memory_format=torch.contiguous_format)
+            return detached.to(device, copy=True, memory_format=torch.contiguous_format)
+        except Exception as error:  # an uncopyable dtype, no memory left: never the step's error
+            return _uncopyable(site, _tensor_text(detached), _first_line(error))
     if type(value) in _IMMUTABLE:
         return value
     if isinstance(value, np.ndarray) and not value.dtype.hasobject:
@@ -220,16 +236,70 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     try:
         return copy.deepcopy(value)
     except Exception as error:  # never keep the live object: it may hold a graph
-        marker = Unstored(f"{type(value).__qualname__}: cannot copy it ({error})")
-        if type(value) not in _uncopyable_warned:
-            _uncopyable_warned.add(type(value))
-            warn(
-                f"vartrace: site {site!r}: cannot copy a {type(value).__name__} ({error}); "
-                f"recording the marker {marker!r} instead of the live object",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return marker
+        return _uncopyable(site, type(value).__qualname__, _first_line(error))
+
+
+def _uncopyable(site: str, what: str, why: str) -> Unstored:
+    """The marker recorded for ``what`` at ``site`` that cannot be copied because of ``why``;
+    warns the first time a site gives one."""
+    marker = Unstored(f"{what}: cannot copy it ({why})")
+    if site not in _uncopyable_warned:
+        _uncopyable_warned.add(site)
+        warn(
+            f"vartrace: site {site!r}: cannot copy a {what} ({why}); "
+            f"recording the marker {marker!r} instead of the live value",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return marker
+
+
+def _tensor_text(tensor: torch.Tensor) -> str:
+    """A tensor as a marker names it: ``"torch.uint4 tensor of shape (2, 3)"``."""
+    return f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}"
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's first line: torch appends C++ stack traces to some messages."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _expanded_too_far(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is an expanded view whose copy would exceed 1 GiB."""
+    return (
+        tensor.layout is torch.strided
+        and not tensor.is_nested
+        and tensor.nbytes > _MAX_EXPANDED_BYTES
+        and _reach(tensor) < tensor.nbytes
+    )
+
+
+def _reach(tensor: torch.Tensor) -> int:
+    """The bytes a strided tensor's elements span in memory: fewer than its copy holds
+    when the view is expanded (a dimension of stride 0, or overlapping strides)."""
+    steps = zip(tensor.shape, tensor.stride(), strict=True)
+    return (1 + sum((n - 1) * abs(step) for n, step in steps)) * tensor.element_size()
+
+
+def _overexpanded(tensor: torch.Tensor) -> str:
+    """Why an expanded view is not copied: ``"4 bytes expanded to 512 GiB; ..."``."""
+    return (
+        f"{_size_text(_reach(tensor))} expanded to {_size_text(tensor.nbytes)}; an expanded "
+        f"view is copied up to {_size_text(_MAX_EXPANDED_BYTES)}"
+    )
+
+
+def _size_text(nbytes: int) -> str:
+    """``nbytes`` for a reader: ``"4 bytes"``, ``"1.5 KiB"``, ``"512 GiB"``."""
+    if nbytes < 1024:
+        return f"{nbytes} bytes"
+    amount = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        amount /= 1024
+        if amount < 1024 or unit == "PiB":
+            break
+    return f"{amount:.1f}".removesuffix(".0") + f" {unit}"
 
 
 def _libc_memcmp() -> Callable[[int, int, int], int] | None:
@@ -344,6 +414,14 @@ def _identity(value: Any) -> _Identity:
     return _Identity(id(value), getattr(value, "_version", None))
 
 
+class _Uncopied(NamedTuple):
+    """What :func:`snapshot` keeps of a CPU tensor it cannot clone: a weak reference (a new
+    tensor may take the id of a dead one) and the version counter."""
+
+    tensor: weakref.ReferenceType[torch.Tensor]
+    version: int
+
+
 def snapshot(value: Any) -> Any:
     """A copy of ``value``'s content for :func:`unchanged`: what ``@every`` compares with.
 
@@ -367,7 +445,7 @@ def snapshot(value: Any) -> Any:
         if is_transformed(value):
             return _transformed_snapshot(value)
         if value.is_cpu or value.is_meta:
-            return value.detach().clone()
+            return _tensor_snapshot(value)
         return _identity(value)
     if type(value) in (list, tuple):
         return type(value)(snapshot(item) for item in value)
@@ -378,6 +456,17 @@ def snapshot(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return copy.deepcopy(value) if value.dtype.hasobject else value.copy()
     return _identity(value)
+
+
+def _tensor_snapshot(tensor: torch.Tensor) -> Any:
+    """A detached clone of a CPU or meta tensor, or its identity where :func:`copy_leaf`
+    records no copy of it either (a sub-byte dtype, an expanded view above 1 GiB)."""
+    try:
+        if _expanded_too_far(tensor):
+            return _Uncopied(weakref.ref(tensor), tensor._version)
+        return tensor.detach().clone()
+    except Exception:  # no copy kernel for its dtype, no memory left: compared by identity
+        return _Uncopied(weakref.ref(tensor), tensor._version)
 
 
 def _transformed_snapshot(value: torch.Tensor) -> Any:
@@ -393,6 +482,9 @@ def unchanged(old: Any, value: Any) -> bool:
     """Whether ``value`` still holds, bit for bit, what :func:`snapshot` copied into ``old``."""
     if isinstance(old, _Identity):
         return old == _identity(value)
+    if isinstance(old, _Uncopied):
+        alive = old.tensor()  # None once the tensor died
+        return alive is value and alive is not None and alive._version == old.version
     if isinstance(value, torch.Tensor):
         if not isinstance(old, torch.Tensor):
             return False

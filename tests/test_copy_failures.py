@@ -1,0 +1,158 @@
+"""Values whose copy fails: a marker and one warning per site, never an exception in the step.
+
+A real module builds, inside its traced ``forward``, tensors torch cannot copy
+(the sub-byte dtypes, ``quint4x2``) and a 4-byte tensor expanded to 512 GiB;
+the tracer records each as a :class:`vartrace.Unstored` marker, and the saver
+writes it to a real HDF5 file that reads it back as a marker.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import vartrace
+from vartrace import H5PYSaverCallback, ModelTracer
+
+SUB_BYTE = [
+    name
+    for name in (*(f"uint{bits}" for bits in range(1, 8)), *(f"int{bits}" for bits in range(1, 8)))
+    if hasattr(torch, name)
+]
+EXPANDED_ELEMENTS = (512 << 30) // 4  # one float32 seen as 512 GiB
+QUANTIZE_DEPRECATED = pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+
+
+class Uncopyable(nn.Module):
+    """Returns, under keys starting with ``tag``, every kind of value whose copy fails,
+    next to one ordinary tensor (``<tag>_x``)."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {
+            f"{self.tag}_{name}": torch.zeros(4, dtype=getattr(torch, name)) for name in SUB_BYTE
+        }
+        if hasattr(torch, "quint4x2"):
+            packed = torch.quantize_per_tensor(x, 0.5, 0, torch.quint4x2)
+            out[f"{self.tag}_quint4x2"] = packed
+        out[f"{self.tag}_expanded"] = torch.ones(1).expand(EXPANDED_ELEMENTS)
+        out[f"{self.tag}_x"] = x * 2
+        return out
+
+
+def _uncopyable_sites(tag: str) -> list[str]:
+    names = [*SUB_BYTE, *(["quint4x2"] if hasattr(torch, "quint4x2") else []), "expanded"]
+    return [f"forward.{tag}_{name}" for name in names]
+
+
+def _check_marker(site: str, marker: object) -> None:
+    """The marker a site's record holds names what could not be copied and why."""
+    assert isinstance(marker, vartrace.Unstored), (site, marker)
+    name = site.rsplit("_", 1)[1]
+    if name == "expanded":
+        assert marker == (
+            f"torch.float32 tensor of shape ({EXPANDED_ELEMENTS},): cannot copy it (4 bytes "
+            "expanded to 512 GiB; an expanded view is copied up to 1 GiB)"
+        )
+    else:
+        assert marker.startswith(f"torch.{name} tensor of shape (4,): cannot copy it ("), marker
+
+
+@QUANTIZE_DEPRECATED
+def test_a_value_whose_copy_fails_is_a_marker_with_one_warning_per_site() -> None:
+    model = Uncopyable("plain")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ModelTracer(model, ["forward"], change_detection=False) as tracer:
+            for step in range(3):
+                out = model(torch.full((4,), float(step)))
+                assert out["plain_x"].equal(torch.full((4,), 2.0 * step))
+    results = tracer.results
+    ours = [str(w.message) for w in caught if str(w.message).startswith("vartrace: site")]
+    for site in _uncopyable_sites("plain"):
+        assert list(results[site].iterations) == [1, 2, 3]
+        for marker in results[site].values:
+            _check_marker(site, marker)
+        named = [message for message in ours if message.startswith(f"vartrace: site {site!r}:")]
+        assert len(named) == 1, (site, ours)
+        assert "cannot copy a torch." in named[0]
+    assert results["forward.plain_x"].values[2].equal(torch.full((4,), 4.0))
+
+
+def test_a_small_expanded_view_is_copied_whole() -> None:
+    model = nn.Identity()
+    row = torch.arange(3.0)
+    with ModelTracer(model, ["forward"]) as tracer:
+        model(row.expand(4, 3))
+    record = tracer.results["forward"].values[0]
+    assert record.shape == (4, 3) and record.stride() == (3, 1)
+    assert record.equal(row.expand(4, 3))
+
+
+class EveryStep(nn.Module):
+    """Binds ``h`` in turn to an uncopyable tensor, a huge expanded view and an ordinary one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(4, dtype=torch.uint8)
+        if hasattr(torch, "uint4"):
+            h = torch.zeros(4, dtype=torch.uint4)
+        h = torch.ones(1).expand(EXPANDED_ELEMENTS)
+        h = x * 2
+        return h
+
+
+def test_a_line_by_line_value_whose_copy_fails_is_a_marker() -> None:
+    model = EveryStep()
+    with warnings.catch_warnings(record=True), ModelTracer(model, ["forward.h@every"]) as tracer:
+        assert model(torch.ones(2)).equal(torch.full((2,), 2.0))
+    values = tracer.results["forward.h"].values
+    assert [type(value) for value in values][-3:] == [
+        vartrace.Unstored,
+        vartrace.Unstored,
+        torch.Tensor,
+    ]
+    assert "4 bytes expanded to 512 GiB" in values[-2]
+
+
+@QUANTIZE_DEPRECATED
+def test_the_saver_writes_the_markers_and_the_file_reads_them_back(tmp_path: Path) -> None:
+    model = Uncopyable("saved")
+    path = tmp_path / "run.h5"
+    with (
+        warnings.catch_warnings(record=True),
+        H5PYSaverCallback(path, metadata=False) as saver,
+        ModelTracer(model, ["forward"], post_gather_callbacks=[saver], change_detection=False),
+    ):
+        for step in range(2):
+            model(torch.full((4,), float(step)))
+    with vartrace.open(path) as run:
+        for site in _uncopyable_sites("saved"):
+            assert run[site].iterations.tolist() == [1, 2]
+            _check_marker(site, run[site].get(iteration=2))
+        assert run["forward.saved_x"].get(iteration=2).equal(torch.full((4,), 2.0))
+
+
+@pytest.mark.warnings_as_errors
+@QUANTIZE_DEPRECATED
+def test_under_warnings_as_errors_the_steps_run_and_the_warning_comes_at_exit() -> None:
+    model = Uncopyable("strict")
+    steps = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", "torch.quantize_per_tensor")
+        tracer = ModelTracer(model, ["forward"], change_detection=False)
+        with pytest.raises(RuntimeWarning, match=r"vartrace: site 'forward\.strict_"), tracer:
+            for step in range(3):
+                model(torch.full((4,), float(step)))
+                steps += 1
+    assert steps == 3
+    for site in _uncopyable_sites("strict"):
+        assert list(tracer.results[site].iterations) == [1, 2, 3]
+        _check_marker(site, tracer.results[site].values[0])
