@@ -106,6 +106,7 @@ from torch.utils._pytree import tree_map
 __all__ = [
     "BACKEND",
     "DEVICE",
+    "EVENTS_RECORDED",
     "LOG",
     "OUTSIDE",
     "Event",
@@ -512,6 +513,10 @@ class Stream:
         set_stream(_thread.entered.pop())
 
 
+EVENTS_RECORDED: Counter[str] = Counter()
+"""Events recorded so far, by the name of the thread that recorded them (clear it to count)."""
+
+
 class Event:
     """Marks the work queued on a stream when it was recorded; never recorded: complete."""
 
@@ -534,6 +539,7 @@ class Event:
             raise TypeError(f"simgpu: Event.record needs a simgpu Stream, got {stream!r}")
         with _cond:
             self._stream, self._target = stream, stream._queued
+            EVENTS_RECORDED[threading.current_thread().name] += 1
 
     def query(self) -> bool:
         """Whether the recorded work completed (no sync)."""

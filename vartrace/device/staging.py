@@ -523,7 +523,7 @@ class Stager:
                         self._prev.clear()
                         return
                     self._cv.wait()
-                stats.wakeups += 1
+                    stats.wakeups += 1
                 pending.extend(self._queue)
                 self._queue.clear()
             while issued < len(pending):

@@ -1,0 +1,291 @@
+"""What a record costs the step and the staging thread, counted on the stand-in device.
+
+On a real GPU the asynchronous path was correct but slow, for reasons a timing on a
+CPU cannot show: an event, a lock and a wake-up per record on the training thread,
+host copies and fresh allocations on the staging thread, OpenMP teams spinning there.
+These tests count those costs on ``tests/simgpu.py`` -- aten ops per thread (with a
+``TorchDispatchMode``, which is thread-local), events recorded per thread, hand-offs
+and wake-ups, host bytes copied, allocations, OS threads, host memory held -- so that
+CI sees a regression the GPU would show.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import vartrace
+from tests import simgpu
+from vartrace import H5PYSaverCallback, ModelTracer
+from vartrace.device import staging
+from vartrace.trace import Trace
+
+ROWS, COLUMNS = 256, 1024  # a float32 record of 1 MiB
+BLOCKS = 4
+
+# Host ops the staging thread may run: the device-to-host copy, views, and ops that touch
+# no data (``lift_fresh`` wraps a slot's numpy view, ``detach`` makes an alias).
+HOST_OPS_ALLOWED = {
+    "copy_",
+    "view",
+    "_reshape_alias",
+    "as_strided",
+    "alias",
+    "_unsafe_view",
+    "detach",
+    "lift_fresh",
+}
+_ALLOCATING = {"empty", "empty_strided", "empty_like", "new_empty", "clone", "_to_copy", "zeros"}
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(COLUMNS))  # 4 KiB, trained
+        self.frozen = nn.Parameter(torch.randn(ROWS, COLUMNS), requires_grad=False)  # 1 MiB
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + 1.0
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(BLOCKS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return simgpu.to_device_module(_Net())
+
+
+def _inputs(steps: int) -> list[torch.Tensor]:
+    with simgpu.LOG.paused():
+        return [simgpu.to_device(torch.randn(ROWS, COLUMNS)) for _ in range(steps)]
+
+
+def _is_host(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and type(value) is torch.Tensor and value.is_cpu
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops dispatched on the thread that entered it; host ops (every tensor a plain
+    CPU tensor) apart, with the bytes they copied and the tensors they allocated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.host_ops: Counter[str] = Counter()
+        self.host_bytes_copied = 0
+        self.host_allocations = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        if tensors and all(_is_host(t) for t in tensors):
+            self.host_ops[name] += 1
+            if name in ("copy_", "clone", "_to_copy"):
+                self.host_bytes_copied += out.nbytes
+            if name in _ALLOCATING:
+                self.host_allocations += 1
+        return out
+
+    def clear(self) -> None:
+        self.ops.clear()
+        self.host_ops.clear()
+        self.host_bytes_copied = self.host_allocations = 0
+
+
+@pytest.fixture
+def staging_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[_Ops]]:
+    """The ops of every staging thread started inside the test (a mode entered on it)."""
+    counters: list[_Ops] = []
+    run = staging.Stager._run
+
+    def counted(self: staging.Stager) -> None:
+        counter = _Ops()
+        counters.append(counter)
+        with counter:
+            run(self)
+
+    monkeypatch.setattr(staging.Stager, "_run", counted)
+    yield counters
+
+
+def _train(tracer: ModelTracer, inputs: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for x in inputs:
+            tracer.model(x)
+
+
+def test_a_record_costs_the_capturing_thread_a_clone_and_no_event_or_hand_off() -> None:
+    steps = 6
+    inputs = _inputs(steps)
+    model = _model()
+    with _Ops() as untraced, torch.no_grad():
+        for x in inputs:
+            model(x)
+    simgpu.EVENTS_RECORDED.clear()
+    with ModelTracer(model, ["blocks.*"], staging="async") as tracer:
+        with _Ops() as traced:
+            _train(tracer, inputs)
+        events_in_steps = simgpu.EVENTS_RECORDED["MainThread"]
+    records = steps * BLOCKS
+    added = traced.ops - untraced.ops
+    assert sum(added.values()) / records <= 2, added  # detach + clone
+    assert set(added) <= {"detach", "clone"}, added
+    stats = tracer.staging_stats
+    assert stats.staged == records and stats.kept == records
+    # One event and one hand-off per step (the batch and its gather together), not per record.
+    assert events_in_steps <= steps, events_in_steps
+    assert stats.handoffs <= steps + 1 and stats.flushes <= steps + 1, stats
+    assert stats.wakeups <= 5 * stats.handoffs, stats
+    assert simgpu.LOG.syncs() == []
+
+
+def test_the_staging_thread_copies_nothing_on_the_host_and_allocates_nothing_after_warm_up(
+    tmp_path: Path, staging_ops: list[_Ops]
+) -> None:
+    steps = 8
+    inputs = _inputs(steps)
+    saver = H5PYSaverCallback(tmp_path / "run.h5", metadata=False)
+    with ModelTracer(_model(), ["blocks.*"], post_gather_callbacks=[saver]) as tracer:
+        _train(tracer, inputs[:2])
+        tracer.results  # drained: the warm-up (the ring's first segment) is behind
+        (counter,) = staging_ops
+        counter.clear()
+        _train(tracer, inputs[2:])
+        tracer.results
+        ops, host_ops = Counter(counter.ops), Counter(counter.host_ops)
+        copied, allocations = counter.host_bytes_copied, counter.host_allocations
+    saver.close()
+    records = (steps - 2) * BLOCKS
+    # Device to host: one copy per record, and one of the step's changed-flags.
+    assert ops["copy_"] - host_ops["copy_"] == records + (steps - 2)
+    assert set(host_ops) <= HOST_OPS_ALLOWED, host_ops
+    assert copied == 0 and allocations == 0, (copied, allocations)
+    with vartrace.open(tmp_path / "run.h5") as run:
+        assert list(run["blocks.3.forward"].iterations) == list(range(1, steps + 1))
+    # Every slot went back to the ring once the saver had written its record.
+    assert tracer._stager.ring.used == 0
+    assert tracer.staging_stats.overflows == 0
+
+
+def test_an_unchanged_record_is_compared_on_the_device_not_on_the_host(
+    monkeypatch: pytest.MonkeyPatch, staging_ops: list[_Ops]
+) -> None:
+    compared_on_host = []
+    same = vartrace.tracer.same
+
+    def counting_same(a: Any, b: Any) -> bool:
+        compared_on_host.append(1)
+        return same(a, b)
+
+    monkeypatch.setattr(vartrace.tracer, "same", counting_same)
+    steps = 5
+    with ModelTracer(_model(), ["blocks.*.frozen"], staging="async") as tracer:
+        _train(tracer, _inputs(steps))
+    stats = tracer.staging_stats
+    assert stats.unchanged == (steps - 1) * BLOCKS and stats.kept == BLOCKS
+    assert compared_on_host == []
+    (counter,) = staging_ops
+    assert counter.host_ops["empty"] == 1  # the ring's one segment
+    assert set(counter.host_ops) - {"empty"} <= HOST_OPS_ALLOWED, counter.host_ops
+    assert counter.host_bytes_copied == 0
+    assert tracer.results["blocks.0.frozen"].iterations == [1]
+    with simgpu.LOG.paused():
+        want = tracer.model.blocks[0].frozen.cpu()
+    assert torch.equal(tracer.results["blocks.0.frozen"].values[0], want)
+
+
+def test_a_changed_record_after_unchanged_ones_is_kept() -> None:
+    model = _model()
+    inputs = _inputs(4)
+    with ModelTracer(model, ["blocks.0.frozen"], staging="async") as tracer:
+        _train(tracer, inputs[:2])
+        with torch.no_grad(), simgpu.LOG.paused():
+            model.blocks[0].frozen.data[0, 0] += 1  # through .data: no version bump
+        _train(tracer, inputs[2:])
+    assert tracer.results["blocks.0.frozen"].iterations == [1, 3]
+    first, third = tracer.results["blocks.0.frozen"].values
+    assert not torch.equal(first, third) and torch.equal(first[1:], third[1:])
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _stream_workers() -> int:
+    return sum(t.name.startswith("simgpu-stream") for t in threading.enumerate())
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_tracing_adds_at_most_two_os_threads() -> None:
+    inputs = _inputs(4)
+    model = _model()
+    with torch.no_grad():
+        model(inputs[0])  # torch's own threads (OpenMP) start before the count
+    before = _native_threads() - _stream_workers()
+    with ModelTracer(model, ["blocks.*"], staging="async") as tracer:
+        _train(tracer, inputs)
+        tracer.results
+        during = _native_threads() - _stream_workers()
+    assert during - before <= 2, (before, during)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc/self/statm")
+def test_a_slow_saver_keeps_host_memory_within_the_bound(tmp_path: Path) -> None:
+    """100 steps of 1 MiB records, a saver slower than the steps: the step waits for room,
+    and the host memory the tracer holds stays within its bound."""
+    bound = 8 << 20
+    inputs = _inputs(4)
+    saver = H5PYSaverCallback(tmp_path / "run.h5", metadata=False)
+
+    def slow(name: str, trace: Trace) -> None:
+        threading.Event().wait(0.002)
+
+    rss_before = _resident_bytes()
+    with (
+        pytest.warns(RuntimeWarning, match="waited"),
+        ModelTracer(
+            _model(),
+            ["blocks.*"],
+            post_gather_callbacks=[slow, saver],
+            max_inflight_bytes=bound,
+        ) as tracer,
+    ):
+        for step in range(100):
+            _train(tracer, [inputs[step % 4]])
+        rss_during = _resident_bytes()
+    saver.close()
+    stats = tracer.staging_stats
+    ring = tracer._stager.ring
+    assert stats.max_inflight_bytes <= bound
+    assert stats.host_bytes_peak <= ring.capacity == 2 * bound and stats.overflows == 0
+    # Resident memory grew by at most the ring, the model's copies on the stand-in device
+    # (4 blocks' outputs and frozen weights) and 10%.
+    assert rss_during - rss_before <= 1.1 * (ring.capacity + 8 * (ROWS * COLUMNS * 4))
+    with vartrace.open(tmp_path / "run.h5") as run:
+        assert len(run["blocks.0.forward"].iterations) == 100
