@@ -166,7 +166,7 @@ def test_secret_looking_names() -> None:
         assert looks_secret(name)
     for name in ("--passphrase", "--pass", "--pw", "-p", "--db-pass", "DB_PASS_FILE", "--pwd"):
         assert looks_secret(name)
-    for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MASTER_ADDR", "SLURM_JOB_ID"):
+    for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MASTER_ADDR", "GIT_AUTHOR_NAME"):
         assert not looks_secret(name)
     for name in ("--num-passes", "--power", "--pos", "--proc", "-P"):
         assert not looks_secret(name)
@@ -271,18 +271,18 @@ ENV_PLANTED = ["tok-9d8c7b6a5f4e3d2c", "My-Sq1-Pw-4410", "ak-5566-7788-99aa"]
 ARGV_PLANTED = ["wb-k3y-0a1b2c3d", "Hydra-Pw-1357", "ghp_Z9y8X7w6V5u4T3s2R1q0P9o8N7m6L5k4J3i2"]
 
 
-def _dirty_repo(root: Path) -> Path:
-    """A real git repository with one commit and the secrets of DIFF_FILES uncommitted."""
+def _dirty_repo(root: Path, files: dict[str, str] = DIFF_FILES) -> Path:
+    """A real git repository with one commit and the texts of ``files`` uncommitted."""
     repo = root / "repo"
     repo.mkdir()
     _git(repo, "init", "-q", "-b", "main")
     _git(repo, "config", "user.email", "t@example.com")
     _git(repo, "config", "user.name", "T")
-    for name in DIFF_FILES:
+    for name in files:
         (repo / name).write_text("# placeholder\n")
     _git(repo, "add", ".")
     _git(repo, "commit", "-q", "-m", "start")
-    for name, text in DIFF_FILES.items():
+    for name, text in files.items():
         (repo / name).write_text(text)
     return repo
 
@@ -334,3 +334,124 @@ def test_the_diff_can_be_left_out_alone(tmp_path: Path) -> None:
     assert meta["command"] and meta["versions"]["h5py"] == h5py.__version__
     with pytest.raises(TypeError, match=r"unknown metadata option\(s\) 'diff'; known: git_diff"):
         H5PYSaverCallback(tmp_path / "other.h5", metadata={"diff": False})
+
+
+# Secrets as commands take them, planted where /meta records text: (where, text, secret).
+# "diff:<file>" is a line of an uncommitted file, "argv" one command-line argument, "env:<name>"
+# an allow-listed environment variable.  Each secret must be nowhere in the file.
+PLANTED = [
+    ("diff:db.sh", "mysql -u root -phunter2-Mq7 runs", "hunter2-Mq7"),
+    ("diff:mysql.sh", "mysql -u root -p My-Sql-Sp4ced runs", "My-Sql-Sp4ced"),
+    ("diff:deploy.sh", "sshpass -p 'Ssh-Pa55-91' ssh -p 22 deploy@host", "Ssh-Pa55-91"),
+    ("diff:run.py", 'run(["sshpass", "-p", "List-Pw-7731", "ssh", "host"])', "List-Pw-7731"),
+    ("diff:fetch.sh", "curl -u alice:Curl-Pw-8812 https://api.example.com", "Curl-Pw-8812"),
+    ("diff:fetch2.sh", "curl -ubob:Curl-Att-2290 https://api.example.com", "Curl-Att-2290"),
+    ("diff:netrc", "machine api.example.com login alice password Netrc-Pw-4417", "Netrc-Pw-4417"),
+    ("diff:netrc2", "  password Netrc-Line-6620", "Netrc-Line-6620"),
+    ("diff:enc.sh", "openssl enc -aes-256-cbc -k Ossl-K-5521 -in a -out b", "Ossl-K-5521"),
+    ("diff:dec.sh", "openssl enc -d -pass pass:Ossl-Pass-6632 -in b", "Ossl-Pass-6632"),
+    (
+        "diff:publish.sh",
+        "NPM_CONFIG=npm_Ab12Cd34Ef56Gh78Ij90Kl12 npm publish",
+        "npm_Ab12Cd34Ef56Gh78Ij90Kl12",
+    ),
+    (
+        "diff:upload.sh",
+        "twine upload -u __token__ dist/* # pypi-AgEIcHlwaS5vcmcCJDFhYmMtZGVmZy0xMjM0",
+        "pypi-AgEIcHlwaS5vcmcCJDFhYmMtZGVmZy0xMjM0",
+    ),
+    ("diff:remote.txt", "https://bob:Url-Pw-3390@git.example.com/r.git", "Url-Pw-3390"),
+    ("diff:conf.ini", "password=Ini-Pw-1142", "Ini-Pw-1142"),
+    ("diff:conf.yaml", "token: Yaml-Tok-5573", "Yaml-Tok-5573"),
+    (
+        "diff:key.txt",
+        "ghp_Q1w2E3r4T5y6U7i8O9p0A1s2D3f4G5h6J7k8",
+        "ghp_Q1w2E3r4T5y6U7i8O9p0A1s2D3f4G5h6J7k8",
+    ),
+    ("argv", "-pArgvMysql-2207", "ArgvMysql-2207"),
+    ("argv", "carol:Argv-Curl-4455", "Argv-Curl-4455"),  # after "-u" (see _planted_argv)
+    ("argv", "sshpass -p Argv-Nested-6678 ssh h", "Argv-Nested-6678"),
+    ("argv", "npm_Zy98Xw76Vu54Ts32Rq10Po98", "npm_Zy98Xw76Vu54Ts32Rq10Po98"),
+    ("env:VARTRACE_CMD", "mysql -u root -pEnv-Mysql-3344", "Env-Mysql-3344"),
+    ("env:SLURM_JOB_COMMENT", "curl -u dan:Env-Curl-9921 https://x", "Env-Curl-9921"),
+    ("env:VARTRACE_NETRC", "machine h login u password Env-Netrc-1188", "Env-Netrc-1188"),
+    ("env:VARTRACE_OPENSSL", "openssl enc -k Env-Ossl-7765 -in a", "Env-Ossl-7765"),
+]
+# Ordinary lines of the same diff that are kept as they are.
+KEPT = {
+    "build.sh": ["mkdir -p checkpoints/run1", "gcc -pthread -O2 main.c", "pytest -k test_lr"],
+    "requirements.txt": ["keyring==25.6.0", "tokenizers==0.21.0"],
+    "notes.md": ["Author: Ada", "x = a - b"],
+}
+PACKAGE_TOKEN = "pypi-AgEIcHlwaS5vcmcPlantedInAPackageName0"
+
+
+def _planted_argv() -> list[str]:
+    args = []
+    for where, text, _ in PLANTED:
+        if where == "argv":
+            args += ["-u", text] if text.startswith("carol:") else [text]
+    return [*args, "--epochs", "3"]
+
+
+def _strings(value: object) -> list[str]:
+    """Every string inside a /meta value."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [text for item in value.values() for text in _strings(item)]
+    if isinstance(value, (list, tuple)):
+        return [text for item in value for text in _strings(item)]
+    return []
+
+
+def test_secrets_of_commands_in_diff_argv_environment_and_packages_never_reach_the_file(
+    tmp_path: Path,
+) -> None:
+    files = {name: "\n".join(lines) + "\n" for name, lines in KEPT.items()}
+    for where, text, _ in PLANTED:
+        if where.startswith("diff:"):
+            files[where.removeprefix("diff:")] = text + "\n"
+    repo = _dirty_repo(tmp_path, files)
+    env = {where.removeprefix("env:"): text for where, text, _ in PLANTED if "env:" in where}
+    # A distribution whose name holds a token: the packages list is redacted too.
+    site = tmp_path / "site"
+    (site / "leaky-0.1.dist-info").mkdir(parents=True)
+    (site / "leaky-0.1.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {PACKAGE_TOKEN}\nVersion: 0.1\n"
+    )
+    env["PYTHONPATH"] = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
+    path = tmp_path / "run.h5"
+    _write_in_subprocess(path, repo, env, _planted_argv())
+    secrets = [secret for _, _, secret in PLANTED] + [PACKAGE_TOKEN]
+    _assert_absent(path.read_bytes(), secrets)
+    with open_run(path) as run:
+        meta = run.meta
+    for text in _strings(meta):
+        assert not [secret for secret in secrets if secret in text], text
+    diff = meta["git"]["diff"].splitlines()
+    for lines in KEPT.values():
+        assert {f"+{line}" for line in lines} <= set(diff)
+    for line in (
+        "+mysql -u root -p<redacted> runs",
+        "+mysql -u root -p <redacted> runs",
+        "+sshpass -p '<redacted>' ssh -p <redacted> deploy@host",
+        '+run(["sshpass", "-p", "<redacted>", "ssh", "host"])',
+        "+curl -u alice:<redacted> https://api.example.com",
+        "+machine api.example.com login alice password <redacted>",
+        "+openssl enc -aes-256-cbc -k <redacted> -in a -out b",
+        "+NPM_CONFIG=<redacted> npm publish",
+    ):
+        assert line in diff
+    assert meta["command"][2:] == [
+        "-p<redacted>",
+        "-u",
+        "carol:<redacted>",
+        "sshpass -p <redacted> ssh h",
+        "<redacted>",
+        "--epochs",
+        "3",
+    ]
+    assert meta["env"]["VARTRACE_CMD"] == "mysql -u root -p<redacted>"
+    assert meta["env"]["SLURM_JOB_COMMENT"] == "curl -u dan:<redacted> https://x"
+    assert "<redacted>==0.1" in meta["packages"]

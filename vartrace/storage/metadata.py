@@ -3,13 +3,14 @@
 :func:`collect_metadata` gathers the command line, working directory, host,
 versions, installed packages, git state, world size, start time and an
 allow-listed set of environment variables.  Secrets stay out: environment
-variables whose names look secret are never recorded even when allow-listed,
-command-line values given to secret-looking options (long or short: ``--pw``,
-``-p``) are redacted, and credentials found inside any recorded argument or
-variable value (``user:password@`` in URLs, ``password=...`` pairs, tokens of
-well-known shapes, private keys, ``password: ...`` lines of a config) are replaced by
-``<redacted>``: in the arguments, the variables, the git status and the git diff.  The
-diff can be left out alone: ``collect_metadata(git_diff=False)``, or
+variables whose names look secret are never recorded even when allow-listed, and
+one function, :func:`redact`, replaces the credentials found in every other text by
+``<redacted>``, the same way in the command line, the variables' values, the git
+status and diff and the packages list: values of secret-looking options (``--pw x``,
+``-p x``, ``-px``, ``curl -u user:pw``, ``openssl -k x``), ``.netrc`` passwords,
+``user:password@`` in URLs, ``password=...`` pairs, ``password: ...`` lines of a
+config, tokens of well-known shapes and private keys.  The diff can be left out
+alone: ``collect_metadata(git_diff=False)``, or
 ``H5PYSaverCallback(path, metadata={"git_diff": False})``.
 
 Example::
@@ -29,7 +30,7 @@ import re
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = [
@@ -71,27 +72,40 @@ ENV_PREFIXES = (
 )
 _SECRET = re.compile(
     r"TOKEN|KEY|SECRET|PASS(?:WORD|WD|PHRASE)?(?![A-Z])|(?<![A-Z])PWD?(?![A-Z])"
-    r"|CREDENTIAL|AUTH|COOKIE|PRIVATE",
+    r"|CREDENTIAL|AUTH(?!OR)|COOKIE|PRIVATE",
     re.I,
 )
-_SHORT_SECRET_OPTIONS = frozenset({"-p"})  # mysql and friends: -p <password>, -p<password>
+_SHORT_SECRET_OPTIONS = frozenset({"-p"})  # mysql, sshpass and friends: -p <password>, -p<password>
+# Single-dash words starting with -p that are common flags, not -p<password>: kept.
+_NOT_PASSWORDS = frozenset(
+    {"-pedantic", "-perm", "-pg", "-pie", "-pipe", "-pix_fmt", "-port", "-preset", "-print"}
+    | {"-print0", "-printf", "-profile", "-prune", "-pthread", "-path"}
+)
+# Single-dash options naming a password whose value follows (openssl -pass, -passin).
+_PASSWORD_OPTIONS = frozenset(
+    {"-pass", "-passin", "-passout", "-passwd", "-password", "-pw", "-pwd"}
+)
+_USER_OPTIONS = frozenset({"-u", "-U", "--user", "--proxy-user"})  # curl: -u user:password
+_NETRC_KEYWORDS = frozenset({"machine", "default", "login", "password", "account", "macdef"})
+_NETRC_SECRETS = frozenset({"password", "account"})
 _URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s]*@")
 # Tokens recognisable by their shape alone, wherever they appear.
 _TOKEN = re.compile(
     r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_-]{20,}"
     r"|hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|xox[abposr]-[A-Za-z0-9-]{10,}"
-    r"|AKIA[0-9A-Z]{16})\b"
+    r"|AKIA[0-9A-Z]{16}|npm_[A-Za-z0-9]{20,}|pypi-AgE[A-Za-z0-9_-]{16,})\b"
 )
 # ``name = value`` / ``name: value`` pairs (code, configs, YAML, JSON, shell): the value of a
-# secret-looking name, quoted or to the end of the line, is redacted.
+# secret-looking name, quoted or to the end of the line, is redacted.  ``==`` compares (a
+# requirement ``keyring==25.6``, ``token == x``): no pair.
 _PAIR = re.compile(
-    r"""(?P<name>[A-Za-z_][\w.-]*)(?P<sep>["']?[ \t]*[:=][ \t]*)"""
+    r"""(?P<name>[A-Za-z_][\w.-]*)(?P<sep>["']?[ \t]*(?::|=(?!=))[ \t]*)"""
     r"""(?P<value>"[^"\n]*"?|'[^'\n]*'?|[^\s"'][^\n]*)"""
 )
-# ``--password value`` inside a text (a command in a script or a README).
-_OPTION = re.compile(
-    r"""(?P<name>(?<![\w-])--?[A-Za-z][\w-]*)(?P<sep>[ \t]+)(?P<value>[^\s-]\S*)"""
-)
+# A word of a line: unquoted runs and quoted strings (spaces inside) joined.
+_WORD = re.compile(r"""(?:"[^"\n]*"|'[^'\n]*'|[^\s"']+|["'])+""")
+# A word's brackets, quotes and commas around it (``["sshpass", "-p", "pw"]``) and its core.
+_BARE = re.compile(r"""([\[("']*)(.*?)([\])"',;]*)""", re.S)
 _BEARER = re.compile(r"\b(Bearer|Basic|Token)[ \t]+[A-Za-z0-9._~+/=-]{8,}", re.I)
 _PEM = re.compile(
     r"-----BEGIN (?P<what>[A-Z0-9 ]*PRIVATE KEY[A-Z0-9 ]*)-----.*?(?:-----END (?P=what)-----|\Z)",
@@ -115,20 +129,118 @@ def looks_secret(name: str) -> bool:
 def redact(text: str) -> str:
     """``text`` with the credentials found in it replaced by ``<redacted>``, line by line.
 
-    Credentials in URLs (``https://user:password@host`` -> ``https://<redacted>@host``),
-    the value of a ``name=value`` or ``name: value`` pair (code, configs, YAML,
-    JSON) or of a ``--name value`` option whose name looks secret, ``Bearer``
-    tokens, private-key blocks, and tokens of well-known shapes (GitHub, GitLab,
-    Hugging Face, OpenAI, Slack, AWS keys).  Applied to every text of ``/meta``:
-    arguments, environment values, git status and diff.
-    Example: ``redact("db.password=hunter2") == "db.password=<redacted>"``.
+    The one redaction of ``/meta``: applied to the command line (its
+    arguments as the words of a line), environment values, git status and diff
+    and the packages list.  It replaces private-key blocks; in each line the value of
+    an option whose name looks secret (``--password x``, ``--pw=x``,
+    ``-pass x``), of ``-p`` (``-p x``, ``-px``: mysql, sshpass, and so also
+    ``ssh -p 22``; not after ``mkdir``, nor common flags such as ``-pthread``),
+    the password of ``-u user:password`` (curl), of ``-k x`` after ``openssl``
+    and of ``password x`` in a ``.netrc`` line, also inside a quoted list
+    (``["sshpass", "-p", "x"]``); the value of a ``name=value`` or
+    ``name: value`` pair whose name looks secret (code, configs, YAML, JSON),
+    ``Bearer`` tokens, credentials in URLs (``https://user:password@host`` ->
+    ``https://<redacted>@host``) and tokens of well-known shapes (GitHub,
+    GitLab, Hugging Face, OpenAI, Slack, AWS, npm, PyPI).
+    Example: ``redact("mysql -u root -phunter2") == "mysql -u root -p<redacted>"``.
     """
     text = _PEM.sub(_REDACTED, text)
-    text = _PAIR.sub(_redact_value, text)
-    text = _OPTION.sub(_redact_value, text)
-    text = _BEARER.sub(lambda match: f"{match.group(1)} {_REDACTED}", text)
-    text = _URL_USERINFO.sub(lambda match: f"{match.group(1)}{_REDACTED}@", text)
-    return _TOKEN.sub(_REDACTED, text)
+    return "".join(_redact_line(line) for line in text.splitlines(keepends=True))
+
+
+def _command_line() -> list[str]:
+    """``sys.argv`` with credentials replaced as :func:`redact` replaces them in a line of
+    text: ``mysql -p x`` -> ``["mysql", "-p", "<redacted>"]``."""
+    return [redact(word) for word in _redact_words(sys.argv)]
+
+
+def _redact_line(line: str) -> str:
+    """One line of text with its credentials redacted (private keys aside)."""
+    if "-" in line or any(keyword in line for keyword in _NETRC_SECRETS):  # else no option
+        spans = [match.span() for match in _WORD.finditer(line)]
+        words = _redact_words([line[start:stop] for start, stop in spans])
+        pieces, end = [], 0
+        for (start, stop), word in zip(spans, words, strict=True):
+            pieces += [line[end:start], word]
+            end = stop
+        line = "".join([*pieces, line[end:]])
+    line = _PAIR.sub(_redact_value, line)
+    line = _BEARER.sub(lambda match: f"{match.group(1)} {_REDACTED}", line)
+    line = _URL_USERINFO.sub(lambda match: f"{match.group(1)}{_REDACTED}@", line)
+    return _TOKEN.sub(_REDACTED, line)
+
+
+def _redact_words(words: list[str]) -> list[str]:
+    """Words of a command with the values of secret-looking options redacted.
+
+    A word is judged by its core, without the quotes, brackets and commas
+    around it (``"-p",`` is ``-p``), which stay.
+    """
+    parts = [_bare(word) for word in words]
+    # A .netrc line starts with one of its keywords (after the + or - of a diff line).
+    first = next((core.lstrip("+-") for _, core, _ in parts if core.lstrip("+-")), "")
+    netrc = first in _NETRC_KEYWORDS
+    redacted: list[str] = []
+    hide: Callable[[str], str] | None = None  # how the value expected next is redacted
+    previous = ""
+    openssl = False
+    for prefix, core, suffix in parts:
+        if hide is not None and core and not core.startswith("-"):
+            new, hide = hide(core), None
+        else:
+            new, hide = _option(core, previous, netrc=netrc, openssl=openssl)
+        command = os.path.basename(core.lstrip("+-"))
+        openssl = openssl or command == "openssl"
+        previous = command
+        redacted.append(f"{prefix}{new}{suffix}")
+    return redacted
+
+
+def _option(
+    core: str, previous: str, *, netrc: bool, openssl: bool
+) -> tuple[str, Callable[[str], str] | None]:
+    """A word with its own secret redacted, and how the next word is, if it is the value."""
+    if netrc and core in _NETRC_SECRETS:
+        return core, _hidden
+    if not core.startswith("-"):
+        return core, None
+    option, equals, value = core.partition("=")
+    if option in _USER_OPTIONS:
+        return (f"{option}={_password_of(value)}", None) if equals else (core, _password_of)
+    if core[:2] in ("-u", "-U") and ":" in core:
+        return f"{core[:2]}{_password_of(core[2:])}", None  # -uuser:password
+    if (
+        core[:2] == "-p"
+        and core[2:3] not in ("", "-", "=")
+        and option not in _PASSWORD_OPTIONS
+        and core not in _NOT_PASSWORDS
+    ):
+        return f"-p{_hidden(core[2:])}", None  # -p<password>
+    secret = looks_secret(option) or option in _PASSWORD_OPTIONS
+    if secret and not (option == "-p" and previous == "mkdir"):
+        return (f"{option}={_hidden(value)}", None) if equals else (core, _hidden)
+    if core == "-k" and openssl:
+        return core, _hidden
+    return core, None
+
+
+def _bare(word: str) -> tuple[str, str, str]:
+    """A word as the quotes and brackets before its core, its core, and those after."""
+    match = _BARE.fullmatch(word)
+    assert match is not None  # every part of the pattern may be empty
+    prefix, core, suffix = match.groups()
+    return prefix, core, suffix
+
+
+def _hidden(value: str) -> str:
+    """``<redacted>`` for ``value``, its opening quote kept (the closing one is kept too)."""
+    return f"{value[0]}{_REDACTED}" if value[:1] in ("'", '"') else _REDACTED
+
+
+def _password_of(value: str) -> str:
+    """``user:password`` with the password redacted; a bare user name is kept."""
+    user, colon, _ = value.partition(":")
+    return f"{user}:{_REDACTED}" if colon else value
 
 
 def _redact_value(match: re.Match[str]) -> str:
@@ -146,26 +258,6 @@ def _environment() -> dict[str, str]:
         for name, value in sorted(os.environ.items())
         if (name in ENV_NAMES or name.startswith(ENV_PREFIXES)) and not looks_secret(name)
     }
-
-
-def _command_line() -> list[str]:
-    """``sys.argv`` with credentials replaced: the values of secret-looking options
-    (``--passphrase x``, ``--pw=x``, ``-p x``, ``-px``) and whatever :func:`redact` finds."""
-    redacted: list[str] = []
-    hide_next = False
-    for argument in sys.argv:
-        option, equals, _ = argument.partition("=")
-        if hide_next:
-            redacted.append(_REDACTED)
-            hide_next = False
-        elif argument.startswith("-") and looks_secret(option):
-            redacted.append(f"{option}={_REDACTED}" if equals else argument)
-            hide_next = not equals  # the value follows as the next argument
-        elif argument[:2] in _SHORT_SECRET_OPTIONS and argument[2:3] not in ("", "-"):
-            redacted.append(f"{argument[:2]}{_REDACTED}")  # -p<password>
-        else:
-            redacted.append(redact(argument))
-    return redacted
 
 
 def _git(*args: str, where: str | None = None) -> bytes | None:
@@ -237,12 +329,13 @@ def _version(name: str) -> str:
 
 
 def _packages() -> list[str]:
+    """The installed distributions as ``name==version``, redacted as the rest of ``/meta``."""
     found = {
         f"{dist.metadata['Name']}=={dist.version}"
         for dist in importlib.metadata.distributions()
         if dist.metadata["Name"]
     }
-    return sorted(found, key=str.lower)
+    return [redact(package) for package in sorted(found, key=str.lower)]
 
 
 def metadata_options(metadata: bool | Mapping[str, Any]) -> dict[str, Any] | None:
