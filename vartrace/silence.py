@@ -5,7 +5,9 @@ fail at run time: a local that is never bound on the path the model takes
 (nanoGPT's ``att`` when it uses scaled-dot-product attention), a value that
 is always ``None`` (Hugging Face's ``attn_weights`` under SDPA), a method
 that is never called, a key below a return value that the run does not
-have, or a model that only ran in a mode the tracer does not trace.  A
+have, a method the program replaced on its module while traced (with one
+that does not call the patched method), or a model that only ran in a mode
+the tracer does not trace.  A
 :class:`SilenceWatch` notes what each patched method and each site saw,
 and :meth:`SilenceWatch.report` warns once per pattern that recorded
 nothing (or only ``None``), saying which of these applies.
@@ -28,6 +30,8 @@ from vartrace.sites import Target
 
 __all__ = ["SilenceWatch"]
 
+_ABSENT = object()
+
 
 class SilenceWatch:
     """What the patched methods of one tracer saw, to explain patterns that recorded nothing."""
@@ -38,6 +42,9 @@ class SilenceWatch:
         self._mode = mode
         self._values: set[str] = set()
         self._nones: set[str] = set()
+        # What each traced module's __dict__ holds under the method's name before the
+        # tracer patches it (usually nothing: the class's method).
+        self._held = {id(t): vars(t.module).get(t.method.name, _ABSENT) for t in self._targets}
 
     def saw(self, site: str, value: Any) -> None:
         """Note a captured leaf (``None`` counts apart)."""
@@ -55,10 +62,12 @@ class SilenceWatch:
 
         ``in_mode`` says whether any outermost model call ran in the traced
         mode; ``other_calls`` counts those that ran in the other one;
-        ``called`` lists the targets whose method was called.  A tracer during
-        which the model never ran says nothing.
+        ``called`` lists the targets whose patched method was called.  A tracer
+        during which the model never ran says nothing.  Call it once the
+        patches are removed.
         """
         called_ids = {id(target) for target in called}
+        replaced = self._replaced(called_ids)
         patterns: dict[str, tuple[set[str], list[Target]]] = {}
         for target in self._targets:
             for text, names in target.origins.items():
@@ -86,16 +95,39 @@ class SilenceWatch:
             missing = {site for t in targets for site in t.missing_keys()}
             if self._seen(sites, self._values) or sites <= missing:
                 continue  # recorded, or said at the first return
-            why = self._why(sites, targets, called_ids)
+            why = self._why(sites, targets, called_ids, replaced)
             warn(
                 f"vartrace: pattern {text!r} recorded nothing: {why}",
                 UserWarning,
                 stacklevel=4,
             )
 
-    def _why(self, sites: set[str], targets: list[Target], called_ids: set[int]) -> str:
+    def _replaced(self, called_ids: set[int]) -> list[Target]:
+        """The targets whose method the program replaced on the module while traced, with
+        one that never called the patched method."""
+        return [
+            t
+            for t in self._targets
+            if id(t) not in called_ids
+            and vars(t.module).get(t.method.name, _ABSENT) is not self._held[id(t)]
+        ]
+
+    def _why(
+        self, sites: set[str], targets: list[Target], called_ids: set[int], replaced: list[Target]
+    ) -> str:
         if self._seen(sites, self._nones):
             return "its value was None at every call (e.g. attention weights under SDPA)"
+        lost = [t for t in replaced if any(t is target for target in targets)]
+        if lost:
+            t = lost[0]
+            where = f"{t.path or '<root>'}.{t.method.name}"
+            return (
+                f"{where} was replaced on the module after the tracer started (by "
+                f"{_described(vars(t.module).get(t.method.name))}), and the new one never "
+                "called the method vartrace patched; start the tracer after the code "
+                f"that replaces {t.method.name} (after accelerator.prepare(model), or create "
+                "the Trainer first)"
+            )
         if not any(id(t) in called_ids for t in targets):
             methods = ", ".join(sorted({f"{t.path or '<root>'}.{t.method.name}" for t in targets}))
             return f"its method was never called ({methods})"
@@ -111,3 +143,12 @@ class SilenceWatch:
             "the variable was never bound when its method (or function) returned, or the key "
             "was not in the value (a branch the run did not take)"
         )
+
+
+def _described(held: object) -> str:
+    """What a module's ``__dict__`` holds in place of a traced method, for a warning."""
+    if held is None:
+        return "nothing: the class's method"
+    function = getattr(held, "__func__", held)
+    name = getattr(function, "__qualname__", None) or type(held).__name__
+    return f"a method bound to {name}" if function is not held else name

@@ -11,6 +11,11 @@ with those).  :func:`attach` installs a hook; the first hook on an
 exactly what was there.  Several hooks (several tracers) share one patch,
 so tracers may start and stop in any order.
 
+A program that rebuilds the method from the patched one's ``__func__``
+while traced (accelerate's mixed precision: ``model.forward =
+MethodType(autocast(model.forward.__func__), model)``) keeps the capture:
+that ``__func__`` is a function that runs the patch for the patched object.
+
 Only the patched object is affected: other instances of the class run the
 original method untouched.  Copies and pickles of a patched object
 (``copy.deepcopy``, ``pickle``, ``torch.save``, EMA / SWA averaged models)
@@ -20,7 +25,9 @@ also holds a ``__getstate__`` that leaves the patches out.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +36,7 @@ from typing import Any
 
 import wrapt
 
+from vartrace._warnings import warn
 from vartrace.engine.frames import Callee, FrameCore, default_core
 from vartrace.engine.paths import Pattern, States
 from vartrace.engine.structures import children, leaf_types, select
@@ -185,24 +193,76 @@ class Hook:
 
 
 class _Binder:
-    """Maps a call's arguments to parameter names, with a fast positional path."""
+    """Maps a call's arguments to the names of the traced function's parameters.
 
-    __slots__ = ("_defaults", "_positional", "_signature")
+    Those are the names sites use (``forward.x``), read from the function behind
+    decorators.  A decorator whose own signature differs (a ``functools.wraps``
+    wrapper that takes a keyword of its own) is checked with its signature, the
+    one the call is made with; the arguments the traced function's signature
+    cannot bind are left out, once with a warning, never with an error: a call
+    that neither signature accepts raises its own ``TypeError`` when it runs.
+    """
 
-    def __init__(self, bound_method: Callable[..., Any]) -> None:
+    __slots__ = ("_called", "_positional", "_signature", "_warned", "name")
+
+    def __init__(self, bound_method: Callable[..., Any], name: str) -> None:
+        self.name = name
         self._signature = inspect.signature(bound_method)
+        called = inspect.signature(bound_method, follow_wrapped=False)
+        self._called = None if called == self._signature else called
         params = list(self._signature.parameters.values())
         simple = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
         self._positional = tuple(p.name for p in params) if simple else None
-        self._defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        self._warned = False
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         names = self._positional
         if names is not None and not kwargs and len(args) == len(names):
             return dict(zip(names, args, strict=True))
-        bound = self._signature.bind(*args, **kwargs)
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError:
+            return self._partial(args, kwargs)
         bound.apply_defaults()
         return dict(bound.arguments)
+
+    def _partial(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The arguments of a call that the traced function's signature does not accept
+        but a decorator's does: positional ones in order, keywords by name."""
+        if self._called is None:
+            return {}  # the call fails as it runs
+        try:
+            self._called.bind(*args, **kwargs)
+        except TypeError:
+            return {}
+        params = list(self._signature.parameters.values())
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        arguments: dict[str, Any] = {p.name: a for p, a in zip(positional, args, strict=False)}
+        by_name = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        arguments.update((k, v) for k, v in kwargs.items() if k in by_name and k not in arguments)
+        for p in params:
+            if p.name not in arguments and p.default is not p.empty:
+                arguments[p.name] = p.default
+        if not self._warned:
+            self._warned = True
+            left = sorted(k for k in kwargs if k not in by_name)
+            if len(args) > len(positional):
+                left.append(f"{len(args) - len(positional)} more positional")
+            plain = self._called.replace(return_annotation=inspect.Signature.empty)
+            own = self._signature.replace(return_annotation=inspect.Signature.empty)
+            warn(
+                f"vartrace: {self.name} is called through a decorator whose signature "
+                f"{plain} differs from the traced function's {own}: its arguments are read "
+                "by position and name"
+                + (
+                    f"; those the function does not take ({', '.join(left)}) are not recorded"
+                    if left
+                    else ""
+                ),
+                UserWarning,
+                stacklevel=5,
+            )
+        return arguments
 
 
 class _Wrapper(wrapt.FunctionWrapper):
@@ -212,6 +272,8 @@ class _Wrapper(wrapt.FunctionWrapper):
     is; :class:`_CleanState` keeps the wrapper out of every other copy.
     """
 
+    _self_function: Callable[..., Any] | None = None  # see _Patch._rebindable
+
     def __copy__(self) -> Any:
         return self.__wrapped__
 
@@ -220,6 +282,12 @@ class _Wrapper(wrapt.FunctionWrapper):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         return self.__wrapped__.__reduce_ex__(protocol)
+
+    @property
+    def __func__(self) -> Any:
+        """A function that captures for the patched object (see :meth:`_Patch._rebindable`)."""
+        function = self._self_function
+        return self.__wrapped__.__func__ if function is None else function  # type: ignore[attr-defined]
 
 
 class _CleanState:
@@ -308,7 +376,7 @@ class _Patch:
         self.hooks: tuple[Hook, ...] = ()
         self.original = vars(instance).get(name, _MISSING)
         bound = getattr(instance, name)
-        self.binder = _Binder(bound)
+        self.binder = _Binder(bound, f"{type(instance).__name__}.{name}")
         self.frame_names: tuple[str, ...] = ()
         self.every_names: tuple[str, ...] = ()
         self.callees: dict[CodeType, tuple[tuple[str, ...], tuple[str, ...]]] = {}
@@ -319,6 +387,33 @@ class _Patch:
         self.clean = _CleanState.of(instance)
         self.clean.originals[name] = self.original
         self.wrapper = vars(instance)[name] = _Wrapper(bound, call)
+        self.wrapper._self_function = self._rebindable(bound, call)
+
+    def _rebindable(self, bound: Any, call: Callable[..., Any]) -> Callable[..., Any] | None:
+        """The patched method's ``__func__``: the method's function, capturing when called
+        with the patched object while it is patched.
+
+        A program that rebuilds the method from it (accelerate's mixed precision:
+        ``MethodType(autocast(model.forward.__func__), model)``) keeps the capture.  Its
+        signature is the function's; it has no ``__wrapped__``, so that unwrapping such a
+        rebuilt method (accelerate's ``unwrap_model``) stops at it.  ``None`` where
+        the method is not a bound method of the object.
+        """
+        function = getattr(bound, "__func__", None)
+        if getattr(bound, "__self__", None) is not self.instance or not callable(function):
+            return None
+        instance = self.instance
+
+        def traced(owner: Any, *args: Any, **kwargs: Any) -> Any:
+            if owner is not instance or not self.hooks:
+                return function(owner, *args, **kwargs)
+            return call(bound, instance, args, kwargs)
+
+        functools.update_wrapper(traced, function)
+        del traced.__wrapped__  # type: ignore[attr-defined]
+        with contextlib.suppress(TypeError, ValueError):  # else (owner, *args, **kwargs)
+            traced.__signature__ = inspect.signature(function)  # type: ignore[attr-defined]
+        return traced
 
     def set_hooks(self, hooks: tuple[Hook, ...]) -> None:
         self.hooks = hooks
