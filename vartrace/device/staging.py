@@ -215,12 +215,13 @@ class _Staged:
 class _Batch:
     """Records flushed together: one event per producer stream, one copy-done event."""
 
-    __slots__ = ("done", "flags", "items", "module", "ready", "slot")
+    __slots__ = ("done", "failed", "flags", "items", "module", "ready", "slot")
 
     def __init__(self, items: list[_Ready | _Staged], ready: dict[Any, Any]) -> None:
         self.items = items
         self.ready = ready  # producer stream -> the event recorded after its clones
         self.done: Any = None
+        self.failed = False
         self.module: ModuleType | None = None  # the device module of the copies
         self.flags: dict[int, int] = {}  # item index -> its position in ``slot``
         self.slot: torch.Tensor | None = None  # host copy of the changed-flags
@@ -296,8 +297,7 @@ class Stager:
         self._waiting = 0
         self._task = -1  # the backward pass whose end flushes the open batch
         self._closing = False
-        self._error: BaseException | None = None
-        self._reported = False
+        self._errors: collections.deque[BaseException] = collections.deque()  # not yet raised
         self._streams: dict[torch.device, Any] = {}
         self._prev: dict[str, torch.Tensor] = {}  # site -> its last clone (staging thread)
         self._warned_wait = False
@@ -371,18 +371,19 @@ class Stager:
         if threading.current_thread() is not self._thread:
             self.flush()
             with self._cv:
-                while self._unfinished and self._error is None and self._thread.is_alive():
+                while self._unfinished and self._thread.is_alive():
                     self._cv.wait()
         self._raise()
 
     def close(self, last: Callable[[], None] | None = None) -> None:
         """Run ``last`` (if given) as :meth:`call` would, drain, and end the staging thread.
 
-        Raises a failure of the thread unless it was raised before (by
-        :meth:`call` or :meth:`drain`): every failure reaches the caller once.
+        Raises the oldest failure of the thread not raised before (by :meth:`call`
+        or :meth:`drain`); any later ones are warnings: every failure reaches the
+        caller once.
         """
         try:
-            if last is not None and self._error is None:
+            if last is not None:
                 self._hand_off(_Job(last))
             self.drain()
         finally:
@@ -391,6 +392,13 @@ class Stager:
                 self._cv.notify_all()
             if threading.current_thread() is not self._thread:
                 self._thread.join()
+            for error in self._errors:  # after the one raised: said, not lost
+                warn(
+                    f"vartrace: the staging thread also failed with "
+                    f"{type(error).__name__}: {error}",
+                    RuntimeWarning,
+                )
+            self._errors.clear()
 
     @property
     def inflight(self) -> int:
@@ -398,10 +406,9 @@ class Stager:
         return sum(counter[0] for counter in self._admitted) - self._delivered
 
     def _raise(self) -> None:
-        """Raise the staging thread's failure, the first time only."""
-        if self._error is not None and not self._reported:
-            self._reported = True
-            raise self._error
+        """Raise the staging thread's oldest failure not raised yet."""
+        if self._errors:
+            raise self._errors.popleft()
 
     def _append(self, item: _Ready | _Staged) -> None:
         self.stats.admitted += 1
@@ -475,7 +482,7 @@ class Stager:
             self._waiting += 1
             try:
                 while (inflight := self.inflight) and inflight + nbytes > self._bound:
-                    if self._error is not None or not self._thread.is_alive():
+                    if not self._thread.is_alive():
                         break
                     self._cv.wait()
             finally:
@@ -529,31 +536,33 @@ class Stager:
             while issued < len(pending):
                 head = pending[issued]
                 if isinstance(head, _Batch):
-                    self._attempt(self._issue, head)
+                    head.failed = not self._attempt(self._issue, head)
                 issued += 1
             head = pending.popleft()
             issued -= 1
             if isinstance(head, _Batch):
-                self._attempt(self._wait, head)
-                self._attempt(self._finish, head)
+                # A batch whose copies did not all start, or did not land, delivers nothing.
+                if not head.failed and self._attempt(self._wait, head):
+                    self._attempt(self._finish, head)
                 self._release(head)
-            elif self._error is None:
+            else:
                 self._attempt(head.job)
             with self._cv:
                 self._unfinished -= 1
                 self._cv.notify_all()
 
-    def _attempt(self, step: Callable[..., Any], *args: Any) -> None:
-        """``step(*args)``; its exception is kept for :meth:`call`, :meth:`drain` and
-        :meth:`close`, and the steps after it are skipped."""
-        if self._error is not None:
-            return
+    def _attempt(self, step: Callable[..., Any], *args: Any) -> bool:
+        """``step(*args)``, and whether it succeeded; its exception is kept for
+        :meth:`call`, :meth:`drain` or :meth:`close` to raise, once, and the staging
+        thread goes on with what comes after (as a failed gather does without staging)."""
         try:
             step(*args)
         except BaseException as error:
             with self._cv:
-                self._error = error
+                self._errors.append(error)
                 self._cv.notify_all()
+            return False
+        return True
 
     def _issue(self, batch: _Batch) -> None:
         """Start the batch's device work on the side stream: compare, copy, one event."""
