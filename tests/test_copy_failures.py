@@ -8,7 +8,9 @@ writes it to a real HDF5 file that reads it back as a marker.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,14 @@ class Uncopyable(nn.Module):
         return out
 
 
+@contextlib.contextmanager
+def _recording() -> Iterator[list[warnings.WarningMessage]]:
+    """The warnings raised inside, every one kept (also under ``-W error``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
 def _uncopyable_sites(tag: str) -> list[str]:
     names = [*SUB_BYTE, *(["quint4x2"] if hasattr(torch, "quint4x2") else []), "expanded"]
     return [f"forward.{tag}_{name}" for name in names]
@@ -68,12 +78,10 @@ def _check_marker(site: str, marker: object) -> None:
 @QUANTIZE_DEPRECATED
 def test_a_value_whose_copy_fails_is_a_marker_with_one_warning_per_site() -> None:
     model = Uncopyable("plain")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with ModelTracer(model, ["forward"], change_detection=False) as tracer:
-            for step in range(3):
-                out = model(torch.full((4,), float(step)))
-                assert out["plain_x"].equal(torch.full((4,), 2.0 * step))
+    with _recording() as caught, ModelTracer(model, ["forward"], change_detection=False) as tracer:
+        for step in range(3):
+            out = model(torch.full((4,), float(step)))
+            assert out["plain_x"].equal(torch.full((4,), 2.0 * step))
     results = tracer.results
     ours = [str(w.message) for w in caught if str(w.message).startswith("vartrace: site")]
     for site in _uncopyable_sites("plain"):
@@ -110,7 +118,7 @@ class EveryStep(nn.Module):
 
 def test_a_line_by_line_value_whose_copy_fails_is_a_marker() -> None:
     model = EveryStep()
-    with warnings.catch_warnings(record=True), ModelTracer(model, ["forward.h@every"]) as tracer:
+    with _recording(), ModelTracer(model, ["forward.h@every"]) as tracer:
         assert model(torch.ones(2)).equal(torch.full((2,), 2.0))
     values = tracer.results["forward.h"].values
     assert [type(value) for value in values][-3:] == [
@@ -126,7 +134,7 @@ def test_the_saver_writes_the_markers_and_the_file_reads_them_back(tmp_path: Pat
     model = Uncopyable("saved")
     path = tmp_path / "run.h5"
     with (
-        warnings.catch_warnings(record=True),
+        _recording(),
         H5PYSaverCallback(path, metadata=False) as saver,
         ModelTracer(model, ["forward"], post_gather_callbacks=[saver], change_detection=False),
     ):

@@ -200,10 +200,11 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     """A detached, independent copy of ``value``; tensors land on ``device``.
 
     A value that cannot be copied gives a :class:`vartrace.Unstored` marker
-    instead, never an exception in the step, with one warning per site:
-    an object that refuses ``deepcopy``, a tensor whose dtype torch cannot
-    copy (the sub-byte ``torch.uint4``, ``torch.int1`` ... ``torch.int7``,
-    ``torch.quint4x2``), one the device has no memory for.  An expanded view
+    instead, never an exception in the step, with one warning per site (the
+    first time the process meets it): an object that refuses ``deepcopy``, a
+    tensor whose dtype torch cannot copy (the sub-byte ``torch.uint4``,
+    ``torch.int1`` ... ``torch.int7``, ``torch.quint4x2``), one the device
+    has no memory for.  An expanded view
     (``expand``, ``broadcast_to``: a dimension of stride 0) is copied whole,
     as the value it stands for, up to 1 GiB; above that the record is a
     marker giving both sizes (``"4 bytes expanded to 512 GiB"``): its copy
