@@ -46,7 +46,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vartrace.sources.statistics import COUNTS, SUMMARY_FIELDS, summarize
+from vartrace.sources.statistics import COUNTS, SUMMARY_FIELDS
+from vartrace.statistics.kernels import summarize_values, summary
 
 __all__ = [
     "Statistics",
@@ -325,31 +326,27 @@ class StatsReducer:
         if torch is not None and isinstance(value, torch.Tensor):
             if value.layout is not torch.strided or value.is_meta or value.is_quantized:
                 return value
-            if value.is_cpu:
+            if value.is_cpu and self._extras:
                 return torch.from_numpy(self._host(_numbers(value.detach())))
-            return self._device(value.detach())
+            return self._tensor(value)
         if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
             return self._host(np.abs(value) if value.dtype.kind == "c" else value)
         return value
 
+    @property
+    def _extras(self) -> bool:
+        """Whether records hold more than the summary: a histogram or quantiles."""
+        return self.layout.bins is not None or bool(self.layout.quantiles)
+
     # -- the host definition: vartrace.sources.statistics ---------------------------------------
 
     def _host(self, array: np.ndarray) -> np.ndarray:
-        row = array.reshape(1, -1).astype(np.float64, copy=False)
         layout = self.layout
         out = self._template.copy()
-        # The fast path may overwrite the float64 values only when they are our own copy
-        # (converted from another dtype) and no histogram or quantile reads them afterwards.
-        scratch = array.dtype != np.float64 and layout.bins is None and not layout.quantiles
-        summary = _fast_summary(row[0], scratch)
-        if summary is None:
-            if scratch:  # the fast path may have filled some values: convert them again
-                row = array.reshape(1, -1).astype(np.float64)
-            full = summarize(row, SUMMARY_FIELDS)
-            summary = [full[f][0] for f in SUMMARY_FIELDS]
-        out[1 : 1 + len(SUMMARY_FIELDS)] = summary
-        if layout.bins is None and not layout.quantiles:
+        out[1 : 1 + len(SUMMARY_FIELDS)] = summarize_values(array)
+        if not self._extras:
             return out
+        row = array.reshape(1, -1).astype(np.float64, copy=False)
         at = 1 + len(SUMMARY_FIELDS)
         if layout.bins is not None:
             low, high = layout.bins
@@ -371,53 +368,50 @@ class StatsReducer:
                     out[at + count :] = below + (above - below) * weight
         return out
 
-    # -- on the device: the same definitions in torch, without a sync ---------------------------
+    # -- a tensor where it lives: the fused summary op, the extras in torch, without a sync -----
 
-    def _device(self, tensor: Any) -> Any:
+    def _tensor(self, tensor: Any) -> Any:
+        """The record of a tensor on its device: the summary by ONE op
+        (:func:`vartrace.statistics.summary`), then the header joined on: two ops in all
+        when no histogram or quantiles are asked for."""
         import torch
 
         device = tensor.device
+        if self._extras and tensor.numel() == 0:  # known from the shape: a constant record
+            return torch.from_numpy(self._host(np.empty(0))).to(device, non_blocking=True)
         header, probabilities = self._constant(device)
-        with torch.autocast(device.type, enabled=False) if _autocasts(device) else nullcontext():
-            x = _float64(tensor).reshape(-1)
-            if x.numel() == 0:  # known from the shape: a constant record
-                return torch.from_numpy(self._host(np.empty(0))).to(device, non_blocking=True)
-            finite = torch.isfinite(x)
-            count = finite.sum(dtype=torch.float64)
-            zeroed = torch.where(finite, x, 0.0)
-            mean = zeroed.sum() / count
-            centred = torch.where(finite, x - mean, 0.0)
-            has = count > 0
-            nan = torch.full((), math.nan, dtype=torch.float64, device=device)
-            flags = torch.stack([torch.isnan(x), x == math.inf, x == -math.inf, x == 0])
-            summary = [
-                torch.full((), float(x.numel()), dtype=torch.float64, device=device),
-                mean,
-                torch.sqrt((centred * centred).sum() / count),
-                torch.where(has, torch.where(finite, x, math.inf).amin(), nan),
-                torch.where(has, torch.where(finite, x, -math.inf).amax(), nan),
-                torch.where(has, zeroed.abs().amax(), nan),
-                torch.sqrt((zeroed * zeroed).sum()),
-            ]
-            parts = [header, torch.stack(summary), flags.sum(dim=1, dtype=torch.float64)]
-            layout = self.layout
-            if layout.bins is not None:
-                low, high = layout.bins
-                nonzero = finite & (x != 0)
-                exponent = torch.frexp(torch.where(nonzero, x, 1.0)).exponent - 1
-                index = (exponent.clamp(low, high) - low).long()
-                bins = torch.zeros(high - low + 1, dtype=torch.float64, device=device)
-                parts.append(bins.scatter_add_(0, index, nonzero.to(torch.float64)))
-            if layout.quantiles:
-                sample = x[:: _step(x.numel(), self)]
-                kept = torch.isfinite(sample)
-                ordered = torch.sort(torch.where(kept, sample, math.inf)).values
-                finite = kept.sum()
-                low, high, weight = _positions(finite, probabilities)
-                below, above = ordered[low.long()], ordered[high.long()]
-                quantile = torch.where(finite > 0, below + (above - below) * weight, nan)
-                parts += [probabilities, quantile]
+        autocast = torch.autocast(device.type, enabled=False) if _autocasts(device) else None
+        with torch.no_grad(), autocast or nullcontext():
+            parts = [header, summary(tensor)]
+            if self._extras:
+                parts += self._device_extras(_float64(tensor.detach()).reshape(-1), probabilities)
             return torch.cat(parts)
+
+    def _device_extras(self, x: Any, probabilities: Any) -> list[Any]:
+        """The histogram and quantile parts of a record of float64 values ``x`` (torch)."""
+        import torch
+
+        parts = []
+        layout = self.layout
+        finite = torch.isfinite(x)
+        if layout.bins is not None:
+            low, high = layout.bins
+            nonzero = finite & (x != 0)
+            exponent = torch.frexp(torch.where(nonzero, x, 1.0)).exponent - 1
+            index = (exponent.clamp(low, high) - low).long()
+            bins = torch.zeros(high - low + 1, dtype=torch.float64, device=x.device)
+            parts.append(bins.scatter_add_(0, index, nonzero.to(torch.float64)))
+        if layout.quantiles:
+            sample = x[:: _step(x.numel(), self)]
+            kept = torch.isfinite(sample)
+            ordered = torch.sort(torch.where(kept, sample, math.inf)).values
+            count = kept.sum()
+            low, high, weight = _positions(count, probabilities)
+            below, above = ordered[low.long()], ordered[high.long()]
+            nan = torch.full((), math.nan, dtype=torch.float64, device=x.device)
+            quantile = torch.where(count > 0, below + (above - below) * weight, nan)
+            parts += [probabilities, quantile]
+        return parts
 
     def _constant(self, device: Any) -> tuple[Any, Any]:
         """The header and the quantile probabilities on ``device``, copied there once."""
@@ -429,51 +423,6 @@ class StatsReducer:
             on_device = host.to(device, non_blocking=True)
             constants = self._constants[device] = (on_device[:1], on_device[1:])
         return constants
-
-
-def _fast_summary(x: np.ndarray, scratch: bool) -> list[float] | None:
-    """:data:`SUMMARY_FIELDS` of a 1-D float64 array in a few numpy calls, or ``None`` when
-    the general (masked) definition is needed: NaN, both infinities, or finite values that
-    the zero-filled non-finite ones could hide.  ``scratch``: ``x`` may be overwritten.
-
-    All finite (the usual case, told by the sum): sum, min, max, zeros (skipped when the
-    values keep one sign), then the centred sum of squares by one subtraction and einsum.
-    Infinities of one sign: they are set to 0 and counted once, the rest as above."""
-    size = x.size
-    if not size:
-        return None
-    with np.errstate(all="ignore"):
-        total = float(x.sum())  # NaN with a NaN or both infinities; +-inf with one of them
-        holes = None
-        if math.isfinite(total):
-            count, posinf, neginf = size, 0, 0
-            low, high = float(x.min()), float(x.max())
-            zeros = 0 if low > 0 or high < 0 else size - int(np.count_nonzero(x != 0))
-        elif scratch and abs(total) == math.inf:
-            holes = ~np.isfinite(x)
-            count = size - int(np.count_nonzero(holes))
-            posinf, neginf = (size - count, 0) if total > 0 else (0, size - count)
-            np.putmask(x, holes, 0.0)  # far cheaper than a masked copyto or where=
-            low, high = float(x.min()), float(x.max())
-            if not low < 0 < high:  # the least or greatest finite value may be a filled zero
-                return None
-            total = float(x.sum())
-            zeros = count - int(np.count_nonzero(x != 0))
-        else:
-            return None
-        mean = total / count
-        if scratch:  # centred in place; the filled zeros back to 0
-            centred = np.subtract(x, mean, out=x)
-            if holes is not None:
-                np.putmask(centred, holes, 0.0)
-        else:
-            centred = x - mean
-        # einsum, not dot: BLAS threads would spin against torch's own in the training step
-        squares = float(np.einsum("i,i->", centred, centred))
-    var = squares / count
-    norm = math.sqrt(count * (var + mean * mean))
-    spread = [math.sqrt(var), low, high, max(-low, high), norm]
-    return [float(size), mean, *spread, 0.0, float(posinf), float(neginf), float(zeros)]
 
 
 def _positions(count: Any, probabilities: Any) -> tuple[Any, Any, Any]:

@@ -1,0 +1,247 @@
+"""The fused statistics summary (``torch.ops.vartrace.summary``): ops, temporaries, numerics.
+
+One op per record on the capturing thread, no float64 copy of the record, and the same
+numbers as the float64 reference of ``tests/test_stats.py`` from each implementation:
+the numpy CPU kernel (with blocks small enough that every merge runs), the op on the CPU
+and on the stand-in device, the eager fallback, and the CUDA kernels written in Triton,
+run by Triton's interpreter on CPU tensors where ``triton`` is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import tracemalloc
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import vartrace
+import vartrace.statistics.kernels as kernels
+from tests import simgpu
+from tests.test_stats import assert_matches, reference, tensors
+from vartrace.sources.statistics import SUMMARY_FIELDS
+from vartrace.stat_records import Statistics
+
+SUMMARY = vartrace.stats()
+
+
+class Dispatched(TorchDispatchMode):
+    """The aten (and custom) ops dispatched on this thread, and the bytes they return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.ops.append(str(func))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.bytes += t.numel() * t.element_size()
+        return out
+
+
+def as_statistics(row: torch.Tensor) -> Statistics:
+    """A summary row (11 float64, any device) as the record ``vartrace.stats()`` makes."""
+    host = simgpu.peek(row) if isinstance(row, simgpu.SimTensor) else row.cpu()
+    record = SUMMARY._template.copy()
+    record[1:] = host.numpy()
+    return Statistics.of(record)
+
+
+def expected(tensor: torch.Tensor) -> dict[str, Any]:
+    want = reference(tensor.to(torch.float64).numpy())
+    return {name: want[name] for name in SUMMARY_FIELDS}
+
+
+def activations(dtype: torch.dtype, size: int = 300_001) -> torch.Tensor:
+    """Large records: a big mean with a tiny spread (naive one-pass formulas lose digits
+    there), with NaN, both infinities and zeros spread over several blocks."""
+    generator = torch.Generator().manual_seed(0)
+    x = 1e4 + 1e-3 * torch.randn(size, dtype=torch.float64, generator=generator)
+    if dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        x = torch.randn(size, dtype=torch.float64, generator=generator)
+    x[[7, size // 4, size // 2]] = torch.tensor([math.nan, math.inf, -math.inf], dtype=x.dtype)
+    x[size * 2 // 3 :][:10] = 0.0
+    return x.to(dtype)
+
+
+# -- ops and temporaries on the capturing thread ----------------------------------------------
+
+
+def test_a_record_is_one_op_and_a_join_on_the_stand_in_device_and_the_cpu() -> None:
+    for value in (simgpu.to_device(torch.randn(64, 33)), torch.randn(64, 33)):
+        SUMMARY("site", value, 1)  # the op registered, constants on the device
+        with Dispatched() as seen:
+            record = SUMMARY("site", value, 1)
+        assert seen.ops == ["vartrace.summary.default", "aten.cat.default"], seen.ops
+        assert seen.bytes <= 1024  # the row and the record: 88 + 96 bytes
+        assert record.device == value.device
+    assert simgpu.LOG.syncs() == []
+
+
+def test_a_record_allocates_one_float64_block_at_most_on_the_cpu() -> None:
+    """No float64 copy of the record (today's numpy path made one: 32 MiB here): the
+    kernel's temporaries are one block's buffers (float64, bool, bfloat16 widened, numpy's
+    casting buffer: under 16 bytes a value, 64 Ki values at most), 1 MiB at most."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        x = torch.randn(4 << 20).to(dtype)
+        SUMMARY("site", x, 1)  # the op registered, float8's table of 256 values made
+        tracemalloc.start()
+        try:
+            SUMMARY("site", x, 1)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= kernels.BLOCK * 16, (dtype, peak)
+
+
+def test_the_op_is_traceable_and_checked_by_opcheck() -> None:
+    op = kernels.summary_op()
+    assert op is torch.ops.vartrace.summary.default
+    for x in (torch.randn(5, 7), torch.randn(3).bfloat16(), torch.arange(6).reshape(2, 3)):
+        torch.library.opcheck(op, (x,))  # compares with assert_close: rows without NaN
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = op(mode.from_tensor(torch.empty(0, 4)))
+    assert fake.shape == (11,) and fake.dtype == torch.float64
+
+
+def test_a_record_of_a_tensor_that_requires_grad_has_no_graph() -> None:
+    x = torch.randn(8, requires_grad=True) * 2
+    record = SUMMARY("site", x, 1)
+    assert not record.requires_grad and record.grad_fn is None
+
+
+# -- numerics: every implementation against the float64 reference ----------------------------
+
+EXAMPLES = settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@EXAMPLES
+@given(tensors(), st.sampled_from([1, 3, 8, 1 << 16]))
+def test_the_numpy_kernel_equals_the_reference_with_any_block(
+    tensor: torch.Tensor, block: int
+) -> None:
+    """Small blocks: the Chan merge of several blocks and all-NaN blocks are exercised."""
+    previous, kernels.BLOCK = kernels.BLOCK, block
+    try:
+        row = kernels.summary(tensor)
+    finally:
+        kernels.BLOCK = previous
+    assert row.dtype == torch.float64 and row.shape == (11,)
+    assert_matches(as_statistics(row), expected(tensor))
+
+
+@EXAMPLES
+@given(tensors())
+def test_the_eager_fallback_equals_the_reference(tensor: torch.Tensor) -> None:
+    assert_matches(as_statistics(kernels.eager_summary(tensor)), expected(tensor))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn],
+)
+def test_large_records_on_the_cpu_and_the_stand_in_device(dtype: torch.dtype) -> None:
+    x = activations(dtype)
+    want = expected(x)
+    assert_matches(as_statistics(kernels.summary(x)), want)
+    transposed = x[:300_000].reshape(500, 600).T  # dense in another order: read as it is
+    assert_matches(as_statistics(kernels.summary(transposed)), expected(transposed))
+    assert_matches(Statistics.of(simgpu.peek(SUMMARY("site", simgpu.to_device(x), 1))), want)
+
+
+def test_complex_values_are_reduced_by_magnitude() -> None:
+    z = torch.tensor([3 + 4j, -1j, complex(math.nan, 0), 0j])
+    want = expected(z.abs())
+    assert_matches(as_statistics(kernels.summary(z)), want)
+    assert_matches(as_statistics(kernels.summary(z.conj())), want)
+    assert_matches(Statistics.of(SUMMARY("site", z.numpy(), 1)), want)
+
+
+# -- the CUDA kernels, in Triton's interpreter on CPU tensors ---------------------------------
+
+
+@contextlib.contextmanager
+def _interpreting() -> Iterator[None]:
+    """``TRITON_INTERPRET=1`` for a while: Triton reads it when it decorates and runs."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def _interpreted_triton() -> types.ModuleType | None:
+    """A fresh copy of ``vartrace.statistics._triton`` whose kernels Triton interprets."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    spec = importlib.util.find_spec("vartrace.statistics._triton")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    with _interpreting():
+        spec.loader.exec_module(module)
+    return module
+
+
+TRITON = _interpreted_triton()
+needs_triton = pytest.mark.skipif(TRITON is None, reason="triton is not installed")
+
+
+def triton_summary(tensor: torch.Tensor, block: int, spans: int, tile: int) -> torch.Tensor:
+    """The CUDA implementation's two launches, interpreted, with the given tile sizes."""
+    assert TRITON is not None
+    saved = TRITON._BLOCK, TRITON._SPANS, TRITON._TILE
+    TRITON._BLOCK, TRITON._SPANS, TRITON._TILE = block, spans, tile
+    try:
+        with _interpreting(), np.errstate(all="ignore"):  # 0 / 0: the NaN mean of no values
+            return TRITON.summary(tensor)
+    finally:
+        TRITON._BLOCK, TRITON._SPANS, TRITON._TILE = saved
+
+
+def _loaded_by_triton(tensor: torch.Tensor) -> bool:
+    assert TRITON is not None
+    return tensor.dtype in TRITON.DTYPES or tensor.element_size() == 1
+
+
+@needs_triton
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(tensors(), st.sampled_from([(8, 2, 2), (16, 1024, 1024), (1024, 1024, 1024)]))
+def test_the_triton_kernels_equal_the_reference(
+    tensor: torch.Tensor, sizes: tuple[int, int, int]
+) -> None:
+    """Tiles of 8 values, two spans, partials merged two at a time: every merge runs."""
+    assert _loaded_by_triton(tensor)
+    row = triton_summary(tensor, *sizes)
+    assert row.dtype == torch.float64 and row.shape == (11,)
+    assert_matches(as_statistics(row), expected(tensor))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_triton_kernels_on_large_records(dtype: torch.dtype) -> None:
+    x = activations(dtype, size=100_003)
+    assert_matches(as_statistics(triton_summary(x, 1024, 16, 4)), expected(x))
+
+
+def test_the_cuda_kernel_falls_back_to_eager_for_dtypes_triton_does_not_load() -> None:
+    """uint32 (no Triton pointer type here) takes the eager formulation."""
+    x = torch.tensor([1, 0, 7], dtype=torch.uint32)
+    row: Callable[[torch.Tensor], torch.Tensor] = kernels._cuda_summary
+    assert_matches(as_statistics(row(x)), expected(x))

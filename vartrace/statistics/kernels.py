@@ -1,0 +1,277 @@
+"""The statistics row of one record in one read: a numpy kernel, a torch custom op.
+
+:func:`summarize_values` computes the 11 float64 fields of
+:data:`~vartrace.sources.statistics.SUMMARY_FIELDS` (count, mean, std, min, max,
+absmax, norm over the finite values; counts of NaN, +inf, -inf and exact zeros) of a
+numpy array without a float64 copy of it: the values are upcast one block of
+:data:`BLOCK` elements at a time into a reused float64 buffer (the cache holds it),
+each block is reduced there, and the blocks' ``(count, mean, M2)`` are merged by Chan,
+Golub and LeVeque's formula.  Within a block the centred sum of squares is the two-pass
+one; across blocks the means are taken relative to a shift (the first value, when
+finite, refined by the centred values' sum), so a large mean with a tiny spread loses
+no digits.
+
+:func:`summary` is the same row for a tensor, on the tensor's device, as ONE torch op,
+``torch.ops.vartrace.summary`` (a ``torch.library.custom_op``, traceable by its fake
+kernel): on the CPU :func:`summarize_values` on a zero-copy view (bfloat16 widened to
+float32 bits, float8 decoded by a table of its 256 values), on CUDA two Triton kernels
+(:mod:`vartrace.statistics._triton`), elsewhere the eager torch formulation
+:func:`eager_summary`, which is also what a torch without ``custom_op`` runs.  Complex
+values are reduced by magnitude.
+
+Example::
+
+    summarize_values(np.array([1.0, np.nan, 3.0]))[:3]   # count 3, mean 2, std 1
+    summary(torch.randn(10, device="cuda"))              # 11 float64 on the device
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "BLOCK",
+    "Decoder",
+    "bfloat16_decoder",
+    "eager_summary",
+    "summarize_values",
+    "summary",
+    "summary_op",
+    "table_decoder",
+]
+
+#: Elements upcast and reduced at a time: their float64 buffer (512 KiB) stays in the cache.
+BLOCK = 1 << 16
+
+#: Writes the float64 values of some codes into a buffer of their length (dtypes numpy lacks).
+Decoder = Callable[[np.ndarray, np.ndarray], None]
+
+
+def summarize_values(values: np.ndarray, decode: Decoder | None = None) -> np.ndarray:
+    """The 11 float64 summary fields of a real or complex (by magnitude) numeric array.
+
+    ``decode``: ``values`` are the codes of a dtype numpy lacks (bfloat16, float8), turned
+    into float64 by this function (:func:`bfloat16_decoder`, :func:`table_decoder`).
+    Temporaries: one float64 buffer of at most :data:`BLOCK` values, a bool and a code
+    buffer of as many; the array is read once (copied only where it is not dense).
+
+    Example::
+
+        summarize_values(np.array([[0.0, -np.inf], [2.0, 4.0]], np.float32))
+    """
+    flat = values.ravel(order="K")
+    size = flat.size
+    buffer, flags = np.empty(min(size, BLOCK)), np.empty(min(size, BLOCK), bool)
+    upcast = decode or _upcast
+    count = total = squares = offset = shift = 0.0
+    low, high, counted = math.inf, -math.inf, np.zeros(4)
+    with np.errstate(all="ignore"):
+        for start in range(0, size, BLOCK):
+            block = buffer[: min(BLOCK, size - start)]
+            upcast(flat[start : start + block.size], block)
+            if not start and math.isfinite(block[0]):
+                shift = float(block[0])  # the block means are taken relative to it
+            n, s, q, m, lo, hi = _reduce(block, flags[: block.size], shift, counted)
+            if n:  # Chan, Golub and LeVeque's merge of (count, mean, M2)
+                delta = m - offset
+                merged = count + n
+                squares += q + delta * delta * (count * n / merged)
+                offset += delta * (n / merged)
+                count, total = merged, total + s
+                low, high = min(low, lo), max(high, hi)
+    if not count:
+        return np.array([size, math.nan, math.nan, math.nan, math.nan, math.nan, 0.0, *counted])
+    mean, var = total / count, squares / count
+    norm = math.sqrt(count * (var + mean * mean))
+    return np.array([size, mean, math.sqrt(var), low, high, max(-low, high), norm, *counted])
+
+
+def _upcast(source: np.ndarray, out: np.ndarray) -> None:
+    if source.dtype.kind == "c":
+        np.abs(source, out=out)
+    else:
+        np.copyto(out, source, casting="unsafe")
+
+
+def bfloat16_decoder(codes: np.ndarray, out: np.ndarray) -> None:
+    """bfloat16 bit patterns (uint16) as float64: the float32 of the same top 16 bits."""
+    wide = np.left_shift(codes, 16, dtype=np.uint32)
+    np.copyto(out, wide.view(np.float32))
+
+
+def table_decoder(table: np.ndarray) -> Decoder:
+    """A decoder of uint8 codes by the float64 ``table`` of their 256 values (float8)."""
+
+    def decode(codes: np.ndarray, out: np.ndarray) -> None:
+        step = 1 << 13  # numpy turns the codes into 8-byte indices: a few at a time
+        for start in range(0, codes.size, step):
+            np.take(table, codes[start : start + step], out=out[start : start + step])
+
+    return decode
+
+
+def _reduce(
+    block: np.ndarray, flags: np.ndarray, shift: float, counted: np.ndarray
+) -> tuple[float, ...]:
+    """One float64 block (overwritten; ``flags``: a bool buffer as long): finite count, sum,
+    centred sum of squares, mean minus ``shift``, min, max; adds its NaN, +inf, -inf and
+    zero counts to ``counted``."""
+    total = float(block.sum())  # NaN with a NaN or both infinities, +-inf with one of them
+    holes = None
+    if math.isfinite(total):
+        n, low, high = block.size, float(block.min()), float(block.max())
+        if low <= 0 <= high:  # else no value is zero: no pass to count them
+            counted[3] += np.count_nonzero(np.equal(block, 0, out=flags))
+    else:
+        finite = np.isfinite(block, out=flags)
+        n = int(np.count_nonzero(finite))
+        nan = int(np.count_nonzero(np.isnan(block)))
+        posinf = int(np.count_nonzero(block == math.inf))
+        counted += (nan, posinf, block.size - n - nan - posinf, np.count_nonzero(block == 0))
+        if not n:
+            return 0.0, 0.0, 0.0, 0.0, math.inf, -math.inf
+        low = float(np.min(block, where=finite, initial=math.inf))
+        high = float(np.max(block, where=finite, initial=-math.inf))
+        holes = ~finite
+        np.putmask(block, holes, 0.0)
+        total = float(block.sum())
+    mean = total / n
+    centred = np.subtract(block, mean, out=block)
+    if holes is not None:
+        np.putmask(centred, holes, 0.0)
+    # einsum, not dot: BLAS threads would spin against torch's own in the training step
+    squares = float(np.einsum("i,i->", centred, centred))
+    return n, total, squares, (mean - shift) + float(centred.sum()) / n, low, high
+
+
+def eager_summary(x: Any) -> Any:
+    """The summary fields of a tensor in eager torch ops on its device (devices without a
+    kernel of :func:`summary`, and torch without ``custom_op``): a float64 copy, ~30 ops."""
+    import torch
+
+    if x.is_complex():
+        x = x.abs()
+    x = x.reshape(-1).to(torch.float64)
+    device = x.device
+    if not x.numel():  # known from the shape: a constant row
+        return torch.from_numpy(summarize_values(np.empty(0))).to(device, non_blocking=True)
+    finite = torch.isfinite(x)
+    count = finite.sum(dtype=torch.float64)
+    zeroed = torch.where(finite, x, 0.0)
+    mean = zeroed.sum() / count
+    centred = torch.where(finite, x - mean, 0.0)
+    has = count > 0
+    nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+    flags = torch.stack([torch.isnan(x), x == math.inf, x == -math.inf, x == 0])
+    summary = [
+        torch.full((), float(x.numel()), dtype=torch.float64, device=device),
+        mean,
+        torch.sqrt((centred * centred).sum() / count),
+        torch.where(has, torch.where(finite, x, math.inf).amin(), nan),
+        torch.where(has, torch.where(finite, x, -math.inf).amax(), nan),
+        torch.where(has, zeroed.abs().amax(), nan),
+        torch.sqrt((zeroed * zeroed).sum()),
+    ]
+    return torch.cat([torch.stack(summary), flags.sum(dim=1, dtype=torch.float64)])
+
+
+_NUMPY_DTYPES = frozenset(
+    f"torch.{name}"
+    for name in (
+        "float16", "float32", "float64", "complex64", "complex128", "bool",
+        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    )
+)  # fmt: skip
+_decoders: dict[Any, Decoder] = {}
+
+
+def _cpu_summary(x: Any) -> Any:
+    """The op's CPU kernel: :func:`summarize_values` on a view of the tensor's memory."""
+    import torch
+
+    x = x.detach().resolve_conj().resolve_neg()
+    if str(x.dtype) in _NUMPY_DTYPES:
+        return torch.from_numpy(summarize_values(x.numpy()))
+    if x.dtype == torch.bfloat16:
+        codes = x.view(torch.int16).numpy().view(np.uint16)
+        return torch.from_numpy(summarize_values(codes, bfloat16_decoder))
+    if not x.is_floating_point() or x.element_size() != 1:
+        return eager_summary(x)
+    decode = _decoders.get(x.dtype)
+    if decode is None:  # float8: its 256 bit patterns decoded once
+        patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(x.dtype)
+        decode = _decoders[x.dtype] = table_decoder(patterns.to(torch.float64).numpy())
+    return torch.from_numpy(summarize_values(x.view(torch.uint8).numpy(), decode))
+
+
+_triton: Any = None  # vartrace.statistics._triton once imported; False without triton
+
+
+def _cuda_summary(x: Any) -> Any:
+    """The op's CUDA kernel: two Triton launches (eager torch without triton, or for a
+    dtype the kernels do not load)."""
+    global _triton
+    if _triton is None:
+        try:
+            from vartrace.statistics import _triton as module
+        except ImportError:
+            module = False
+        _triton = module
+    if x.is_complex():
+        x = x.abs()
+    if _triton and (x.dtype in _triton.DTYPES or (x.is_floating_point() and x.element_size() == 1)):
+        return _triton.summary(x)
+    return eager_summary(x)
+
+
+_op: Any = None  # torch.ops.vartrace.summary once registered; False where it cannot be
+
+
+def summary_op() -> Any:
+    """``torch.ops.vartrace.summary`` (registered on first use), or ``None`` on a torch
+    without ``torch.library.custom_op`` (before 2.4)."""
+    global _op
+    if _op is None:
+        _op = _register() or False
+    return _op or None
+
+
+def _register() -> Any:
+    import torch
+
+    if not hasattr(torch.library, "custom_op"):
+        return None
+    if not hasattr(torch.ops.vartrace, "summary"):  # another copy of this module may have
+        schema = "(Tensor x) -> Tensor"
+        op = torch.library.custom_op("vartrace::summary", mutates_args=(), schema=schema)(_default)
+        op.register_kernel("cpu")(_cpu_summary)
+        op.register_kernel("cuda")(_cuda_summary)
+        op.register_fake(_fake)
+    return torch.ops.vartrace.summary.default
+
+
+def _default(x: Any) -> Any:
+    """The 11 float64 summary fields of ``x`` on its device (see :func:`summary`)."""
+    return eager_summary(x)
+
+
+def _fake(x: Any) -> Any:
+    import torch
+
+    return x.new_empty(11, dtype=torch.float64)
+
+
+def summary(x: Any) -> Any:
+    """The 11 float64 :data:`~vartrace.sources.statistics.SUMMARY_FIELDS` of tensor ``x``
+    on its device, by ONE dispatched op (eager torch where ``custom_op`` is missing).
+
+    Example::
+
+        summary(torch.tensor([1.0, float("nan"), 3.0]))[1]   # mean 2.0
+    """
+    op = summary_op()
+    return eager_summary(x) if op is None else op(x)
