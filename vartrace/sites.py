@@ -598,7 +598,9 @@ class _Resolver:
         )
 
     def _parameters(self) -> Iterator[_Selection]:
-        """Parameters and buffers named as ``named_parameters()`` gives them, read through self."""
+        """Parameters and buffers named as ``named_parameters()`` gives them, read through self;
+        a parametrized tensor (``weight`` under ``weight_norm``) as the module that computes
+        it returns it (``wn.parametrizations.weight``), each time the module reads it."""
         p = self.pattern
         modules = dict(self.modules)
         for path, module in self.modules:
@@ -620,6 +622,19 @@ class _Resolver:
                 if forward is not None:
                     found = _Selection(owner, modules[owner], forward, None, "self", states)
                     yield replace(found, site=full, pattern=literal)
+            for name in _parametrized(module):
+                full = _join(path, name)
+                computing = modules.get(_join(path, "parametrizations", name))
+                if computing is None or not p.matches(full.split("."), plain=full.count(".")):
+                    continue
+                literal = parse(full + (f"@{p.when}" if p.when else ""))
+                states = literal.start
+                for segment in full.split("."):
+                    states = literal.step(states, segment, plain=True)
+                forward = module_methods(computing)["forward"]
+                holder = _join(path, "parametrizations", name)
+                found = _Selection(holder, computing, forward, None, None, states, site=full)
+                yield replace(found, pattern=literal)
 
 
 def _runs_later(
@@ -662,7 +677,7 @@ def _add(
     # A parameter selection walks from its owner module (named by its path) to the tensor.
     selector = kind(
         variable,
-        target.path if selection.site else site,
+        target.path if selection.site and variable == "self" else site,
         selection.pattern or pattern,
         states,
         grad=pattern.when == "grad",
@@ -689,6 +704,12 @@ def _add(
             target.calls.append(ran)
         return None
     if variable is None:
+        if when == "entry" and selection.site:
+            return (
+                f"{site} is a parametrized tensor, computed by {target.path} when its module "
+                "reads it and recorded then; drop @entry, or name the tensors it is computed "
+                f"from ({target.path}.original*)"
+            )
         if when == "entry":
             return f"{site} is a return value, which does not exist at entry; drop @entry"
         target.returns.append(selector)
@@ -770,11 +791,25 @@ def _static_sites(
                         yield _join(path, segment, variable), depth
 
 
+def _parametrized(module: nn.Module) -> list[str]:
+    """The names of ``module``'s parametrized tensors (``torch.nn.utils.parametrize``:
+    ``weight_norm``, ``spectral_norm``...), each computed when read."""
+    if not torch.nn.utils.parametrize.is_parametrized(module):
+        return []
+    return list(typing.cast(nn.ModuleDict, module.parametrizations))
+
+
 def _parameter_sites(
     model: nn.Module, scripted: list[tuple[str, nn.Module]]
 ) -> Iterator[tuple[str, int]]:
-    """Parameter and buffer sites, but those of scripted modules (listed in ``scripted``)."""
-    for name, _ in (*model.named_parameters(), *model.named_buffers()):
+    """Parameter and buffer sites, then parametrized tensors, but those of scripted modules
+    (listed in ``scripted``)."""
+    parametrized = [
+        _join(path, name)
+        for path, module in model.named_modules()
+        for name in _parametrized(module)
+    ]
+    for name in (*dict(model.named_parameters()), *dict(model.named_buffers()), *parametrized):
         if not any(name.startswith(f"{path}.") or not path for path, _ in scripted):
             yield name, name.count(".")
 
