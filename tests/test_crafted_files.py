@@ -10,6 +10,7 @@ gigabytes they do not hold (or hold as gzipped zeros, or as a few wide /meta ent
 from __future__ import annotations
 
 import importlib.util
+import io
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 import vartrace
+from vartrace.stat_records import Layout, record_dtype
 from vartrace.storage import H5PYSaverCallback
 from vartrace.storage._codec import IN_OTHER, Kind
 from vartrace.storage.reader import RunFileError
@@ -155,10 +157,13 @@ def _statistics_declared_1_gib(handle: h5py.File, root: Path) -> str:
     and no shapes: a record reads its whole row, a statistics view the whole dataset."""
     group = handle["vars/w"]
     del group["values"], group["shapes"]
-    row = np.dtype([("count", "<i8"), ("mean", "<f8")])
+    row = record_dtype(Layout(None, ()))
     values = group.create_dataset("values", (3, GIB // row.itemsize), row, chunks=(1, 1 << 12))
-    values[:, 0] = np.array([(4, 1.5), (4, 2.5), (4, 3.5)], row)
-    values.attrs.update(storage="array", key="statistics:count,mean/0", torch_dtype="statistics")
+    first = np.zeros(3, row)
+    first["count"], first["mean"] = 4, [1.5, 2.5, 3.5]
+    values[:, 0] = first
+    key = f"statistics:{','.join(row.names or ())}/0"
+    values.attrs.update(storage="array", key=key, torch_dtype="statistics")
     group["kinds"][:] = 15
     return "/vars/w/values"
 
@@ -184,6 +189,42 @@ def _unknown_kind(handle: h5py.File, root: Path) -> str:
     """A record of site w whose kind code names no kind vartrace writes."""
     handle["vars/w/kinds"][0] = 126
     return "/vars/w/kinds"
+
+
+def _statistics_kind_over_numbers(handle: h5py.File, root: Path) -> str:
+    """A record of site w (float32 values) said to be a statistics record (kind 15)."""
+    handle["vars/w/kinds"][0] = Kind.STATISTICS
+    return "/vars/w/kinds"
+
+
+def _none_kept_in_other(handle: h5py.File, root: Path) -> str:
+    """A record of site w said to be a None kept in ``other`` (kind 128)."""
+    handle["vars/w/kinds"][0] = IN_OTHER | Kind.NONE
+    return "/vars/w/kinds"
+
+
+def _statistics_without_fields(handle: h5py.File, root: Path) -> str:
+    """Site w as statistics records whose rows hold only a count and a mean."""
+    group = handle["vars/w"]
+    del group["values"], group["shapes"]
+    row = np.dtype([("count", "<i8"), ("mean", "<f8")])
+    values = group.create_dataset("values", data=np.array([(4, 1.5), (4, 2.5), (4, 3.5)], row))
+    values.attrs.update(storage="array", key="statistics:count,mean/0", torch_dtype="statistics")
+    group["kinds"][:] = Kind.STATISTICS
+    return "/vars/w/values"
+
+
+def _other_statistics_without_fields(handle: h5py.File, root: Path) -> str:
+    """Site w's last record a statistics record kept in ``other``, its row a bare count."""
+    handle["vars/w/kinds"][2] = IN_OTHER | Kind.STATISTICS
+    payload = io.BytesIO()
+    np.save(payload, np.zeros((), [("count", "<i8")]))
+    rows = np.empty(3, object)
+    rows[:] = [np.zeros(0, np.uint8)] * 2 + [
+        np.frombuffer(b"statistics\n" + payload.getvalue(), np.uint8)
+    ]
+    handle["vars/w"].create_dataset("other", data=rows, dtype=h5py.vlen_dtype(np.uint8))
+    return "/vars/w/other"
 
 
 def _values_too_few_rows(handle: h5py.File, root: Path) -> str:
@@ -243,6 +284,10 @@ CASES: dict[str, Callable[[h5py.File, Path], str]] = {
     "record gzip bomb": _record_gzip_bomb,
     "meta wide entries": _meta_wide_entries,
     "unknown kind": _unknown_kind,
+    "statistics kind over numbers": _statistics_kind_over_numbers,
+    "None kept in other": _none_kept_in_other,
+    "statistics without fields": _statistics_without_fields,
+    "other statistics without fields": _other_statistics_without_fields,
     "statistics declared 1 GiB": _statistics_declared_1_gib,
     "str record declared wide": _str_record_declared_wide,
     "values with too few rows": _values_too_few_rows,
@@ -356,6 +401,7 @@ def _check_commands(root: Path, case: str, commands: dict[str, list[str]]) -> No
             "str record declared wide",
             "str records in numbers",
             "unknown storage",
+            "other statistics without fields",
         )
         readers = set(commands) - {"meta"} - ({"ls"} if case in unread else set())
         if where.startswith("/vars/note"):  # plot draws site w only

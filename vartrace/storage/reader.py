@@ -37,7 +37,7 @@ import h5py
 import numpy as np
 
 from vartrace._warnings import warn
-from vartrace.sources.statistics import STATS, reduce_block
+from vartrace.sources.statistics import STATS, SUMMARY_FIELDS, reduce_block
 from vartrace.storage._codec import (
     IN_OTHER,
     KIND_NAMES,
@@ -271,6 +271,44 @@ def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
     return out
 
 
+#: The kinds of record a ``values`` dataset of each storage holds (others are kept in
+#: ``other``); a blob dataset holds any kind but None.
+_KINDS_HELD = {
+    "array": frozenset(
+        {
+            Kind.TENSOR,
+            Kind.TENSOR_RAW,
+            Kind.NDARRAY,
+            Kind.NPSCALAR,
+            Kind.INT,
+            Kind.FLOAT,
+            Kind.BOOL,
+            Kind.COMPLEX,
+            Kind.STATISTICS,
+        }
+    ),
+    "str": frozenset({Kind.STR}),
+}
+
+
+def _check_statistics(dtype: np.dtype, what: str, where: Any) -> None:
+    """Refuse statistics records of ``dtype`` that lack a summary field or hold a
+    non-number (``what`` names them, ``where`` is the id of an object of their file)."""
+    fields: dict[str, tuple[Any, ...]] = dict(dtype.fields or {})
+    missing = [name for name in SUMMARY_FIELDS if name not in fields]
+    odd = [name for name, (field, *_) in fields.items() if field.kind not in "biuf"]
+    if missing or odd:
+        problem = (
+            f"without the field {missing[0]!r}"
+            if missing
+            else f"whose field {odd[0]!r} is no number"
+        )
+        raise RunFileError(
+            f"{file_name(where)}: {what} holds statistics records {problem} ({dtype}): "
+            "a damaged file"
+        )
+
+
 #: The numpy dtype kinds of a values dataset of numbers (and compound rows of statistics).
 _NUMERIC_KINDS = "biufcV"
 
@@ -334,13 +372,42 @@ class _Part:
     @cached_property
     def tags(self) -> dict[str, np.ndarray]:
         tags = {name: _leading_rows(self.group, name, self.rows) for name in TAGS}
-        unknown = (tags["kinds"] & 0x7F) >= len(KIND_NAMES)
+        self._check_kinds(tags["kinds"])
+        return tags
+
+    def _check_kinds(self, kinds: np.ndarray) -> None:
+        """Refuse kind codes vartrace never writes: unknown ones, a None said to be kept in
+        ``other``, and kinds the ``values`` dataset cannot hold (a statistics record in a
+        dataset of plain numbers, a number in one of statistics rows, ...)."""
+        where = f"{file_name(self.group.id)}: {self.group.name}/kinds"
+        unknown = (kinds & 0x7F) >= len(KIND_NAMES)
         if unknown.any():
             raise RunFileError(
-                f"{file_name(self.group.id)}: {self.group.name}/kinds holds the unknown kind "
-                f"{int(tags['kinds'][unknown][0])}: a damaged file"
+                f"{where} holds the unknown kind {int(kinds[unknown][0])}: a damaged file"
             )
-        return tags
+        none_apart = np.flatnonzero(kinds == IN_OTHER | Kind.NONE)
+        if len(none_apart):
+            raise RunFileError(
+                f"{where} says record {none_apart[0]}, a None, is kept in {self.group.name}/other, "
+                "where no None is kept: a damaged file"
+            )
+        held = _KINDS_HELD.get(self.storage)
+        if self.values is None or held is None:
+            return
+        if self.values.dtype.names is None:
+            held = held - {Kind.STATISTICS}
+        elif self.storage == "array":  # rows of statistics records hold nothing else
+            held = frozenset({Kind.STATISTICS})
+            _check_statistics(self.values.dtype, self.values.name, self.group.id)
+        in_values = (kinds & IN_OTHER == 0) & (kinds != Kind.NONE)
+        misplaced = in_values & ~np.isin(kinds, list(held))
+        if misplaced.any():
+            row = int(np.flatnonzero(misplaced)[0])
+            raise RunFileError(
+                f"{where} says record {row} is a {KIND_NAMES[kinds[row]]} record (kind "
+                f"{int(kinds[row])}), which {self.values.name} of {self.values.dtype} "
+                "cannot hold: a damaged file"
+            )
 
     @cached_property
     def shapes(self) -> np.ndarray:
@@ -422,7 +489,10 @@ class _Part:
         if h5py.check_vlen_dtype(dataset.dtype) != np.uint8:
             raise self._misstored(dataset, "records as bytes")
         check_read(dataset, math.prod(dataset.shape[1:]))
-        return from_blob(kind, dataset[row].tobytes(), allow_pickle, where)
+        value = from_blob(kind, dataset[row].tobytes(), allow_pickle, where)
+        if kind == Kind.STATISTICS:
+            _check_statistics(value.dtype, f"{dataset.name} (record {row})", self.group.id)
+        return value
 
     def describe(
         self, stat: str | Callable[[Any], Any], allow_pickle: bool, name: str
