@@ -199,6 +199,18 @@ def test_parametrized_weights_are_listed_and_suggested() -> None:
     assert vartrace.list_sites(model, "*.weight") == ["wn.weight", "sn.weight", "own.weight"]
     with pytest.raises(ValueError, match=r"closest existing sites: wn\.weight"):
         ModelTracer(model, ["wn.wieght"])
+    # The names of the older torch.nn.utils.weight_norm / spectral_norm.
+    with pytest.raises(
+        ValueError,
+        match=r"closest existing sites: wn\.weight, wn\.parametrizations\.weight\.original0, "
+        r"wn\.parametrizations\.weight\.original1 \(",
+    ):
+        ModelTracer(model, ["wn.weight_g"])
+    with pytest.raises(
+        ValueError,
+        match=r"closest existing sites: sn\.weight, sn\.parametrizations\.weight\.original \(",
+    ):
+        ModelTracer(model, ["sn.weight_orig"])
     with pytest.raises(
         ValueError,
         match=r"wn\.weight is a parametrized tensor, computed by wn\.parametrizations\.weight "

@@ -814,6 +814,24 @@ def _parameter_sites(
             yield name, name.count(".")
 
 
+def _parametrized_names(pattern: Pattern, modules: dict[str, nn.Module]) -> list[str]:
+    """For a name that extends a parametrized tensor's (``wn.weight_g``, as the older
+    ``torch.nn.utils.weight_norm`` named its parts): the tensor and the parameters it is
+    computed from (``wn.weight``, ``wn.parametrizations.weight.original0``...)."""
+    *owner, last = pattern.segments
+    path = ".".join(owner)
+    module = modules.get(path)
+    if module is None:
+        return []
+    for name in _parametrized(module):
+        if last.startswith(name) and last != name:
+            holder = _join(path, "parametrizations", name)
+            computing = typing.cast(nn.ModuleDict, module.parametrizations)[name]
+            originals = [_join(holder, n) for n in computing._parameters]
+            return [_join(path, name), *originals]
+    return []
+
+
 def _closest(
     pattern: Pattern,
     modules: list[tuple[str, nn.Module]],
@@ -824,6 +842,9 @@ def _closest(
     ``keys`` adds sites of keys below return values that the resolver found while
     refusing it."""
     body = ".".join(pattern.segments)
+    parametrized = _parametrized_names(pattern, dict(modules))
+    if parametrized:
+        return parametrized
     sites = dict(_static_sites(modules))
     sites.update(_parameter_sites(modules[0][1], scripted))
     sites.update((k, 0) for k in keys)
