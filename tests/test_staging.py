@@ -531,3 +531,25 @@ def _qk(model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     heads = layer.attn.heads
     q, k, _ = layer.attn.qkv(x).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
     return q, k
+
+
+class _Expands(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        huge = x.expand(1 << 37)  # 4 bytes standing for 512 GiB
+        return huge[:2].sum()
+
+
+def test_a_device_value_too_large_to_copy_is_a_marker_and_one_warning() -> None:
+    model = _Expands()
+    with simgpu.LOG.paused():
+        x = simgpu.to_device(torch.ones(1))
+    with (
+        pytest.warns(RuntimeWarning, match="4 bytes expanded to 512 GiB") as caught,
+        ModelTracer(model, ["forward.huge"], mode="any", staging="async") as tracer,
+    ):
+        for _ in range(3):
+            model(x)
+    assert sum("expanded" in str(w.message) for w in caught) == 1
+    (marker,) = tracer.results["forward.huge"].values  # the same marker each step: kept once
+    assert isinstance(marker, Unstored) and "512 GiB" in marker
+    assert simgpu.LOG.syncs() == []

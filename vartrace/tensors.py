@@ -217,8 +217,9 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     if isinstance(value, torch.Tensor):
         detached = value.detach()
         try:
-            if _expanded_too_far(detached):
-                return _uncopyable(site, _tensor_text(detached), _overexpanded(detached))
+            refused = refused_copy(detached, site)
+            if refused is not None:
+                return refused
             if detached.is_cpu and device == _CPU and detached.layout is torch.strided:
                 return detached.clone(memory_format=torch.contiguous_format)  # the common case
             if detached.is_meta:
@@ -229,7 +230,7 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
                 return detached.clone(memory_format=torch.contiguous_format)
             return detached.to(device, copy=True, memory_format=torch.contiguous_format)
         except Exception as error:  # an uncopyable dtype, no memory left: never the step's error
-            return _uncopyable(site, _tensor_text(detached), _first_line(error))
+            return failed_copy(detached, site, error)
     if type(value) in _IMMUTABLE:
         return value
     if isinstance(value, np.ndarray) and not value.dtype.hasobject:
@@ -238,6 +239,19 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
         return copy.deepcopy(value)
     except Exception as error:  # never keep the live object: it may hold a graph
         return _uncopyable(site, type(value).__qualname__, _first_line(error))
+
+
+def refused_copy(tensor: torch.Tensor, site: str) -> Unstored | None:
+    """The marker (warned once per site) for an expanded view too large to copy, else
+    ``None``: the check :func:`copy_leaf` makes, for copies made elsewhere (a device clone)."""
+    if _expanded_too_far(tensor):
+        return _uncopyable(site, _tensor_text(tensor), _overexpanded(tensor))
+    return None
+
+
+def failed_copy(tensor: torch.Tensor, site: str, error: BaseException) -> Unstored:
+    """The marker (warned once per site) for ``tensor`` whose copy raised ``error``."""
+    return _uncopyable(site, _tensor_text(tensor), _first_line(error))
 
 
 def _uncopyable(site: str, what: str, why: str) -> Unstored:

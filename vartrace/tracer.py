@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from vartrace import _forks, _warnings, distributed
+from vartrace import _exit, _forks, _warnings, distributed
 from vartrace.device import OnFull, Stager, StagingStats, detach_from_ring
 from vartrace.engine.frames import set_change_test
 from vartrace.engine.patching import Hook, attach, detach, filter_state
@@ -471,6 +471,7 @@ class ModelTracer:
             raise
         subscribe(self._record_manual)
         _forks.watch(self)
+        _exit.watch(self)
         return self
 
     def stop(self, *, flush: bool = True) -> None:
@@ -482,6 +483,18 @@ class ModelTracer:
         """
         self._finish(flush)
         _warnings.release()
+
+    def _stop_at_exit(self) -> None:
+        """At interpreter exit, a tracer left running hands its last records on (see
+        :mod:`vartrace._exit`); a failure then is a warning, the exit goes on."""
+        try:
+            self._finish(flush=True)
+        except Exception as error:
+            _warnings.warn(
+                f"vartrace: stopping a tracer left running at exit failed: "
+                f"{type(error).__name__}: {error}",
+                RuntimeWarning,
+            )
 
     def _finish(self, flush: bool) -> None:
         """:meth:`stop` without emitting the warnings kept during the steps."""
@@ -531,6 +544,7 @@ class ModelTracer:
         """Stop recording and restore the model, its hooks and the record subscription."""
         self._finished = True
         _forks.unwatch(self)
+        _exit.unwatch(self)
         unsubscribe(self._record_manual)
         self._detach()
         self._gradients.close()

@@ -72,7 +72,7 @@ from vartrace._warnings import warn
 from vartrace.device._threads import one_openmp_thread
 from vartrace.device.ring import HostRing
 from vartrace.record import Unstored
-from vartrace.tensors import copy_leaf
+from vartrace.tensors import copy_leaf, failed_copy, refused_copy
 
 __all__ = ["FLUSH_BYTES", "FLUSH_RECORDS", "OnFull", "Stager", "StagingStats", "stageable"]
 
@@ -331,6 +331,10 @@ class Stager:
         if capturing is not None and capturing():
             self._skip_capturing(site)
             return
+        marker = refused_copy(value, site)  # an expanded view of gigabytes
+        if marker is not None:
+            self._append(_Ready(site, marker, iteration, marker, 0))
+            return
         nbytes = value.nbytes
         if not self._reserve(site, nbytes):
             marker = self._dropped(nbytes)
@@ -339,9 +343,9 @@ class Stager:
         try:
             clone = value.detach().resolve_conj().resolve_neg()
             clone = clone.clone(memory_format=torch.contiguous_format)
-        except Exception as error:  # a device out of memory: a marker, never the step's error
+        except Exception as error:  # no device memory, a dtype torch cannot copy: a marker
             self._local.admitted[0] -= nbytes
-            marker = Unstored(f"cannot clone it on {value.device}: {error}")
+            marker = failed_copy(value, site, error)
             self._append(_Ready(site, marker, iteration, marker, 0))
             return
         stats.staged += 1

@@ -1,0 +1,66 @@
+"""Tracers left running at interpreter exit are stopped, their records handed on.
+
+A tracer started with ``start()`` and never stopped (a notebook, a script that
+leaves its loop by ``sys.exit``, an exception path that skips ``stop()``)
+registers itself with :func:`watch`.  When the interpreter shuts down, *before*
+it joins threads and before ``atexit`` handlers run (savers close their files
+there; CUDA is torn down after), each one still watched is stopped: its last
+records reach the callbacks and the file.  Each stop is bounded in time, so an
+exit never hangs on a gather whose other ranks are gone.  Example::
+
+    watch(tracer)      # while it runs
+    unwatch(tracer)    # once it stopped
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Protocol
+
+from vartrace._warnings import warn
+
+__all__ = ["EXIT_SECONDS", "unwatch", "watch"]
+
+EXIT_SECONDS = 60.0
+"""The longest one tracer's stop may take at interpreter exit."""
+
+
+class _Stoppable(Protocol):
+    def _stop_at_exit(self) -> None: ...
+
+
+_watched: weakref.WeakSet[_Stoppable] = weakref.WeakSet()
+_registered = False
+
+
+def watch(owner: _Stoppable) -> None:
+    """Call ``owner._stop_at_exit()`` at interpreter exit unless :func:`unwatch`\\ ed before."""
+    global _registered
+    if not _registered:
+        try:
+            threading._register_atexit(_stop_all)  # type: ignore[attr-defined]
+        except RuntimeError:  # the interpreter is already shutting down
+            return
+        _registered = True
+    _watched.add(owner)
+
+
+def unwatch(owner: _Stoppable) -> None:
+    """Stop watching ``owner`` (not watched: nothing happens)."""
+    _watched.discard(owner)
+
+
+def _stop_all() -> None:
+    for owner in list(_watched):
+        _watched.discard(owner)
+        stopper = threading.Thread(target=owner._stop_at_exit, name="vartrace-exit", daemon=True)
+        stopper.start()
+        stopper.join(EXIT_SECONDS)
+        if stopper.is_alive():
+            warn(
+                f"vartrace: a tracer left running did not stop within {EXIT_SECONDS:g} s of "
+                "interpreter exit; its last records may be missing: stop tracers with "
+                "`with ModelTracer(...)` or tracer.stop()",
+                RuntimeWarning,
+            )
