@@ -553,3 +553,25 @@ def test_a_device_value_too_large_to_copy_is_a_marker_and_one_warning() -> None:
     (marker,) = tracer.results["forward.huge"].values  # the same marker each step: kept once
     assert isinstance(marker, Unstored) and "512 GiB" in marker
     assert simgpu.LOG.syncs() == []
+
+
+def test_values_already_on_the_host_count_against_the_bound() -> None:
+    """CPU tensors are copied at admission; until delivered they are in flight too."""
+    model = _Wide(count=4)
+    bound = 4 << 20
+    with (
+        pytest.warns(RuntimeWarning, match="waited"),
+        ModelTracer(
+            model,
+            ["forward"],
+            post_gather_callbacks=[_slow(0.005)],
+            max_inflight_bytes=bound,
+            staging="async",
+        ) as tracer,
+    ):
+        for step in range(12):
+            model(torch.full((256, 1024), float(step)))  # four 1 MiB records a step
+    stats = tracer.staging_stats
+    assert stats.staged == 0 and stats.admitted == 12 * 5
+    assert stats.waits > 0 and stats.max_inflight_bytes <= bound
+    assert tracer.results["value3"].iterations == list(range(1, 13))

@@ -481,3 +481,15 @@ def test_compiled_model_runs_traced_methods_eagerly_and_warns() -> None:
         tracer.stop()
     assert tracer.results["layers.0.attn.forward.scores"].iterations == [1, 2]
     assert tracer.results["layers.1.attn.forward.scores"].iterations == [1, 2]
+
+
+@pytest.mark.parametrize("option", ["change_detection", "gather", "strict"])
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_a_flag_that_is_not_a_bool_is_refused(option: str, value: object) -> None:
+    with pytest.raises(TypeError, match=f"{option} must be True or False, not {value!r}"):
+        ModelTracer(nn.Linear(2, 2), ["forward"], **{option: value})
+
+
+def test_the_meta_device_is_refused() -> None:
+    with pytest.raises(ValueError, match="device='meta' would keep only shapes"):
+        ModelTracer(nn.Linear(2, 2), ["forward"], device="meta")

@@ -173,6 +173,11 @@ def _record_device(device: str | torch.device) -> torch.device:
     so an index left out would send every record through a copy.
     """
     device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError(
+            "device='meta' would keep only shapes and dtypes, no values: record on 'cpu' "
+            "or an accelerator"
+        )
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -185,7 +190,7 @@ def _record_device(device: str | torch.device) -> torch.device:
             raise ValueError(f"device={str(device)!r}: only {count} CUDA device(s) are visible")
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError("device='mps': MPS is not available in this torch")
-    if device.type not in ("cpu", "meta") and device.index is None:
+    if device.type != "cpu" and device.index is None:
         current = getattr(torch.get_device_module(device.type), "current_device", None)
         if current is not None:
             device = torch.device(device.type, current())
@@ -339,6 +344,13 @@ class ModelTracer:
             raise ValueError(f"staging must be 'auto', 'async' or 'sync', not {staging!r}")
         if on_full not in ("wait", "drop"):
             raise ValueError(f"on_full must be 'wait' or 'drop', not {on_full!r}")
+        for name, flag in (
+            ("change_detection", change_detection),
+            ("gather", gather),
+            ("strict", strict),
+        ):
+            if not isinstance(flag, bool):  # "no" would be true
+                raise TypeError(f"{name} must be True or False, not {flag!r}")
         self.max_inflight_bytes = _positive("max_inflight_bytes", max_inflight_bytes)
         self.on_full = on_full
         self.model = unwrap(model)
