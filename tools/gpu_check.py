@@ -77,6 +77,7 @@ from vartrace import H5PYSaverCallback, ModelTracer
 
 SITES = ["blocks.*", "wpe.weight"]  # every block output; a frozen parameter
 GRAD_SITES = ["blocks.*@grad"]
+TINY_SITES = ["blocks.*.ln1.weight"]  # a few KB each, changed by every optimizer step
 GATHERING_INTERVAL = 8
 BUDGET_S = 360.0  # the whole run on an H100, --compile aside
 CSAN_RACE = "CSAN detected a possible data race"
@@ -441,6 +442,14 @@ def contenders(trainer: Trainer) -> list[Contender]:
             skip=no_async,
         ),
         Contender(
+            "vartrace async tiny",
+            lambda c: traced(c, TINY_SITES, staging="async"),
+            note="one LayerNorm weight a block (KB): the per-record cost",
+            exact=False,
+            staged=True,
+            skip=no_async,
+        ),
+        Contender(
             "vartrace async @grad",
             lambda c: traced(c, GRAD_SITES, staging="async"),
             grad=True,
@@ -484,6 +493,9 @@ def time_contenders(trainer: Trainer, items: list[Contender], plan: Plan) -> dic
     """Step times, exit (drain) times, extra peak memory and staging stats of each contender."""
     device = trainer.device
     times: dict[str, list[float]] = {c.name: [] for c in items}
+    main_cpu: dict[str, list[float]] = {c.name: [] for c in items}  # the training thread's
+    other_cpu: dict[str, list[float]] = {c.name: [] for c in items}  # every other thread's
+    rss_growth = dict.fromkeys(times, 0)
     exits: dict[str, list[float]] = {c.name: [] for c in items}
     peaks = dict.fromkeys(times, 0)
     rows: dict[str, dict[str, Any]] = {c.name: {} for c in items}
@@ -499,6 +511,7 @@ def time_contenders(trainer: Trainer, items: list[Contender], plan: Plan) -> dic
             base = allocated(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            resident = resident_bytes()
             try:
                 with c.enter(capture):
                     for _ in range(plan.warm):
@@ -506,9 +519,14 @@ def time_contenders(trainer: Trainer, items: list[Contender], plan: Plan) -> dic
                     synchronize(device)
                     for _ in range(plan.steps):
                         start = time.perf_counter()
+                        thread, process = time.thread_time(), time.process_time()
                         trainer.step()
                         synchronize(device)
                         times[c.name].append(time.perf_counter() - start)
+                        mine = time.thread_time() - thread
+                        main_cpu[c.name].append(mine)
+                        other_cpu[c.name].append(time.process_time() - process - mine)
+                    rss_growth[c.name] = max(rss_growth[c.name], resident_bytes() - resident)
                     leaving = time.perf_counter()
                 synchronize(device)
                 exits[c.name].append(time.perf_counter() - leaving)
@@ -540,6 +558,9 @@ def time_contenders(trainer: Trainer, items: list[Contender], plan: Plan) -> dic
                 ratio=statistics.fmean(samples) / base_mean,
                 ratio_median=statistics.median(samples) / base_median,
                 exit_ms=1e3 * statistics.fmean(exits[name]),
+                main_cpu_ms=1e3 * statistics.fmean(main_cpu[name]),
+                other_cpu_ms=1e3 * statistics.fmean(other_cpu[name]),
+                rss_growth_mib=rss_growth[name] / 2**20,
                 peak_extra_mib=(peaks[name] - peaks["untraced"]) / 2**20,
             )
         if "h5_mib" in rows[name]:  # every step of every run wrote to a file
@@ -555,6 +576,15 @@ def time_contenders(trainer: Trainer, items: list[Contender], plan: Plan) -> dic
                 torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) / 2**20
             )
     return {"contenders": rows, "host": host}
+
+
+def resident_bytes() -> int:
+    """The process's resident memory now (0 where ``/proc`` is missing)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -886,6 +916,13 @@ def format_table(
     return "\n".join([title, line(header), *(line(row) for row in rows)])
 
 
+def _cpu_cell(row: dict[str, Any]) -> str:
+    """CPU per step of the training thread / of every other thread (staging, OpenMP...)."""
+    if "main_cpu_ms" not in row:
+        return "-"
+    return f"{row['main_cpu_ms']:.1f}/{row['other_cpu_ms']:.1f} ms"
+
+
 def _cell(row: dict[str, Any], key: str, form: str, unit: str = "") -> str:
     return format(row[key], form) + unit if key in row else "-"
 
@@ -915,12 +952,12 @@ def _staging_cell(stats: dict[str, Any] | None) -> str:
 def report(result: dict[str, Any], items: list[Contender]) -> str:
     """The final table: one row per contender, skipped ones with the reason."""
     timing = result["timing"]["contenders"]
-    header = ["contender", "mean", "median", "ratio", "peak +MiB", "syncs/step"]
-    header += ["sync-debug", "exact", "staging staged/kept/unch/drop/waits", "note"]
+    header = ["contender", "mean", "median", "ratio", "peak +MiB", "main/other CPU", "RSS +MiB"]
+    header += ["syncs/step", "sync-debug", "exact", "staging staged/kept/unch/drop/waits", "note"]
     rows = []
     for c in items:
         if c.skip:
-            rows.append([c.name, *["-"] * 8, f"skipped: {c.skip}"])
+            rows.append([c.name, *["-"] * 10, f"skipped: {c.skip}"])
             continue
         row = timing.get(c.name, {})
         syncs = result.get("syncs", {}).get(c.name, {})
@@ -940,6 +977,8 @@ def report(result: dict[str, Any], items: list[Contender]) -> str:
                 _cell(row, "median_ms", ".1f", " ms"),
                 _cell(row, "ratio", ".3f", "x"),
                 _cell(row, "peak_extra_mib", ".0f"),
+                _cpu_cell(row),
+                _cell(row, "rss_growth_mib", ".0f"),
                 _cell(syncs, "in_step_per_step", ".2f"),
                 _debug_cell(result.get("sync_debug", {}).get(c.name)),
                 _exact_cell(exact),
