@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from typing import Any
@@ -493,3 +494,39 @@ def test_a_flag_that_is_not_a_bool_is_refused(option: str, value: object) -> Non
 def test_the_meta_device_is_refused() -> None:
     with pytest.raises(ValueError, match="device='meta' would keep only shapes"):
         ModelTracer(nn.Linear(2, 2), ["forward"], device="meta")
+
+
+class _Wide(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2  # 8 MiB a call
+
+
+@pytest.mark.parametrize("staging", ["sync", "async"])
+def test_results_held_in_memory_warn_at_half_the_bound_and_stop_at_it(staging: str) -> None:
+    model = _Wide()
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        ModelTracer(
+            model, ["forward"], mode="any", staging=staging, max_host_bytes=64 << 20
+        ) as tracer,
+    ):
+        warnings.simplefilter("always")
+        for step in range(12):
+            model(torch.full((2048, 1024), float(step)))
+    messages = [str(w.message) for w in caught if "held in memory" in str(w.message)]
+    assert len(messages) == 2, messages
+    assert "reached 40 MiB" in messages[0] and "will be dropped" in messages[0]
+    assert "H5PYSaverCallback" in messages[0] and "vartrace.stats()" in messages[0]
+    assert "are dropped" in messages[1]
+    trace = tracer.results["forward"]
+    assert trace.iterations == list(range(1, 13))
+    kept = [v for v in trace.values if isinstance(v, torch.Tensor)]
+    assert len(kept) == 8  # 64 MiB
+    markers = trace.values[8:]
+    assert all(isinstance(m, vartrace.Unstored) and "max_host_bytes=64 MiB" in m for m in markers)
+
+
+def test_the_default_host_bound_is_a_tenth_of_the_memory_at_most_8_gib() -> None:
+    tracer = ModelTracer(nn.Linear(2, 2), ["forward"])
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert tracer.max_host_bytes == min(8 << 30, memory // 10)

@@ -15,23 +15,25 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from vartrace import _exit, _forks, _warnings, distributed
-from vartrace.device import OnFull, Stager, StagingStats, detach_from_ring
+from vartrace.device import HostRing, OnFull, Stager, StagingStats, detach_from_ring
 from vartrace.engine.frames import set_change_test
 from vartrace.engine.patching import Hook, attach, detach, filter_state
 from vartrace.engine.structures import leaves
 from vartrace.gradients import GradientWatcher
 from vartrace.iterations import IterationCounter
-from vartrace.record import DROP, subscribe, unsubscribe
+from vartrace.record import DROP, Unstored, subscribe, unsubscribe
 from vartrace.results import Results, unstacked
 from vartrace.silence import SilenceWatch
 from vartrace.sites import Target, is_compiled, resolve, unwrap
@@ -247,6 +249,27 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     )
 
 
+def _default_host_bytes() -> int:
+    """A tenth of the machine's memory, at most 8 GiB (8 GiB where it cannot be read)."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+    return min(8 << 30, memory // 10)
+
+
+def _held_bytes(trace: Trace) -> int:
+    """The bytes of the values a trace holds (tensors and arrays; other values count 0)."""
+    values = trace.values
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        return int(values.nbytes)
+    return sum(int(v.nbytes) for v in values if isinstance(v, (torch.Tensor, np.ndarray)))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
 def _positive(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, not {value!r}")
@@ -312,6 +335,12 @@ class ModelTracer:
             ``"wait"`` until earlier records land (counted in
             :attr:`staging_stats`, warned once), or ``"drop"`` (counted per
             site; an :class:`~vartrace.Unstored` marker takes its place).
+        max_host_bytes: the most host memory the tracer holds: the records kept in
+            :attr:`results` (no saver emptied their chunks), and the host slots of
+            asynchronous staging.  Crossing half of it warns once, with the figures and
+            the ways out (a saver, statistics mode, fewer sites); past it, a gathered
+            chunk's records are not kept: each site gets one :class:`~vartrace.Unstored`
+            marker saying so.  Default: a tenth of the machine's memory, at most 8 GiB.
     """
 
     def __init__(
@@ -334,6 +363,7 @@ class ModelTracer:
         staging: Staging = "auto",
         max_inflight_bytes: int = 1 << 30,
         on_full: OnFull = "wait",
+        max_host_bytes: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -353,6 +383,13 @@ class ModelTracer:
                 raise TypeError(f"{name} must be True or False, not {flag!r}")
         self.max_inflight_bytes = _positive("max_inflight_bytes", max_inflight_bytes)
         self.on_full = on_full
+        self.max_host_bytes = (
+            _default_host_bytes()
+            if max_host_bytes is None
+            else _positive("max_host_bytes", max_host_bytes)
+        )
+        self._held = 0  # bytes of the records kept in the results
+        self._warned_held: bool | str = False
         self.model = unwrap(model)
         self._compiled = is_compiled(model)
         self.pre_save_callbacks = list(pre_save_callbacks)
@@ -473,6 +510,7 @@ class ModelTracer:
                 on_full=self.on_full,
                 device=self.device,
                 compare=self.change_detection,
+                host_bytes=min(2 * self.max_inflight_bytes, self.max_host_bytes),
             )
         try:
             self._attach()
@@ -790,6 +828,46 @@ class ModelTracer:
                 pieces = [t for t in (traces.get(name), later.get(name)) if t is not None]
                 self._chunk[name] = unstacked(pieces)
 
+    def _kept(self, name: str, trace: Trace, ring: HostRing | None) -> Trace:
+        """``trace`` as :attr:`results` keeps it: out of the staging slots (which go back to
+        the ring), or, past ``max_host_bytes`` of results, one marker saying so."""
+        held = _held_bytes(trace)
+        if not held:
+            return trace
+        bound = self.max_host_bytes
+        if self._held + held > bound:
+            marker = Unstored(
+                f"dropped: {len(trace)} records ({_size(held)}) would pass max_host_bytes="
+                f"{_size(bound)} of results held in memory"
+            )
+            self._warn_held(self._held + held, dropping=True)
+            first = [int(trace.iterations[0])], [int(trace.ranks[0])], [int(trace.order[0])]
+            return Trace([marker], *first)
+        self._held += held
+        if self._held > bound // 2:
+            self._warn_held(self._held, dropping=False)
+        if ring is not None and isinstance(trace.values, list):
+            trace.values = [detach_from_ring(ring, value) for value in trace.values]
+        return trace
+
+    def _warn_held(self, total: int, *, dropping: bool) -> None:
+        if self._warned_held == "dropping" or (self._warned_held and not dropping):
+            return
+        self._warned_held = "dropping" if dropping else True
+        now = (
+            f"records past max_host_bytes={_size(self.max_host_bytes)} are dropped"
+            if dropping
+            else f"past max_host_bytes={_size(self.max_host_bytes)}, records will be dropped"
+        )
+        _warnings.warn(
+            f"vartrace: the results held in memory reached {_size(total)} "
+            f"({self.gathering_interval} iteration(s) a gather); {now}.  Write them to a "
+            "file (post_gather_callbacks=[H5PYSaverCallback(...)]), reduce them "
+            "(pre_save_callbacks=[vartrace.stats()]), record fewer sites, or raise "
+            "max_host_bytes",
+            RuntimeWarning,
+        )
+
     def _record_manual(self, name: str, value: Any) -> None:
         if self._iterations.records_manual():
             iteration = self._iterations.state.iteration
@@ -840,10 +918,7 @@ class ModelTracer:
             ring = None if self._stager is None else self._stager.ring
             for name, trace in gathered.items():
                 _run_callbacks("post_gather", self.post_gather_callbacks, name, trace)
-                if ring is not None and isinstance(trace.values, list):
-                    # Kept for good: out of the staging slots, which go back to the ring.
-                    trace.values = [detach_from_ring(ring, value) for value in trace.values]
-                self._results.add(name, trace)
+                self._results.add(name, self._kept(name, trace, ring))
                 del pending[name]
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C in a callback: the records stay
             self._put_back(pending)
