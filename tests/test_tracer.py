@@ -530,3 +530,22 @@ def test_the_default_host_bound_is_a_tenth_of_the_memory_at_most_8_gib() -> None
     tracer = ModelTracer(nn.Linear(2, 2), ["forward"])
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert tracer.max_host_bytes == min(8 << 30, memory // 10)
+
+
+@pytest.mark.parametrize("statistics", [True, vartrace.stats(histogram=True)])
+def test_statistics_mode_in_one_word(statistics: Any) -> None:
+    model = nn.Linear(4, 3)
+    x = torch.randn(5, 4)
+    with ModelTracer(model, ["forward"], mode="any", statistics=statistics) as tracer:
+        model(x)
+    (record,) = tracer.results["forward"].values
+    summary = vartrace.Statistics.of(record)
+    with torch.no_grad():
+        want = model(x).double()
+    assert summary["count"] == 15 and summary["max"] == want.max().item()
+    assert ("log2|x|=0" in summary) == (statistics is not True)
+
+
+def test_statistics_must_be_a_bool_or_a_reducer() -> None:
+    with pytest.raises(TypeError, match="statistics must be True, False or a reducer"):
+        ModelTracer(nn.Linear(2, 2), ["forward"], statistics="yes")

@@ -37,6 +37,7 @@ from vartrace.record import DROP, Unstored, subscribe, unsubscribe
 from vartrace.results import Results, unstacked
 from vartrace.silence import SilenceWatch
 from vartrace.sites import Target, is_compiled, resolve, unwrap
+from vartrace.stat_records import stats
 from vartrace.tensors import (
     copy_leaf,
     is_transformed,
@@ -249,6 +250,20 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     )
 
 
+def _statistics_reducer(statistics: bool | PreSave) -> list[PreSave]:
+    """The pre-save reducer ``ModelTracer(statistics=...)`` asks for, as a list."""
+    if statistics is False:
+        return []
+    if statistics is True:
+        return [stats()]
+    if callable(statistics) and not isinstance(statistics, bool):
+        return [statistics]
+    raise TypeError(
+        f"statistics must be True, False or a reducer made by vartrace.stats(...), "
+        f"not {statistics!r}"
+    )
+
+
 def _default_host_bytes() -> int:
     """A tenth of the machine's memory, at most 8 GiB (8 GiB where it cannot be read)."""
     try:
@@ -335,6 +350,10 @@ class ModelTracer:
             ``"wait"`` until earlier records land (counted in
             :attr:`staging_stats`, warned once), or ``"drop"`` (counted per
             site; an :class:`~vartrace.Unstored` marker takes its place).
+        statistics: statistics mode in one word: ``True`` reduces every tensor record to
+            its float64 statistics (:func:`vartrace.stats`), a reducer made by
+            ``vartrace.stats(...)`` is used as given; it runs before the other pre-save
+            callbacks.  The same as ``pre_save_callbacks=[vartrace.stats()]``.
         max_host_bytes: the most host memory the tracer holds: the records kept in
             :attr:`results` (no saver emptied their chunks), and the host slots of
             asynchronous staging.  Crossing half of it warns once, with the figures and
@@ -364,6 +383,7 @@ class ModelTracer:
         max_inflight_bytes: int = 1 << 30,
         on_full: OnFull = "wait",
         max_host_bytes: int | None = None,
+        statistics: bool | Callable[[str, Any, int], Any] = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -392,7 +412,7 @@ class ModelTracer:
         self._warned_held: bool | str = False
         self.model = unwrap(model)
         self._compiled = is_compiled(model)
-        self.pre_save_callbacks = list(pre_save_callbacks)
+        self.pre_save_callbacks = [*_statistics_reducer(statistics), *pre_save_callbacks]
         self.pre_gather_callbacks = list(pre_gather_callbacks)
         self.post_gather_callbacks = list(post_gather_callbacks)
         self.post_trace_callbacks = list(post_trace_callbacks)
