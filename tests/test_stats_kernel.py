@@ -13,9 +13,12 @@ import contextlib
 import importlib.util
 import math
 import os
+import subprocess
+import sys
 import tracemalloc
 import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -245,3 +248,19 @@ def test_the_cuda_kernel_falls_back_to_eager_for_dtypes_triton_does_not_load() -
     x = torch.tensor([1, 0, 7], dtype=torch.uint32)
     row: Callable[[torch.Tensor], torch.Tensor] = kernels._cuda_summary
     assert_matches(as_statistics(row(x)), expected(x))
+
+
+@pytest.mark.slow
+def test_the_benchmark_prints_op_counts_times_and_the_step_ratio() -> None:
+    tool = Path(__file__).resolve().parent.parent / "tools" / "bench_stats.py"
+    argv = ["--sizes", "4096", "--rounds", "1", "--block", "1", "--budget", "0.05"]
+    done = subprocess.run(
+        [sys.executable, str(tool), *argv], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[1]: line for line in done.stdout.splitlines() if "4096" in line}
+    assert set(rows) == {"float32", "bfloat16"}
+    for row in rows.values():  # ops of eager (44 with torch 2.13), fused and clone
+        eager, fused, clone = (int(cell.split()[0]) for cell in row.split("|")[1:4])
+        assert eager > 30 and fused == 2 and clone == 1, row
+    assert "vartrace.stats()" in done.stdout and "1.000x" in done.stdout

@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped,import-not-found]
+import triton.language as tl  # type: ignore[import-untyped,import-not-found]
 
 __all__ = ["DTYPES", "summary"]
 

@@ -12,12 +12,11 @@ finite, refined by the centred values' sum), so a large mean with a tiny spread 
 no digits.
 
 :func:`summary` is the same row for a tensor, on the tensor's device, as ONE torch op,
-``torch.ops.vartrace.summary`` (a ``torch.library.custom_op``, traceable by its fake
-kernel): on the CPU :func:`summarize_values` on a zero-copy view (bfloat16 widened to
-float32 bits, float8 decoded by a table of its 256 values), on CUDA two Triton kernels
+``torch.ops.vartrace.summary`` (a ``torch.library`` op, traceable by its fake kernel):
+on the CPU :func:`summarize_values` on a zero-copy view (bfloat16 widened to float32
+bits, float8 decoded by a table of its 256 values), on CUDA two Triton kernels
 (:mod:`vartrace.statistics._triton`), elsewhere the eager torch formulation
-:func:`eager_summary`, which is also what a torch without ``custom_op`` runs.  Complex
-values are reduced by magnitude.
+:func:`eager_summary`.  Complex values are reduced by magnitude.
 
 Example::
 
@@ -27,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -66,7 +66,7 @@ def summarize_values(values: np.ndarray, decode: Decoder | None = None) -> np.nd
     flat = values.ravel(order="K")
     size = flat.size
     buffer, flags = np.empty(min(size, BLOCK)), np.empty(min(size, BLOCK), bool)
-    upcast = decode or _upcast
+    upcast, many = decode or _upcast, size > BLOCK
     count = total = squares = offset = shift = 0.0
     low, high, counted = math.inf, -math.inf, np.zeros(4)
     with np.errstate(all="ignore"):
@@ -75,7 +75,7 @@ def summarize_values(values: np.ndarray, decode: Decoder | None = None) -> np.nd
             upcast(flat[start : start + block.size], block)
             if not start and math.isfinite(block[0]):
                 shift = float(block[0])  # the block means are taken relative to it
-            n, s, q, m, lo, hi = _reduce(block, flags[: block.size], shift, counted)
+            n, s, q, m, lo, hi = _reduce(block, flags[: block.size], shift, counted, many)
             if n:  # Chan, Golub and LeVeque's merge of (count, mean, M2)
                 delta = m - offset
                 merged = count + n
@@ -115,11 +115,12 @@ def table_decoder(table: np.ndarray) -> Decoder:
 
 
 def _reduce(
-    block: np.ndarray, flags: np.ndarray, shift: float, counted: np.ndarray
+    block: np.ndarray, flags: np.ndarray, shift: float, counted: np.ndarray, refine: bool
 ) -> tuple[float, ...]:
     """One float64 block (overwritten; ``flags``: a bool buffer as long): finite count, sum,
-    centred sum of squares, mean minus ``shift``, min, max; adds its NaN, +inf, -inf and
-    zero counts to ``counted``."""
+    centred sum of squares, mean minus ``shift`` (refined by the centred values' sum when
+    ``refine``: blocks to merge), min, max; adds its NaN, +inf, -inf and zero counts to
+    ``counted``."""
     total = float(block.sum())  # NaN with a NaN or both infinities, +-inf with one of them
     holes = None
     if math.isfinite(total):
@@ -145,12 +146,13 @@ def _reduce(
         np.putmask(centred, holes, 0.0)
     # einsum, not dot: BLAS threads would spin against torch's own in the training step
     squares = float(np.einsum("i,i->", centred, centred))
-    return n, total, squares, (mean - shift) + float(centred.sum()) / n, low, high
+    offset = (mean - shift) + float(centred.sum()) / n if refine else mean - shift
+    return n, total, squares, offset, low, high
 
 
 def eager_summary(x: Any) -> Any:
     """The summary fields of a tensor in eager torch ops on its device (devices without a
-    kernel of :func:`summary`, and torch without ``custom_op``): a float64 copy, ~30 ops."""
+    kernel of :func:`summary`, CUDA without triton): a float64 copy, ~40 ops."""
     import torch
 
     if x.is_complex():
@@ -193,7 +195,9 @@ def _cpu_summary(x: Any) -> Any:
     """The op's CPU kernel: :func:`summarize_values` on a view of the tensor's memory."""
     import torch
 
-    x = x.detach().resolve_conj().resolve_neg()
+    x = x.detach()
+    if x.is_complex():
+        x = x.resolve_conj().resolve_neg()
     if str(x.dtype) in _NUMPY_DTYPES:
         return torch.from_numpy(summarize_values(x.numpy()))
     if x.dtype == torch.bfloat16:
@@ -217,10 +221,9 @@ def _cuda_summary(x: Any) -> Any:
     global _triton
     if _triton is None:
         try:
-            from vartrace.statistics import _triton as module
-        except ImportError:
-            module = False
-        _triton = module
+            _triton = importlib.import_module("vartrace.statistics._triton")
+        except ImportError:  # a CUDA build of torch without triton
+            _triton = False
     if x.is_complex():
         x = x.abs()
     if _triton and (x.dtype in _triton.DTYPES or (x.is_floating_point() and x.element_size() == 1)):
@@ -228,35 +231,34 @@ def _cuda_summary(x: Any) -> Any:
     return eager_summary(x)
 
 
-_op: Any = None  # torch.ops.vartrace.summary once registered; False where it cannot be
+_library: Any = None  # the torch.library.Library holding the op (its kernels live with it)
 
 
 def summary_op() -> Any:
-    """``torch.ops.vartrace.summary`` (registered on first use), or ``None`` on a torch
-    without ``torch.library.custom_op`` (before 2.4)."""
-    global _op
-    if _op is None:
-        _op = _register() or False
-    return _op or None
+    """``torch.ops.vartrace.summary.default``, registered on first use.
 
-
-def _register() -> Any:
+    Registered with ``torch.library.Library`` (a kernel per dispatch key), not
+    ``torch.library.custom_op``, whose Python wrappers cost ~40 us a call against ~1.5 us:
+    a CPU kernel, a CUDA kernel, the eager formulation for every other device
+    (CompositeExplicitAutograd) and a fake kernel (so ``torch.compile`` and FakeTensor
+    trace it).  No autograd formula: records are reduced under ``no_grad``.
+    """
+    global _library
     import torch
 
-    if not hasattr(torch.library, "custom_op"):
-        return None
-    if not hasattr(torch.ops.vartrace, "summary"):  # another copy of this module may have
-        schema = "(Tensor x) -> Tensor"
-        op = torch.library.custom_op("vartrace::summary", mutates_args=(), schema=schema)(_default)
-        op.register_kernel("cpu")(_cpu_summary)
-        op.register_kernel("cuda")(_cuda_summary)
-        op.register_fake(_fake)
+    if _library is None and not hasattr(torch.ops.vartrace, "summary"):
+        library = torch.library.Library("vartrace", "DEF")
+        library.define("summary(Tensor x) -> Tensor")
+        library.impl("summary", _cpu_summary, "CPU")
+        library.impl("summary", _cuda_summary, "CUDA")
+        library.impl("summary", eager_summary, "CompositeExplicitAutograd")
+        register_fake = getattr(torch.library, "register_fake", None)  # torch 2.4
+        if register_fake is None:
+            library.impl("summary", _fake, "Meta")
+        else:
+            register_fake("vartrace::summary", _fake, lib=library)
+        _library = library
     return torch.ops.vartrace.summary.default
-
-
-def _default(x: Any) -> Any:
-    """The 11 float64 summary fields of ``x`` on its device (see :func:`summary`)."""
-    return eager_summary(x)
 
 
 def _fake(x: Any) -> Any:
@@ -267,11 +269,10 @@ def _fake(x: Any) -> Any:
 
 def summary(x: Any) -> Any:
     """The 11 float64 :data:`~vartrace.sources.statistics.SUMMARY_FIELDS` of tensor ``x``
-    on its device, by ONE dispatched op (eager torch where ``custom_op`` is missing).
+    on its device, by ONE dispatched op (:func:`summary_op`).
 
     Example::
 
         summary(torch.tensor([1.0, float("nan"), 3.0]))[1]   # mean 2.0
     """
-    op = summary_op()
-    return eager_summary(x) if op is None else op(x)
+    return summary_op()(x)

@@ -1,0 +1,154 @@
+"""Statistics mode on the CPU: the eager formulation against the fused op, per record and per step.
+
+Usage::
+
+    python tools/bench_stats.py                          # both tables
+    python tools/bench_stats.py --sizes 4096 65536 --rounds 3 --block 3
+
+Per record, for each size and dtype (float32, bfloat16), in one process:
+
+* **eager**: :func:`vartrace.statistics.kernels.eager_summary` and the header joined on,
+  the torch formulation ``StatsReducer._device`` ran per record before the fused op (and
+  what a device without a kernel of the op still runs): a float64 copy and ~45 ops;
+* **fused**: ``vartrace.stats()`` on the tensor: ``torch.ops.vartrace.summary`` (numpy
+  blocks on the CPU) and the header joined on;
+* **clone**: ``x.clone()``, what keeping the record whole costs at least;
+
+with the ops each dispatches on the calling thread (a ``TorchDispatchMode``), the median
+time of a record (the contenders' calls interleaved) and its time per element.
+
+Per step: the ``small`` model of ``tools/bench_overhead.py`` (forward, backward and SGD),
+untraced, recording ``layers.*`` and ``layers.*@grad`` whole, and reducing them with
+``vartrace.stats()``, round-robin; each chunk is discarded after the gather.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+_TOOLS = Path(__file__).resolve().parent
+sys.path.insert(0, str(_TOOLS))
+sys.path.insert(0, str(_TOOLS.parent))
+
+import torch  # noqa: E402
+from bench_overhead import Context, round_robin, traced, training_step  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import vartrace  # noqa: E402
+from vartrace.statistics.kernels import eager_summary  # noqa: E402
+
+SIZES = [1 << 12, 1 << 16, 1 << 20, 1 << 24]
+DTYPES = [torch.float32, torch.bfloat16]
+STEP_PATHS = ["layers.*", "layers.*@grad"]
+
+
+class _Count(TorchDispatchMode):
+    """Counts the ops dispatched on this thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _interleaved_medians(
+    contenders: Mapping[str, Callable[[], object]], budget: float
+) -> dict[str, float]:
+    """Median seconds of each contender's call, the calls interleaved round by round (so
+    that load from elsewhere hits them alike) for about ``budget`` seconds (3 rounds at least)."""
+    start = time.perf_counter()
+    for fn in contenders.values():
+        fn()
+    once = time.perf_counter() - start
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(max(3, min(100, int(budget / max(once, 1e-9))))):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def record_table(sizes: list[int], budget: float) -> str:
+    reducer = vartrace.stats()
+    header = torch.tensor([reducer.layout.header], dtype=torch.float64)
+    contenders: dict[str, Callable[[torch.Tensor], object]] = {
+        "eager": lambda x: torch.cat([header, eager_summary(x)]),
+        "fused": lambda x: reducer("site", x, 1),
+        "clone": lambda x: x.clone(),
+    }
+    lines = [
+        f"{'elements':>10} {'dtype':>9} | "
+        + " | ".join(f"{name:>5} ops {'time':>9} {'ns/el':>6}" for name in contenders)
+        + " | eager/fused"
+    ]
+    for size in sizes:
+        for dtype in DTYPES:
+            x = torch.randn(size, generator=torch.Generator().manual_seed(0)).to(dtype)
+            ops = {}
+            for name, fn in contenders.items():
+                fn(x)  # the op registered, constants made: not counted
+                with _Count() as count:
+                    fn(x)
+                ops[name] = count.ops
+            calls = {name: (lambda fn=fn, x=x: fn(x)) for name, fn in contenders.items()}
+            times = _interleaved_medians(calls, budget)
+            cells = [
+                f"{ops[name]:>9} {times[name] * 1e3:>7.3f}ms {times[name] / size * 1e9:>6.2f}"
+                for name in contenders
+            ]
+            name = str(dtype).removeprefix("torch.")
+            ratio = times["eager"] / times["fused"]
+            lines.append(f"{size:>10} {name:>9} | " + " | ".join(cells) + f" | {ratio:>10.2f}x")
+    return "\n".join(lines)
+
+
+def step_table(rounds: int, block: int) -> str:
+    model, step = training_step("small")
+
+    @contextlib.contextmanager
+    def untraced() -> Iterator[None]:
+        yield
+
+    contenders: dict[str, Context] = {
+        "untraced": untraced,
+        "whole records": lambda: traced(model, STEP_PATHS),
+        "vartrace.stats()": lambda: traced(
+            model, STEP_PATHS, pre_save_callbacks=[vartrace.stats()]
+        ),
+    }
+    times = round_robin(contenders, step, rounds, block)
+    base = times["untraced"]
+    lines = [f"small model step, {', '.join(STEP_PATHS)} ({rounds} rounds x {block} steps):"]
+    for name, seconds in times.items():
+        lines.append(f"  {name:<18} {seconds * 1e3:8.2f} ms  {seconds / base:6.3f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="elements a record")
+    parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds of the step")
+    parser.add_argument("--block", type=int, default=4, help="steps timed per contender a round")
+    parser.add_argument("--budget", type=float, default=2.0, help="seconds per record row")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} intra-op thread(s); CPU")
+    print(record_table(args.sizes, args.budget))
+    print(step_table(args.rounds, args.block))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
