@@ -11,7 +11,13 @@ the end of ``close()``.  There, under ``-W error``, the first one raises (the
 others are notes on it), after every record reached the file; with an
 exception already propagating (a failed step, Ctrl-C) they become notes on
 that exception instead.  Warnings still kept when the interpreter exits are
-printed.  Example::
+printed.
+
+A warning is attributed to the user's line: the first frame of the stack whose
+file is outside the vartrace package and torch (the line that built the tracer,
+called the traced module, or opened the file), not the line of vartrace that
+noticed it.  Callers
+need not pass a ``stacklevel``.  Example::
 
     from vartrace._warnings import warn, release
 
@@ -23,8 +29,12 @@ printed.  Example::
 from __future__ import annotations
 
 import atexit
+import importlib.util
+import os
+import sys
 import threading
 import warnings
+from types import FrameType
 
 __all__ = ["release", "warn"]
 
@@ -32,16 +42,58 @@ _kept: list[Warning] = []
 _lock = threading.Lock()  # the staging and writer threads warn too
 
 
+def _skipped_prefixes() -> tuple[str, ...]:
+    """The folders of vartrace and of torch: a warning is shown at the first frame in
+    neither.  torch's frames are skipped too because vartrace's code runs under
+    torch's (a module's ``__call__``, a ``torch._dynamo.disable`` wrapper): the
+    user's line is the one that called torch."""
+    folders = [os.path.dirname(os.path.abspath(__file__))]
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.submodule_search_locations:
+        folders.extend(os.path.abspath(p) for p in spec.submodule_search_locations)
+    return tuple(folder + os.sep for folder in folders)
+
+
+_SKIPPED = _skipped_prefixes()
+
+
 def warn(message: str, category: type[Warning] = UserWarning, stacklevel: int = 1) -> None:
     """``warnings.warn(message, category)`` that never raises: a filter's error is kept.
 
-    ``stacklevel`` counts as in :func:`warnings.warn`, from the caller of this function.
+    The warning is attributed to the first frame outside the vartrace and torch
+    packages (the user's line).  ``stacklevel`` is accepted for the calls that still pass it and
+    not used: the frames it counted are vartrace's, skipped anyway.
     """
+    del stacklevel
     try:
-        warnings.warn(message, category, stacklevel=stacklevel + 1)
+        _warn_outside(message, category)
     except Warning as error:  # a filter with action "error" raised it
         with _lock:
             _kept.append(error)
+
+
+def _warn_outside(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the first frame whose file is neither vartrace's
+    nor torch's."""
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, skip_file_prefixes=_SKIPPED)
+    else:
+        warnings.warn(message, category, stacklevel=_outside_level(sys._getframe(1)))
+
+
+def _outside_level(frame: FrameType | None) -> int:
+    """The ``stacklevel`` of :func:`warnings.warn`, called from :func:`_warn_outside`,
+    that names the first frame from ``frame`` outward whose file is neither vartrace's
+    nor torch's.
+
+    With none (a vartrace thread or exit handler), one past the outermost frame:
+    ``warnings`` then reports the location ``sys``, as ``skip_file_prefixes`` does.
+    """
+    level = 2  # _warn_outside's caller is ``frame``
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def release(during: BaseException | None = None) -> None:
@@ -57,7 +109,7 @@ def release(during: BaseException | None = None) -> None:
     raised: Warning | None = None
     for error in kept:
         try:
-            warnings.warn(str(error), type(error), stacklevel=3)
+            _warn_outside(str(error), type(error))
         except Warning as again:
             target = during if during is not None else raised
             if target is None:
