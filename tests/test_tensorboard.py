@@ -116,8 +116,8 @@ def test_the_command_exports_a_finished_run_with_the_same_scalars(tmp_path: Path
 def test_the_command_takes_sites_and_statistics(tmp_path: Path) -> None:
     path = tmp_path / "run.h5"
     with H5PYSaverCallback(path, metadata=False) as saver:
-        saver("a.loss", Trace([1.0, 3.0], [1, 2], [0, 0], [0, 1]))
-        saver("b.loss", Trace([5.0], [1], [0], [2]))
+        saver("a.out", Trace([np.array([1.0, -2.0]), np.array([3.0, 0.5])], [1, 2], [0, 0], [0, 1]))
+        saver("b.out", Trace([np.array([5.0])], [1], [0], [2]))
     logdir = tmp_path / "board"
     command = [sys.executable, "-m", "vartrace", "tensorboard", str(path), "--logdir", str(logdir)]
     result = subprocess.run(
@@ -129,8 +129,9 @@ def test_the_command_takes_sites_and_statistics(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     events = _events(logdir)
-    assert set(events.Tags()["scalars"]) == {"a.loss/max", "a.loss/absmax"}
-    assert _scalars(events, "a.loss/max") == {1: 1.0, 2: 3.0}
+    assert set(events.Tags()["scalars"]) == {"a.out/max", "a.out/absmax"}
+    assert _scalars(events, "a.out/max") == {1: 1.0, 2: 3.0}
+    assert _scalars(events, "a.out/absmax") == {1: 2.0, 2: 3.0}
     assert events.Tags()["histograms"] == []
     wrong = subprocess.run(
         [*command, "--stat", "median"], capture_output=True, text=True, timeout=300, check=False
@@ -142,15 +143,64 @@ def test_ranks_get_their_own_tags_and_odd_records_are_skipped(tmp_path: Path) ->
     path = tmp_path / "run.h5"
     with H5PYSaverCallback(path, metadata=False) as saver:
         saver("loss", Trace([1.5, 2.5, 0.5], [1, 1, 2], [0, 1, 0], [0, 1, 2]))
-        saver("note", Trace(["warm-up"], [1], [0], [3]))
+        saver("out", Trace([np.array([1.0, 2.0]), np.array([4.0])], [1, 1], [0, 1], [3, 4]))
+        saver("note", Trace(["warm-up"], [1], [0], [5]))
     logdir = tmp_path / "board"
     written = vartrace.tensorboard.export_run(path, logdir, stats=["mean"], histograms=False)
-    assert written == 3
+    assert written == 5
     events = _events(logdir)
-    assert set(events.Tags()["scalars"]) == {"loss/mean/rank0", "loss/mean/rank1"}
-    assert _scalars(events, "loss/mean/rank0") == {1: 1.5, 2: 0.5}
-    assert _scalars(events, "loss/mean/rank1") == {1: 2.5}
+    assert set(events.Tags()["scalars"]) == {
+        "loss/rank0",
+        "loss/rank1",
+        "out/mean/rank0",
+        "out/mean/rank1",
+    }
+    assert _scalars(events, "loss/rank0") == {1: 1.5, 2: 0.5}
+    assert _scalars(events, "loss/rank1") == {1: 2.5}
+    assert _scalars(events, "out/mean/rank0") == {1: 1.5}
     assert events.Tags()["histograms"] == []
+
+
+class Loss(nn.Module):
+    """A model returning a 0-d loss, and a Python number computed from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        loss = self.proj(x).square().mean()
+        number = float(loss.detach()) * 2
+        return loss + number
+
+
+def test_a_scalar_record_is_one_chart_of_its_value(tmp_path: Path) -> None:
+    """A 0-d loss (or a number) is one series, ``<site>``, not eight statistics of one
+    value (four identical, four flat zeros) and no histogram; live and exported alike."""
+    torch.manual_seed(0)
+    model = Loss()
+    path, logdir = tmp_path / "run.h5", tmp_path / "live"
+    with (
+        TensorBoardCallback(logdir) as board,
+        H5PYSaverCallback(path, metadata=False) as saver,
+        ModelTracer(
+            model, ["forward.loss", "forward.number"], post_gather_callbacks=[board, saver]
+        ),
+    ):
+        for _ in range(3):
+            model(torch.randn(2, 4)).backward()
+    with vartrace.open(path) as run:
+        site = run["forward.loss"]
+        losses = {int(i): float(site.record(n)) for n, i in enumerate(site.iterations)}
+    assert sorted(losses) == [1, 2, 3]
+    assert vartrace.tensorboard.export_run(path, tmp_path / "exported") == 6
+    for events in (_events(logdir), _events(tmp_path / "exported")):
+        assert set(events.Tags()["scalars"]) == {"forward.loss", "forward.number"}
+        assert events.Tags()["histograms"] == []
+        assert _scalars(events, "forward.loss") == pytest.approx(losses)
+        assert _scalars(events, "forward.number") == pytest.approx(
+            {i: 2 * loss for i, loss in losses.items()}
+        )
 
 
 def test_statistics_mode_records_are_written_as_the_statistics_they_hold(tmp_path: Path) -> None:

@@ -6,7 +6,8 @@ writes a finished run's file the same way.  Scalars are the statistics
 :data:`vartrace.sources.statistics.STATS` defines (``mean``, ``std``, ``min``, ``max``,
 ``absmax`` over the finite values; ``nan``, ``posinf``, ``neginf`` count the values left
 out), tagged ``<site>/<statistic>``; a histogram of the finite values is tagged
-``<site>``.  The step is the record's iteration.  A statistics-mode record
+``<site>``.  A scalar record (a 0-d tensor such as a loss, or a number) is one series,
+its value, tagged ``<site>``.  The step is the record's iteration.  A statistics-mode record
 (:func:`vartrace.stats`) is written as the statistics it holds.  With several ranks, tags
 end in ``/rank<r>``.  Records that are not numeric (strings, None, objects) are skipped.
 
@@ -60,17 +61,18 @@ def _summary_writer() -> Any:
 
 
 def _magnitudes(value: Any) -> np.ndarray | None:
-    """The record as a flat float64 array (complex values by magnitude), or ``None``."""
+    """The record as a float64 array of its shape (complex values by magnitude), or ``None``."""
     array = value_as_array(value)
     if array is None:
         return None
     if array.dtype.kind == "c":
         array = np.abs(array)
-    return np.asarray(array, dtype=np.float64).reshape(-1)
+    return np.asarray(array, dtype=np.float64)
 
 
 class TensorBoardCallback:
-    """A post-gather callback writing each record's statistics and histogram to TensorBoard.
+    """A post-gather callback writing each record's statistics and histogram to TensorBoard
+    (a scalar record: its value).
 
     Put it before an ``H5PYSaverCallback`` in ``post_gather_callbacks``: the saver
     empties each chunk it writes.  It leaves the chunk as it is.  The event file is
@@ -88,7 +90,8 @@ class TensorBoardCallback:
         logdir: the folder of the event files (``tensorboard --logdir`` its parent to
             compare runs).
         stats: statistic names of :data:`vartrace.sources.statistics.STATS` written as
-            scalars.
+            scalars (for records with at least one dimension: a scalar record is written
+            as its value).
         histograms: also write a histogram of each record's finite values (it reads
             every element: turn it off for very large records).
         per_rank: tag by rank (``<tag>/rank<r>``); ``None``: when the run has more
@@ -128,24 +131,30 @@ class TensorBoardCallback:
 
     def write(self, name: str, value: Any, iteration: int, rank: int = 0) -> bool:
         """Write one record of site ``name`` at step ``iteration``; ``False`` if it is not
-        numeric (nothing written).
+        numeric (nothing written).  A 0-d record or a number is written as its value,
+        tagged ``name``.
 
         Example: ``board.write("forward.x", torch.ones(3), iteration=1)``.
         """
         statistics = _as_statistics(value)
-        flat = None if statistics is not None else _magnitudes(value)
+        array = None if statistics is not None else _magnitudes(value)
+        flat = None if array is None or array.ndim == 0 else array.reshape(-1)
         if statistics is not None:
-            scalars = {stat: statistics.statistic(stat) for stat in self.stats}
+            scalars = {f"{name}/{stat}": statistics.statistic(stat) for stat in self.stats}
         elif flat is not None:
             row = flat[None, :]
-            scalars = {stat: float(reduce_block(STATS[stat], row)[0]) for stat in self.stats}
+            scalars = {
+                f"{name}/{stat}": float(reduce_block(STATS[stat], row)[0]) for stat in self.stats
+            }
+        elif array is not None:  # a 0-d tensor or a number (a loss): the series itself
+            scalars = {name: float(array)}
         else:
             return False
         suffix = f"/rank{rank}" if self.per_rank else ""
         with self._lock:
             writer = self._open()
-            for stat, number in scalars.items():
-                writer.add_scalar(f"{name}/{stat}{suffix}", number, iteration)
+            for tag, number in scalars.items():
+                writer.add_scalar(f"{tag}{suffix}", number, iteration)
             if self.histograms and flat is not None:
                 finite = flat[np.isfinite(flat)]
                 if finite.size:
