@@ -17,6 +17,14 @@ are watched differently:
 Only hook handles are kept, never the tensors themselves, so the autograd
 graph of a step is freed as soon as the step is done with it.
 
+Inside a reentrant activation checkpoint (``torch.utils.checkpoint.checkpoint(...,
+use_reentrant=True)``, HF's ``gradient_checkpointing_enable`` with those kwargs) the
+forward runs under ``torch.no_grad()``: what it computes has no gradient yet.  Such a
+site is remembered with the checkpoint's autograd context and the forward's iteration,
+and watched when backward recomputes the region with grad enabled
+(:meth:`GradientWatcher.recomputed`); the inputs of the region, which do require grad
+in the forward, are watched there, as without checkpointing.
+
 Example::
 
     with ModelTracer(model, ["layers.*.attn.forward.scores@grad",
@@ -29,13 +37,17 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.hooks import RemovableHandle
 
 from vartrace._warnings import warn
@@ -62,6 +74,38 @@ class _ParameterWatch:
 
 def _through_self(site: str) -> bool:
     return ".self." in site
+
+
+_engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+_graph_task_id = torch._C._current_graph_task_id
+_CHECKPOINT_FORWARD = CheckpointFunction.forward.__code__
+_CHECKPOINT_BACKWARD = CheckpointFunction.backward.__code__
+_CHECKPOINTED = (
+    "{} inside a reentrant activation checkpoint (use_reentrant=True), whose forward runs "
+    "under torch.no_grad(), and no backward recomputed it"
+)
+
+
+class _Checkpoint:
+    """One call of a reentrant checkpoint: the iteration its forward belongs to and the
+    sites its forward captured under ``torch.no_grad()``, watched when it is recomputed."""
+
+    __slots__ = ("iteration", "sites")
+
+    def __init__(self, iteration: int) -> None:
+        self.iteration = iteration
+        self.sites: set[str] = set()
+
+
+def _checkpoint_frames() -> Iterator[tuple[Any, bool]]:
+    """The reentrant checkpoints running on this thread's stack, innermost first: each
+    one's autograd context and whether it runs its backward (the recomputation)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code is _CHECKPOINT_FORWARD or code is _CHECKPOINT_BACKWARD:
+            yield frame.f_locals["ctx"], code is _CHECKPOINT_BACKWARD
+        frame = frame.f_back
 
 
 class GradientWatcher:
@@ -97,6 +141,10 @@ class GradientWatcher:
         self._warned: set[str] = set()
         self._watched: set[str] = set()  # sites that registered a hook at least once
         self._no_grad: dict[str, str] = {}  # site -> why, seen with grad mode off
+        # The reentrant checkpoint calls whose forward deferred a site, by autograd context.
+        self._checkpoints: weakref.WeakKeyDictionary[Any, _Checkpoint] = weakref.WeakKeyDictionary()
+        # Per running backward: the parameters of recomputed regions recorded when it ends.
+        self._at_end: dict[int, dict[tuple[int, str], tuple[torch.Tensor, int]]] = {}
         self._closed = False
 
     def watch(self, site: str, value: Any, iteration: int) -> None:
@@ -108,8 +156,16 @@ class GradientWatcher:
         records nothing and warns once per site; with grad mode off (an
         evaluation under ``torch.no_grad()``) only at :meth:`close`, and only if
         the site never received a gradient hook (``mode="any"`` runs that also train).
+        Inside the forward of a reentrant activation checkpoint, a value without a
+        gradient yet waits for :meth:`recomputed`.
         """
         if self._closed:
+            return
+        if (
+            not torch.is_grad_enabled()
+            and isinstance(value, torch.Tensor)
+            and self._defer(site, value, iteration)
+        ):
             return
         if not isinstance(value, torch.Tensor):
             self._warn(site, f"it holds a {type(value).__name__}, not a tensor")
@@ -121,13 +177,47 @@ class GradientWatcher:
                 "torch.inference_mode(), detached, or not a floating-point tensor)",
             )
             return
-        if value.is_leaf and (isinstance(value, nn.Parameter) or _through_self(site)):
+        if self._parameter(site, value):
             if not torch.is_grad_enabled():
                 self._warn(site, "the parameter was used under torch.no_grad()")
                 return
             self._watch_parameter(site, value, iteration)
         else:
             self._watch_tensor(site, value, iteration)
+
+    def recomputed(self, site: str, value: Any) -> None:
+        """A forward recomputed during backward (activation checkpointing) captured ``value``
+        at ``site``: watch it if the checkpoint's forward deferred the site (its forward
+        ran under ``torch.no_grad()``), tagged with that forward's iteration.
+
+        Other sites were watched in the forward (a non-reentrant checkpoint, the
+        region's inputs) and record nothing twice.
+        """
+        if self._closed:
+            return
+        frames = _checkpoint_frames()
+        innermost = next(frames, None)
+        if innermost is None:
+            return  # a non-reentrant checkpoint: watched in the forward
+        ctx, backward = innermost
+        if not backward:
+            # A reentrant checkpoint inside one being recomputed: its forward belongs to
+            # the iteration of the enclosing call's forward.
+            for outer, outer_backward in frames:
+                with self._lock:
+                    call = self._checkpoints.get(outer) if outer_backward else None
+                if call is not None:
+                    self.watch(site, value, call.iteration)
+                    return
+            return
+        with self._lock:
+            call = self._checkpoints.get(ctx)
+        if call is None or site not in call.sites:
+            return
+        if isinstance(value, torch.Tensor) and self._parameter(site, value):
+            self._watch_to_the_end(site, value, call.iteration)
+        else:
+            self.watch(site, value, call.iteration)
 
     def close(self) -> None:
         """Remove every hook this watcher registered; later backwards record nothing.
@@ -144,8 +234,33 @@ class GradientWatcher:
             handles.extend(w.handle for w in self._parameters.values() if w.handle is not None)
             self._handles.clear()
             self._parameters.clear()
+            self._checkpoints.clear()
+            self._at_end.clear()
         for handle in handles:
             handle.remove()
+
+    def _parameter(self, site: str, value: torch.Tensor) -> bool:
+        """Whether ``value`` is watched as a parameter (its accumulated ``.grad``)."""
+        return value.is_leaf and (isinstance(value, nn.Parameter) or _through_self(site))
+
+    def _defer(self, site: str, value: torch.Tensor, iteration: int) -> bool:
+        """Leave ``site`` to the recomputation of the reentrant checkpoint whose forward runs
+        now (see :meth:`recomputed`), if ``value`` has no gradient there (a parameter, or a
+        tensor computed under its ``torch.no_grad()``); ``False`` otherwise."""
+        parameter = self._parameter(site, value)
+        if value.requires_grad and not parameter:
+            return False  # an input of the region: its gradient reaches it as it is
+        innermost = next(_checkpoint_frames(), None)
+        if innermost is None or innermost[1]:
+            return False
+        with self._lock:
+            call = self._checkpoints.get(innermost[0])
+            if call is None:
+                call = self._checkpoints[innermost[0]] = _Checkpoint(iteration)
+            call.sites.add(site)
+        used = "the parameter was used" if parameter else "it was computed"
+        self._no_grad.setdefault(site, _CHECKPOINTED.format(used))  # at close, if never watched
+        return True
 
     # -- tensors computed by the forward ------------------------------------------------------
 
@@ -190,6 +305,31 @@ class GradientWatcher:
                 if len(self._handles) + len(self._parameters) >= self._prune_at:
                     self._prune()
             watch.pending[site] = iteration
+
+    def _watch_to_the_end(self, site: str, parameter: torch.Tensor, iteration: int) -> None:
+        """Record ``parameter.grad`` when the running backward ends.
+
+        A recomputed region runs a backward of its own, which accumulates into
+        ``.grad`` once per checkpoint call: the gradient of the step is complete only
+        when the outer backward ends.  One record per backward, tagged with the latest
+        of the forwards that used the parameter, as without checkpointing.
+        """
+        self._watched.add(site)
+        task = _graph_task_id()
+        with self._lock:
+            ending = self._at_end.get(task)
+            if ending is None:
+                ending = self._at_end[task] = {}
+                _engine.queue_callback(functools.partial(self._backward_ended, task))
+            kept = ending.get((id(parameter), site))
+            if kept is None or kept[1] < iteration:
+                ending[(id(parameter), site)] = (parameter, iteration)
+
+    def _backward_ended(self, task: int) -> None:
+        with self._lock:
+            ending = self._at_end.pop(task, {})  # nothing left after close()
+        for (_, site), (parameter, iteration) in ending.items():
+            self._store(site, parameter.grad, iteration)
 
     def _on_accumulated(self, parameter: torch.Tensor) -> None:
         with self._lock:

@@ -760,7 +760,11 @@ class ModelTracer:
     def _capture(self, site: str, value: Any, grad: bool) -> None:
         self._silence.saw(site, value)
         if _graph_task_id() != -1:  # _in_backward(), on the record path without its call
-            return  # a forward recomputed during backward (activation checkpointing)
+            # A forward recomputed during backward (activation checkpointing) records
+            # nothing twice; a reentrant checkpoint's forward left @grad sites to it.
+            if grad:
+                self._gradients.recomputed(site, value)
+            return
         iteration = self._iterations.capturing()
         if iteration is None:
             return  # another thread's iteration enabled the hooks
