@@ -1,7 +1,8 @@
 """Statistics mode: a few float64 numbers per record, computed where the tensor lives.
 
 :func:`stats` makes a pre-save reducer.  For each tensor (or numpy array) record it
-computes, on the tensor's own device and in float64, the statistics of
+computes, on the tensor's own device and in float64 (one fused op,
+:func:`vartrace.statistics.summary`), the statistics of
 :data:`~vartrace.sources.statistics.SUMMARY_FIELDS` (count, mean, std, min, max,
 absmax, L2 norm over the finite values; counts of NaN, +inf, -inf and exact
 zeros), optionally a histogram of the exponents ``floor(log2|x|)`` of the finite
@@ -484,7 +485,10 @@ def stats(
     ``std`` (population), ``min``, ``max``, ``absmax`` and ``norm`` (L2) over
     the finite values, and the counts ``nan``, ``posinf``, ``neginf`` and
     ``zeros``; non-finite values are counted, never poisoning the others.
-    bfloat16, float16 and float8 inputs are upcast exactly first; ints too.
+    Every value is upcast exactly to float64 (bfloat16, float16, float8, ints), a block at
+    a time: the summary is one op per record (:func:`vartrace.statistics.summary`), one
+    read of the tensor without a float64 copy of it; a histogram or quantiles add an
+    eager pass over a float64 copy.
 
     Args:
         histogram: ``True`` adds a histogram of ``floor(log2|x|)`` over the

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -232,6 +233,8 @@ def _cuda_summary(x: Any) -> Any:
 
 
 _library: Any = None  # the torch.library.Library holding the op (its kernels live with it)
+_op: Any = None  # torch.ops.vartrace.summary.default once registered
+_registering = threading.Lock()
 
 
 def summary_op() -> Any:
@@ -243,22 +246,29 @@ def summary_op() -> Any:
     (CompositeExplicitAutograd) and a fake kernel (so ``torch.compile`` and FakeTensor
     trace it).  No autograd formula: records are reduced under ``no_grad``.
     """
-    global _library
-    import torch
+    global _library, _op
+    if _op is None:
+        import torch
 
-    if _library is None and not hasattr(torch.ops.vartrace, "summary"):
-        library = torch.library.Library("vartrace", "DEF")
-        library.define("summary(Tensor x) -> Tensor")
-        library.impl("summary", _cpu_summary, "CPU")
-        library.impl("summary", _cuda_summary, "CUDA")
-        library.impl("summary", eager_summary, "CompositeExplicitAutograd")
-        register_fake = getattr(torch.library, "register_fake", None)  # torch 2.4
-        if register_fake is None:
-            library.impl("summary", _fake, "Meta")
-        else:
-            register_fake("vartrace::summary", _fake, lib=library)
-        _library = library
-    return torch.ops.vartrace.summary.default
+        with _registering:  # the first records may come from the autograd threads too
+            if not hasattr(torch.ops.vartrace, "summary"):  # (or another copy of this module)
+                _library = _define(torch)
+            _op = torch.ops.vartrace.summary.default
+    return _op
+
+
+def _define(torch: Any) -> Any:
+    library = torch.library.Library("vartrace", "DEF")
+    library.define("summary(Tensor x) -> Tensor")
+    library.impl("summary", _cpu_summary, "CPU")
+    library.impl("summary", _cuda_summary, "CUDA")
+    library.impl("summary", eager_summary, "CompositeExplicitAutograd")
+    register_fake = getattr(torch.library, "register_fake", None)  # torch 2.4
+    if register_fake is None:
+        library.impl("summary", _fake, "Meta")
+    else:
+        register_fake("vartrace::summary", _fake, lib=library)
+    return library
 
 
 def _fake(x: Any) -> Any:
