@@ -569,3 +569,55 @@ def test_vartrace_compare_stays_the_function_after_submodule_imports() -> None:
 
     assert callable(vartrace.compare)
     assert vartrace.compare is compare and vartrace.Comparison is Comparison
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.proj(x)
+        return hidden.relu().sum()
+
+
+def _record_run(path, dtype: torch.dtype) -> None:
+    """The same model and inputs, traced in ``dtype``, saved to ``path``."""
+    from vartrace.storage.writer import H5PYSaverCallback
+    from vartrace.tracer import ModelTracer
+
+    torch.manual_seed(0)
+    model = _Block().to(dtype)
+    inputs = [torch.randn(4, 8).to(dtype) for _ in range(2)]
+    with (
+        H5PYSaverCallback(path, metadata=False) as saver,
+        ModelTracer(model, ["forward.hidden", "forward"], post_gather_callbacks=[saver]),
+    ):
+        for x in inputs:
+            model(x)
+
+
+def test_a_dtype_mismatch_is_said_in_the_table_and_the_frame(tmp_path) -> None:
+    """An fp32 run against a bf16 one: each site says "float32 vs bfloat16" in the
+    summary, the printed table and the footer, and ``dtype_match`` is False per row."""
+    _record_run(tmp_path / "fp32.h5", torch.float32)
+    _record_run(tmp_path / "bf16.h5", torch.bfloat16)
+    _record_run(tmp_path / "again.h5", torch.float32)
+    report = compare(tmp_path / "fp32.h5", tmp_path / "bf16.h5", atol=0.1, rtol=0.1)
+    assert [(s.site, s.dtypes, s.dtype_match) for s in report.sites] == [
+        ("forward.hidden", "float32 vs bfloat16", False),
+        ("forward", "float32 vs bfloat16", False),
+    ]
+    text = str(report)
+    header, _, *rows = text.splitlines()[1:4]
+    assert "dtype" in header.split()
+    assert all("float32 vs bfloat16" in row for row in rows), text
+    assert "2 sites compared, 0 differ, 4 record pairs, 2 with different dtypes" in text
+    frame = report.to_frame()
+    assert frame["dtype_match"].tolist() == [False] * 4
+    assert set(zip(frame["dtype_a"], frame["dtype_b"], strict=True)) == {("float32", "bfloat16")}
+
+    same = compare(tmp_path / "fp32.h5", tmp_path / "again.h5")
+    assert [(s.dtypes, s.dtype_match) for s in same.sites] == [("float32", True)] * 2
+    assert "with different dtypes" not in str(same)
+    assert same.to_frame()["dtype_match"].tolist() == [True] * 4

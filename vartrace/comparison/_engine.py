@@ -271,7 +271,25 @@ class _SiteResult:
             max_rel_diff=_worst(np.nanmax, self.floats["max_rel_diff"][: self.n_pairs]),
             min_cosine=_worst(np.nanmin, self.floats["cosine"][: self.n_pairs]),
             status=status,
+            dtypes=self.dtype_names(),
+            dtype_match=bool(self.dtype_match()[: self.n_pairs].all()),
         )
+
+    def dtype_match(self) -> np.ndarray:
+        """Per row: both records are there and have the same dtype."""
+        return np.array(
+            [a == b and a != "" for a, b in zip(self.dtype_a, self.dtype_b, strict=True)],
+            dtype=bool,
+        )
+
+    def dtype_names(self) -> str:
+        """The record pairs' dtypes: ``"float32"``, or ``"float32 vs bfloat16"`` where they
+        differ (several kinds joined by ``", "``, in order of first appearance)."""
+        kinds = dict.fromkeys(
+            a if a == b else f"{a} vs {b}"
+            for a, b in zip(self.dtype_a[: self.n_pairs], self.dtype_b[: self.n_pairs], strict=True)
+        )
+        return ", ".join(kinds)
 
     def first_key(self) -> tuple[int, int, int] | None:
         """(iteration, order, rank) of the earliest record that differs."""
@@ -482,6 +500,7 @@ def _columns(results: list[_SiteResult]) -> dict[str, list[Any]]:
         columns["dtype_a"].extend(r.dtype_a)
         columns["dtype_b"].extend(r.dtype_b)
         columns["shape_match"].extend(r.shape_match.tolist())
+        columns["dtype_match"].extend(r.dtype_match().tolist())
         columns["allclose"].extend(r.allclose.tolist())
         for name in FLOAT_COLUMNS:
             columns[name].extend(r.floats[name].tolist())

@@ -36,6 +36,7 @@ COLUMNS: tuple[str, ...] = (
     "dtype_a",
     "dtype_b",
     "shape_match",
+    "dtype_match",
     "allclose",
     "max_abs_diff",
     "max_rel_diff",
@@ -87,6 +88,10 @@ class SiteSummary:
         max_rel_diff: the largest relative difference ``|a - b| / |b|``.
         min_cosine: the smallest cosine similarity over the site's records.
         status: ``"ok"`` or the worst record status.
+        dtypes: the dtype of the site's record pairs, ``"float32"``; where the runs
+            differ (an fp32 run against a bf16 one), both, ``"float32 vs bfloat16"``
+            (several such pairs are joined by ``", "``); ``""`` with no pair.
+        dtype_match: every record pair has the same dtype on both sides.
     """
 
     site: str
@@ -97,6 +102,8 @@ class SiteSummary:
     max_rel_diff: float
     min_cosine: float
     status: str
+    dtypes: str
+    dtype_match: bool
 
 
 def _fmt(x: float) -> str:
@@ -174,8 +181,10 @@ class Comparison:
     def to_frame(self) -> Any:
         """A pandas DataFrame with one row per record pair (columns :data:`COLUMNS`).
 
-        ``*_diff`` columns are ``a - b``; a record present in one run only has
-        ``status`` ``"only in a"``/``"only in b"`` and NaN statistics.
+        ``*_diff`` columns are ``a - b``; ``dtype_match`` is ``False`` where the two
+        records' dtypes differ (``dtype_a``, ``dtype_b``: ``float32`` against
+        ``bfloat16``); a record present in one run only has ``status``
+        ``"only in a"``/``"only in b"``, NaN statistics and ``False`` matches.
         """
         try:
             import pandas as pd
@@ -204,6 +213,7 @@ class Comparison:
             "max abs diff",
             "max rel diff",
             "min cosine",
+            "dtype",
             "status",
         )
         body = [
@@ -215,6 +225,7 @@ class Comparison:
                 _fmt(s.max_abs_diff),
                 _fmt(s.max_rel_diff),
                 _fmt_cosine(s.min_cosine),
+                s.dtypes,
                 s.status if s.status == STATUS_OK else s.status.upper(),
             )
             for s in self.sites
@@ -224,10 +235,14 @@ class Comparison:
         lines.extend(table(header, body, right=(1, 2, 3, 4, 5, 6)))
         differing = sum(1 for s in self.sites if s.status not in (STATUS_OK, STATUS_SKIPPED))
         lines.append("")
-        lines.append(
+        summary = (
             f"{_plural(len(self.sites), 'site')} compared, {differing} differ, "
             f"{_plural(sum(s.records for s in self.sites), 'record pair')}"
         )
+        retyped = sum(1 for s in self.sites if not s.dtype_match)
+        if retyped:
+            summary += f", {retyped} with different dtypes"
+        lines.append(summary)
         if self.first_divergence is None:
             lines.append("first divergence: none")
         else:
