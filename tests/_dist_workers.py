@@ -8,6 +8,7 @@ the parent test can assert on it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import time
@@ -42,7 +43,8 @@ def entry(rank: int, world: int, port: int, out_dir: str, scenario: str, pg_time
         )
         result = SCENARIOS[scenario](rank, world, out)
         torch.save(result, out / f"result{rank}.pt")
-        dist.barrier()  # the safe shutdown order: no rank tears down while another still works
+        if scenario not in UNSYNCED:
+            dist.barrier()  # the safe shutdown order: no rank tears down while another works
     except BaseException:
         (out / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -448,6 +450,142 @@ def _staged_gathers(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"device": _staged_run(rank, True, out), "cpu": _staged_run(rank, False, out)}
 
 
+# --- ranks that run different numbers of iterations ---------------------------------------
+
+UNEVEN_STEPS = (8, 10, 13)
+UNEVEN_PATHS = ["forward.x", "forward.scores"]
+
+
+class Evaluator(nn.Module):
+    """A model evaluated on shards of different sizes: no collective of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = x.sum(dim=1) * 2
+        return self.head(x) + scores[:, None]
+
+
+def uneven_steps(world: int, reverse: bool) -> list[int]:
+    """How many iterations each rank runs: 8, 10 and 13 (8 and 13 on two ranks), the
+    shortest rank first or (``reverse``) last."""
+    steps = list(UNEVEN_STEPS if world == 3 else UNEVEN_STEPS[::2])
+    return steps[::-1] if reverse else steps
+
+
+def _site_records(traces: Any, names: list[str]) -> list[tuple[str, Any, int, int, int]]:
+    """(site, value, iteration, rank, order) of every record of ``names`` in ``traces``
+    (a tracer's results, or a run file read with ``vartrace.open``)."""
+    records = []
+    for name in sorted(names):
+        site = traces[name]
+        tags = (np.asarray(t).tolist() for t in (site.iterations, site.ranks, site.order))
+        for i, (iteration, rank, order) in enumerate(zip(*tags, strict=True)):
+            value = site.values[i] if isinstance(site, Trace) else site.record(i)
+            records.append((name, value, iteration, rank, order))
+    return records
+
+
+def _imported(rank: int, world: int, out: Path) -> None:
+    """A start line after the imports (``torch._dynamo`` too, which a tracer's start imports),
+    outside the process group: a rank still importing must not make the others' first gather
+    wait longer than a short group timeout."""
+    importlib.import_module("torch._dynamo")
+    _wait_for_files(out, [f"imported{r}" for r in range(world)], create=f"imported{rank}")
+
+
+def _evaluate(model: nn.Module, rank: int, steps: int) -> None:
+    with torch.no_grad():
+        for step in range(1, steps + 1):
+            model(rank_input(rank, step))
+
+
+def _uneven_eval(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Evaluation on shards of 8/10/13 batches, traced into memory (gathered every 2
+    iterations) and into a file on rank 0 (every 3, the shortest rank last), with the
+    staging ``uneven.json`` names."""
+    import vartrace
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    staging = json.loads((out / "uneven.json").read_text())["staging"]
+    torch.manual_seed(0)
+    model = Evaluator().eval()
+    _imported(rank, world, out)
+    found: dict[str, Any] = {}
+    with ModelTracer(
+        model, UNEVEN_PATHS, mode="eval", gathering_interval=2, staging=staging
+    ) as tracer:
+        _evaluate(model, rank, uneven_steps(world, False)[rank])
+    found["memory"] = _site_records(tracer.results, list(tracer.results))
+
+    saver = H5PYSaverCallback(out / "uneven.h5", metadata=False)
+    with ModelTracer(
+        model,
+        UNEVEN_PATHS,
+        mode="eval",
+        gathering_interval=3,
+        staging=staging,
+        post_gather_callbacks=[saver],
+    ) as tracer:
+        _evaluate(model, rank, uneven_steps(world, True)[rank])
+    saver.close()
+    found["left_after_saver"] = _site_records(tracer.results, list(tracer.results))
+    if rank == 0:
+        with vartrace.open(out / "uneven.h5") as run:
+            found["file"] = _site_records(run, run.names)
+    return found
+
+
+ABSENT_STEPS = 3
+
+
+def _uneven_absent(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Rank 1 stays in its traced loop until rank 0 has left its tracer: rank 0 waits for
+    it at exit no longer than the process group's timeout, then rank 1 finds rank 0 gone.
+
+    Both run ``ABSENT_STEPS`` iterations gathered every 2 (the first two are gathered
+    together); rank 0 writes a file.  Returns each rank's records left in memory, rank 0's
+    file and the warnings each rank saw.
+    """
+    import warnings
+
+    import vartrace
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    staging = json.loads((out / "uneven.json").read_text())["staging"]
+    torch.manual_seed(0)
+    model = Evaluator().eval()
+    saver = H5PYSaverCallback(out / "absent.h5", metadata=False)
+    _imported(rank, world, out)
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with ModelTracer(
+            model,
+            UNEVEN_PATHS,
+            mode="eval",
+            gathering_interval=2,
+            staging=staging,
+            post_gather_callbacks=[saver],
+        ) as tracer:
+            _evaluate(model, rank, ABSENT_STEPS)
+            if rank == 1:
+                _wait_for_files(out, ["left0"])
+        (out / f"left{rank}").touch()
+    saver.close()
+    found: dict[str, Any] = {
+        "memory": _site_records(tracer.results, list(tracer.results)),
+        "warnings": [str(w.message) for w in seen],
+        "seconds": time.monotonic() - start,
+    }
+    if rank == 0:
+        with vartrace.open(out / "absent.h5") as run:
+            found["file"] = _site_records(run, run.names)
+    return found
+
+
 SCENARIOS: dict[str, Callable[[int, int, Path], Any]] = {
     "gather_direct": _gather_direct,
     "rank1_raises_and_exits": _rank1_raises_and_exits,
@@ -455,4 +593,8 @@ SCENARIOS: dict[str, Callable[[int, int, Path], Any]] = {
     "tracer_runs": _tracer_runs,
     "tracer_rank1_raises": _tracer_rank1_raises,
     "staged_gathers": _staged_gathers,
+    "uneven_eval": _uneven_eval,
+    "uneven_absent": _uneven_absent,
 }
+
+UNSYNCED = {"uneven_absent"}  # scenarios that end with the group broken: no closing barrier

@@ -74,9 +74,16 @@ def _launch(
     return [proc.exitcode for proc in procs]
 
 
-def _run_ok(scenario: str, world: int, out: Path) -> list[Any]:
+def _run_ok(
+    scenario: str,
+    world: int,
+    out: Path,
+    *,
+    pg_timeout: float = 60.0,
+    deadline: float = DEADLINE_S,
+) -> list[Any]:
     """Launch ``scenario``, require every rank to succeed, return each rank's result."""
-    codes = _launch(scenario, world, out)
+    codes = _launch(scenario, world, out, pg_timeout=pg_timeout, deadline=deadline)
     errors = {r: (out / f"error{r}.txt") for r in range(world)}
     details = "\n".join(f"rank {r}:\n{p.read_text()}" for r, p in errors.items() if p.exists())
     assert codes == [0] * world, f"exit codes {codes}\n{details}"
@@ -402,3 +409,75 @@ def test_staged_gathers_run_off_the_training_thread_with_no_sync(tmp_path: Path)
     for name, records in cpu.items():
         assert {r for _, _, r, _ in records} == {0, 1}, name
         assert device[name] == records, name
+
+
+# --- ranks that run different numbers of iterations ------------------------------------
+
+
+def _uneven_records(steps: dict[int, range]) -> list[tuple[str, Any, int, int, int]]:
+    """(site, value, iteration, rank, order) of what each rank ``r`` records in the
+    iterations ``steps[r]`` of the ``Evaluator``, sorted by site, rank and iteration."""
+    records = []
+    for r, iterations in steps.items():
+        for step in iterations:
+            x = workers.rank_input(r, step)
+            records.append(("forward.x", x, step, r, 2 * step - 1))
+            records.append(("forward.scores", x.sum(dim=1) * 2, step, r, 2 * step))
+    return sorted(records, key=lambda record: (record[0], record[3], record[2]))
+
+
+def _assert_uneven(got: list[tuple], want: list[tuple], where: str) -> None:
+    """``got`` holds exactly the records of ``want`` (in any order), bit for bit."""
+    got = sorted(got, key=lambda record: (record[0], record[3], record[2]))
+    keys = [(site, rank, step) for site, _, step, rank, _ in got]
+    wanted = [(site, rank, step) for site, _, step, rank, _ in want]
+    assert keys == wanted, f"{where}: got (site, rank, iteration) {keys}, expected {wanted}"
+    for g, w in zip(got, want, strict=True):
+        _assert_same_value(g[1], w[1], f"{where} {w[0]} rank {w[3]} iteration {w[2]}")
+        assert g[4] == w[4], f"{where} {w[0]} rank {w[3]} iteration {w[2]}: order {g[4]}"
+
+
+@pytest.mark.parametrize("staging", ["sync", "async"])
+@pytest.mark.parametrize("world", [2, 3], ids=["2ranks", "3ranks"])
+def test_ranks_running_different_numbers_of_iterations_gather_every_record(
+    tmp_path: Path, world: int, staging: str
+) -> None:
+    """Evaluation shards of 8/10/13 batches: the ranks issue different numbers of gathers.
+    Every record of every rank reaches rank 0's results and its file, tagged with its rank
+    and iteration, and no rank waits for the process group's timeout (15 s here: a gather
+    left without its partners would fail the run)."""
+    (tmp_path / "uneven.json").write_text(json.dumps({"staging": staging}))
+    results = _run_ok("uneven_eval", world, tmp_path, pg_timeout=15.0, deadline=60.0)
+    shortest_first = workers.uneven_steps(world, reverse=False)
+    want = _uneven_records({r: range(1, n + 1) for r, n in enumerate(shortest_first)})
+    _assert_uneven(results[0]["memory"], want, "results")
+    shortest_last = workers.uneven_steps(world, reverse=True)
+    want = _uneven_records({r: range(1, n + 1) for r, n in enumerate(shortest_last)})
+    _assert_uneven(results[0]["file"], want, "uneven.h5")
+    for r, result in enumerate(results):
+        assert result["left_after_saver"] == [], r
+        if r:
+            assert result["memory"] == [], r
+
+
+@pytest.mark.parametrize("staging", ["sync", "async"])
+def test_a_rank_that_never_reaches_the_final_gather_is_waited_for_within_the_timeout(
+    tmp_path: Path, staging: str
+) -> None:
+    """Rank 1 stays in its loop until rank 0 has left its tracer.  Rank 0 waits for it at
+    exit no longer than the process group's timeout (3 s), warns naming rank 1 and writes
+    every record it has; rank 1 then finds rank 0 gone, warns, and keeps its last records
+    in its own results.  No record is lost, no rank raises."""
+    (tmp_path / "uneven.json").write_text(json.dumps({"staging": staging}))
+    rank0, rank1 = _run_ok("uneven_absent", 2, tmp_path, pg_timeout=3.0, deadline=60.0)
+    gathered = range(1, workers.ABSENT_STEPS)  # the gather at iteration 2
+    last = range(workers.ABSENT_STEPS, workers.ABSENT_STEPS + 1)
+    want = _uneven_records({0: range(1, workers.ABSENT_STEPS + 1), 1: gathered})
+    _assert_uneven(rank0["file"], want, "absent.h5")
+    assert rank0["memory"] == []
+    _assert_uneven(rank1["memory"], _uneven_records({1: last}), "rank 1's results")
+    assert rank0["seconds"] < 15.0, rank0["seconds"]
+    [absent] = [m for m in rank0["warnings"] if "rank(s) [1] did not come" in m]
+    assert "rank 0 hands on its own last 2 records alone" in absent
+    [kept] = [m for m in rank1["warnings"] if "rank(s) [0] did not come" in m]
+    assert "this rank's last 2 records stay in tracer.results on rank 1" in kept

@@ -1,9 +1,9 @@
 """Gathering buffered chunks across ``torch.distributed`` ranks.
 
 The tracer hands each rank's chunk (site name -> :class:`~vartrace.trace.Trace`)
-to :func:`gather_chunk` every ``gathering_interval`` iterations and at exit, on
-every rank.  Without an initialised process group (or with one rank) this is a
-local hand-over.
+to :func:`gather_chunk` every ``gathering_interval`` iterations, on every rank,
+and to :func:`final_gathers` at exit.  Without an initialised process group (or
+with one rank) this is a local hand-over.
 
 How a gather travels
 --------------------
@@ -20,11 +20,12 @@ and complex included) travel as ``uint8`` views of their storage; only
 tensors without plain strided storage (sparse, quantized, nested, tensor
 subclasses) travel pickled, as opaque objects.  The exchange:
 
-1. an ``all_gather`` of one ``[length, status]`` pair per rank, so that rank 0
-   knows every buffer's size and every rank knows whether any rank failed to
-   pack its chunk;
+1. an ``all_gather`` of one ``[length, status, done]`` triple per rank, so
+   that rank 0 knows every buffer's size and every rank knows whether any rank
+   failed to pack its chunk, and which ranks are done (see below);
 2. one batch of point-to-point operations (``batch_isend_irecv``): each rank
-   sends its packed buffer, at its exact size, to rank 0;
+   sends its packed buffer, at its exact size, to rank 0 (a rank with an
+   empty chunk sends nothing);
 3. a second batch: the large records, whose sizes rank 0 read from the
    buffers.
 
@@ -53,45 +54,68 @@ largest shape where ranks differ (``trace.shapes`` then lists the true shapes)
 and the tags become 1-D ``int64`` tensors.  Otherwise the merged trace holds
 lists.
 
+Ranks that run different numbers of iterations
+----------------------------------------------
+Evaluation shards of different sizes, or generation that stops early on one
+rank, make the ranks reach different numbers of periodic gathers.  Gathers
+never assume that the ranks step in lockstep: each rank's gathers pair, in
+order, with the other ranks' gathers, whatever iterations they hold (every
+record carries its own iteration and rank).  At exit, a rank calls
+:func:`final_gathers`: its first gather carries its last chunk and says, in the
+exchange of step 1, that this rank is done; then it joins, with nothing to
+send, every gather of the ranks still running, until every rank has said it
+is done, and all of them leave together.  A rank that finishes early so waits
+at exit for the others, as it would in a barrier; no collective is added to
+any step.  The wait is bounded by the group's timeout (the tracer's own group,
+with asynchronous staging, takes the default group's; an NCCL default group's
+watchdog ends the process at its timeout instead): when a rank does not come
+(stuck, or gone), the exchange fails, every rank that waited warns
+naming the ranks not known to be done, rank 0 hands on what it holds, and a
+rank whose last chunk could not be sent keeps it (in ``tracer.results`` on
+that rank).
+
 Failures
 --------
-Every gather is a collective: all ranks must reach it, the same number of
-times.  If one rank raises inside the traced step it leaves the step (and the
-tracer) with that exception and does not reach the next collective.  The
-other ranks then block in their next collective -- DDP's gradient all-reduce
-or the next gather -- until the process group gives up: at once when the
-failed process exits (gloo reports the closed connection), otherwise when the
-process group's timeout expires (``init_process_group(..., timeout=
-timedelta(minutes=5))``; the default is 30 minutes for gloo and 10 minutes
-for NCCL, whose watchdog, with the default ``TORCH_NCCL_ASYNC_ERROR_HANDLING``,
-tears the process down).  The collective then raises a ``RuntimeError``
-(``torch.distributed.DistBackendError`` for NCCL) on each remaining rank, which
-propagates out of its step, so every process ends with an error instead of
-hanging forever.  The records buffered since the last completed gather are
-lost on every rank; everything a post-gather callback (such as the HDF5 saver)
-had already written stays on disk.  If a rank fails while packing its own
-chunk (for example an opaque record that cannot be pickled), all ranks learn
-it from the first collective and raise together, without waiting for a
-timeout.  If rank 0 cannot unpickle what a rank sent (an opaque record whose
-class only exists on that rank), it still completes the transfer, then
-raises alone; the other ranks' gather has returned, and they meet the
-failure as above at their next collective.
+Every gather is a collective: all ranks must reach it (a rank that is done
+reaches it from :func:`final_gathers`).  If one rank raises inside the traced
+step it leaves the step (and the tracer) with that exception and does not
+reach the next collective.  The other ranks then block in their next
+collective -- DDP's gradient all-reduce or the next gather -- until the
+process group gives up: at once when the failed process exits (gloo reports
+the closed connection), otherwise when the process group's timeout expires
+(``init_process_group(..., timeout=timedelta(minutes=5))``; the default is 30
+minutes for gloo and 10 minutes for NCCL, whose watchdog, with the default
+``TORCH_NCCL_ASYNC_ERROR_HANDLING``, tears the process down).  The collective
+then raises a ``RuntimeError`` (``torch.distributed.DistBackendError`` for
+NCCL) on each remaining rank, which propagates out of its step, so every
+process ends with an error instead of hanging forever.  The records buffered
+since the last completed gather are lost on every rank; everything a
+post-gather callback (such as the HDF5 saver) had already written stays on
+disk.  If a rank fails while packing its own chunk (for example an opaque
+record that cannot be pickled), all ranks learn it from the first collective
+and raise together, without waiting for a timeout.  If rank 0 cannot unpickle
+what a rank sent (an opaque record whose class only exists on that rank), it
+still completes the transfer, then raises alone; the other ranks' gather has
+returned, and they meet the failure as above at their next collective.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from vartrace._warnings import warn
 from vartrace.results import join_traces
 from vartrace.trace import Trace
 
-__all__ = ["gather_chunk", "new_host_group", "rank", "world_size"]
+__all__ = ["final_gathers", "gather_chunk", "new_host_group", "rank", "world_size"]
 
 _ALIGN = 64
 _ROUND_BYTES = 1 << 30
@@ -134,21 +158,36 @@ def new_host_group() -> Any:
     thread gathering on the group that DDP's all-reduces use could interleave
     with them.  A group of its own, on the host, also never stages through
     device memory.  A collective call: every rank must make it, at the same
-    point.  Example::
+    point.  Its timeout is the default group's (``init_process_group(...,
+    timeout=)``), which so bounds the gathers' waits as it bounds the training's.
+    Example::
 
         group = new_host_group()
         merged = gather_chunk(chunk, group)
     """
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=_timeout())
+
+
+def _timeout() -> timedelta | None:
+    """The default group's timeout (``None``, torch's default, where it cannot be read)."""
+    world = dist.group.WORLD
+    if world is None:
+        return None
+    try:
+        timeout = world._get_backend(_comm_device(None)).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
 
 
 def gather_chunk(chunk: dict[str, Trace], group: Any = None) -> dict[str, Trace] | None:
     """Gather every rank's chunk to rank 0.
 
     Must be called on every rank of ``group`` (a group of every rank; ``None``
-    is the default process group), the same number of times.  Returns the
-    merged chunk (site name -> :class:`Trace` holding the records of all
-    ranks, rank 0's first) on rank 0 and ``None`` on the other ranks.
+    is the default process group), the same number of times, unless a rank
+    has left for :func:`final_gathers`, which joins the gathers of the others.
+    Returns the merged chunk (site name -> :class:`Trace` holding the records
+    of all ranks, rank 0's first) on rank 0 and ``None`` on the other ranks.
     Without an initialised process group, or with a single rank, ``chunk`` is
     returned unchanged.
 
@@ -164,6 +203,100 @@ def gather_chunk(chunk: dict[str, Trace], group: Any = None) -> dict[str, Trace]
     """
     if not _active() or dist.get_world_size() == 1:
         return chunk
+    return _gather(chunk, group, final=False)[0]
+
+
+def final_gathers(
+    chunk: dict[str, Trace], group: Any = None
+) -> Iterator[tuple[dict[str, Trace], bool]]:
+    """A rank's last gathers: its ``chunk``, then empty ones until every rank has sent its last.
+
+    Ranks may run different numbers of iterations (evaluation shards of
+    different sizes, generation that stops early on one rank), and so make
+    different numbers of periodic :func:`gather_chunk` calls.  A rank that
+    is done calls this instead: its first gather carries ``chunk`` and says
+    that this rank is done; then it joins, with nothing to send, each gather
+    that the ranks still running make, until every rank has said it is done.
+    The ranks learn who is done from the exchange that every gather starts
+    with, so no collective is added.  Must be called once on every rank of
+    ``group`` (as :func:`gather_chunk`), at the end.
+
+    Yields ``(records, gathered)`` after each gather: on rank 0 the merged
+    chunk and ``True``, on the other ranks an empty chunk and ``False``.  The
+    wait for ranks still running is bounded by the group's timeout: if a
+    gather fails there (a rank never came, or its process is gone), this
+    warns, naming the ranks not known to be done, and stops; a chunk not yet
+    sent is yielded back, on rank 0 as gathered (its own records, for the
+    file), on the other ranks with ``False`` (records to keep where they
+    are).  Without an initialised process group, or with a single rank, it
+    yields ``(chunk, True)`` once.
+
+    Example::
+
+        for records, gathered in final_gathers(chunk):
+            for name, trace in records.items():
+                (save if gathered else keep)(name, trace)
+
+    Raises:
+        RuntimeError: as :func:`gather_chunk`, for a failure after the ranks met.
+    """
+    if not _active() or dist.get_world_size() == 1:
+        yield chunk, True
+        return
+    me = dist.get_rank()
+    running = [r for r in range(dist.get_world_size()) if r != me]
+    own = chunk
+    while running:
+        try:
+            merged, done = _gather(own, group, final=True)
+        except _Unmet as unmet:
+            _warn_unmet(me, running, own, unmet.__cause__)
+            if own:
+                yield own, me == 0
+            return
+        own = {}
+        yield ({}, False) if merged is None else (merged, True)
+        running = [r for r, finished in enumerate(done) if not finished]
+
+
+class _Unmet(Exception):
+    """The exchange that starts a final gather failed: some rank did not come."""
+
+
+def _warn_unmet(
+    me: int, running: list[int], own: dict[str, Trace], error: BaseException | None
+) -> None:
+    count = sum(len(trace) for trace in own.values())
+    if me:
+        kept = (
+            f"this rank's last {count} records stay in tracer.results on rank {me}"
+            if own
+            else "this rank had sent all its records"
+        )
+    else:
+        kept = (
+            "the records those ranks took since their last gather are not in rank 0's "
+            "results (a rank that reaches its own final gather keeps them in its "
+            "tracer.results)"
+        )
+        if own:
+            kept = f"rank 0 hands on its own last {count} records alone; {kept}"
+    warn(
+        f"vartrace: rank(s) {running} did not come to the final gathers before the process "
+        f"group gave up ({type(error).__name__}: {error}); {kept}",
+        RuntimeWarning,
+    )
+
+
+def _gather(
+    chunk: dict[str, Trace], group: Any, *, final: bool
+) -> tuple[dict[str, Trace] | None, list[bool]]:
+    """One gather: the merged chunk (``None`` except on rank 0) and which ranks are done.
+
+    ``final``: this rank is done (it sends its last chunk or nothing).  A rank
+    other than 0 with an empty chunk sends nothing.  If the first exchange
+    fails in a final gather, raises :class:`_Unmet` (the cause is the error).
+    """
     me = dist.get_rank()
     size = dist.get_world_size()
     device = _comm_device(group)
@@ -174,16 +307,22 @@ def gather_chunk(chunk: dict[str, Trace], group: Any = None) -> dict[str, Trace]
     try:
         if me == 0:
             own = _parts_of_chunk(chunk)
-        else:
+        elif chunk:
             packed = _pack(chunk)
     except Exception as exc:
         error = exc
     length = packed.nbytes if packed is not None else 0
-    status = torch.tensor([length, 0 if error is None else 1], dtype=torch.int64, device=device)
+    status = torch.tensor([length, error is not None, final], dtype=torch.int64, device=device)
     statuses = [torch.empty_like(status) for _ in range(size)]
-    dist.all_gather(statuses, status, group=group)
+    try:
+        dist.all_gather(statuses, status, group=group)
+    except RuntimeError as exc:
+        if final:
+            raise _Unmet() from exc
+        raise
     table = torch.stack(statuses).cpu().tolist()
-    failed = [r for r, (_, bad) in enumerate(table) if bad]
+    done = [bool(finished) for _, _, finished in table]
+    failed = [r for r, (_, bad, _) in enumerate(table) if bad]
     if failed:
         if error is not None:
             raise RuntimeError(f"vartrace: rank {me} could not pack its chunk: {error}") from error
@@ -194,24 +333,26 @@ def gather_chunk(chunk: dict[str, Trace], group: Any = None) -> dict[str, Trace]
     if packed is not None:
         _send_all([_buffer(packed)], device, group)
         _send_all(packed.direct, device, group)
-        return None
-    buffers = [torch.empty(n, dtype=torch.uint8) for n, _ in table]
-    _receive_all([[b] if r else [] for r, b in enumerate(buffers)], device, group)
-    decoders = [_Decoder(buffer) for buffer in buffers[1:]]
+    if me != 0:
+        return None, done
+    buffers = {r: torch.empty(n, dtype=torch.uint8) for r, (n, _, _) in enumerate(table) if n}
+    _receive_all([[buffers[r]] if r in buffers else [] for r in range(size)], device, group)
+    decoders = {sender: _Decoder(buffer) for sender, buffer in buffers.items()}
     parts_by_rank = [own]
     failure: tuple[int, Exception] | None = None
-    for sender, decoder in enumerate(decoders, start=1):
+    for sender, decoder in decoders.items():
         try:
             parts_by_rank.append(decoder.parts())
         except Exception as exc:
             failure = failure or (sender, exc)
-    _receive_all([[], *(decoder.targets for decoder in decoders)], device, group)
+    targets = [decoders[r].targets if r in decoders else [] for r in range(size)]
+    _receive_all(targets, device, group)
     if failure is not None:
         sender, error = failure
         raise RuntimeError(
             f"vartrace: rank 0 could not unpack the chunk of rank {sender}: {error}"
         ) from error
-    return _merge(parts_by_rank)
+    return _merge(parts_by_rank), done
 
 
 def _comm_device(group: Any) -> torch.device:
