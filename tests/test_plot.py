@@ -257,3 +257,21 @@ def test_masked_attention_cli_prints_no_runtime_warning(masked) -> None:
         assert "Warning" not in result.stderr, result.stderr
     assert "(statistics over finite values; NaN and infinities counted)" in result.stdout
     assert "-inf" in result.stdout.splitlines()[2]
+
+
+# -- the pages that show `vartrace plot` install matplotlib first ------------------------------
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/quickstart.md"])
+def test_a_page_that_plots_installs_the_plot_extra_first(page) -> None:
+    """A newcomer copying the page's commands in order has matplotlib when they plot: the
+    first command installing vartrace, before `vartrace plot`, names the plot extra."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / page).read_text()
+    commands = "\n".join(re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL))
+    before = commands[: commands.index("vartrace plot ")].splitlines()
+    installs = [line for line in before if re.search(r"pip install (-e |\S*torch-vartrace)", line)]
+    assert installs, f"{page} plots before any command installs vartrace"
+    assert "[plot]" in installs[0], installs[0]
