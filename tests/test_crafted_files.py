@@ -9,13 +9,14 @@ gigabytes they do not hold (or hold as gzipped zeros, or as a few wide /meta ent
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import os
 import subprocess
 import sys
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import h5py
@@ -528,3 +529,70 @@ def test_a_values_key_must_name_the_values_dtype_in_some_byte_order(
         else:
             with pytest.raises(RunFileError, match="/vars/w/values has the key"):
                 run["w"].record(1)
+
+
+#: Opens the FIFO argv[1] for writing every 5 s, releasing a reader stuck opening it.
+_RELEASE = """
+import os, sys, time
+while True:
+    time.sleep(5)
+    try:
+        os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # ENXIO: no reader is waiting on it
+        pass
+"""
+
+
+@contextlib.contextmanager
+def _released(fifo: Path) -> Iterator[None]:
+    """While the block runs, a process opens ``fifo`` for writing every 5 s: a reader stuck
+    opening it (nothing else ever writes to it) reads end of file and fails instead of
+    hanging the suite.  A process, not a thread: h5py holds the GIL while HDF5 opens a file."""
+    opener = subprocess.Popen([sys.executable, "-c", _RELEASE, str(fifo)])
+    try:
+        yield
+    finally:
+        opener.kill()
+        opener.wait()
+
+
+@pytest.mark.parametrize(
+    ("what", "make"),
+    [
+        ("a named pipe (FIFO)", os.mkfifo),
+        ("a directory", os.mkdir),
+        ("a character device", lambda path: path.symlink_to("/dev/zero")),
+    ],
+)
+def test_open_refuses_a_path_that_is_no_regular_file(
+    tmp_path: Path, what: str, make: Callable[[Path], None]
+) -> None:
+    """Refused before it is opened (opening a FIFO waits until something writes to it),
+    naming the path and what it is."""
+    path = tmp_path / "run.h5"
+    make(path)
+    with _released(path), pytest.raises(ValueError) as raised:
+        vartrace.open(path)
+    assert str(raised.value) == f"{path} is not a vartrace file: it is {what}, not a regular file"
+
+
+def test_every_command_refuses_a_fifo_at_once(tmp_path: Path) -> None:
+    """A FIFO (or a glob matching one) is an error in one line, exit 2; never a wait."""
+    os.mkfifo(tmp_path / "crafted.h5")
+    for command, args in COMMANDS.items():
+        with _released(tmp_path / "crafted.h5"):
+            try:
+                done = subprocess.run(
+                    [sys.executable, "-m", "vartrace", *args],
+                    cwd=tmp_path,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"vartrace {' '.join(args)} waited on a FIFO for 60 s")
+        assert done.returncode == 2, (command, done)
+        assert done.stderr == (
+            f"vartrace {args[0]}: error: crafted.h5 is not a vartrace file: it is a named pipe "
+            "(FIFO), not a regular file\n"
+        ), (command, done.stderr)

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
+from stat import S_ISBLK, S_ISCHR, S_ISDIR, S_ISFIFO, S_ISREG, S_ISSOCK
 from typing import Any
 
 import h5py
@@ -140,6 +141,16 @@ def _open_hdf5(path: Path) -> h5py.File:
     raise ValueError(f"{path} is not a vartrace file: not an HDF5 file ({plain})") from None
 
 
+#: What a path that is not a regular file is, for the error refusing it.
+_NOT_FILES = (
+    (S_ISDIR, "a directory"),
+    (S_ISFIFO, "a named pipe (FIFO)"),
+    (S_ISSOCK, "a socket"),
+    (S_ISCHR, "a character device"),
+    (S_ISBLK, "a block device"),
+)
+
+
 def open_file(path: str | os.PathLike[str]) -> h5py.File:
     """Open one vartrace file read-only with h5py, checking its format version.
 
@@ -150,6 +161,10 @@ def open_file(path: str | os.PathLike[str]) -> h5py.File:
     path = Path(path)
     if not path.exists():
         raise _missing(path)
+    mode = path.stat().st_mode
+    if not S_ISREG(mode):  # a FIFO would block the open until something writes to it
+        what = next((name for test, name in _NOT_FILES if test(mode)), "no regular file")
+        raise ValueError(f"{path} is not a vartrace file: it is {what}, not a regular file")
     handle = _open_hdf5(path)
     try:
         version = handle.attrs.get(FORMAT_ATTR)
