@@ -243,6 +243,41 @@ def test_the_triton_kernels_on_large_records(dtype: torch.dtype) -> None:
     assert_matches(as_statistics(triton_summary(x, 1024, 16, 4)), expected(x))
 
 
+COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from vartrace.statistics import _triton
+
+target, options = GPUTarget("cuda", 90, 32), {"enable_fp_fusion": False}
+pointers = {"table_ptr": "*fp64", "part_ptr": "*fp64", "size": "i64", "tiles": "i32"}
+constants = {"BLOCK": "constexpr", "DECODE": "constexpr"}
+for dtype in ["fp32", "bf16", "fp16", "fp64", "i64", "i8", "u8", "i1", "u8 decoded"]:
+    signature = {"x_ptr": "*" + dtype.split()[0], **pointers, **constants}
+    given = {"BLOCK": 1024, "DECODE": dtype.endswith("decoded")}
+    kernel = triton.compile(ASTSource(_triton._partials, signature, given), target, options)
+    assert "ld.global" in kernel.asm["ptx"], dtype
+signature = {"part_ptr": "*fp64", "out_ptr": "*fp64", "spans": "i32", "size": "i64"}
+source = ASTSource(_triton._finish, {**signature, "TILE": "constexpr"}, {"TILE": 1024})
+assert "st.global" in triton.compile(source, target, options).asm["ptx"]
+print("compiled")
+"""
+
+
+@needs_triton
+@pytest.mark.slow
+def test_the_triton_kernels_compile_for_an_h100_without_one() -> None:
+    """The compiled path (types, constants, specialisation) down to PTX for sm_90, for
+    every dtype the kernels load, in a process of its own (the interpreter patches
+    ``triton.language`` in this one): the interpreter does not check those."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "compiled", done.stderr[-3000:]
+
+
 def test_the_cuda_kernel_falls_back_to_eager_for_dtypes_triton_does_not_load() -> None:
     """uint32 (no Triton pointer type here) takes the eager formulation."""
     x = torch.tensor([1, 0, 7], dtype=torch.uint32)

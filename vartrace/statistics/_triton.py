@@ -118,7 +118,7 @@ def _partials(  # type: ignore[no-untyped-def]
     tl.store(out + 9, tl.sum(zeros.to(tl.float64), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["size"])  # a size of 1 would become a constant: no .to()
 def _finish(part_ptr, out_ptr, spans, size, TILE: tl.constexpr):  # type: ignore[no-untyped-def]
     """One program: the spans' partials merged into the 11 summary fields.  A tile of
     partials: M2 is theirs plus n (mean - tile mean)^2 (two passes, in registers); tiles
@@ -198,6 +198,9 @@ def summary(x: torch.Tensor) -> torch.Tensor:
     spans = triton.cdiv(blocks, tiles)
     partials = torch.empty((spans, _FIELDS), dtype=torch.float64, device=flat.device)
     out = torch.empty(11, dtype=torch.float64, device=flat.device)
-    _partials[(spans,)](flat, table, partials, size, tiles, BLOCK=_BLOCK, DECODE=decode)
-    _finish[(1,)](partials, out, spans, size, TILE=_TILE)
+    # No fused multiply-adds: the IEEE operations of the definition (and no warning from
+    # Triton 3.9 asking for the choice, which -W error would raise in the training step)
+    options = {"enable_fp_fusion": False}
+    _partials[(spans,)](flat, table, partials, size, tiles, BLOCK=_BLOCK, DECODE=decode, **options)
+    _finish[(1,)](partials, out, spans, size, TILE=_TILE, **options)
     return out
