@@ -24,6 +24,7 @@ import atexit
 import contextlib
 import difflib
 import errno
+import itertools
 import os
 import re
 import signal
@@ -73,9 +74,19 @@ __all__ = ["COMPRESSIONS", "H5PYSaverCallback", "recover", "unused_savers"]
 _CHUNK_TARGET = 512 << 10  # bytes of a multi-record chunk
 _CHUNK_MAX = 8 << 20  # a record bigger than this is split into several chunks
 _TAG_CHUNK = 4096  # most rows of a chunk
-_CHUNK_MIN = 4 << 10  # bytes: a chunk of small records holds at least this much
-_GATHERS_A_CHUNK = 2  # a chunk of small records holds about this many gathers' records
+# Bytes a chunk of small records holds at least.  Each new chunk of a dataset with several
+# resizable axes costs 2-4 KiB of HDF5 B-tree nodes in SWMR mode (a node is rewritten
+# elsewhere at each flush); one-axis datasets (0-d records) use a far cheaper index.
+_CHUNK_MIN = 16 << 10
+_CHUNK_MIN_0D = 4 << 10
+_GATHERS_A_CHUNK = 2  # a chunk of tags holds about this many gathers' records
 _TAG_ROWS_MIN = 256  # fewest rows of a chunk of per-record tags (2 KiB of int64)
+# A record whose shape would make ``values`` allocate more than this many times its own
+# bytes (plus one chunk and _SPREAD_SLACK) goes to ``other`` unpadded: chunks are shaped by
+# the site's first record, and a (1, 4096) record in chunks shaped (4096, 1) fills 4096 of them.
+_SPREAD = 4
+_SPREAD_SLACK = 64 << 10
+_UNFILTERED = 0xFFFFFFFF  # a chunk's filter mask: stored as it is, no filter applied
 # Sites whose datasets stay open between gathers.  Beyond this they are reopened when
 # written: HDF5's SWMR mode fails ("Child entry doesn't have a flush dependency parent
 # array") once thousands of objects are open while new ones are created.
@@ -184,17 +195,32 @@ def _gather_rows(records: int) -> int:
     return min(_TAG_CHUNK, max(_TAG_ROWS_MIN, rows))
 
 
-def _chunks(shape: tuple[int, ...], itemsize: int, gather_rows: int) -> tuple[int, ...]:
-    """Chunk shape: whole records (split when huge), several small records per chunk: up to
-    :data:`_CHUNK_TARGET` bytes, but no more rows than ``gather_rows`` (about two gathers)
-    unless that leaves less than :data:`_CHUNK_MIN` bytes."""
+def _chunk_rows(records: int, record_bytes: int, least: int = _CHUNK_MIN) -> int:
+    """Rows of a ``values`` chunk, from the records of the site's first gather: a gather of
+    as many fills whole chunks, so a compressed chunk is written once, never rewritten.
+
+    A gather above :data:`_CHUNK_TARGET` bytes is split into equal chunks; one below
+    ``least`` bytes gets a chunk of several gathers.  Example:
+    ``_chunk_rows(20, 32 << 10) == 10`` (two chunks a gather), ``_chunk_rows(8, 1024) == 16``.
+    """
+    most = max(1, min(_TAG_CHUNK, _CHUNK_TARGET // max(1, record_bytes)))
+    records = max(1, records)
+    if records >= most:
+        return -(-records // -(-records // most))
+    gathers = -(-least // (records * max(1, record_bytes)))
+    return min(records * gathers, most)
+
+
+def _chunks(shape: tuple[int, ...], itemsize: int, records: int) -> tuple[int, ...]:
+    """Chunk shape of ``values`` for records of ``shape``, the site's first gather holding
+    ``records`` of them: whole records (split when above :data:`_CHUNK_MAX`), rows as
+    :func:`_chunk_rows` gives."""
     dims = [max(1, size) for size in shape]
     while int(np.prod(dims)) * itemsize > _CHUNK_MAX:
         largest = int(np.argmax(dims))
         dims[largest] = -(-dims[largest] // 2)
-    record = max(1, int(np.prod(dims)) * itemsize)
-    rows = min(_CHUNK_TARGET // record, max(gather_rows, _CHUNK_MIN // record))
-    return (min(max(rows, 1), _TAG_CHUNK), *dims)
+    least = _CHUNK_MIN if shape else _CHUNK_MIN_0D
+    return (_chunk_rows(records, int(np.prod(dims)) * itemsize, least), *dims)
 
 
 def _put(dataset: h5py.Dataset, offset: tuple[int, ...], data: np.ndarray) -> None:
@@ -288,12 +314,28 @@ class _Site:
 
     def _fits(self, leaf: Leaf) -> bool:
         if self.storage == "array":
-            return isinstance(leaf.data, np.ndarray) and leaf.key == self.key
+            return (
+                isinstance(leaf.data, np.ndarray)
+                and leaf.key == self.key
+                and not self._spread(leaf.data.shape)
+            )
         if self.storage == "str":
             return leaf.kind == Kind.STR and _utf8(leaf.data)
         return leaf.kind != Kind.NONE
 
-    def _create_values(self, leaf: Leaf) -> None:
+    def _spread(self, shape: tuple[int, ...]) -> bool:
+        """Whether a record of ``shape`` would make ``values`` allocate far more than its
+        bytes (see :data:`_SPREAD`): it goes to ``other`` instead, unpadded."""
+        assert self.values is not None and self.chunk is not None
+        rows, *tile = self.chunk
+        tiles = int(np.prod([-(-size // step) for size, step in zip(shape, tile, strict=True)]))
+        itemsize = self.values.dtype.itemsize
+        chunk = rows * int(np.prod(tile)) * itemsize
+        record = int(np.prod(shape)) * itemsize
+        return tiles > 1 and tiles * chunk > _SPREAD * record + chunk + _SPREAD_SLACK
+
+    def _create_values(self, leaf: Leaf, records: int) -> None:
+        """Create ``values`` for records like ``leaf``, ``records`` of them in this gather."""
         rows = self.rows
         if isinstance(leaf.data, np.ndarray):
             shape, ndim = leaf.data.shape, leaf.data.ndim
@@ -303,7 +345,7 @@ class _Site:
                 (rows, *shape),
                 leaf.data.dtype,
                 maxshape=(None,) * (ndim + 1),
-                chunks=_chunks(shape, leaf.data.dtype.itemsize, self.gather_rows),
+                chunks=_chunks(shape, leaf.data.dtype.itemsize, records),
                 **self.options["filters"],
             )
             values.attrs.update(storage="array", key=leaf.key, torch_dtype=leaf.torch_dtype)
@@ -361,7 +403,7 @@ class _Site:
             return None
         record = leaf._replace(data=leaf.data[0, ...])
         if self.values is None:
-            self._create_values(record)
+            self._create_values(record, len(leaf.data))
         return leaf if self._fits(record) else None
 
     def _extend(self, stop: int, shapes: Sequence[tuple[int, ...]] = ()) -> None:
@@ -389,15 +431,69 @@ class _Site:
 
     def _put_records(self, row: int, data: np.ndarray) -> None:
         """Write records (records x shape) from ``row`` on; a record filling exactly one
-        unfiltered chunk goes straight to the file, past HDF5's pipeline."""
-        assert self.values is not None
-        whole = self.chunk == (1, *data.shape[1:]) and data.shape[1:] == self.padded
-        if whole and not self.options["filters"]:
-            for offset, record in enumerate(data):
-                origin = (row + offset,) + (0,) * record.ndim
-                self.values.id.write_direct_chunk(origin, np.ascontiguousarray(record))
-        else:
-            _put(self.values, (row,) + (0,) * (data.ndim - 1), data)
+        unfiltered chunk goes straight to the file, past HDF5's pipeline.
+
+        With filters, only whole chunks of rows go through them, each written once; rows
+        of a chunk that later gathers still fill are stored unfiltered (see
+        :meth:`_put_unfiltered`): HDF5 writes a rewritten compressed chunk elsewhere, and
+        in SWMR mode never reuses the old space.
+        """
+        assert self.values is not None and self.chunk is not None
+        if not self.options["filters"]:
+            whole = self.chunk == (1, *data.shape[1:]) and data.shape[1:] == self.padded
+            if whole:
+                for offset, record in enumerate(data):
+                    origin = (row + offset,) + (0,) * record.ndim
+                    self.values.id.write_direct_chunk(origin, np.ascontiguousarray(record))
+            else:
+                _put(self.values, (row,) + (0,) * (data.ndim - 1), data)
+            return
+        rows = self.chunk[0]
+        first = row
+        while first < row + len(data):
+            begin = first - first % rows
+            end = min(begin + rows, row + len(data))
+            part = data[first - row : end - row]
+            if first == begin and end == begin + rows:
+                _put(self.values, (first,) + (0,) * (data.ndim - 1), part)
+            else:
+                self._put_unfiltered(first, part)
+            first = end
+
+    def _put_unfiltered(self, row: int, data: np.ndarray) -> None:
+        """Write records into the chunks of one chunk row that they fill only in part,
+        stored unfiltered: the chunk's earlier rows are read back and the whole chunk is
+        rewritten where it lies (it keeps its size), so every record flushed before stays
+        readable at any moment; a chunk that later gathers complete stays unfiltered."""
+        assert self.values is not None and self.chunk is not None
+        rows, *tile = self.chunk
+        begin = row - row % rows
+        extent = self.values.shape[1:]
+        spans = [range(0, size, step) for size, step in zip(data.shape[1:], tile, strict=True)]
+        for corner in itertools.product(*spans):
+            buffer = np.zeros(self.chunk, self.values.dtype)
+            stored = tuple(
+                slice(start, min(start + step, size))
+                for start, step, size in zip(corner, tile, extent, strict=True)
+            )
+            if row > begin:
+                held = (slice(0, row - begin), *(slice(0, s.stop - s.start) for s in stored))
+                buffer[held] = self.values[(slice(begin, row), *stored)]
+            new = tuple(
+                slice(start, min(start + step, size))
+                for start, step, size in zip(corner, tile, data.shape[1:], strict=True)
+            )
+            into = (
+                slice(row - begin, row - begin + len(data)),
+                *(slice(0, n.stop - n.start) for n in new),
+            )
+            buffer[into] = data[(slice(None), *new)]
+            self.values.id.write_direct_chunk((begin, *corner), buffer, filter_mask=_UNFILTERED)
+        # HDF5 (2.0 at least) keeps the chunk a direct write allocated in its lookup cache with
+        # the filter mask it had before: reading it then runs the filters on unfiltered bytes.
+        # Looking up another chunk (one past this row: usually none) replaces that entry.
+        with contextlib.suppress(RuntimeError):
+            self.values.id.read_direct_chunk((begin + rows, *(0 for _ in tile)))
 
     def _write_leaves(self, leaves: list[Leaf], start: int, stop: int) -> np.ndarray:
         """Write the records' values; return their stored kind codes."""
@@ -406,7 +502,7 @@ class _Site:
             first = next((leaf for leaf in leaves if leaf.kind != Kind.NONE), None)
             if first is None:
                 return kinds  # only None so far: the kinds say it all
-            self._create_values(first)
+            self._create_values(first, sum(_alike(leaf, first) for leaf in leaves))
         assert self.values is not None
         fits = [self._fits(leaf) for leaf in leaves]
         misfits = [
@@ -448,6 +544,9 @@ class _Site:
             end = index + 1
             if data.shape == self.padded and data.nbytes < _STACK_BELOW:
                 limit = _STACK_BELOW // max(1, data.nbytes)
+                aligned = limit - (start + index + limit) % self.values.chunks[0]
+                if aligned > 0:  # stacks end where chunks do: each is written once
+                    limit = aligned
                 while end < len(leaves) and end - index < limit and fits[end]:
                     if leaves[end].data.shape != self.padded:
                         break
@@ -465,6 +564,16 @@ class _Site:
                 if fit:
                     rows[offset] = leaf.data.shape
             _put(self.shapes, (start, 0), rows)
+
+
+def _alike(leaf: Leaf, first: Leaf) -> bool:
+    """Whether ``leaf`` is an array record of the same dtype and shape as ``first``."""
+    return (
+        isinstance(leaf.data, np.ndarray)
+        and isinstance(first.data, np.ndarray)
+        and leaf.key == first.key
+        and leaf.data.shape == first.data.shape
+    )
 
 
 def _utf8(text: str) -> bool:
