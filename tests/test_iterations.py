@@ -311,3 +311,34 @@ def test_a_call_interrupted_inside_a_self_call_does_not_nest_later_calls() -> No
         handle.remove()
         model(torch.randn(4, 3))
     assert tracer.results["forward.h"].iterations == [1, 1, 3, 3]
+
+
+class Wrapper(nn.Module):
+    """The shape of a PEFT model: the root holds the model it trains in ``self.model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyTransformer()
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.model(batch).logits
+
+
+def test_an_inner_module_called_after_the_root_counts_its_own_iterations() -> None:
+    wrapper = Wrapper()
+    sites = ["model.layers.*.attn.forward.scores", "model.head.forward.input"]
+    optimizer = torch.optim.SGD(wrapper.parameters(), lr=0.01)
+    with ModelTracer(wrapper, sites, change_detection=False) as tracer:
+        for step in range(3):
+            optimizer.zero_grad()
+            wrapper(tokens(step)).pow(2).mean().backward()
+            optimizer.step()
+        merged = wrapper.model  # what merge_and_unload() returns
+        merged(tokens(3))  # both layers' attention in one call: one iteration
+        assert tracer.iteration == 4
+        merged(tokens(4))
+        merged.eval()  # its own mode decides: mode="train" records nothing of this call
+        merged(tokens(5))
+    for site in ("model.layers.0.attn.forward.scores", "model.layers.1.attn.forward.scores"):
+        assert tracer.results[site].iterations == [1, 2, 3, 4, 5]
+    assert tracer.results["model.head.forward.input"].iterations == [1, 2, 3, 4, 5]

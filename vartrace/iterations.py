@@ -14,6 +14,15 @@ iteration number chosen by the first rule that applies:
    ``LightningModule`` whose ``training_step`` calls ``self.model(...)``),
    each outermost call of a top-level submodule holding traced sites, or of
    a traced method, is one iteration.
+5. Once it has, a module holding traced sites called directly, outside a
+   call of the root (the model that PEFT's ``merge_and_unload()`` returns, a
+   block called after training), is one iteration per outermost module call,
+   in the mode of that module; a traced method called outside any module call
+   (a helper the loop calls after ``model(x)``) records with the latest iteration.
+
+Module hooks run inside a compiled region: under ``torch.compile(fullgraph=True)``,
+where no graph break may leave the region for eager code, they cannot count, and the
+traced methods inside cannot record (:func:`fullgraph_regions`).
 
 "Outermost" is per thread: two threads calling the model at once make two
 iterations, and each thread's records carry its own call's number.  A model
@@ -32,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Callable
@@ -39,8 +49,9 @@ from types import FrameType
 from typing import Any
 
 from torch import nn
+from torch._dynamo.eval_frame import _TorchDynamoContext as _DynamoContext
 
-__all__ = ["IterationCounter"]
+__all__ = ["IterationCounter", "fullgraph_regions"]
 
 
 _CALL = nn.Module._wrapped_call_impl.__code__  # the frame of ``module(...)``
@@ -60,6 +71,50 @@ def _running(module: nn.Module) -> bool:
     return False
 
 
+def _fullgraph(compiled: Any) -> bool:
+    """Whether ``compiled`` (an ``OptimizedModule`` or a ``torch.compile``d function) was
+    compiled with ``fullgraph=True``: its Dynamo context says so."""
+    context = getattr(compiled, "dynamo_ctx", None)
+    if context is None and callable(compiled):
+        for cell in getattr(compiled, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                if isinstance(cell.cell_contents, _DynamoContext):
+                    context = cell.cell_contents
+    return bool(getattr(context, "fullgraph", False))
+
+
+def fullgraph_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules of ``model`` that run under ``torch.compile(..., fullgraph=True)``, by
+    path: compiled in place (``module.compile(fullgraph=True)``) or wrapped and assigned
+    back (``torch.compile(block, fullgraph=True)``: the wrapper's ``_orig_mod``).
+
+    Example::
+
+        model.layers[0].compile(fullgraph=True)
+        [path for path, _ in fullgraph_regions(model)]   # ['layers.0']
+    """
+    regions = []
+    for path, module in model.named_modules():
+        inner = getattr(module, "_orig_mod", None)
+        if isinstance(inner, nn.Module) and _fullgraph(module):
+            # The model itself compiled: its paths start below the wrapper (sites.unwrap).
+            regions.append((f"{path}._orig_mod" if path else "", inner))
+        elif _fullgraph(getattr(module, "_compiled_call_impl", None)):
+            regions.append((path, module))
+    return regions
+
+
+def _outermost_call() -> FrameType | None:
+    """The frame of the outermost ``module(...)`` call on this thread's stack, if any."""
+    outermost = None
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL:
+            outermost = frame
+        frame = frame.f_back
+    return outermost
+
+
 class _ThreadState(threading.local):
     """One thread's view: its call depth and the iteration its records carry."""
 
@@ -72,6 +127,9 @@ class _ThreadState(threading.local):
         self.in_mode = True
         # Modules whose hooked calls have not reported their end, with how many are open.
         self.open: dict[int, int] = {}
+        # The module call outside the root that the latest iteration counted (rule 5),
+        # held until the next one or the next call of the root.
+        self.outside: FrameType | None = None
 
 
 class IterationCounter:
@@ -187,14 +245,20 @@ class IterationCounter:
         state.depth += 1
         if state.depth > 1 or replay:
             return
+        model = self._model
         if root:
             self._root_called = True
+            state.outside = None
         elif self._root_called:
-            return  # a traced method outside the model's call: the latest iteration's
+            outside = _outermost_call()
+            if outside is None or outside is state.outside:
+                return  # a helper the loop calls, or a call this iteration counted already
+            state.outside = outside
+            model = outside.f_locals["self"]
         mode = self._mode
         with self._lock:
             state.counted = True
-            state.in_mode = mode == "any" or bool(self._model.training) == (mode == "train")
+            state.in_mode = mode == "any" or bool(model.training) == (mode == "train")
             if state.in_mode:
                 self.in_mode_calls += 1
                 self._assign(state, self._next())
