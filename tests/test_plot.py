@@ -275,3 +275,77 @@ def test_a_page_that_plots_installs_the_plot_extra_first(page) -> None:
     installs = [line for line in before if re.search(r"pip install (-e |\S*torch-vartrace)", line)]
     assert installs, f"{page} plots before any command installs vartrace"
     assert "[plot]" in installs[0], installs[0]
+
+
+# -- values at the dtype's finfo.min (an attention mask) do not scale the plot to 3.4e38 -----
+
+
+def _finfo_masked_run(path, dtype, statistics: bool = False, steps: int = 3) -> None:
+    """A real run of `scores@every` on attention masked with ``torch.finfo(dtype).min`` (as
+    transformers does): per call the scores, the masked scores, the probabilities."""
+    import torch
+    from torch import nn
+
+    import vartrace
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scores = self.proj(x) @ x.transpose(-2, -1)
+            causal = torch.ones(4, 4, dtype=torch.bool).triu(1)
+            scores = scores.masked_fill(causal, torch.finfo(scores.dtype).min)
+            scores = scores.softmax(-1)
+            return scores @ x
+
+    torch.manual_seed(0)
+    model = Attention().to(dtype)
+    with (
+        vartrace.H5PYSaverCallback(path, metadata=False) as saver,
+        vartrace.ModelTracer(
+            model, ["forward.scores@every"], post_gather_callbacks=[saver], statistics=statistics
+        ),
+    ):
+        for _ in range(steps):
+            model(torch.randn(4, 6).to(dtype))
+
+
+@pytest.mark.parametrize(
+    ("dtype_name", "statistics"),
+    [("float32", False), ("bfloat16", False), ("float32", True)],
+)
+def test_finfo_min_mask_values_are_left_out_of_the_scale_with_a_note(
+    tmp_path, dtype_name, statistics
+) -> None:
+    import torch
+
+    import vartrace
+
+    path = tmp_path / "run.h5"
+    _finfo_masked_run(path, getattr(torch, dtype_name), statistics)
+    with vartrace.open(path) as run:
+        assert len(run["forward.scores"]) == 9  # 3 bindings x 3 steps
+    fig = plot_stat(path, "forward.scores", "mean,min,absmax,zeros", tmp_path / "out.png")
+    assert_png(tmp_path / "out.png")
+    with vartrace.open(path) as run:
+        frame = run.to_frame(["mean", "min", "absmax", "zeros"])
+    floor = float(torch.finfo(getattr(torch, dtype_name)).min)
+    masked = (frame["min"] == floor).to_numpy()
+    assert masked.sum() == 3  # the masked scores of each step: the records left out
+    for ax, stat in zip(fig.axes[:3], ("mean", "min", "absmax"), strict=True):
+        y = np.concatenate([line.get_ydata() for line in ax.get_lines()])
+        assert np.isnan(y).sum() == 3, (stat, y)  # not drawn as points of the curve
+        np.testing.assert_allclose(y[~np.isnan(y)], frame[stat].to_numpy()[~masked], rtol=1e-6)
+        low, high = ax.get_ylim()
+        assert -100 < low < high < 100, (stat, low, high)  # scaled to scores, probabilities
+        edge = np.concatenate([c.get_offsets() for c in ax.collections])
+        assert len(edge) == 3 and set(edge[:, 1]) == ({0.0} if stat != "absmax" else {1.0})
+        assert [t.get_text() for t in ax.texts] == [
+            "\u25bc\u25b2 3 record(s) holding values at their dtype's finfo.min/max "
+            "(a mask): off this scale"
+        ]
+    zeros = fig.axes[3]  # a count: every record drawn, no note
+    y = np.concatenate([line.get_ydata() for line in zeros.get_lines()])
+    assert np.isfinite(y).all() and len(y) == 9 and len(zeros.texts) == 0

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vartrace.sources import Source, open_source, record_stats, stat_function
+from vartrace.sources.statistics import COUNTS
 from vartrace.sources.views import STATISTICS
 
 if TYPE_CHECKING:
@@ -106,6 +107,32 @@ def _short(label: str) -> str:
     return os.path.basename(label) or label
 
 
+#: The largest finite magnitude (``finfo.max``) of the float dtypes a record may have.
+_DTYPE_LIMITS = {
+    "float16": float(np.finfo(np.float16).max),
+    "bfloat16": (2.0 - 2.0**-7) * 2.0**127,
+    "float32": float(np.finfo(np.float32).max),
+    "float64": float(np.finfo(np.float64).max),
+    "complex64": float(np.finfo(np.float32).max),
+    "complex128": float(np.finfo(np.float64).max),
+}
+
+
+def _at_dtype_limits(dtypes: Sequence[str], low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """Per record: it holds a value at or beyond its dtype's ``finfo.min``/``finfo.max``
+    (a mask value, ``torch.finfo(dtype).min``), from its finite ``low``/``high``.
+
+    A statistics record (its tensor's dtype not stored) counts when its min or max is
+    exactly the limit of one of the float dtypes.
+    """
+    low, high = np.abs(low), np.abs(high)
+    limit = np.array([_DTYPE_LIMITS.get(dtype, math.inf) for dtype in dtypes])
+    flags = np.fmax(low, high) >= limit  # NaN (no finite value) compares False
+    statistics = np.array([dtype == STATISTICS for dtype in dtypes], dtype=bool)
+    known = np.array(sorted(set(_DTYPE_LIMITS.values())))
+    return flags | (statistics & (np.isin(low, known) | np.isin(high, known)))
+
+
 def plot_stat(
     run: Any,
     sites: str | Sequence[str],
@@ -125,7 +152,11 @@ def plot_stat(
     a legend, more a colour bar naming them.  Statistics sites
     (:func:`vartrace.stats`) plot their stored fields (``absmax``, ``nan``,
     ``q0.5``...); every statistic is over the finite values, NaN, +inf and -inf
-    being counted by ``nan``, ``posinf``, ``neginf``.
+    being counted by ``nan``, ``posinf``, ``neginf``.  A record holding values at
+    its dtype's ``finfo.min``/``finfo.max`` (an attention mask: its mean is near
+    -3.4e38) is left out of the value statistics' curves and scale, marked at the
+    axis edge (``▼`` below, ``▲`` above) with a note saying how many; the counts
+    plot it as it is.
 
     Example::
 
@@ -148,11 +179,13 @@ def plot_stat(
             view = source.site(name)
             if all(shape is None for shape in view.shapes) and STATISTICS not in view.dtypes:
                 raise ValueError(f"site {name!r} holds no numeric values to plot")
-            values = record_stats(view, stat_names, progress=progress)
+            wanted = list(dict.fromkeys([*stat_names, "min", "max"]))
+            values = record_stats(view, wanted, progress=progress)
+            extreme = _at_dtype_limits(view.dtypes, values["min"], values["max"])
             x = _x_positions(view.iterations, view.ranks, view.order)
-            curves.append((name, view.ranks, x, values))
+            curves.append((name, view.ranks, x, values, extreme))
         label = source.label
-    all_ranks = sorted({int(r) for _, ranks, _, _ in curves for r in np.unique(ranks)})
+    all_ranks = sorted({int(r) for _, ranks, *_ in curves for r in np.unique(ranks)})
     multi_rank = len(all_ranks) > 1
     many = len(curves) > _LEGEND_SITES
     colors = _colors(len(curves))
@@ -160,13 +193,22 @@ def plot_stat(
     fig = Figure(figsize=(10.0, 1.2 + 2.6 * len(stat_names)), layout="constrained")
     axes = fig.subplots(len(stat_names), 1, sharex=True, squeeze=False)[:, 0]
     for ax, stat in zip(axes, stat_names, strict=True):
-        for color, (name, ranks, x, values) in zip(colors, curves, strict=True):
+        # a count is not scaled by the values; a value statistic of a record holding a mask
+        # value (-3.4e38) is left out of the scale, unless nothing else is there
+        hide = stat not in COUNTS and _kept_points(curves, stat)
+        off_scale: list[tuple[Any, np.ndarray, np.ndarray]] = []
+        for color, (name, ranks, x, values, extreme) in zip(colors, curves, strict=True):
+            y = values[stat]
+            if hide and extreme.any():
+                off = extreme & ~np.isnan(y)
+                off_scale.append((color, x[off], y[off]))
+                y = np.where(extreme, math.nan, y)
             for rank in np.unique(ranks):
                 mask = ranks == rank
                 order = np.argsort(x[mask], kind="stable")
                 ax.plot(
                     x[mask][order],
-                    values[stat][mask][order],
+                    y[mask][order],
                     color=color,
                     linestyle=styles[all_ranks.index(int(rank)) % len(styles)],
                     marker="o" if mask.sum() <= 50 else None,
@@ -176,6 +218,8 @@ def plot_stat(
                 )
         ax.set_ylabel(stat)
         ax.grid(True, alpha=0.3)
+        if off_scale:
+            _mark_off_scale(ax, off_scale)
     axes[-1].set_xlabel("iteration")
     axes[-1].xaxis.get_major_locator().set_params(integer=True)
     axes[0].set_title(f"{', '.join(stat_names)} over iterations — {_short(label)}")
@@ -186,6 +230,48 @@ def plot_stat(
     if path is not None:
         fig.savefig(os.fspath(path), dpi=120)
     return fig
+
+
+def _kept_points(curves: list[tuple[Any, ...]], stat: str) -> bool:
+    """Whether some record without values at its dtype's limits has a value of ``stat``."""
+    return any(bool(np.isfinite(values[stat][~extreme]).any()) for *_, values, extreme in curves)
+
+
+def _mark_off_scale(ax: Any, points: list[tuple[Any, np.ndarray, np.ndarray]]) -> None:
+    """Mark the records left out of ``ax``'s scale at its bottom (negative) or top edge,
+    in their site's colour, and say why in a note on the axis.
+
+    ``points`` holds, per site, its colour and the iterations and values of its records
+    holding values at their dtype's ``finfo.min``/``finfo.max``: a mask value makes a
+    record's min -3.4e38 and its mean near it, which would scale the axis to 1e38 and
+    flatten every other curve.
+    """
+    limits = ax.get_ylim()
+    edge = ax.get_xaxis_transform()  # x in iterations, y from 0 (bottom) to 1 (top)
+    for color, x, y in points:
+        for side, marker, at in ((y < 0, "v", 0.0), (y >= 0, "^", 1.0)):
+            if side.any():
+                ax.scatter(
+                    x[side],
+                    np.full(int(side.sum()), at),
+                    transform=edge,
+                    marker=marker,
+                    color=color,
+                    s=18,
+                    clip_on=False,
+                    zorder=3,
+                )
+    ax.set_ylim(limits)  # the markers do not rescale the axis
+    count = sum(len(x) for _, x, _ in points)
+    ax.text(
+        0.01,
+        0.04,
+        f"\u25bc\u25b2 {count} record(s) holding values at their dtype's finfo.min/max "
+        "(a mask): off this scale",
+        transform=ax.transAxes,
+        fontsize=7,
+        color="dimgrey",
+    )
 
 
 def _similarity_matrix(frame_rows: list[dict[str, Any]], sites: list[str]) -> tuple[Any, ...]:
