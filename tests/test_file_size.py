@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +157,7 @@ def test_a_20_step_run_gathered_once_is_within_1_2x_of_its_records(tmp_path: Pat
 # -- a site whose shape changes between steps ---------------------------------------------
 
 
-def _traced_shapes(path: Path, shapes: list[tuple[int, ...]]) -> int:
+def _traced_shapes(path: Path, shapes: Sequence[tuple[int, ...]]) -> int:
     """A real tracer records ``out`` of a module returning a tensor of each shape in turn
     (one step each, a gather each step); returns the bytes recorded."""
 
@@ -214,4 +215,4 @@ def test_ragged_records_that_fit_the_chunks_stay_in_values_padded(tmp_path: Path
     with vartrace.open(path) as run:
         site = run["forward.out"]
         assert site.in_values.all()
-        assert site.values.shape == (4, 128, 128)
+        assert site.values is not None and site.values.shape == (4, 128, 128)

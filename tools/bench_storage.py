@@ -198,6 +198,11 @@ def _write_steps(
             saver.flush()
 
 
+def _writing(path: Path, steps: list[dict[str, Any]], gather: int) -> Callable[[str | None], None]:
+    """A function writing ``steps`` to ``path`` with the compression it is given."""
+    return lambda compression: _write_steps(path, compression, steps, gather)
+
+
 def _statistics_run(path: Path, compression: str | None, steps: int) -> int:
     """Trace ``steps`` calls of 8 small blocks as statistics (``vartrace.stats()``,
     gathering_interval 8); returns the records written."""
@@ -262,13 +267,11 @@ def bench_size(compressions: list[str]) -> str:
                 for step in range(1, steps + 1)
             ]
             data = steps * sum(value.nbytes for value in values.values())
-            lines.append(
-                row(label, data, sizes(lambda c, r=records, g=gather: _write_steps(path, c, r, g)))
-            )
+            lines.append(row(label, data, sizes(_writing(path, records, gather))))
         for label, shapes in RAGGED_RUNS.items():
             records = [{"site": _activation(shape, seed)} for seed, shape in enumerate(shapes)]
             data = sum(4 * int(np.prod(shape)) for shape in shapes)
-            lines.append(row(label, data, sizes(lambda c, r=records: _write_steps(path, c, r, 1))))
+            lines.append(row(label, data, sizes(_writing(path, records, 1))))
         counts: list[int] = []
         added: list[float] = []
         whole: list[float] = []
