@@ -16,7 +16,8 @@ are listed in execution order.  ``show --iteration K`` prints the value each
 site held at iteration K: its last record at or before K (change detection
 stores a value only when it changes).  ``compare`` exits 1 when anything differs beyond
 tolerance, so it can guard numerics in CI.  Errors print one line to
-stderr and exit 2.
+stderr and exit 2.  Everything is printed through :func:`_print`, which shows control
+and format characters of site names, metadata and paths escaped (``\x1b``, ``\u202e``).
 
 Example::
 
@@ -31,12 +32,14 @@ import importlib
 import importlib.util
 import math
 import os
+import re
 import shlex
 import sys
+import unicodedata
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 import numpy as np
 
@@ -56,12 +59,42 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors."""
 
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        _print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 
 
 class _UserError(Exception):
     """An error whose message is the whole story (no exception type printed)."""
+
+
+#: A character other than printable ASCII: shown as it is unless its category is hidden.
+_NOT_ASCII_TEXT = re.compile(r"[^\x20-\x7e]")
+#: Unicode categories a terminal may act on rather than show: controls (C0 such as ESC,
+#: BEL, NUL, CR, backspace; DEL; C1), format characters (bidi overrides and isolates, marks
+#: and zero-width characters that reorder or hide text), lone surrogates, line separators.
+_HIDDEN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    if char == "\t" or unicodedata.category(char) not in _HIDDEN:
+        return char
+    return char.encode("unicode_escape").decode("ascii")  # \x1b, \n, \u202e, \udc80
+
+
+def _printable(text: str) -> str:
+    """``text`` with every character a terminal would act on shown escaped, as Python writes
+    it (``\\x1b``, ``\\n``, ``\\u202e``); tabs and printable text of any script are kept."""
+    return _NOT_ASCII_TEXT.sub(_escape, text)
+
+
+def _print(*lines: str, file: TextIO | None = None) -> None:
+    """Write ``lines`` to stdout (or ``file``), each on a line of its own and
+    :func:`_printable`: a newline inside one (of a site name, a metadata string) shows as
+    ``\\n`` and cannot forge a line.  Every command prints through it, errors too: a site
+    name comes from any dict key of the traced code, a run file from anyone."""
+    text = "".join(_printable(line) + "\n" for line in lines)
+    (sys.stdout if file is None else file).write(text)
 
 
 def _human_bytes(n: float) -> str:
@@ -72,10 +105,14 @@ def _human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> str:
+def _table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
+) -> list[str]:
+    """The lines of an aligned table; cells are made printable first, so escaped names
+    (``\\x1b``) keep the columns aligned."""
     from vartrace.comparison.report import table
 
-    return "\n".join(table(header, rows, right))
+    return table(header, [[_printable(cell) for cell in row] for row in rows], right)
 
 
 def _open(path: str, allow_pickle: bool = False) -> Any:
@@ -96,7 +133,7 @@ def _open(path: str, allow_pickle: bool = False) -> Any:
     except OSError as exc:
         raise _UserError(f"cannot open {path}: {_message(exc)}") from exc
     for warning in caught:  # a missing shard: one line, not Python's two
-        sys.stderr.write(f"{warning.message}\n")
+        _print(str(warning.message), file=sys.stderr)
     return run
 
 
@@ -214,10 +251,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             )
         live = " (live: its writer still runs; run again for newer records)" if run.live else ""
     summary = f"{len(rows)} sites, {total_records} records, {_human_bytes(total_bytes)}"
-    print(f"{args.run}: {summary}{live}")
+    _print(f"{args.run}: {summary}{live}")
     if rows:
         header = ("site", "records", "shape", "dtype", "iterations", "ranks", "bytes")
-        print(_table(header, rows, right=(1, 6)))
+        _print(*_table(header, rows, right=(1, 6)))
     return 0
 
 
@@ -303,7 +340,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         shown = 0
         for name in _progress(names, "show"):
             if len(names) > 1 and shown:
-                print()
+                _print("")
             shown += _show_site(source.site(name), name, args, single=len(names) == 1)
         if not shown:
             raise _UserError(
@@ -326,8 +363,8 @@ def _show_site(view: Any, name: str, args: argparse.Namespace, single: bool) -> 
                     f"site {name!r} has no record on rank {args.rank} ({_where(view)})"
                 )
             return 0
-        print(f"{name}: {len(rows)} records, dtype {','.join(_dtypes(view))}")
-        print(_record_table(view, rows, record_stats))
+        _print(f"{name}: {len(rows)} records, dtype {','.join(_dtypes(view))}")
+        _print(*_record_table(view, rows, record_stats))
         return 1
     printed = 0
     for rank in ranks:
@@ -339,15 +376,15 @@ def _show_site(view: Any, name: str, args: argparse.Namespace, single: bool) -> 
             label = f"{name} @ iteration {args.iteration}, rank {rank}"
             for call, r in enumerate(at, 1):
                 count = f", call {call} of {len(at)}" if len(at) > 1 else ""
-                print(f"{label}{count} (capture order {view.order[r]})")
-                print("\n".join(_format_value(_record_value(view, int(r)), view.dtypes[r])))
+                _print(f"{label}{count} (capture order {view.order[r]})")
+                _print(*_format_value(_record_value(view, int(r)), view.dtypes[r]))
         elif len(before):
             r = before[-1]
-            print(
+            _print(
                 f"{name} @ iteration {args.iteration}, rank {rank}: unchanged since "
                 f"iteration {view.iterations[r]} (capture order {view.order[r]})"
             )
-            print("\n".join(_format_value(_record_value(view, int(r)), view.dtypes[r])))
+            _print(*_format_value(_record_value(view, int(r)), view.dtypes[r]))
         else:
             continue
         printed = 1
@@ -371,7 +408,7 @@ def _record_value(view: Any, row: int) -> Any:
     return view.read(np.asarray([row]), shape)[0]
 
 
-def _record_table(view: Any, rows: np.ndarray, record_stats: Any) -> str:
+def _record_table(view: Any, rows: np.ndarray, record_stats: Any) -> list[str]:
     statistics = any(view.dtypes[r] == _STATISTICS for r in rows)
     numeric = statistics or any(view.shapes[r] is not None for r in rows)
     small = (
@@ -424,7 +461,7 @@ def _record_table(view: Any, rows: np.ndarray, record_stats: Any) -> str:
     table = _table(header, body, right=range(len(header)))
     if not counted:
         return table
-    return f"(statistics {_FINITE_LABEL}; NaN and infinities counted)\n{table}"
+    return [f"(statistics {_FINITE_LABEL}; NaN and infinities counted)", *table]
 
 
 def _record_shape(shape: Sequence[int] | None) -> str:
@@ -457,8 +494,8 @@ def _meta_lines(key: str, value: Any, width: int, command: str | None) -> list[s
             return [f"{key.ljust(width)}  ({len(value)} entries: {command} {key} lists them)"]
         return [f"{key.ljust(width)}  ({len(value)} entries)", *(f"    {v}" for v in value)]
     text = str(value)
-    if "\n" in text:
-        lines = text.splitlines()
+    if "\n" in text:  # one indented line per line; any other control character shows escaped
+        lines = text.removesuffix("\n").split("\n")
         if command is not None and len(lines) > _META_LINES:
             size = _human_bytes(len(text.encode()))
             return [f"{key.ljust(width)}  ({len(lines)} lines, {size}: {command} {key} prints it)"]
@@ -477,12 +514,12 @@ def _cmd_meta(args: argparse.Namespace) -> int:
             raise _UserError(f"{args.run} has no metadata {args.key!r} (keys: {keys})")
         items = chosen
     if not items:
-        print(f"{args.run}: no metadata")
+        _print(f"{args.run}: no metadata")
         return 0
     width = min(30, max(len(k) for k, _ in items))
     command = f"vartrace meta {shlex.quote(args.run)}" if args.key is None else None
     for key, value in items:
-        print("\n".join(_meta_lines(key, value, width, command)))
+        _print(*_meta_lines(key, value, width, command))
     return 0
 
 
@@ -532,7 +569,7 @@ def _cmd_sites(args: argparse.Namespace) -> int:
     sites = list_sites(model, args.pattern)
     if not sites:
         raise _UserError(f"no site of {type(model).__name__} matches {args.pattern!r}")
-    print("\n".join(sites))
+    _print(*sites)
     return 0
 
 
@@ -556,10 +593,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             run_b.close()
     finally:
         run_a.close()
-    print(report)
+    _print(*str(report).split("\n"))
     if args.csv is not None:
         report.to_csv(args.csv)
-        print(f"wrote {args.csv} ({len(report)} rows)")
+        _print(f"wrote {args.csv} ({len(report)} rows)")
     return 0 if report.ok else 1
 
 
@@ -608,7 +645,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
             what = f"{stats} over iterations, {lines} line(s) per statistic"
     finally:
         run.close()
-    print(f"wrote {args.output} ({what})")
+    _print(f"wrote {args.output} ({what})")
     return 0
 
 
@@ -622,8 +659,10 @@ def _cmd_tensorboard(args: argparse.Namespace) -> int:
         if stats is not None:
             options["stats"] = stats
         written = export_run(run, args.logdir, names=_progress(names, "tensorboard"), **options)
-    print(f"wrote {written} record(s) of {len(names)} site(s) to {args.logdir}")
-    print(f"view them with: tensorboard --logdir {args.logdir}")
+    _print(
+        f"wrote {written} record(s) of {len(names)} site(s) to {args.logdir}",
+        f"view them with: tensorboard --logdir {args.logdir}",
+    )
     return 0
 
 
@@ -779,15 +818,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except _UserError as exc:
-        sys.stderr.write(f"vartrace {args.command}: error: {exc}\n")
+        _print(f"vartrace {args.command}: error: {exc}", file=sys.stderr)
     except KeyboardInterrupt:
-        sys.stderr.write("vartrace: interrupted\n")
+        _print("vartrace: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         sys.stderr.close()
         return 0
     except Exception as exc:
-        sys.stderr.write(f"vartrace {args.command}: error: {_message(exc)}\n")
+        _print(f"vartrace {args.command}: error: {_message(exc)}", file=sys.stderr)
     return 2
 
 
