@@ -171,3 +171,30 @@ def test_compare_shows_a_newline_inside_a_site_name_escaped(runs: Path) -> None:
     result = vartrace("compare", "a.h5", "b.h5", cwd=runs)
     assert escaped("forward.parts.new\nforged line") in result.stdout
     assert not any(line.startswith("forged") for line in result.stdout.splitlines())
+
+
+def test_plot_prints_library_warnings_about_hostile_names_escaped(
+    runs: Path, tmp_path: Path
+) -> None:
+    """matplotlib warns of each glyph of a legend's site name its font lacks (ESC, BEL,
+    NUL...), quoting the glyph: the command prints Python's warnings escaped too."""
+    out = tmp_path / "plot.png"
+    result = vartrace("plot", "a.h5", "forward.parts.*", "-o", out, cwd=runs)
+    assert result.returncode == 0, result.stderr
+    shown(result)
+    assert out.is_file()
+
+
+def test_sites_shows_hostile_module_names_escaped(tmp_path: Path) -> None:
+    """A module registered under a name with control characters (``add_module`` allows them)."""
+    (tmp_path / "factory.py").write_text(
+        "from torch import nn\n\n\n"
+        "def build():\n"
+        "    model = nn.Sequential()\n"
+        f"    model.add_module({KEYS[0]!r}, nn.Linear(2, 2))\n"
+        "    return model\n"
+    )
+    result = vartrace("sites", "factory.py:build", "**.forward", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    shown(result)
+    assert f"{escaped(KEYS[0])}.forward" in result.stdout.splitlines()

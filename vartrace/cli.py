@@ -806,6 +806,19 @@ def _message(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """Print a warning of a library (matplotlib's missing glyph of a site name) in one line
+    through :func:`_print`, as ``warnings.showwarning`` during a command."""
+    _print(f"{filename}:{lineno}: {category.__name__}: {message}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``vartrace`` command line; return the exit status.
 
@@ -816,7 +829,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return int(args.func(args))
     except _UserError as exc:
         _print(f"vartrace {args.command}: error: {exc}", file=sys.stderr)
     except KeyboardInterrupt:
