@@ -549,3 +549,35 @@ def test_statistics_mode_in_one_word(statistics: Any) -> None:
 def test_statistics_must_be_a_bool_or_a_reducer() -> None:
     with pytest.raises(TypeError, match="statistics must be True, False or a reducer"):
         ModelTracer(nn.Linear(2, 2), ["forward"], statistics="yes")
+
+
+class _EvalOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return self.metrics(x)
+        return self.lin(x)
+
+    def metrics(self, x: torch.Tensor) -> torch.Tensor:
+        score = self.lin(x).abs()
+        return score
+
+
+def test_a_method_not_called_in_the_first_iteration_is_said_then_and_again_at_exit() -> None:
+    model = _EvalOnly()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ModelTracer(model, ["metrics.score", "lin"]):
+            model(torch.ones(2, 3))
+            early = [str(w.message) for w in caught]
+            model(torch.ones(2, 3))
+    assert early == [
+        "vartrace: pattern 'metrics.score' recorded nothing in iteration 1: its method was "
+        "not called (<root>.metrics); it may run only in eval or in later iterations, and "
+        "vartrace says so again at exit if it never does"
+    ]
+    late = [str(w.message) for w in caught[1:]]
+    assert len(late) == 1 and "its method was never called (<root>.metrics)" in late[0]

@@ -22,7 +22,7 @@ iteration number chosen by the first rule that applies:
 
 Module hooks run inside a compiled region: under ``torch.compile(fullgraph=True)``,
 where no graph break may leave the region for eager code, they cannot count, and the
-traced methods inside cannot record (:func:`fullgraph_regions`).
+traced methods inside cannot record (:func:`vartrace.sites.fullgraph_regions`).
 
 "Outermost" is per thread: two threads calling the model at once make two
 iterations, and each thread's records carry its own call's number.  A model
@@ -41,7 +41,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 from collections.abc import Callable
@@ -49,9 +48,8 @@ from types import FrameType
 from typing import Any
 
 from torch import nn
-from torch._dynamo.eval_frame import _TorchDynamoContext as _DynamoContext
 
-__all__ = ["IterationCounter", "fullgraph_regions"]
+__all__ = ["IterationCounter"]
 
 
 _CALL = nn.Module._wrapped_call_impl.__code__  # the frame of ``module(...)``
@@ -69,39 +67,6 @@ def _running(module: nn.Module) -> bool:
                 return True
         frame = frame.f_back
     return False
-
-
-def _fullgraph(compiled: Any) -> bool:
-    """Whether ``compiled`` (an ``OptimizedModule`` or a ``torch.compile``d function) was
-    compiled with ``fullgraph=True``: its Dynamo context says so."""
-    context = getattr(compiled, "dynamo_ctx", None)
-    if context is None and callable(compiled):
-        for cell in getattr(compiled, "__closure__", None) or ():
-            with contextlib.suppress(ValueError):  # an empty cell
-                if isinstance(cell.cell_contents, _DynamoContext):
-                    context = cell.cell_contents
-    return bool(getattr(context, "fullgraph", False))
-
-
-def fullgraph_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules of ``model`` that run under ``torch.compile(..., fullgraph=True)``, by
-    path: compiled in place (``module.compile(fullgraph=True)``) or wrapped and assigned
-    back (``torch.compile(block, fullgraph=True)``: the wrapper's ``_orig_mod``).
-
-    Example::
-
-        model.layers[0].compile(fullgraph=True)
-        [path for path, _ in fullgraph_regions(model)]   # ['layers.0']
-    """
-    regions = []
-    for path, module in model.named_modules():
-        inner = getattr(module, "_orig_mod", None)
-        if isinstance(inner, nn.Module) and _fullgraph(module):
-            # The model itself compiled: its paths start below the wrapper (sites.unwrap).
-            regions.append((f"{path}._orig_mod" if path else "", inner))
-        elif _fullgraph(getattr(module, "_compiled_call_impl", None)):
-            regions.append((path, module))
-    return regions
 
 
 def _outermost_call() -> FrameType | None:

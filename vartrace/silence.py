@@ -102,6 +102,28 @@ class SilenceWatch:
                 stacklevel=4,
             )
 
+    def after_first_iteration(self, called: Sequence[Target]) -> None:
+        """Warn once per pattern none of whose methods ran in the first traced iteration:
+        known as early as that, and said again by :meth:`report` if they never run."""
+        called_ids = {id(target) for target in called}
+        patterns: dict[str, list[Target]] = {}
+        for target in self._targets:
+            for text in target.origins:
+                patterns.setdefault(text, []).append(target)
+        for text, targets in patterns.items():
+            if any(id(t) in called_ids for t in targets) or any(
+                t.module is self._root and t.method.name == "forward" for t in targets
+            ):
+                continue
+            methods = ", ".join(sorted({f"{t.path or '<root>'}.{t.method.name}" for t in targets}))
+            warn(
+                f"vartrace: pattern {text!r} recorded nothing in iteration 1: its method was "
+                f"not called ({methods}); it may run only in eval or in later iterations, "
+                "and vartrace says so again at exit if it never does",
+                UserWarning,
+                stacklevel=4,
+            )
+
     def _replaced(self, called_ids: set[int]) -> list[Target]:
         """The targets whose method the program replaced on the module while traced, with
         one that never called the patched method."""

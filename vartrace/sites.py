@@ -10,6 +10,7 @@ existing sites.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import _TorchDynamoContext as _DynamoContext
 from torch.nn.modules.module import _global_forward_hooks
 
 from vartrace._warnings import warn
@@ -121,6 +123,39 @@ def is_compiled(model: nn.Module) -> bool:
     if isinstance(getattr(model, "_orig_mod", None), nn.Module):
         return True
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in unwrap(model).modules())
+
+
+def _fullgraph(compiled: Any) -> bool:
+    """Whether ``compiled`` (an ``OptimizedModule`` or a ``torch.compile``d function) was
+    compiled with ``fullgraph=True``: its Dynamo context says so."""
+    context = getattr(compiled, "dynamo_ctx", None)
+    if context is None and callable(compiled):
+        for cell in getattr(compiled, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                if isinstance(cell.cell_contents, _DynamoContext):
+                    context = cell.cell_contents
+    return bool(getattr(context, "fullgraph", False))
+
+
+def fullgraph_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules of ``model`` that run under ``torch.compile(..., fullgraph=True)``, by
+    path: compiled in place (``module.compile(fullgraph=True)``) or wrapped and assigned
+    back (``torch.compile(block, fullgraph=True)``: the wrapper's ``_orig_mod``).
+
+    Example::
+
+        model.layers[0].compile(fullgraph=True)
+        [path for path, _ in fullgraph_regions(model)]   # ['layers.0']
+    """
+    regions = []
+    for path, module in model.named_modules():
+        inner = getattr(module, "_orig_mod", None)
+        if isinstance(inner, nn.Module) and _fullgraph(module):
+            # The model itself compiled: its paths start below the wrapper (sites.unwrap).
+            regions.append((f"{path}._orig_mod" if path else "", inner))
+        elif _fullgraph(getattr(module, "_compiled_call_impl", None)):
+            regions.append((path, module))
+    return regions
 
 
 def module_methods(module: nn.Module) -> dict[str, MethodInfo]:

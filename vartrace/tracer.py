@@ -36,7 +36,7 @@ from vartrace.iterations import IterationCounter
 from vartrace.record import DROP, Unstored, subscribe, unsubscribe
 from vartrace.results import Results, unstacked
 from vartrace.silence import SilenceWatch
-from vartrace.sites import Target, is_compiled, resolve, unwrap
+from vartrace.sites import Target, fullgraph_regions, is_compiled, resolve, unwrap
 from vartrace.stat_records import stats
 from vartrace.tensors import (
     copy_leaf,
@@ -274,11 +274,20 @@ def _default_host_bytes() -> int:
 
 
 def _held_bytes(trace: Trace) -> int:
-    """The bytes of the values a trace holds (tensors and arrays; other values count 0)."""
+    """The bytes of the values a trace holds: dense tensors and arrays (sparse and nested
+    tensors, and other values, count 0)."""
     values = trace.values
     if isinstance(values, (torch.Tensor, np.ndarray)):
-        return int(values.nbytes)
-    return sum(int(v.nbytes) for v in values if isinstance(v, (torch.Tensor, np.ndarray)))
+        return _dense_bytes(values)
+    return sum(_dense_bytes(value) for value in values)
+
+
+def _dense_bytes(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if isinstance(value, torch.Tensor) and value.layout is torch.strided and not value.is_nested:
+        return int(value.nbytes)
+    return 0
 
 
 def _size(nbytes: int) -> str:
@@ -410,6 +419,7 @@ class ModelTracer:
         )
         self._held = 0  # bytes of the records kept in the results
         self._warned_held: bool | str = False
+        self._fullgraph = fullgraph_regions(model)  # seen on the wrapper, before unwrap
         self.model = unwrap(model)
         self._compiled = is_compiled(model)
         self.pre_save_callbacks = [*_statistics_reducer(statistics), *pre_save_callbacks]
@@ -459,6 +469,7 @@ class ModelTracer:
         self._rank = 0
         self._started = False
         self._finished = False
+        self._first_seen = False  # the first traced iteration ended
         self._gradients = GradientWatcher(self._store)
 
     # -- public API ---------------------------------------------------------------------------
@@ -650,6 +661,23 @@ class ModelTracer:
     def _attach(self) -> None:
         # A frame tracer sees nothing inside compiled code: traced methods always run
         # eagerly, whether the model is compiled before or after the tracer starts.
+        # Under fullgraph=True nothing may leave the graph, and Dynamo raises inside the
+        # step at the first hook or traced method there: refused before the step.
+        found = [*self._fullgraph, *fullgraph_regions(self.model)]
+        regions = list({id(module): (path, module) for path, module in found}.values())
+        inside = {id(module) for _, region in regions for module in region.modules()}
+        blocked = [t for t in self._targets if id(t.module) in inside]
+        if blocked or id(self.model) in inside:
+            names = ", ".join(f"{t.path or '<root>'}.{t.method.name}" for t in blocked)
+            if id(self.model) in inside:  # then every traced method is inside too
+                names += " and the model, whose calls count iterations"
+            raise ValueError(
+                f"cannot trace under torch.compile(fullgraph=True): "
+                f"{', '.join(path or '<root>' for path, _ in regions)} compiled with "
+                f"fullgraph=True hold the traced methods {names}, which must "
+                "run eagerly, outside the graph; compile without fullgraph=True while tracing "
+                "(only the traced methods leave the graph), or trace sites outside those modules"
+            )
         eager = torch._dynamo.disable
         if self._compiled:
             self._warn_compiled()
@@ -901,10 +929,19 @@ class ModelTracer:
 
     def _end_iteration(self) -> None:
         """An outermost call ended without a gather: its records start for the host."""
+        self._after_first_iteration()
         if self._stager is not None:
             self._stager.flush()
 
+    def _after_first_iteration(self) -> None:
+        """Once the first traced iteration ended: say which patterns' methods it never called."""
+        if self._first_seen or self._finished or not self._iterations.in_mode_calls:
+            return
+        self._first_seen = True
+        self._silence.after_first_iteration([target for target, hook in self._hooks if hook.calls])
+
     def _flush(self) -> None:
+        self._after_first_iteration()
         if self._stager is not None:
             self._stager.call(self._hand_over)  # after every record captured before
             return

@@ -1,0 +1,138 @@
+"""``torch.compile(fullgraph=True)``: recorded where the traced methods lie outside the
+fullgraph regions (torchtitan compiles each block so), refused before the step where they
+lie inside, never an exception inside the step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from vartrace.tracer import ModelTracer
+
+# Said whenever a compiled model is traced; not what these tests are about.
+pytestmark = pytest.mark.filterwarnings("ignore:vartrace. the model is compiled")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.relu(h) + x
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        scaled = self.head(x) * 2
+        return scaled
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def _inputs() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(3, 4, generator=generator) for _ in range(3)]
+
+
+def _wrap_blocks(model: Net) -> str:
+    """torchtitan's way: each block compiled and assigned back (an ``OptimizedModule``)."""
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = torch.compile(layer, fullgraph=True, backend="eager")
+    return "layers.0._orig_mod"
+
+
+def _compile_blocks_in_place(model: Net) -> str:
+    for layer in model.layers:
+        layer.compile(fullgraph=True, backend="eager")
+    return "layers.0"
+
+
+BLOCKS = [_wrap_blocks, _compile_blocks_in_place]
+OUTSIDE = ["forward.scaled", "head", "head.forward.self.weight@grad"]
+
+
+def _train(model: nn.Module, sites: list[str]) -> dict[str, tuple[list[int], list[torch.Tensor]]]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ModelTracer(model, sites, change_detection=False) as tracer:
+        for x in _inputs():
+            optimizer.zero_grad()
+            model(x).pow(2).sum().backward()
+            optimizer.step()
+    return {name: (trace.iterations, trace.values) for name, trace in tracer.results.items()}
+
+
+@pytest.mark.parametrize("compile_blocks", BLOCKS)
+def test_blocks_compiled_with_fullgraph_record_the_sites_outside_them(
+    compile_blocks: Callable[[Net], str],
+) -> None:
+    expected = _train(_net(), OUTSIDE)
+    model = _net()
+    compile_blocks(model)
+    recorded = _train(model, OUTSIDE)
+    assert set(recorded) == set(expected) and len(expected) == 3
+    for name, (iterations, values) in expected.items():
+        assert recorded[name][0] == iterations == [1, 2, 3]
+        assert all(torch.equal(a, b) for a, b in zip(recorded[name][1], values, strict=True))
+
+
+@pytest.mark.parametrize("compile_blocks", BLOCKS)
+def test_a_site_inside_a_fullgraph_block_is_refused_before_the_step(
+    compile_blocks: Callable[[Net], str],
+) -> None:
+    model = _net()
+    block = compile_blocks(model)
+    site = f"{block}.forward.h"
+    with pytest.raises(ValueError) as refused:
+        ModelTracer(model, ["head", site]).start()
+    message = str(refused.value)
+    assert "torch.compile(fullgraph=True)" in message
+    assert f"the traced methods {block}.forward," in message
+    assert "compile without fullgraph=True while tracing" in message
+    assert "head.forward" not in message  # outside the blocks: not the problem
+    # Nothing stays patched: the compiled model trains as before.
+    model(_inputs()[0]).sum().backward()
+    with ModelTracer(model, ["head"]) as tracer:  # a site outside the blocks still records
+        model(_inputs()[0])
+    assert tracer.results["head.forward"].iterations == [1]
+
+
+def test_a_model_compiled_whole_in_place_with_fullgraph_is_refused_before_the_step() -> None:
+    model = _net()
+    model.compile(fullgraph=True, backend="eager")
+    tracer = ModelTracer(model, ["head"])
+    with pytest.raises(ValueError, match=r"<root> compiled with fullgraph=True") as refused:
+        tracer.start()
+    assert "head.forward and the model, whose calls count iterations" in str(refused.value)
+    out = model(_inputs()[0])  # the step itself runs, unpatched
+    assert out.shape == (3, 2)
+
+
+def test_a_model_wrapped_whole_with_fullgraph_is_refused_before_the_step() -> None:
+    compiled = torch.compile(_net(), fullgraph=True, backend="eager")
+    with (
+        pytest.raises(ValueError, match=r"<root> compiled with fullgraph=True"),
+        ModelTracer(compiled, ["head"]),
+    ):
+        compiled(_inputs()[0])
