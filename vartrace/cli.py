@@ -76,6 +76,7 @@ _HIDDEN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 
 def _escape(match: re.Match[str]) -> str:
+    """The matched character as it is, or escaped if its category is hidden."""
     char = match.group()
     if char == "\t" or unicodedata.category(char) not in _HIDDEN:
         return char
