@@ -585,9 +585,10 @@ class ModelTracer:
         self._release()
         try:
             if self._stager is not None:
-                self._stager.close(self._hand_over if flush else None)
+                last = functools.partial(self._hand_over, final=True)
+                self._stager.close(last if flush else None)
             elif flush:
-                self._flush()
+                self._flush(final=True)
             if flush:
                 results = self._results
                 for name in list(results):
@@ -940,7 +941,7 @@ class ModelTracer:
         self._first_seen = True
         self._silence.after_first_iteration([target for target, hook in self._hooks if hook.calls])
 
-    def _flush(self) -> None:
+    def _flush(self, *, final: bool = False) -> None:
         self._after_first_iteration()
         if self._stager is not None:
             self._stager.call(self._hand_over)  # after every record captured before
@@ -949,7 +950,7 @@ class ModelTracer:
         # A model called under torch.func ends its iteration inside the transform: the
         # callbacks work on plain tensors, outside it.
         with self._flush_lock, torch._C._DisableFuncTorch():
-            self._hand_over()
+            self._hand_over(final=final)
 
     def _retag(self, chunk: dict[str, Trace]) -> None:
         """Tag ``chunk`` with this process's rank, if the process group started after the
@@ -962,29 +963,54 @@ class ModelTracer:
         for trace in chunk.values():
             trace.ranks = [rank] * len(trace.ranks)
 
-    def _hand_over(self) -> None:
+    def _hand_over(self, *, final: bool = False) -> None:
+        """Hand the chunk through the gather callbacks to the results.
+
+        ``final``: the tracer's last hand-over, which also joins the gathers of ranks
+        still running (see :func:`vartrace.distributed.final_gathers`).
+        """
         with self._lock:
             chunk, self._chunk = self._chunk, {}
         if not chunk and distributed.world_size() == 1:
             return  # nothing to hand on, and no other rank waits for this gather
         self._retag(chunk)
         pending = dict(chunk)  # the traces not yet in the results
+        ring = None if self._stager is None else self._stager.ring
+        handed = False  # records went through the post-gather callbacks here
         try:
             for name, trace in chunk.items():
                 _run_callbacks("pre_gather", self.pre_gather_callbacks, name, trace)
-            gathered = distributed.gather_chunk(chunk, self._group) if self.gather else chunk
-            if gathered is None:
-                return
-            pending = dict(gathered)
-            ring = None if self._stager is None else self._stager.ring
-            for name, trace in gathered.items():
-                _run_callbacks("post_gather", self.post_gather_callbacks, name, trace)
-                self._results.add(name, self._kept(name, trace, ring))
-                del pending[name]
+            for gathered, merged in self._gathers(chunk, final):
+                pending = dict(gathered)
+                handed = handed or merged
+                for name, trace in gathered.items():
+                    if merged:  # else this rank's own records that no gather took: kept
+                        _run_callbacks("post_gather", self.post_gather_callbacks, name, trace)
+                    self._results.add(name, self._kept(name, trace, ring))
+                    del pending[name]
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C in a callback: the records stay
             self._put_back(pending)
             raise
+        if not handed:
+            return
         for callback in self.post_gather_callbacks:
             flush = getattr(callback, "flush", None)
             if flush is not None:
                 flush()
+
+    def _gathers(
+        self, chunk: dict[str, Trace], final: bool
+    ) -> Iterable[tuple[dict[str, Trace], bool]]:
+        """What this rank holds of ``chunk``'s gathers: ``(records, merged)`` pairs.
+
+        ``merged`` records go through the post-gather callbacks (rank 0's gathered chunk,
+        or a rank's own chunk without gathering); the others are empty on ranks other than
+        0, or this rank's own records that a final gather could not take (another rank did
+        not come): kept as they are.
+        """
+        if not self.gather:
+            return [(chunk, True)]
+        if final:
+            return distributed.final_gathers(chunk, self._group)
+        gathered = distributed.gather_chunk(chunk, self._group)
+        return [] if gathered is None else [(gathered, True)]
