@@ -162,11 +162,6 @@ def test_compare_shows_hostile_site_names_escaped(runs: Path) -> None:
     assert escaped(f"forward.parts.{KEYS[-3]}") in only_in_a
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the comparison report (vartrace/comparison/report.py) gives its text, not its "
-    "lines: a newline inside a site name still starts a line of compare's table",
-)
 def test_compare_shows_a_newline_inside_a_site_name_escaped(runs: Path) -> None:
     result = vartrace("compare", "a.h5", "b.h5", cwd=runs)
     assert escaped("forward.parts.new\nforged line") in result.stdout

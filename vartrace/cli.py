@@ -594,7 +594,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             run_b.close()
     finally:
         run_a.close()
-    _print(*str(report).split("\n"))
+    _print(*report.lines())
     if args.csv is not None:
         report.to_csv(args.csv)
         _print(f"wrote {args.csv} ({len(report)} rows)")

@@ -205,6 +205,11 @@ class Comparison:
         return path
 
     def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def lines(self) -> list[str]:
+        """The readable report, line by line (``str(report)`` joins them): a site name
+        holding a newline stays on its line."""
         header = (
             "site",
             "pairs",
@@ -252,7 +257,7 @@ class Comparison:
             lines.append(f"only in a ({len(self.only_in_a)}): " + ", ".join(self.only_in_a))
         if self.only_in_b:
             lines.append(f"only in b ({len(self.only_in_b)}): " + ", ".join(self.only_in_b))
-        return "\n".join(lines)
+        return lines
 
 
 def _plural(count: int, noun: str) -> str:
