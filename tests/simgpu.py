@@ -458,6 +458,7 @@ class Stream:
                 self._work.popleft()
                 self._done += 1
                 _cond.notify_all()
+            item = None  # a stream holds no memory once a copy landed (its host buffer may go)
 
     def _raise_error(self) -> None:
         """Raise (once) a deferred copy's failure, as CUDA reports errors at the next sync."""

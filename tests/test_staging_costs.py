@@ -160,6 +160,26 @@ def test_a_record_costs_the_capturing_thread_a_clone_and_no_event_or_hand_off() 
     assert simgpu.LOG.syncs() == []
 
 
+def test_a_statistics_record_costs_the_capturing_thread_one_op() -> None:
+    """The fused summary writes the record (header included); staging takes it as it is."""
+    steps = 4
+    *inputs, warm_up = _inputs(steps + 1)
+    model = _model()
+    with _Ops() as untraced, torch.no_grad():
+        for x in inputs:
+            model(x)
+    with ModelTracer(model, ["blocks.*"], staging="async", statistics=True) as tracer:
+        with torch.no_grad():
+            tracer.model(warm_up)  # the op registered
+        with _Ops() as traced:
+            _train(tracer, inputs)
+    added = traced.ops - untraced.ops
+    records = steps * BLOCKS
+    assert added == Counter({"summary": records}), added
+    assert len(tracer.results["blocks.0.forward"].values) == steps + 1
+    assert simgpu.LOG.syncs() == []
+
+
 def test_the_staging_thread_copies_nothing_on_the_host_and_allocates_nothing_after_warm_up(
     tmp_path: Path, staging_ops: list[_Ops]
 ) -> None:

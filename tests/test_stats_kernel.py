@@ -83,13 +83,13 @@ def activations(dtype: torch.dtype, size: int = 300_001) -> torch.Tensor:
 # -- ops and temporaries on the capturing thread ----------------------------------------------
 
 
-def test_a_record_is_one_op_and_a_join_on_the_stand_in_device_and_the_cpu() -> None:
+def test_a_record_is_one_op_on_the_stand_in_device_and_the_cpu() -> None:
     for value in (simgpu.to_device(torch.randn(64, 33)), torch.randn(64, 33)):
         SUMMARY("site", value, 1)  # the op registered, constants on the device
         with Dispatched() as seen:
             record = SUMMARY("site", value, 1)
-        assert seen.ops == ["vartrace.summary.default", "aten.cat.default"], seen.ops
-        assert seen.bytes <= 1024  # the row and the record: 88 + 96 bytes
+        assert seen.ops == ["vartrace.summary.default"], seen.ops  # the header written too
+        assert seen.bytes <= 1024  # the record: 96 bytes
         assert record.device == value.device
     assert simgpu.LOG.syncs() == []
 
@@ -259,7 +259,12 @@ for dtype in ["fp32", "bf16", "fp16", "fp64", "i64", "i8", "u8", "i1", "u8 decod
     kernel = triton.compile(ASTSource(_triton._partials, signature, given), target, options)
     assert "ld.global" in kernel.asm["ptx"], dtype
 signature = {"part_ptr": "*fp64", "out_ptr": "*fp64", "spans": "i32", "size": "i64"}
-source = ASTSource(_triton._finish, {**signature, "TILE": "constexpr"}, {"TILE": 1024})
+signature["header"] = "fp64"
+source = ASTSource(
+    _triton._finish,
+    {**signature, "TILE": "constexpr", "FIRST": "constexpr"},
+    {"TILE": 1024, "FIRST": 1},
+)
 assert "st.global" in triton.compile(source, target, options).asm["ptx"]
 print("compiled")
 """
@@ -297,5 +302,5 @@ def test_the_benchmark_prints_op_counts_times_and_the_step_ratio() -> None:
     assert set(rows) == {"float32", "bfloat16"}
     for row in rows.values():  # ops of eager (44 with torch 2.13), fused and clone
         eager, fused, clone = (int(cell.split()[0]) for cell in row.split("|")[1:4])
-        assert eager > 30 and fused == 2 and clone == 1, row
+        assert eager > 30 and fused == 1 and clone == 1, row
     assert "vartrace.stats()" in done.stdout and "1.000x" in done.stdout

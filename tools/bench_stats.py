@@ -10,8 +10,8 @@ Per record, for each size and dtype (float32, bfloat16), in one process:
 * **eager**: :func:`vartrace.statistics.kernels.eager_summary` and the header joined on,
   the torch formulation ``StatsReducer._device`` ran per record before the fused op (and
   what a device without a kernel of the op still runs): a float64 copy and ~45 ops;
-* **fused**: ``vartrace.stats()`` on the tensor: ``torch.ops.vartrace.summary`` (numpy
-  blocks on the CPU) and the header joined on;
+* **fused**: ``vartrace.stats()`` on the tensor: ``torch.ops.vartrace.summary``, which
+  writes the header too (numpy blocks on the CPU);
 * **clone**: ``x.clone()``, what keeping the record whole costs at least;
 
 with the ops each dispatches on the calling thread (a ``TorchDispatchMode``), the median

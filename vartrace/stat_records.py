@@ -281,6 +281,10 @@ class Statistics(Mapping[str, float]):
 class StatsReducer:
     """The pre-save callback made by :func:`stats` (see there)."""
 
+    #: Its records are new tensors that nothing else holds or writes: asynchronous
+    #: staging takes them as they are, without a clone of its own.
+    fresh_records = True
+
     def __init__(
         self,
         histogram: bool | tuple[int, int],
@@ -372,20 +376,20 @@ class StatsReducer:
     # -- a tensor where it lives: the fused summary op, the extras in torch, without a sync -----
 
     def _tensor(self, tensor: Any) -> Any:
-        """The record of a tensor on its device: the summary by ONE op
-        (:func:`vartrace.statistics.summary`), then the header joined on: two ops in all
-        when no histogram or quantiles are asked for."""
+        """The record of a tensor on its device: header and summary by ONE op
+        (:func:`vartrace.statistics.summary`) when no histogram or quantiles are asked for."""
         import torch
 
         device = tensor.device
         if self._extras and tensor.numel() == 0:  # known from the shape: a constant record
             return torch.from_numpy(self._host(np.empty(0))).to(device, non_blocking=True)
-        header, probabilities = self._constant(device)
         autocast = torch.autocast(device.type, enabled=False) if _autocasts(device) else None
         with torch.no_grad(), autocast or nullcontext():
+            if not self._extras:
+                return summary(tensor, self.layout.header)
+            header, probabilities = self._constant(device)
             parts = [header, summary(tensor)]
-            if self._extras:
-                parts += self._device_extras(_float64(tensor.detach()).reshape(-1), probabilities)
+            parts += self._device_extras(_float64(tensor.detach()).reshape(-1), probabilities)
             return torch.cat(parts)
 
     def _device_extras(self, x: Any, probabilities: Any) -> list[Any]:

@@ -812,14 +812,18 @@ class ModelTracer:
                 plain = untransformed(value, site, self._transformed_warned)
                 self._store(site, plain, iteration, saved=saved)
             return
+        fresh = False  # a new tensor a callback made (a statistics row): nothing to clone
         if not saved and self.pre_save_callbacks:
             for callback in self.pre_save_callbacks:
                 try:
-                    value = callback(site, value, iteration)
+                    result = callback(site, value, iteration)
                 except Exception as error:
                     raise _failed("pre_save", callback, site, error) from error
-                if value is DROP:
+                if result is DROP:
                     return
+                if result is not value:
+                    fresh = getattr(callback, "fresh_records", False) is True
+                value = result
             if not isinstance(value, torch.Tensor):
                 # What a callback returns is split like a captured value: a dict of
                 # tensors gives the leaves <site>.<key>.
@@ -829,7 +833,7 @@ class ModelTracer:
                 return
         stager = self._stager
         if stager is not None:
-            stager.admit(site, value, iteration)
+            stager.admit(site, value, iteration, fresh=fresh)
             return
         record = copy_leaf(value, self.device, site)
         if self.change_detection:

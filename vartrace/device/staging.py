@@ -309,11 +309,13 @@ class Stager:
 
     # -- any capturing thread -------------------------------------------------------------
 
-    def admit(self, site: str, value: Any, iteration: int) -> None:
+    def admit(self, site: str, value: Any, iteration: int, *, fresh: bool = False) -> None:
         """Queue ``value``'s record: a device clone for an accelerator tensor, else a copy.
 
-        Never raises a failure of the staging thread (that is for :meth:`call`,
-        :meth:`drain` and :meth:`close`, outside the traced code).
+        ``fresh``: ``value`` is a new tensor that nothing else holds or writes (a
+        statistics row), taken as it is, without a clone.  Never raises a failure of the
+        staging thread (that is for :meth:`call`, :meth:`drain` and :meth:`close`,
+        outside the traced code).
         """
         stats = self.stats
         if not stageable(value):
@@ -341,8 +343,11 @@ class Stager:
             self._append(_Ready(site, marker, iteration, marker, 0))
             return
         try:
-            clone = value.detach().resolve_conj().resolve_neg()
-            clone = clone.clone(memory_format=torch.contiguous_format)
+            if fresh and value.is_contiguous() and not value.requires_grad:
+                clone = value
+            else:
+                clone = value.detach().resolve_conj().resolve_neg()
+                clone = clone.clone(memory_format=torch.contiguous_format)
         except Exception as error:  # no device memory, a dtype torch cannot copy: a marker
             self._local.admitted[0] -= nbytes
             marker = failed_copy(value, site, error)

@@ -119,10 +119,11 @@ def _partials(  # type: ignore[no-untyped-def]
 
 
 @triton.jit(do_not_specialize=["size"])  # a size of 1 would become a constant: no .to()
-def _finish(part_ptr, out_ptr, spans, size, TILE: tl.constexpr):  # type: ignore[no-untyped-def]
-    """One program: the spans' partials merged into the 11 summary fields.  A tile of
-    partials: M2 is theirs plus n (mean - tile mean)^2 (two passes, in registers); tiles
-    then merge by Chan's formula."""
+def _finish(part_ptr, out_ptr, spans, size, header, TILE: tl.constexpr, FIRST: tl.constexpr):  # type: ignore[no-untyped-def]
+    """One program: the spans' partials merged into the 11 summary fields, written from
+    ``out_ptr + FIRST`` (``header`` at ``out_ptr`` when FIRST is 1).  A tile of partials:
+    M2 is theirs plus n (mean - tile mean)^2 (two passes, in registers); tiles then merge
+    by Chan's formula."""
     n = tl.zeros([], tl.float64)
     s = tl.zeros([], tl.float64)
     q = tl.zeros([], tl.float64)
@@ -158,6 +159,9 @@ def _finish(part_ptr, out_ptr, spans, size, TILE: tl.constexpr):  # type: ignore
     has = n > 0
     mean = s / n
     var = q / n
+    if FIRST:
+        tl.store(out_ptr, header.to(tl.float64))
+    out_ptr += FIRST
     tl.store(out_ptr, size.to(tl.float64))
     tl.store(out_ptr + 1, mean)
     tl.store(out_ptr + 2, tl.sqrt(var))
@@ -184,9 +188,10 @@ def _table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return table
 
 
-def summary(x: torch.Tensor) -> torch.Tensor:
+def summary(x: torch.Tensor, header: float | None = None) -> torch.Tensor:
     """The 11 float64 :data:`~vartrace.sources.statistics.SUMMARY_FIELDS` of ``x`` (real:
-    a dtype of :data:`DTYPES` or a 1-byte float) on its device: two launches."""
+    a dtype of :data:`DTYPES` or a 1-byte float) on its device, ``header`` first when given:
+    two launches."""
     flat = x.reshape(-1)
     size = flat.numel()
     decode = flat.element_size() == 1 and flat.is_floating_point()
@@ -197,10 +202,14 @@ def summary(x: torch.Tensor) -> torch.Tensor:
     tiles = triton.cdiv(blocks, _SPANS)
     spans = triton.cdiv(blocks, tiles)
     partials = torch.empty((spans, _FIELDS), dtype=torch.float64, device=flat.device)
-    out = torch.empty(11, dtype=torch.float64, device=flat.device)
+    first = 0 if header is None else 1
+    out = torch.empty(11 + first, dtype=torch.float64, device=flat.device)
     # No fused multiply-adds: the IEEE operations of the definition (and no warning from
     # Triton 3.9 asking for the choice, which -W error would raise in the training step)
     options = {"enable_fp_fusion": False}
     _partials[(spans,)](flat, table, partials, size, tiles, BLOCK=_BLOCK, DECODE=decode, **options)
-    _finish[(1,)](partials, out, spans, size, TILE=_TILE, **options)
+    _finish[(1,)](
+        partials, out, spans, size, 0.0 if header is None else header,
+        TILE=_TILE, FIRST=first, **options,
+    )  # fmt: skip
     return out

@@ -151,9 +151,10 @@ def _reduce(
     return n, total, squares, offset, low, high
 
 
-def eager_summary(x: Any) -> Any:
+def eager_summary(x: Any, header: float | None = None) -> Any:
     """The summary fields of a tensor in eager torch ops on its device (devices without a
-    kernel of :func:`summary`, CUDA without triton): a float64 copy, ~40 ops."""
+    kernel of :func:`summary`, CUDA without triton): a float64 copy, ~40 ops; ``header``
+    first, when given."""
     import torch
 
     if x.is_complex():
@@ -161,7 +162,8 @@ def eager_summary(x: Any) -> Any:
     x = x.reshape(-1).to(torch.float64)
     device = x.device
     if not x.numel():  # known from the shape: a constant row
-        return torch.from_numpy(summarize_values(np.empty(0))).to(device, non_blocking=True)
+        row = _headed(summarize_values(np.empty(0)), header)
+        return torch.from_numpy(row).to(device, non_blocking=True)
     finite = torch.isfinite(x)
     count = finite.sum(dtype=torch.float64)
     zeroed = torch.where(finite, x, 0.0)
@@ -179,7 +181,19 @@ def eager_summary(x: Any) -> Any:
         torch.where(has, zeroed.abs().amax(), nan),
         torch.sqrt((zeroed * zeroed).sum()),
     ]
-    return torch.cat([torch.stack(summary), flags.sum(dim=1, dtype=torch.float64)])
+    parts = [torch.stack(summary), flags.sum(dim=1, dtype=torch.float64)]
+    if header is not None:
+        parts.insert(0, torch.full((1,), header, dtype=torch.float64, device=device))
+    return torch.cat(parts)
+
+
+def _headed(row: np.ndarray, header: float | None) -> np.ndarray:
+    """``row`` with ``header`` before it, when given."""
+    if header is None:
+        return row
+    out = np.empty(len(row) + 1)
+    out[0], out[1:] = header, row
+    return out
 
 
 _NUMPY_DTYPES = frozenset(
@@ -192,31 +206,37 @@ _NUMPY_DTYPES = frozenset(
 _decoders: dict[Any, Decoder] = {}
 
 
-def _cpu_summary(x: Any) -> Any:
+def _cpu_summary(x: Any, header: float | None = None) -> Any:
     """The op's CPU kernel: :func:`summarize_values` on a view of the tensor's memory."""
+    import torch
+
+    return torch.from_numpy(_headed(_cpu_row(x), header))
+
+
+def _cpu_row(x: Any) -> np.ndarray:
     import torch
 
     x = x.detach()
     if x.is_complex():
         x = x.resolve_conj().resolve_neg()
     if str(x.dtype) in _NUMPY_DTYPES:
-        return torch.from_numpy(summarize_values(x.numpy()))
+        return summarize_values(x.numpy())
     if x.dtype == torch.bfloat16:
         codes = x.view(torch.int16).numpy().view(np.uint16)
-        return torch.from_numpy(summarize_values(codes, bfloat16_decoder))
+        return summarize_values(codes, bfloat16_decoder)
     if not x.is_floating_point() or x.element_size() != 1:
-        return eager_summary(x)
+        return eager_summary(x).numpy()
     decode = _decoders.get(x.dtype)
     if decode is None:  # float8: its 256 bit patterns decoded once
         patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(x.dtype)
         decode = _decoders[x.dtype] = table_decoder(patterns.to(torch.float64).numpy())
-    return torch.from_numpy(summarize_values(x.view(torch.uint8).numpy(), decode))
+    return summarize_values(x.view(torch.uint8).numpy(), decode)
 
 
 _triton: Any = None  # vartrace.statistics._triton once imported; False without triton
 
 
-def _cuda_summary(x: Any) -> Any:
+def _cuda_summary(x: Any, header: float | None = None) -> Any:
     """The op's CUDA kernel: two Triton launches (eager torch without triton, or for a
     dtype the kernels do not load)."""
     global _triton
@@ -228,8 +248,8 @@ def _cuda_summary(x: Any) -> Any:
     if x.is_complex():
         x = x.abs()
     if _triton and (x.dtype in _triton.DTYPES or (x.is_floating_point() and x.element_size() == 1)):
-        return _triton.summary(x)
-    return eager_summary(x)
+        return _triton.summary(x, header)
+    return eager_summary(x, header)
 
 
 _library: Any = None  # the torch.library.Library holding the op (its kernels live with it)
@@ -259,7 +279,7 @@ def summary_op() -> Any:
 
 def _define(torch: Any) -> Any:
     library = torch.library.Library("vartrace", "DEF")
-    library.define("summary(Tensor x) -> Tensor")
+    library.define("summary(Tensor x, float? header=None) -> Tensor")
     library.impl("summary", _cpu_summary, "CPU")
     library.impl("summary", _cuda_summary, "CUDA")
     library.impl("summary", eager_summary, "CompositeExplicitAutograd")
@@ -271,18 +291,19 @@ def _define(torch: Any) -> Any:
     return library
 
 
-def _fake(x: Any) -> Any:
+def _fake(x: Any, header: float | None = None) -> Any:
     import torch
 
-    return x.new_empty(11, dtype=torch.float64)
+    return x.new_empty(11 if header is None else 12, dtype=torch.float64)
 
 
-def summary(x: Any) -> Any:
+def summary(x: Any, header: float | None = None) -> Any:
     """The 11 float64 :data:`~vartrace.sources.statistics.SUMMARY_FIELDS` of tensor ``x``
-    on its device, by ONE dispatched op (:func:`summary_op`).
+    on its device, by ONE dispatched op (:func:`summary_op`); ``header`` (a statistics
+    record's first element) before them, when given.
 
     Example::
 
         summary(torch.tensor([1.0, float("nan"), 3.0]))[1]   # mean 2.0
     """
-    return summary_op()(x)
+    return summary_op()(x, header)
