@@ -581,3 +581,11 @@ def test_a_method_not_called_in_the_first_iteration_is_said_then_and_again_at_ex
     ]
     late = [str(w.message) for w in caught[1:]]
     assert len(late) == 1 and "its method was never called (<root>.metrics)" in late[0]
+
+
+def test_reading_the_results_of_a_tracer_never_started_warns() -> None:
+    model = nn.Linear(2, 2)
+    tracer = ModelTracer(model, ["forward"])
+    model(torch.ones(2))
+    with pytest.warns(UserWarning, match="was never started, so it recorded nothing"):
+        assert len(tracer.results) == 0

@@ -484,6 +484,13 @@ class ModelTracer:
             model(x)
             tracer.results["head"].values   # complete up to the last gather
         """
+        if not self._started:
+            _warnings.warn(
+                "vartrace: this ModelTracer was never started, so it recorded nothing: use "
+                "`with ModelTracer(...) as tracer:` around the steps, or tracer.start() "
+                "before them and tracer.stop() after",
+                UserWarning,
+            )
         if self._stager is not None:
             self._stager.drain()
         return self._results
