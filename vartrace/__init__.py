@@ -1,7 +1,7 @@
 """vartrace: record the values a PyTorch model's code holds while it trains.
 
-Example::
-
+Example:
+    ```python
     from vartrace import ModelTracer, H5PYSaverCallback
 
     with H5PYSaverCallback("run.h5") as saver, \\
@@ -11,9 +11,10 @@ Example::
 
     run = vartrace.open("run.h5")
     run["layers.0.attn.forward.scores"].values
+    ```
 
-Torch-backed names are imported lazily (PEP 562), so ``import vartrace`` and
-``import vartrace.engine`` do not load torch.
+Torch-backed names are imported lazily (PEP 562), so `import vartrace` and
+`import vartrace.engine` do not load torch.
 """
 
 from __future__ import annotations
