@@ -1,10 +1,12 @@
 """Built-in callbacks for the pipeline: stacking records and reducing chunks.
 
-All of them follow the gather-callback signature ``callback(name, trace)``
-and change the :class:`~vartrace.trace.Trace` in place.  Example::
+All of them follow the gather-callback signature `callback(name, trace)`
+and change the [`Trace`][vartrace.Trace] in place.  Example:
 
-    tracer = ModelTracer(model, ["layers.*.attn.forward.scores"],
-                         post_gather_callbacks=[stack_padded_tensors])
+```python
+tracer = ModelTracer(model, ["layers.*.attn.forward.scores"],
+                     post_gather_callbacks=[stack_padded_tensors])
+```
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class _Unstackable(TypeError):
 
 
 def _tensor(value: Any) -> torch.Tensor:
-    """``value`` as a tensor of its exact dtype (Python numbers in 64 bits)."""
+    """`value` as a tensor of its exact dtype (Python numbers in 64 bits)."""
     if isinstance(value, torch.Tensor):
         return value
     if type(value) not in _SCALAR_DTYPES:
@@ -57,7 +59,7 @@ def _tensor(value: Any) -> torch.Tensor:
 
 
 def _exact_in(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether every value of ``tensor`` survives a round trip through ``dtype``."""
+    """Whether every value of `tensor` survives a round trip through `dtype`."""
     if tensor.dtype == dtype:
         return True
     back = tensor.to(dtype).to(tensor.dtype)
@@ -90,7 +92,7 @@ _GatherCallback = Callable[[str, Trace], None]
 
 
 def _as_tensors(values: Sequence[Any]) -> list[torch.Tensor]:
-    """The records as tensors of one dtype that holds each exactly, else ``_Unstackable``."""
+    """The records as tensors of one dtype that holds each exactly, else `_Unstackable`."""
     tensors = [_tensor(value) for value in values]
     dtype = _common_dtype(tensors)
     return [t.to(dtype) for t in tensors]
@@ -103,7 +105,7 @@ _warned_lock = threading.Lock()  # gathers run on staging threads too
 
 
 def _once_per_run(callback: _GatherCallback) -> _GatherCallback:
-    """Give a stacking callback an ``on_start``: each tracer's start begins a new run, in
+    """Give a stacking callback an `on_start`: each tracer's start begins a new run, in
     which the callback warns once per site again (not once per process)."""
     name = callback.__name__
 
@@ -136,8 +138,8 @@ def stack_tensors(name: str, trace: Trace) -> None:
     floats stack as float64, ints as int64; records of different dtypes stack in
     the dtype that holds them all exactly (bfloat16 + float32 as float32, int64 +
     float32 as float64 when the ints fit).  A chunk that cannot be stacked so
-    (different shapes: use :func:`stack_padded_tensors`; values no dtype holds;
-    records that are not numbers) stays a list, with one warning per site and
+    (different shapes: use [`stack_padded_tensors`][vartrace.stack_padded_tensors]; values
+    no dtype holds; records that are not numbers) stays a list, with one warning per site and
     tracer run.
     """
     if isinstance(trace.values, torch.Tensor) or not len(trace):
@@ -157,7 +159,7 @@ def stack_tensors(name: str, trace: Trace) -> None:
 
 
 def pad_to(tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """Zero-pad ``tensor`` at the end of each dimension up to ``shape``."""
+    """Zero-pad `tensor` at the end of each dimension up to `shape`."""
     if tuple(tensor.shape) == tuple(shape):
         return tensor
     padding: list[int] = []
@@ -170,9 +172,9 @@ def pad_to(tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 def stack_padded_tensors(name: str, trace: Trace) -> None:
     """Stack records of different shapes, zero-padded to the largest in each dimension.
 
-    ``trace.shapes`` keeps each record's true shape, so
-    ``trace.values[i][tuple(slice(n) for n in trace.shapes[i])]`` is record ``i``.
-    Dtypes are handled as by :func:`stack_tensors`; records with different
+    `trace.shapes` keeps each record's true shape, so
+    `trace.values[i][tuple(slice(n) for n in trace.shapes[i])]` is record `i`.
+    Dtypes are handled as by [`stack_tensors`][vartrace.stack_tensors]; records with different
     numbers of dimensions stay a list, with one warning per site and tracer run.
     """
     if isinstance(trace.values, torch.Tensor) or not len(trace):
@@ -199,13 +201,15 @@ def _mean(values: list[Any]) -> torch.Tensor:
 def reduce_chunk(fn: Callable[[list[Any]], Any] = _mean) -> Callable[[str, Trace], None]:
     """A callback collapsing each rank's records in a chunk into one record.
 
-    ``fn`` receives the list of one rank's record values and returns the
+    `fn` receives the list of one rank's record values and returns the
     reduced value (default: the element-wise mean over records, in
     float64).  The record keeps the last iteration and capture order of the
-    ones it replaces.  Example (mean over records and the batch dimension)::
+    ones it replaces.  Example (mean over records and the batch dimension):
 
-        mean_scores = reduce_chunk(lambda vs: torch.stack(vs).float().mean(dim=(0, 1)))
-        ModelTracer(model, paths, pre_gather_callbacks=[mean_scores], gathering_interval=8)
+    ```python
+    mean_scores = reduce_chunk(lambda vs: torch.stack(vs).float().mean(dim=(0, 1)))
+    ModelTracer(model, paths, pre_gather_callbacks=[mean_scores], gathering_interval=8)
+    ```
     """
 
     def reduce_records(name: str, trace: Trace) -> None:
