@@ -1,12 +1,12 @@
 """Compare two runs record by record and find where they start to differ.
 
-:func:`compare` takes two runs — HDF5 files (a path or glob), open
-:class:`~vartrace.storage.reader.Run` objects, :class:`~vartrace.tracer.ModelTracer`
-objects or plain mappings of site name -> :class:`~vartrace.trace.Trace` — and
+[`compare`][vartrace.compare] takes two runs — HDF5 files (a path or glob), open
+[`Run`][vartrace.Run] objects, [`ModelTracer`][vartrace.ModelTracer]
+objects or plain mappings of site name -> [`Trace`][vartrace.Trace] — and
 matches their records by site, iteration, rank and occurrence (the n-th
 record of that site in that iteration on that rank).  For every matched
 pair it reports whether the shapes match, whether the values are close
-(``|a - b| <= atol + rtol * |b|`` elementwise, NaN equal to NaN at the same
+(`|a - b| <= atol + rtol * |b|` elementwise, NaN equal to NaN at the same
 place), the largest absolute and relative difference, the cosine
 similarity, and the mean/std/var of each side with their differences.
 
@@ -18,8 +18,8 @@ reduces blocks of records with numpy (which releases the GIL).  Statistics
 are accumulated in float64 from exact products of the inputs.  Identical
 records take a shorter path.
 
-Example::
-
+Example:
+    ```python
     import vartrace
 
     report = vartrace.compare("reference.h5", "candidate.h5", atol=1e-6, rtol=1e-4)
@@ -27,6 +27,7 @@ Example::
     if not report.ok:
         site, iteration, rank = report.first_divergence
     report.to_csv("diff.csv")
+    ```
 """
 
 from __future__ import annotations
