@@ -2,9 +2,9 @@
 
 Every site of both runs is indexed first (records matched by iteration, rank
 and occurrence; shapes and dtypes read), its numeric pairs grouped into
-blocks of equally shaped records (:class:`_Task`); then a few threads read
-and reduce the blocks (:mod:`vartrace.comparison._stats`) and each block's
-statistics fill its site's rows (:class:`_SiteResult`).
+blocks of equally shaped records (`_Task`); then a few threads read
+and reduce the blocks (`vartrace.comparison._stats`) and each block's
+statistics fill its site's rows (`_SiteResult`).
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class _SiteResult:
         """Compare statistics records as statistics (a whole record is first reduced to them).
 
         Each field both sides have is a number compared with the tolerances:
-        ``|a - b| <= atol + rtol * |b|``, NaN equal to NaN and equal infinities
+        `|a - b| <= atol + rtol * |b|`, NaN equal to NaN and equal infinities
         equal; the report's mean/std/var columns are the records' own, and the
         cosine similarity is not defined (NaN).
         """
@@ -283,8 +283,8 @@ class _SiteResult:
         )
 
     def dtype_names(self) -> str:
-        """The record pairs' dtypes: ``"float32"``, or ``"float32 vs bfloat16"`` where they
-        differ (several kinds joined by ``", "``, in order of first appearance)."""
+        """The record pairs' dtypes: `"float32"`, or `"float32 vs bfloat16"` where they
+        differ (several kinds joined by `", "`, in order of first appearance)."""
         kinds = dict.fromkeys(
             a if a == b else f"{a} vs {b}"
             for a, b in zip(self.dtype_a[: self.n_pairs], self.dtype_b[: self.n_pairs], strict=True)
@@ -309,13 +309,13 @@ class _SiteResult:
 
 
 def _worst(reduce: Callable[[np.ndarray], Any], values: np.ndarray) -> float:
-    """``reduce`` (nanmax / nanmin) over the numeric rows; NaN when there are none."""
+    """`reduce` (nanmax / nanmin) over the numeric rows; NaN when there are none."""
     values = values[~np.isnan(values)]
     return float(reduce(values)) if len(values) else math.nan
 
 
 def _statistics_fields(value: Any) -> dict[str, float] | None:
-    """The fields of a statistics record as floats; ``{}`` for a numeric record; else ``None``.
+    """The fields of a statistics record as floats; `{}` for a numeric record; else `None`.
 
     A numeric record has every statistic (it is reduced on demand), so its
     dict is empty and the other side's fields are taken.
@@ -327,7 +327,7 @@ def _statistics_fields(value: Any) -> dict[str, float] | None:
 
 
 def _load(task: _Task, pool: BufferPool) -> Any:
-    """The task's records on both sides: aligned zero-copy views, or blocks read into ``pool``."""
+    """The task's records on both sides: aligned zero-copy views, or blocks read into `pool`."""
     views_a = task.a.views(task.rows_a, task.shape)
     views_b = None if views_a is None else task.b.views(task.rows_b, task.shape)
     if views_a is not None and views_b is not None:
@@ -360,7 +360,7 @@ def _align(
 
 
 def _reduce_task(task: _Task, atol: float, rtol: float, pool: BufferPool) -> dict[str, np.ndarray]:
-    """Statistics of one task's records (read blocks are given back to ``pool``)."""
+    """Statistics of one task's records (read blocks are given back to `pool`)."""
     blocks = _load(task, pool)
     if isinstance(blocks, _Aligned):
         parts = [block_partial(va, vb, atol, rtol) for _, _, va, vb in blocks.pieces]
@@ -381,7 +381,7 @@ def _reduce_all(
 
     A task reads its records when it runs (so memory holds a few blocks at a
     time) and its numpy work releases the GIL.  The sites were indexed before
-    (:class:`_SiteResult`): that HDF5 work holds the GIL, and interleaving it
+    (`_SiteResult`): that HDF5 work holds the GIL, and interleaving it
     with the reductions would stall them on every switch.
     """
     pool = BufferPool()
@@ -400,7 +400,7 @@ def _reduce_all(
 
 
 def _progress(show: bool, total: int, desc: str, unit: str) -> Any:
-    """A tqdm bar on stderr, shown only when ``show`` and the work lasts over a second."""
+    """A tqdm bar on stderr, shown only when `show` and the work lasts over a second."""
     from tqdm.auto import tqdm
 
     return tqdm(
@@ -432,23 +432,24 @@ def compare(
 ) -> Comparison:
     """Compare two runs record by record.
 
-    ``a`` and ``b`` are each a path or glob of an HDF5 run, an open run
-    (:func:`vartrace.open`), a :class:`~vartrace.tracer.ModelTracer` (its
-    ``results``) or a mapping of site name -> :class:`~vartrace.trace.Trace`.
+    `a` and `b` are each a path or glob of an HDF5 run, an open run
+    ([`vartrace.open`][vartrace.open]), a [`ModelTracer`][vartrace.ModelTracer] (its
+    `results`) or a mapping of site name -> [`Trace`][vartrace.Trace].
     Records are matched by site, iteration, rank and occurrence within that
-    iteration and rank; ``b`` is the reference of the relative tolerance,
-    as in :func:`numpy.isclose`.  ``names`` restricts the comparison to
+    iteration and rank; `b` is the reference of the relative tolerance,
+    as in `numpy.isclose`.  `names` restricts the comparison to
     these site names or glob patterns.  Sites present in one run only are
-    listed in ``only_in_a`` / ``only_in_b`` and do not make the comparison
-    fail; a record present on one side only does.  ``progress`` shows a tqdm
-    bar on stderr for long comparisons; ``labels`` names the two runs in the
+    listed in `only_in_a` / `only_in_b` and do not make the comparison
+    fail; a record present on one side only does.  `progress` shows a tqdm
+    bar on stderr for long comparisons; `labels` names the two runs in the
     report (default: their paths).
 
-    Example::
-
+    Example:
+        ```python
         report = vartrace.compare("fp64.h5", tracer, atol=1e-5, rtol=1e-3)
         print(report)
         assert report.ok, report.first_divergence
+        ```
     """
     if atol < 0 or rtol < 0:
         raise ValueError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}")
@@ -487,7 +488,7 @@ def compare(
 
 
 def _columns(results: list[_SiteResult]) -> dict[str, list[Any]]:
-    """The report's columns (:data:`COLUMNS`): one entry per record pair or unpaired record."""
+    """The report's columns (`COLUMNS`): one entry per record pair or unpaired record."""
     columns: dict[str, list[Any]] = {name: [] for name in COLUMNS}
     for r in results:
         n = len(r.status)
