@@ -1,7 +1,7 @@
-"""What :func:`vartrace.compare` returns, and how it prints.
+"""What [`vartrace.compare`][vartrace.compare] returns, and how it prints.
 
-:class:`Comparison` holds one row per record pair (columns :data:`COLUMNS`)
-and a :class:`SiteSummary` per site; :func:`table` aligns the columns of the
+[`Comparison`][vartrace.Comparison] holds one row per record pair (columns `COLUMNS`)
+and a `SiteSummary` per site; `table` aligns the columns of the
 printed report (and of the command line's tables).
 """
 
@@ -65,7 +65,7 @@ FLOAT_COLUMNS = (
 
 
 class Divergence(NamedTuple):
-    """Where two runs first differ: ``(site, iteration, rank)``."""
+    """Where two runs first differ: `(site, iteration, rank)`."""
 
     site: str
     iteration: int
@@ -80,17 +80,17 @@ class SiteSummary:
         site: the site name.
         records: record pairs compared (matched in both runs).
         differing: record pairs beyond tolerance or with a shape mismatch
-            (at most ``records``).
+            (at most `records`).
         unpaired: records present in one run only (a missing partner fails the
             comparison too).
         max_abs_diff: the largest absolute difference over the site's numeric
             records (NaN when none was compared).
-        max_rel_diff: the largest relative difference ``|a - b| / |b|``.
+        max_rel_diff: the largest relative difference `|a - b| / |b|`.
         min_cosine: the smallest cosine similarity over the site's records.
-        status: ``"ok"`` or the worst record status.
-        dtypes: the dtype of the site's record pairs, ``"float32"``; where the runs
-            differ (an fp32 run against a bf16 one), both, ``"float32 vs bfloat16"``
-            (several such pairs are joined by ``", "``); ``""`` with no pair.
+        status: `"ok"` or the worst record status.
+        dtypes: the dtype of the site's record pairs, `"float32"`; where the runs
+            differ (an fp32 run against a bf16 one), both, `"float32 vs bfloat16"`
+            (several such pairs are joined by `", "`); `""` with no pair.
         dtype_match: every record pair has the same dtype on both sides.
     """
 
@@ -120,24 +120,25 @@ def _fmt_cosine(x: float) -> str:
 
 
 class Comparison:
-    """The result of :func:`compare`.
+    """The result of [`compare`][vartrace.compare].
 
-    Example::
-
+    Example:
+        ```python
         report = vartrace.compare("a.h5", "b.h5")
         report.ok                  # True when every compared record is within tolerance
         report.first_divergence    # Divergence(site, iteration, rank) or None
         report.only_in_a, report.only_in_b
         df = report.to_frame()     # one row per record pair
         report.to_csv("diff.csv")
+        ```
 
     Attributes:
         ok: every compared record has matching shapes, is within tolerance,
             and has a partner in the other run.
         first_divergence: the earliest differing record in execution order
-            (iteration, then capture order), or ``None``.
+            (iteration, then capture order), or `None`.
         only_in_a / only_in_b: sites present in one run only.
-        sites: a :class:`SiteSummary` per compared site, in execution order.
+        sites: a `SiteSummary` per compared site, in execution order.
         atol / rtol: the tolerances used.
     """
 
@@ -173,18 +174,18 @@ class Comparison:
         )
 
     def rows(self) -> Iterator[dict[str, Any]]:
-        """Yield one dict per row, keys as in :data:`COLUMNS`."""
+        """Yield one dict per row, keys as in `COLUMNS`."""
         cols = [self._columns[name] for name in COLUMNS]
         for values in zip(*cols, strict=True):
             yield dict(zip(COLUMNS, values, strict=True))
 
     def to_frame(self) -> Any:
-        """A pandas DataFrame with one row per record pair (columns :data:`COLUMNS`).
+        """A pandas DataFrame with one row per record pair (columns `COLUMNS`).
 
-        ``*_diff`` columns are ``a - b``; ``dtype_match`` is ``False`` where the two
-        records' dtypes differ (``dtype_a``, ``dtype_b``: ``float32`` against
-        ``bfloat16``); a record present in one run only has ``status``
-        ``"only in a"``/``"only in b"``, NaN statistics and ``False`` matches.
+        `*_diff` columns are `a - b`; `dtype_match` is `False` where the two
+        records' dtypes differ (`dtype_a`, `dtype_b`: `float32` against
+        `bfloat16`); a record present in one run only has `status`
+        `"only in a"`/`"only in b"`, NaN statistics and `False` matches.
         """
         try:
             import pandas as pd
@@ -195,7 +196,7 @@ class Comparison:
         return pd.DataFrame(self._columns, columns=list(COLUMNS))
 
     def to_csv(self, path: str | os.PathLike[str]) -> Path:
-        """Write one row per record pair to ``path`` (works without pandas); return the path."""
+        """Write one row per record pair to `path` (works without pandas); return the path."""
         path = Path(path)
         with path.open("w", newline="") as f:
             writer = csv.writer(f)
@@ -208,7 +209,7 @@ class Comparison:
         return "\n".join(self.lines())
 
     def lines(self) -> list[str]:
-        """The readable report, line by line (``str(report)`` joins them): a site name
+        """The readable report, line by line (`str(report)` joins them): a site name
         holding a newline stays on its line."""
         header = (
             "site",
@@ -275,7 +276,7 @@ def _csv_value(value: Any) -> Any:
 def table(
     header: Sequence[str], body: Sequence[Sequence[str]], right: Sequence[int] = ()
 ) -> list[str]:
-    """Align columns: left-justified text, right-justified numbers (column indices ``right``)."""
+    """Align columns: left-justified text, right-justified numbers (column indices `right`)."""
     widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
 
     def line(row: Sequence[str]) -> str:
