@@ -1,13 +1,14 @@
 """Recording values by hand, from anywhere, into every active tracer.
 
-Example::
-
+Example:
+    ```python
     import vartrace
 
     def my_loss(logits, target):
         loss = F.cross_entropy(logits, target)
         vartrace.record("loss.value", loss)   # no-op when no tracer is active
         return loss
+    ```
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ _sinks: list[Callable[[str, Any], None]] = []
 
 
 def record(name: str, value: Any) -> None:
-    """Record ``value`` under the site ``name`` in every active tracer.
+    """Record `value` under the site `name` in every active tracer.
 
-    Nested structures are split into leaf sites (``name.0``, ``name.key``)
+    Nested structures are split into leaf sites (`name.0`, `name.key`)
     as for captured variables.  Near-free when no tracer is active.
     """
     if _sinks:
@@ -51,6 +52,6 @@ def subscribe(sink: Callable[[str, Any], None]) -> None:
 
 
 def unsubscribe(sink: Callable[[str, Any], None]) -> None:
-    """Remove a sink added by :func:`subscribe`."""
+    """Remove a sink added by `subscribe`."""
     if sink in _sinks:
         _sinks.remove(sink)
