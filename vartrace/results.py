@@ -1,10 +1,10 @@
 """The records a tracer keeps in memory, accumulated chunk by chunk.
 
 Each gather hands over what the post-gather callbacks left of a chunk;
-:class:`Results` keeps those pieces per site and joins them the first
+[`Results`][vartrace.Results] keeps those pieces per site and joins them the first
 time a site is read: lists of records are concatenated, stacked tensors
 are concatenated along the record dimension (zero-padded to the largest
-shape, with ``shapes`` keeping the true ones).
+shape, with `shapes` keeping the true ones).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ def _pad_cat(stacks: list[torch.Tensor]) -> torch.Tensor:
 
 
 def join_traces(pieces: list[Trace]) -> Trace:
-    """One trace holding the records of ``pieces``, in order.
+    """One trace holding the records of `pieces`, in order.
 
     Stacked pieces of one dtype, dimensionality and device stay stacked
-    (zero-padded to the largest record, with ``shapes`` keeping the true
+    (zero-padded to the largest record, with `shapes` keeping the true
     ones where padding happened, and int64 tag tensors); anything else
     becomes a list of exact-shape records with int tags.
     """
@@ -66,7 +66,7 @@ def join_traces(pieces: list[Trace]) -> Trace:
 
 
 def unstacked(pieces: list[Trace]) -> Trace:
-    """One trace holding the records of ``pieces`` in order, as a list with int tags.
+    """One trace holding the records of `pieces` in order, as a list with int tags.
 
     The form captures append to: a chunk a callback stacked goes back to it so.
     """
@@ -76,19 +76,20 @@ def unstacked(pieces: list[Trace]) -> Trace:
 
 
 class Results(Mapping[str, Trace]):
-    """Site name -> :class:`~vartrace.trace.Trace` of everything kept in memory.
+    """Site name -> [`Trace`][vartrace.Trace] of everything kept in memory.
 
-    Example::
-
+    Example:
+        ```python
         scores = tracer.results["layers.0.attn.forward.scores"]
         scores.values[0].shape, scores.iterations[:3]
+        ```
     """
 
     def __init__(self) -> None:
         self._pieces: dict[str, list[Trace]] = {}
 
     def add(self, name: str, trace: Trace) -> None:
-        """Keep the records of one chunk of site ``name``."""
+        """Keep the records of one chunk of site `name`."""
         if len(trace):
             self._pieces.setdefault(name, []).append(trace)
 
@@ -110,12 +111,14 @@ class Results(Mapping[str, Trace]):
     def to_frame(self, stat: str | Callable[[Any], Any] = "mean") -> Any:
         """A pandas DataFrame with one row per record and a statistic column.
 
-        The same columns as ``vartrace.open(path).to_frame()``: site,
-        iteration, rank, order, shape, dtype and ``stat`` (a name such as
-        ``"mean"``, ``"std"``, ``"norm"``, or a callable)::
+        The same columns as `vartrace.open(path).to_frame()`: site,
+        iteration, rank, order, shape, dtype and `stat` (a name such as
+        `"mean"`, `"std"`, `"norm"`, or a callable):
 
-            df = tracer.results.to_frame(stat="std")
-            df.groupby("site")["std"].max()
+        ```python
+        df = tracer.results.to_frame(stat="std")
+        df.groupby("site")["std"].max()
+        ```
         """
         from vartrace.sources import results_frame
 
