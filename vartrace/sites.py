@@ -1,9 +1,9 @@
 """Resolving patterns against a model: which methods of which modules to patch.
 
-Everything here is static: module paths come from ``named_modules()``,
-methods from each module's class (below ``torch.nn.Module``), variables
+Everything here is static: module paths come from `named_modules()`,
+methods from each module's class (below `torch.nn.Module`), variables
 from each method's code object.  A tracer resolves its patterns into
-:class:`Target` objects before the first step, so a malformed or
+`Target` objects before the first step, so a malformed or
 non-matching pattern fails at once, naming the pattern and the nearest
 existing sites.
 """
@@ -69,11 +69,12 @@ register_container(nn.Module, _module_children)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside DDP / DataParallel / FSDP / ``torch.compile`` wrappers.
+    """The user's model inside DDP / DataParallel / FSDP / `torch.compile` wrappers.
 
-    Example::
-
+    Example:
+        ```python
         unwrap(DistributedDataParallel(net)) is net   # True
+        ```
     """
     while True:
         if type(model).__name__ in _WRAPPER_NAMES and isinstance(
@@ -89,7 +90,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 def _without_scripted(
     modules: list[tuple[str, nn.Module]],
 ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
-    """``modules`` without the ``torch.jit`` script or traced modules and what lies below
+    """`modules` without the `torch.jit` script or traced modules and what lies below
     them (their code runs in TorchScript, outside Python), and those modules themselves."""
     kept: list[tuple[str, nn.Module]] = []
     scripted: list[tuple[str, nn.Module]] = []
@@ -101,7 +102,7 @@ def _without_scripted(
 
 
 def _scripted_refusal(pattern: Pattern, scripted: list[tuple[str, nn.Module]]) -> str | None:
-    """Why ``pattern`` cannot be traced, if it names a site inside a scripted module."""
+    """Why `pattern` cannot be traced, if it names a site inside a scripted module."""
     for path, module in scripted:
         states = pattern.start
         for segment in path.split(".") if path else ():
@@ -119,15 +120,15 @@ def _scripted_refusal(pattern: Pattern, scripted: list[tuple[str, nn.Module]]) -
 
 
 def is_compiled(model: nn.Module) -> bool:
-    """Whether ``model`` or one of its submodules runs under ``torch.compile``."""
+    """Whether `model` or one of its submodules runs under `torch.compile`."""
     if isinstance(getattr(model, "_orig_mod", None), nn.Module):
         return True
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in unwrap(model).modules())
 
 
 def _fullgraph(compiled: Any) -> bool:
-    """Whether ``compiled`` (an ``OptimizedModule`` or a ``torch.compile``d function) was
-    compiled with ``fullgraph=True``: its Dynamo context says so."""
+    """Whether `compiled` (an `OptimizedModule` or a `torch.compile`d function) was
+    compiled with `fullgraph=True`: its Dynamo context says so."""
     context = getattr(compiled, "dynamo_ctx", None)
     if context is None and callable(compiled):
         for cell in getattr(compiled, "__closure__", None) or ():
@@ -138,14 +139,15 @@ def _fullgraph(compiled: Any) -> bool:
 
 
 def fullgraph_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules of ``model`` that run under ``torch.compile(..., fullgraph=True)``, by
-    path: compiled in place (``module.compile(fullgraph=True)``) or wrapped and assigned
-    back (``torch.compile(block, fullgraph=True)``: the wrapper's ``_orig_mod``).
+    """The modules of `model` that run under `torch.compile(..., fullgraph=True)`, by
+    path: compiled in place (`module.compile(fullgraph=True)`) or wrapped and assigned
+    back (`torch.compile(block, fullgraph=True)`: the wrapper's `_orig_mod`).
 
-    Example::
-
+    Example:
+        ```python
         model.layers[0].compile(fullgraph=True)
         [path for path, _ in fullgraph_regions(model)]   # ['layers.0']
+        ```
     """
     regions = []
     for path, module in model.named_modules():
@@ -173,13 +175,13 @@ def _has_forward(module: nn.Module) -> bool:
 
 _INDICES = frozenset(str(i) for i in range(8))
 Keys = frozenset[str] | None
-"""The keys a returned value can have, or ``None`` where only the run can tell."""
+"""The keys a returned value can have, or `None` where only the run can tell."""
 
 
 @cache
 def _tensor_keys() -> frozenset[str]:
     """What a pattern may name below what a torch function returns: an index, a field of
-    torch's named result tuples (``values``, ``indices``), a tensor attribute (``shape``)."""
+    torch's named result tuples (`values`, `indices`), a tensor attribute (`shape`)."""
     fields = {
         name
         for kind in vars(torch.return_types).values()
@@ -197,7 +199,7 @@ def _tensor_keys() -> frozenset[str]:
 @cache
 def _tensor_methods() -> frozenset[str]:
     """Tensor methods that no container, str or module has: called on a local value
-    (``x.softmax(-1)``), they return a tensor."""
+    (`x.softmax(-1)`), they return a tensor."""
     others = {*dir(dict), *dir(list), *dir(tuple), *dir(str), *dir(nn.Module)}
     return frozenset(
         name
@@ -212,8 +214,8 @@ def _from_torch(value: object) -> bool:
 
 
 def _returns_tensors(function: FunctionType) -> bool:
-    """Whether ``function``'s return annotation says tensors: a tensor, ``None``, or a
-    tuple, list or union of those (not ``Any``: ``torch.func.functional_call``)."""
+    """Whether `function`'s return annotation says tensors: a tensor, `None`, or a
+    tuple, list or union of those (not `Any`: `torch.func.functional_call`)."""
     try:
         hint = typing.get_type_hints(function).get("return", Any)
     except Exception:  # an unresolvable annotation says nothing
@@ -240,10 +242,10 @@ def _fields(cls: type) -> frozenset[str]:
 
 
 class _ReturnKeys:
-    """Follows the calls a method returns (``return self.proj(h)``) to the keys the result
+    """Follows the calls a method returns (`return self.proj(h)`) to the keys the result
     can have: a submodule's own return keys, a function's, a dataclass's fields; torch
-    functions and tensor methods return tensors.  ``None`` where only the run can tell
-    (a wrapper's ``self.model(*args, **kwargs)`` through a hook, a local function)."""
+    functions and tensor methods return tensors.  `None` where only the run can tell
+    (a wrapper's `self.model(*args, **kwargs)` through a hook, a local function)."""
 
     _DEPTH = 24
 
@@ -252,7 +254,7 @@ class _ReturnKeys:
         self._busy: set[tuple[int, object]] = set()
 
     def of_method(self, module: nn.Module | None, info: MethodInfo) -> Keys:
-        """The keys of what ``info`` (a method of ``module``, or a function) returns."""
+        """The keys of what `info` (a method of `module`, or a function) returns."""
         if info.annotated or info.function is None:
             return info.return_keys
         key = (id(module), info.code)
@@ -271,8 +273,8 @@ class _ReturnKeys:
         return found
 
     def of_module(self, module: nn.Module) -> Keys:
-        """The keys of what calling ``module`` returns (its forward, unless a hook, an
-        instance attribute or a ``__call__`` of its class may change it)."""
+        """The keys of what calling `module` returns (its forward, unless a hook, an
+        instance attribute or a `__call__` of its class may change it)."""
         if (
             module._forward_hooks
             or _global_forward_hooks
@@ -333,8 +335,8 @@ class _ReturnKeys:
         return None
 
     def _of_target(self, target: object, keywords: bool, owner: nn.Module | None = None) -> Keys:
-        """The keys of what calling ``target`` returns (``keywords``: with keyword names
-        only); ``owner`` is the module a method of its own is bound to."""
+        """The keys of what calling `target` returns (`keywords`: with keyword names
+        only); `owner` is the module a method of its own is bound to."""
         if isinstance(target, type):
             fields = _fields(target)
             if fields:
@@ -361,7 +363,7 @@ class _ReturnKeys:
 
 
 def _walk(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
-    """The submodule ``module.<names...>``, or ``None`` where a name is no submodule."""
+    """The submodule `module.<names...>`, or `None` where a name is no submodule."""
     for name in names:
         found = module._modules.get(name)
         if found is None:
@@ -373,7 +375,7 @@ def _walk(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
 @dataclass(frozen=True)
 class _CheckedReturn(Selector):
     """A key below a return value that only the run can tell (a wrapper's
-    ``self.model(*args, **kwargs)``): at the method's first return, a key absent from the
+    `self.model(*args, **kwargs)`): at the method's first return, a key absent from the
     value warns right then, naming the value's type, its keys and the closest ones."""
 
     first: list[bool] = field(default_factory=lambda: [True], compare=False, repr=False)
@@ -395,8 +397,8 @@ def _comma_hint(text: str) -> str:
 
 
 def _check_keys(selector: Selector, value: Any) -> bool:
-    """Warn (and return ``True``) when the key that ``selector`` names next is not in
-    ``value``."""
+    """Warn (and return `True`) when the key that `selector` names next is not in
+    `value`."""
     wanted = sorted(selector.pattern.literal_next(selector.states))
     if not wanted or next(select(value, selector.pattern, selector.states, selector.site), None):
         return False
@@ -422,11 +424,11 @@ def _check_keys(selector: Selector, value: Any) -> bool:
 
 
 class _Claims:
-    """Which site first captured each tensor, for the selectors of one ``**`` pattern.
+    """Which site first captured each tensor, for the selectors of one `**` pattern.
 
     A tensor handed up through return values (a router's logits, returned by its
     layer, collected in the model's output, in the output of the model around it)
-    matches ``**.router_logits`` at every level: it is stored once, under the site
+    matches `**.router_logits` at every level: it is stored once, under the site
     that captured it first (where it was computed), until it changes in place.
     """
 
@@ -434,7 +436,7 @@ class _Claims:
         self._held: dict[int, tuple[weakref.ref[torch.Tensor], str, int]] = {}
 
     def admit(self, sink: Sink, name: str, leaf: Any, grad: bool) -> None:
-        """Pass ``leaf`` on to ``sink`` unless another site holds the same tensor, unchanged."""
+        """Pass `leaf` on to `sink` unless another site holds the same tensor, unchanged."""
         if isinstance(leaf, torch.Tensor):
             try:
                 version = leaf._version
@@ -456,8 +458,8 @@ class _Claims:
 
 @dataclass(frozen=True)
 class _FirstSite(Selector):
-    """A selector of a ``**`` pattern: a tensor that another site of the pattern captured
-    first is not stored again (see :class:`_Claims`)."""
+    """A selector of a `**` pattern: a tensor that another site of the pattern captured
+    first is not stored again (see `_Claims`)."""
 
     claims: _Claims = field(default_factory=_Claims, compare=False, repr=False)
 
@@ -480,9 +482,9 @@ class _CalleeRan(Selector):
 class Target:
     """One method of one module to patch, with what to capture from it.
 
-    ``origins`` maps each pattern's text to the site names of the selectors
+    `origins` maps each pattern's text to the site names of the selectors
     it contributed (a tracer uses it to say which pattern recorded nothing);
-    ``functions`` maps each called function read from (``attn.forward>eager``)
+    `functions` maps each called function read from (`attn.forward>eager`)
     to a selector that notes whether it ever returned.
     """
 
@@ -556,7 +558,7 @@ class _Resolver:
         return states
 
     def _names_key(self, keys: Iterable[str], states: States) -> bool:
-        """Whether one of ``keys`` (a constant, an index, a field) can come next."""
+        """Whether one of `keys` (a constant, an index, a field) can come next."""
         return any(self.pattern.explicit(states, key) for key in keys)
 
     def selections(self) -> Iterator[_Selection]:
@@ -625,7 +627,7 @@ class _Resolver:
             self.refused += [_join(site, k) for k in sorted(returned - _tensor_keys())]
 
     def _typo(self, info: MethodInfo, states: States) -> bool:
-        """Whether the next literal segment looks like a misspelt variable of ``info``."""
+        """Whether the next literal segment looks like a misspelt variable of `info`."""
         return any(
             difflib.get_close_matches(name, info.variables, n=1, cutoff=0.75)
             for name in self.pattern.literal_next(states)
@@ -633,9 +635,9 @@ class _Resolver:
         )
 
     def _parameters(self) -> Iterator[_Selection]:
-        """Parameters and buffers named as ``named_parameters()`` gives them, read through self;
-        a parametrized tensor (``weight`` under ``weight_norm``) as the module that computes
-        it returns it (``wn.parametrizations.weight``), each time the module reads it."""
+        """Parameters and buffers named as `named_parameters()` gives them, read through self;
+        a parametrized tensor (`weight` under `weight_norm`) as the module that computes
+        it returns it (`wn.parametrizations.weight`), each time the module reads it."""
         p = self.pattern
         modules = dict(self.modules)
         for path, module in self.modules:
@@ -675,7 +677,7 @@ class _Resolver:
 def _runs_later(
     method: MethodInfo, callee: MethodInfo | None, variable: str | None, when: str | None
 ) -> str | None:
-    """Why a variable cannot be read: its function is a generator or ``async def``.
+    """Why a variable cannot be read: its function is a generator or `async def`.
 
     Such a function's body runs after the call returned (when the generator is
     iterated, the coroutine awaited), outside the call the tracer brackets;
@@ -697,9 +699,9 @@ def _runs_later(
 def _add(
     target: Target, pattern: Pattern, selection: _Selection, claims: _Claims | None
 ) -> str | None:
-    """Add one selection to ``target``; return an error message for a bad timing.
+    """Add one selection to `target`; return an error message for a bad timing.
 
-    ``claims``, for a ``**`` pattern, stores each tensor under one of its sites.
+    `claims`, for a `**` pattern, stores each tensor under one of its sites.
     """
     variable, states, callee = selection.variable, selection.states, selection.callee
     site = selection.site or _join(target.path, _segment(target.method, callee), variable or "")
@@ -764,14 +766,14 @@ def _add(
 
 
 def _tag_timings(target: Target) -> None:
-    """Give distinct keys to one variable read at two timings (``x`` and ``x@return``).
+    """Give distinct keys to one variable read at two timings (`x` and `x@return`).
 
     The variable's default timing (entry for an argument, return for a
     local; return in a called function) keeps the plain key; the other
-    timing's key ends in ``@entry``, ``@return`` or ``@every``.  Likewise a
+    timing's key ends in `@entry`, `@return` or `@every`.  Likewise a
     key of the return value named like an argument read at entry
-    (``forward.cache``, transformers' cache argument and output field) ends in
-    ``@return``: ``forward.cache`` is the argument, ``forward.cache@return``
+    (`forward.cache`, transformers' cache argument and output field) ends in
+    `@return`: `forward.cache` is the argument, `forward.cache@return`
     the output's.
     """
     lists = {"entry": target.entry, "return": target.exit, "every": target.every}
@@ -807,7 +809,7 @@ def _static_sites(
     """Every static site with the number of its module path segments.
 
     Methods from an installed library's base classes and torch's own helpers
-    are left out unless their name is in ``literal`` (the names a pattern
+    are left out unless their name is in `literal` (the names a pattern
     spells out).
     """
     for path, module in modules:
@@ -827,8 +829,8 @@ def _static_sites(
 
 
 def _parametrized(module: nn.Module) -> list[str]:
-    """The names of ``module``'s parametrized tensors (``torch.nn.utils.parametrize``:
-    ``weight_norm``, ``spectral_norm``...), each computed when read."""
+    """The names of `module`'s parametrized tensors (`torch.nn.utils.parametrize`:
+    `weight_norm`, `spectral_norm`...), each computed when read."""
     if not torch.nn.utils.parametrize.is_parametrized(module):
         return []
     return list(typing.cast(nn.ModuleDict, module.parametrizations))
@@ -838,7 +840,7 @@ def _parameter_sites(
     model: nn.Module, scripted: list[tuple[str, nn.Module]]
 ) -> Iterator[tuple[str, int]]:
     """Parameter and buffer sites, then parametrized tensors, but those of scripted modules
-    (listed in ``scripted``)."""
+    (listed in `scripted`)."""
     parametrized = [
         _join(path, name)
         for path, module in model.named_modules()
@@ -850,9 +852,9 @@ def _parameter_sites(
 
 
 def _parametrized_names(pattern: Pattern, modules: dict[str, nn.Module]) -> list[str]:
-    """For a name that extends a parametrized tensor's (``wn.weight_g``, as the older
-    ``torch.nn.utils.weight_norm`` named its parts): the tensor and the parameters it is
-    computed from (``wn.weight``, ``wn.parametrizations.weight.original0``...)."""
+    """For a name that extends a parametrized tensor's (`wn.weight_g`, as the older
+    `torch.nn.utils.weight_norm` named its parts): the tensor and the parameters it is
+    computed from (`wn.weight`, `wn.parametrizations.weight.original0`...)."""
     *owner, last = pattern.segments
     path = ".".join(owner)
     module = modules.get(path)
@@ -873,8 +875,8 @@ def _closest(
     scripted: list[tuple[str, nn.Module]],
     keys: Sequence[str] = (),
 ) -> list[str]:
-    """The existing sites nearest to ``pattern`` (none inside the ``scripted`` modules);
-    ``keys`` adds sites of keys below return values that the resolver found while
+    """The existing sites nearest to `pattern` (none inside the `scripted` modules);
+    `keys` adds sites of keys below return values that the resolver found while
     refusing it."""
     body = ".".join(pattern.segments)
     parametrized = _parametrized_names(pattern, dict(modules))
@@ -907,13 +909,13 @@ def _closest(
 
 
 def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -> list[Target]:
-    """Resolve ``patterns`` into the targets to patch on ``model`` (already unwrapped).
+    """Resolve `patterns` into the targets to patch on `model` (already unwrapped).
 
-    Raises ``ValueError`` quoting the pattern when one is malformed or, with
-    ``strict=True``, matches nothing (with ``strict=False`` it warns).  A key
-    below a value a method returns from a call (``return self.proj(h)``)
+    Raises `ValueError` quoting the pattern when one is malformed or, with
+    `strict=True`, matches nothing (with `strict=False` it warns).  A key
+    below a value a method returns from a call (`return self.proj(h)`)
     matches when the callee's result can have it, followed statically; where
-    only the run can tell, or with ``strict=False``, it is checked at the
+    only the run can tell, or with `strict=False`, it is checked at the
     method's first return instead (a missing key warns then).
     """
     if isinstance(patterns, str):
@@ -962,18 +964,20 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
 
 
 def list_sites(model: nn.Module, pattern: str = "**") -> list[str]:
-    """Every capturable site of ``model`` that ``pattern`` matches, in module order.
+    """Every capturable site of `model` that `pattern` matches, in module order.
 
-    Lists module outputs (``encoder.1``), method return values
-    (``encoder.1.forward``), each method's arguments and locals
-    (``encoder.1.forward.x``), the same for the functions each method calls
-    by global name (``attn.forward>eager_attention_forward.attn_weights``),
-    then parameters and buffers (``encoder.1.weight``); keys inside runtime
+    Lists module outputs (`encoder.1`), method return values
+    (`encoder.1.forward`), each method's arguments and locals
+    (`encoder.1.forward.x`), the same for the functions each method calls
+    by global name (`attn.forward>eager_attention_forward.attn_weights`),
+    then parameters and buffers (`encoder.1.weight`); keys inside runtime
     values are not listed, nor methods inherited from an installed library's
-    base classes (name those literally).  Example::
+    base classes (name those literally).  Example:
 
-        >>> vartrace.list_sites(model, "layers.0.attn.forward.*")
-        ['layers.0.attn.forward.x', 'layers.0.attn.forward.q', ...]
+    ```python
+    >>> vartrace.list_sites(model, "layers.0.attn.forward.*")
+    ['layers.0.attn.forward.x', 'layers.0.attn.forward.q', ...]
+    ```
     """
     parsed = parse(pattern)
     root = unwrap(model)
@@ -984,9 +988,9 @@ def list_sites(model: nn.Module, pattern: str = "**") -> list[str]:
 
 
 def _torch_helper(module: nn.Module, name: str) -> bool:
-    """Whether ``name`` is a helper method of torch's own (``_get_abs_string_index`` of a
-    ``ModuleList``, ``reset_parameters``, ``_conv_forward``): a method other than
-    ``forward`` that a class of the ``torch`` package defines.  Wildcards skip them; a
+    """Whether `name` is a helper method of torch's own (`_get_abs_string_index` of a
+    `ModuleList`, `reset_parameters`, `_conv_forward`): a method other than
+    `forward` that a class of the `torch` package defines.  Wildcards skip them; a
     literal name reaches them."""
     return name != "forward" and _defined_by_torch(type(module), name)  # type: ignore[arg-type]
 
@@ -998,12 +1002,13 @@ def _defined_by_torch(cls: type, name: str) -> bool:
 
 
 def sites_of_type(model: nn.Module, *types: type[nn.Module]) -> list[str]:
-    """The paths of the submodules of ``model`` that are instances of ``types``.
+    """The paths of the submodules of `model` that are instances of `types`.
 
-    Example::
-
+    Example:
+        ```python
         >>> vartrace.sites_of_type(model, nn.LayerNorm)
         ['layers.0.norm1', 'layers.0.norm2', ...]
+        ```
     """
     if not types:
         raise TypeError("sites_of_type() needs at least one module class")
