@@ -1,26 +1,26 @@
 """Statistics mode: a few float64 numbers per record, computed where the tensor lives.
 
-:func:`stats` makes a pre-save reducer.  For each tensor (or numpy array) record it
+[`stats`][vartrace.stats] makes a pre-save reducer.  For each tensor (or numpy array) record it
 computes, on the tensor's own device and in float64 (one fused op,
-:func:`vartrace.statistics.summary`), the statistics of
-:data:`~vartrace.sources.statistics.SUMMARY_FIELDS` (count, mean, std, min, max,
+`vartrace.statistics.summary`), the statistics of
+`SUMMARY_FIELDS` (count, mean, std, min, max,
 absmax, L2 norm over the finite values; counts of NaN, +inf, -inf and exact
-zeros), optionally a histogram of the exponents ``floor(log2|x|)`` of the finite
+zeros), optionally a histogram of the exponents `floor(log2|x|)` of the finite
 non-zero values and quantiles of a fixed strided sample.  The record becomes one
 small float64 tensor, so an accelerator's records leave the device
 asynchronously like any other (tens of bytes instead of the tensor), and the
-step never waits: no ``.item()``, no op whose output size depends on the data,
+step never waits: no `.item()`, no op whose output size depends on the data,
 autocast off.  Values of other types (ints, strings, None) pass unchanged.
 
 The record tensor describes itself: its first element is a NaN whose payload
-names the layout (:func:`is_statistics`), so in-memory results, gathers and the
+names the layout (`is_statistics`), so in-memory results, gathers and the
 file writer all recognise it.  The file stores each statistics record as one
 row of a compound dataset whose fields are the statistic names
-(:func:`record_dtype`); reading it back (``Site.get``, ``Site.record``) gives a
-:class:`Statistics` mapping, and ``Site.values["absmax"]`` the column.
+(`record_dtype`); reading it back (`Site.get`, `Site.record`) gives a
+[`Statistics`][vartrace.Statistics] mapping, and `Site.values["absmax"]` the column.
 
-Example::
-
+Example:
+    ```python
     import vartrace
 
     with vartrace.H5PYSaverCallback("stats.h5") as saver, vartrace.ModelTracer(
@@ -33,6 +33,7 @@ Example::
     with vartrace.open("stats.h5") as run:
         run["blocks.3.forward"].values["absmax"]     # one float per step
         run.to_frame("absmax")
+    ```
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ _UINT = struct.Struct("<Q")
 class Layout(NamedTuple):
     """What a statistics record holds besides the summary fields.
 
-    ``bins``: ``(low, high)`` exponent bounds of the log2 histogram or ``None``;
-    ``quantiles``: the probabilities of the sampled quantiles.
+    `bins`: `(low, high)` exponent bounds of the log2 histogram or `None`;
+    `quantiles`: the probabilities of the sampled quantiles.
     """
 
     bins: tuple[int, int] | None
@@ -95,7 +96,7 @@ class Layout(NamedTuple):
 
     @property
     def bin_names(self) -> list[str]:
-        """Names of the histogram fields: ``log2|x|<=L``, ``log2|x|=e``..., ``log2|x|>=H``."""
+        """Names of the histogram fields: `log2|x|<=L`, `log2|x|=e`..., `log2|x|>=H`."""
         if self.bins is None:
             return []
         low, high = self.bins
@@ -106,7 +107,7 @@ class Layout(NamedTuple):
 
     @property
     def fields(self) -> list[str]:
-        """The stored fields, in order: summary, histogram bins, ``q<p>`` quantiles."""
+        """The stored fields, in order: summary, histogram bins, `q<p>` quantiles."""
         return [*SUMMARY_FIELDS, *self.bin_names, *(f"q{q:g}" for q in self.quantiles)]
 
 
@@ -115,7 +116,7 @@ def _bits(value: float) -> int:
 
 
 def layout_of(header: float) -> Layout | None:
-    """The layout named by a record's first element, or ``None`` when it names none."""
+    """The layout named by a record's first element, or `None` when it names none."""
     bits = _bits(header)
     if bits & _TAG_MASK != _TAG:
         return None
@@ -138,22 +139,24 @@ def _layout_of_record(values: np.ndarray) -> Layout | None:
 
 
 def is_statistics(value: Any) -> bool:
-    """Whether ``value`` is a statistics record made by :func:`stats` (a tensor or array).
+    """Whether `value` is a statistics record made by [`stats`][vartrace.stats] (a tensor or array).
 
-    Example::
-
+    Example:
+        ```python
         is_statistics(vartrace.stats()("x", torch.ones(3), 1))   # True
+        ```
     """
     array = _host_array(value)
     return array is not None and _layout_of_record(array) is not None
 
 
 def as_statistics(value: Any) -> Statistics | None:
-    """``value`` as a :class:`Statistics` (read back, or a record in memory), else ``None``.
+    """`value` as a `Statistics` (read back, or a record in memory), else `None`.
 
-    Example::
-
+    Example:
+        ```python
         as_statistics(run["blocks.0.forward"].get(3))["absmax"]
+        ```
     """
     if isinstance(value, Statistics):
         return value
@@ -174,13 +177,13 @@ def _host_array(value: Any) -> np.ndarray | None:
 
 
 def record_dtype(layout: Layout) -> np.dtype:
-    """The compound dtype a file stores a record of ``layout`` as: counts int64, else float64."""
+    """The compound dtype a file stores a record of `layout` as: counts int64, else float64."""
     counts = set(COUNTS) | set(layout.bin_names)
     return np.dtype([(f, np.int64 if f in counts else np.float64) for f in layout.fields])
 
 
 def to_compound(values: np.ndarray) -> np.ndarray | None:
-    """A statistics record (1-D float64 array) as a 0-d compound array; ``None`` otherwise."""
+    """A statistics record (1-D float64 array) as a 0-d compound array; `None` otherwise."""
     layout = _layout_of_record(values)
     if layout is None:
         return None
@@ -196,14 +199,15 @@ def to_compound(values: np.ndarray) -> np.ndarray | None:
 class Statistics(Mapping[str, float]):
     """One statistics record read back: a read-only mapping statistic name -> number.
 
-    Counts are ints, the rest floats.  :attr:`histogram` gives the log2
-    histogram as ``{exponent: count}`` (the first and last bins also hold
-    what lies beyond), :attr:`quantiles` ``{probability: value}``.
+    Counts are ints, the rest floats.  [`histogram`][vartrace.Statistics.histogram] gives the log2
+    histogram as `{exponent: count}` (the first and last bins also hold
+    what lies beyond), [`quantiles`][vartrace.Statistics.quantiles] `{probability: value}`.
 
-    Example::
-
+    Example:
+        ```python
         s = run["blocks.0.forward"].get(iteration=5)
         s["absmax"], s["nan"], s.quantiles
+        ```
     """
 
     __slots__ = ("_row",)
@@ -213,16 +217,16 @@ class Statistics(Mapping[str, float]):
 
     @classmethod
     def of(cls, record: Any) -> Statistics:
-        """The statistics of an in-memory record (a tensor made by :func:`stats`)."""
+        """The statistics of an in-memory record (a tensor made by [`stats`][vartrace.stats])."""
         statistics = as_statistics(record)
         if statistics is None:
             raise ValueError(f"not a statistics record: {type(record).__name__}")
         return statistics
 
     def statistic(self, name: str) -> float:
-        """One statistic as a float: a stored field, ``var`` from ``std``, else NaN.
+        """One statistic as a float: a stored field, `var` from `std`, else NaN.
 
-        Example: ``s.statistic("var") == s["std"] ** 2``.
+        Example: `s.statistic("var") == s["std"] ** 2`.
         """
         if name in (self._row.dtype.names or ()):
             return float(self._row[name])
@@ -237,7 +241,8 @@ class Statistics(Mapping[str, float]):
 
     @property
     def row(self) -> np.ndarray:
-        """The record as the file stores it: a 0-d array of the compound :attr:`dtype`."""
+        """The record as the file stores it: a 0-d array of the compound
+        [`dtype`][vartrace.Statistics.dtype]."""
         return self._row
 
     def __getitem__(self, name: str) -> Any:
@@ -261,7 +266,7 @@ class Statistics(Mapping[str, float]):
 
     @property
     def histogram(self) -> dict[int, int]:
-        """``{exponent: count}`` of ``floor(log2|x|)`` over finite non-zero values."""
+        """`{exponent: count}` of `floor(log2|x|)` over finite non-zero values."""
         out = {}
         for name in self:
             if name.startswith("log2|x|"):
@@ -270,7 +275,7 @@ class Statistics(Mapping[str, float]):
 
     @property
     def quantiles(self) -> dict[float, float]:
-        """``{probability: value}`` of the sampled quantiles."""
+        """`{probability: value}` of the sampled quantiles."""
         return {float(name[1:]): self[name] for name in self if name.startswith("q")}
 
     def __repr__(self) -> str:
@@ -279,7 +284,7 @@ class Statistics(Mapping[str, float]):
 
 
 class StatsReducer:
-    """The pre-save callback made by :func:`stats` (see there)."""
+    """The pre-save callback made by [`stats`][vartrace.stats] (see there)."""
 
     #: Its records are new tensors that nothing else holds or writes: asynchronous
     #: staging takes them as they are, without a clone of its own.
@@ -377,7 +382,7 @@ class StatsReducer:
 
     def _tensor(self, tensor: Any) -> Any:
         """The record of a tensor on its device: header and summary by ONE op
-        (:func:`vartrace.statistics.summary`) when no histogram or quantiles are asked for."""
+        (`vartrace.statistics.summary`) when no histogram or quantiles are asked for."""
         import torch
 
         device = tensor.device
@@ -393,7 +398,7 @@ class StatsReducer:
             return torch.cat(parts)
 
     def _device_extras(self, x: Any, probabilities: Any) -> list[Any]:
-        """The histogram and quantile parts of a record of float64 values ``x`` (torch)."""
+        """The histogram and quantile parts of a record of float64 values `x` (torch)."""
         import torch
 
         parts = []
@@ -419,7 +424,7 @@ class StatsReducer:
         return parts
 
     def _constant(self, device: Any) -> tuple[Any, Any]:
-        """The header and the quantile probabilities on ``device``, copied there once."""
+        """The header and the quantile probabilities on `device`, copied there once."""
         constants = self._constants.get(device)
         if constants is None:
             import torch
@@ -431,7 +436,7 @@ class StatsReducer:
 
 
 def _positions(count: Any, probabilities: Any) -> tuple[Any, Any, Any]:
-    """Linear-interpolation quantiles of ``count`` sorted finite values (numpy or torch arrays):
+    """Linear-interpolation quantiles of `count` sorted finite values (numpy or torch arrays):
     the positions below and above each probability and the weight of the upper one."""
     position = probabilities * (count - 1)
     low = (position // 1).clip(0, None)
@@ -446,7 +451,7 @@ _NUMPY_DTYPES = frozenset(
 
 
 def _step(size: int, reducer: StatsReducer) -> int:
-    """Stride of the quantile sample: at most ``reducer.sample`` values, evenly spread."""
+    """Stride of the quantile sample: at most `reducer.sample` values, evenly spread."""
     return max(1, -(-size // reducer.sample))
 
 
@@ -485,30 +490,31 @@ def stats(
 ) -> StatsReducer:
     """A pre-save reducer that turns each tensor record into its float64 statistics.
 
-    Per record, on the tensor's own device: ``count`` (elements), ``mean``,
-    ``std`` (population), ``min``, ``max``, ``absmax`` and ``norm`` (L2) over
-    the finite values, and the counts ``nan``, ``posinf``, ``neginf`` and
-    ``zeros``; non-finite values are counted, never poisoning the others.
+    Per record, on the tensor's own device: `count` (elements), `mean`,
+    `std` (population), `min`, `max`, `absmax` and `norm` (L2) over
+    the finite values, and the counts `nan`, `posinf`, `neginf` and
+    `zeros`; non-finite values are counted, never poisoning the others.
     Every value is upcast exactly to float64 (bfloat16, float16, float8, ints), a block at
-    a time: the summary is one op per record (:func:`vartrace.statistics.summary`), one
+    a time: the summary is one op per record (`vartrace.statistics.summary`), one
     read of the tensor without a float64 copy of it; a histogram or quantiles add an
     eager pass over a float64 copy.
 
     Args:
-        histogram: ``True`` adds a histogram of ``floor(log2|x|)`` over the
+        histogram: `True` adds a histogram of `floor(log2|x|)` over the
             finite non-zero values, one bin per exponent from -32 to 32 (the
-            end bins also count what lies beyond); ``(low, high)`` picks the
-            bounds (e.g. ``(-10, 9)`` for float8 e4m3).
+            end bins also count what lies beyond); `(low, high)` picks the
+            bounds (e.g. `(-10, 9)` for float8 e4m3).
         quantiles: probabilities in [0, 1] whose quantiles (linear
             interpolation, over finite values) are taken on a strided sample
-            of at most ``sample`` elements.
-        sites: glob patterns of the site names to reduce (``"**@grad"`` is
-            ``"*@grad"`` here: fnmatch over the whole name); the other sites'
+            of at most `sample` elements.
+        sites: glob patterns of the site names to reduce (`"**@grad"` is
+            `"*@grad"` here: fnmatch over the whole name); the other sites'
             records are kept whole.  Default: every site.
 
-    Example::
-
+    Example:
+        ```python
         tracer = ModelTracer(model, ["**.forward", "**@grad"],
                              pre_save_callbacks=[vartrace.stats(histogram=True)])
+        ```
     """
     return StatsReducer(histogram, quantiles, sample, sites)
