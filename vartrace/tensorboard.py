@@ -1,20 +1,20 @@
 """TensorBoard: each site's statistics (scalars) and histograms, per iteration.
 
-:class:`TensorBoardCallback` is a post-gather callback that writes while the run goes
-(TensorBoard shows it live); :func:`export_run` (``vartrace tensorboard RUN --logdir DIR``)
+`TensorBoardCallback` is a post-gather callback that writes while the run goes
+(TensorBoard shows it live); `export_run` (`vartrace tensorboard RUN --logdir DIR`)
 writes a finished run's file the same way.  Scalars are the statistics
-:data:`vartrace.sources.statistics.STATS` defines (``mean``, ``std``, ``min``, ``max``,
-``absmax`` over the finite values; ``nan``, ``posinf``, ``neginf`` count the values left
-out), tagged ``<site>/<statistic>``; a histogram of the finite values is tagged
-``<site>``.  A scalar record (a 0-d tensor such as a loss, or a number) is one series,
-its value, tagged ``<site>``.  The step is the record's iteration.  A statistics-mode record
-(:func:`vartrace.stats`) is written as the statistics it holds.  With several ranks, tags
-end in ``/rank<r>``.  Records that are not numeric (strings, None, objects) are skipped.
+`vartrace.sources.statistics.STATS` defines (`mean`, `std`, `min`, `max`,
+`absmax` over the finite values; `nan`, `posinf`, `neginf` count the values left
+out), tagged `<site>/<statistic>`; a histogram of the finite values is tagged
+`<site>`.  A scalar record (a 0-d tensor such as a loss, or a number) is one series,
+its value, tagged `<site>`.  The step is the record's iteration.  A statistics-mode record
+(`vartrace.stats`) is written as the statistics it holds.  With several ranks, tags
+end in `/rank<r>`.  Records that are not numeric (strings, None, objects) are skipped.
 
-Needs TensorBoard: ``pip install 'torch-vartrace[tensorboard]'``.
+Needs TensorBoard: `pip install 'torch-vartrace[tensorboard]'`.
 
-Example::
-
+Example:
+    ```python
     from vartrace import H5PYSaverCallback, ModelTracer, TensorBoardCallback
 
     with (
@@ -25,6 +25,7 @@ Example::
     ):
         train(model)
     # tensorboard --logdir runs
+    ```
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ _HINT = "pip install 'torch-vartrace[tensorboard]'"
 
 
 def _summary_writer() -> Any:
-    """torch's ``SummaryWriter`` class, or ``ImportError`` naming the extra to install."""
+    """torch's `SummaryWriter` class, or `ImportError` naming the extra to install."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
@@ -61,7 +62,7 @@ def _summary_writer() -> Any:
 
 
 def _magnitudes(value: Any) -> np.ndarray | None:
-    """The record as a float64 array of its shape (complex values by magnitude), or ``None``."""
+    """The record as a float64 array of its shape (complex values by magnitude), or `None`."""
     array = value_as_array(value)
     if array is None:
         return None
@@ -74,27 +75,28 @@ class TensorBoardCallback:
     """A post-gather callback writing each record's statistics and histogram to TensorBoard
     (a scalar record: its value).
 
-    Put it before an ``H5PYSaverCallback`` in ``post_gather_callbacks``: the saver
+    Put it before an `H5PYSaverCallback` in `post_gather_callbacks`: the saver
     empties each chunk it writes.  It leaves the chunk as it is.  The event file is
     created at the first record (on rank 0 only, where post-gather callbacks run), and
     flushed after each gather, so TensorBoard follows the run.
 
-    Example::
-
+    Example:
+        ```python
         board = TensorBoardCallback("runs/exp1", stats=("mean", "absmax"))
         with ModelTracer(model, ["**.scores"], post_gather_callbacks=[board]):
             train(model)
         board.close()
+        ```
 
     Args:
-        logdir: the folder of the event files (``tensorboard --logdir`` its parent to
+        logdir: the folder of the event files (`tensorboard --logdir` its parent to
             compare runs).
-        stats: statistic names of :data:`vartrace.sources.statistics.STATS` written as
+        stats: statistic names of `vartrace.sources.statistics.STATS` written as
             scalars (for records with at least one dimension: a scalar record is written
             as its value).
         histograms: also write a histogram of each record's finite values (it reads
             every element: turn it off for very large records).
-        per_rank: tag by rank (``<tag>/rank<r>``); ``None``: when the run has more
+        per_rank: tag by rank (`<tag>/rank<r>`); `None`: when the run has more
             than one rank.
     """
 
@@ -123,18 +125,18 @@ class TensorBoardCallback:
             self.per_rank = context.world_size > 1
 
     def __call__(self, name: str, trace: Trace) -> None:
-        """Write the statistics and histogram of every record of ``trace`` (left as is)."""
+        """Write the statistics and histogram of every record of `trace` (left as is)."""
         for value, iteration, rank in zip(
             trace.records(), trace.iterations, trace.ranks, strict=True
         ):
             self.write(name, value, int(iteration), int(rank))
 
     def write(self, name: str, value: Any, iteration: int, rank: int = 0) -> bool:
-        """Write one record of site ``name`` at step ``iteration``; ``False`` if it is not
+        """Write one record of site `name` at step `iteration`; `False` if it is not
         numeric (nothing written).  A 0-d record or a number is written as its value,
-        tagged ``name``.
+        tagged `name`.
 
-        Example: ``board.write("forward.x", torch.ones(3), iteration=1)``.
+        Example: `board.write("forward.x", torch.ones(3), iteration=1)`.
         """
         statistics = _as_statistics(value)
         array = None if statistics is not None else _magnitudes(value)
@@ -201,15 +203,16 @@ def export_run(
     stats: Sequence[str] = DEFAULT_STATS,
     histograms: bool = True,
 ) -> int:
-    """Write a finished run's records to TensorBoard event files in ``logdir``.
+    """Write a finished run's records to TensorBoard event files in `logdir`.
 
-    Same tags and steps as :class:`TensorBoardCallback`; returns the number of records
-    written.  ``run`` is an open :class:`vartrace.Run` or what :func:`vartrace.open`
-    takes (a file, a glob of shards); ``names`` the sites to write (default: all).
+    Same tags and steps as [`TensorBoardCallback`][vartrace.TensorBoardCallback]; returns
+    the number of records written.  `run` is an open [`vartrace.Run`][] or what
+    [`vartrace.open`][] takes (a file, a glob of shards); `names` the sites to write (default: all).
 
-    Example::
-
+    Example:
+        ```python
         export_run("run.h5", "runs/run")     # then: tensorboard --logdir runs
+        ```
     """
     from vartrace.storage.reader import Run, open_run
 
