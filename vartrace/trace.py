@@ -1,12 +1,12 @@
 """The record container that flows through the callback pipeline.
 
-A :class:`Trace` holds the records of one site: parallel sequences
-``values``, ``iterations``, ``ranks`` and ``order`` (the global capture
+A [`Trace`][vartrace.Trace] holds the records of one site: parallel sequences
+`values`, `iterations`, `ranks` and `order` (the global capture
 order), one entry per record.  While the tracer buffers a chunk these are
-plain lists; stacking callbacks turn ``values`` into one tensor with a
+plain lists; stacking callbacks turn `values` into one tensor with a
 leading record dimension and the tags into 1-D integer tensors.
 
-This module imports no torch: it only needs ``len()`` and slicing of its
+This module imports no torch: it only needs `len()` and slicing of its
 sequences, so the same class serves in-memory results and chunks read
 back from a file.
 """
@@ -27,7 +27,7 @@ __all__ = ["RunContext", "Trace", "TraceLengthError", "report_during"]
 
 
 class TraceLengthError(ValueError):
-    """A callback left ``values``, ``iterations``, ``ranks`` and ``order`` unequal in length."""
+    """A callback left `values`, `iterations`, `ranks` and `order` unequal in length."""
 
 
 #: Per-record tags: a list of ints, or a 1-D integer tensor / array once stacked.
@@ -37,19 +37,20 @@ _Tags: TypeAlias = "Sequence[int] | torch.Tensor | np.ndarray"
 class Trace:
     """The records of one site.
 
-    Example::
-
+    Example:
+        ```python
         trace = tracer.results["layers.0.attn.forward.scores"]
         for value, it, rank in zip(trace.values, trace.iterations, trace.ranks):
             ...
+        ```
 
     Attributes:
         values: the recorded values (a list, or a tensor after stacking).
         iterations: the iteration of each record.
-        ranks: the ``torch.distributed`` rank that captured each record.
+        ranks: the `torch.distributed` rank that captured each record.
         order: the global capture order of each record (monotonic per rank).
-        shapes: the true shape of each record when ``values`` was padded by
-            :func:`~vartrace.stack_padded_tensors`, else ``None``.
+        shapes: the true shape of each record when `values` was padded by
+            [`stack_padded_tensors`][vartrace.stack_padded_tensors], else `None`.
     """
 
     __slots__ = ("iterations", "order", "ranks", "shapes", "values")
@@ -76,12 +77,14 @@ class Trace:
         return f"<Trace records={len(self)} values={kind}>"
 
     def records(self) -> list[Any]:
-        """Each record's value, cut back to its true shape where ``values`` was padded.
+        """Each record's value, cut back to its true shape where `values` was padded.
 
-        Works for list values and for stacked tensors or arrays alike::
+        Works for list values and for stacked tensors or arrays alike:
 
-            for value, it in zip(trace.records(), trace.iterations):
-                print(it, value.shape)
+        ```python
+        for value, it in zip(trace.records(), trace.iterations):
+            print(it, value.shape)
+        ```
         """
         values, shapes = self.values, self.shapes
         if isinstance(values, (list, tuple)) and shapes is None:
@@ -110,9 +113,9 @@ class Trace:
         self.shapes = None
 
     def check_lengths(self, culprit: str = "") -> None:
-        """Raise :class:`TraceLengthError` unless all fields have one entry per record.
+        """Raise `TraceLengthError` unless all fields have one entry per record.
 
-        ``culprit`` names the callback that last touched the trace, for the message.
+        `culprit` names the callback that last touched the trace, for the message.
         """
         count = len(self.iterations)
         if len(self.values) == count == len(self.ranks) == len(self.order) and (
@@ -140,9 +143,9 @@ class Trace:
 class RunContext:
     """What a callback learns about the run when tracing starts.
 
-    The tracer calls ``callback.on_start(context)`` on every callback that
+    The tracer calls `callback.on_start(context)` on every callback that
     defines it, before the first record; a saver uses it to name per-rank
-    shard files (``sharded=True`` when ``ModelTracer(gather=False)`` and more
+    shard files (`sharded=True` when `ModelTracer(gather=False)` and more
     than one rank).
     """
 
@@ -152,15 +155,17 @@ class RunContext:
 
 
 def report_during(exc: BaseException, what: str, error: Exception) -> None:
-    """Report ``error``, raised by cleanup while ``exc`` propagates, without replacing ``exc``.
+    """Report `error`, raised by cleanup while `exc` propagates, without replacing `exc`.
 
-    A warning says what failed, and a note on ``exc`` (Python >= 3.11) keeps it in
-    the traceback the user sees.  Example::
+    A warning says what failed, and a note on `exc` (Python >= 3.11) keeps it in
+    the traceback the user sees.  Example:
 
-        try:
-            saver.close()
-        except Exception as error:
-            report_during(step_error, "H5PYSaverCallback.close() failed", error)
+    ```python
+    try:
+        saver.close()
+    except Exception as error:
+        report_during(step_error, "H5PYSaverCallback.close() failed", error)
+    ```
     """
     message = (
         f"vartrace: {what} while the step was raising {type(exc).__name__}: "
