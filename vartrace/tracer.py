@@ -3,8 +3,8 @@
 Data flows one way: the engine captures leaves from patched methods ->
 pre-save callbacks -> a detached copy -> change detection -> the chunk
 buffer -> pre-gather callbacks -> gather to rank 0 -> post-gather
-callbacks -> :attr:`ModelTracer.results`, and post-trace callbacks at the
-end.  With asynchronous staging (:mod:`vartrace.device`, the default for a
+callbacks -> [`ModelTracer.results`][vartrace.ModelTracer.results], and post-trace callbacks at the
+end.  With asynchronous staging (`vartrace.device`, the default for a
 model on an accelerator) the capturing thread only admits each record;
 everything from the copy to the host on runs on the stager's thread, in
 capture order.
@@ -65,15 +65,16 @@ set_change_test(snapshot, unchanged)
 class CallbackError(RuntimeError):
     """A callback raised: the message names the callback, its stage and the site.
 
-    The callback's own exception is ``__cause__``.
+    The callback's own exception is `__cause__`.
 
-    Example::
-
+    Example:
+        ```python
         try:
             with ModelTracer(model, ["head"], pre_save_callbacks=[reduce_scores]):
                 model(x)
         except vartrace.CallbackError as error:
             original = error.__cause__
+        ```
     """
 
 
@@ -108,7 +109,7 @@ def _in_backward() -> bool:
 
 
 def _check_callbacks(stage: str, callbacks: list[Any], arguments: tuple[str, ...]) -> None:
-    """Raise ``TypeError`` naming a callback that cannot be called with ``arguments``."""
+    """Raise `TypeError` naming a callback that cannot be called with `arguments`."""
     for index, callback in enumerate(callbacks):
         if not callable(callback):
             raise TypeError(f"{stage}[{index}] is a {type(callback).__name__}, not callable")
@@ -132,7 +133,7 @@ def _check_callbacks(stage: str, callbacks: list[Any], arguments: tuple[str, ...
 
 def _two_arguments_hint(signature: inspect.Signature) -> str:
     """Advice for a pre-save callback that takes two arguments: a gather callback misplaced
-    (its second parameter is a trace), or a pre-save callback without ``iteration``."""
+    (its second parameter is a trace), or a pre-save callback without `iteration`."""
     second = list(signature.parameters.values())[1:2]
     if second and (
         second[0].name in ("trace", "chunk") or second[0].annotation in (Trace, "Trace")
@@ -170,9 +171,9 @@ def _warn_unused_savers(callbacks: list[Any]) -> None:
 
 
 def _record_device(device: str | torch.device) -> torch.device:
-    """``device`` with its index (``"cuda"`` is the current CUDA device), or a clear error.
+    """`device` with its index (`"cuda"` is the current CUDA device), or a clear error.
 
-    Devices compare by type and index: ``torch.device("cuda") != torch.device("cuda", 0)``,
+    Devices compare by type and index: `torch.device("cuda") != torch.device("cuda", 0)`,
     so an index left out would send every record through a copy.
     """
     device = torch.device(device)
@@ -201,7 +202,7 @@ def _record_device(device: str | torch.device) -> torch.device:
 
 
 def _on_accelerator(model: nn.Module) -> bool:
-    """Whether any parameter or buffer of ``model`` lives on an accelerator."""
+    """Whether any parameter or buffer of `model` lives on an accelerator."""
     tensors = itertools.chain(model.parameters(), model.buffers())
     return any(not (t.is_cpu or t.is_meta) for t in tensors)
 
@@ -216,7 +217,7 @@ _MODULE_HOOKS = (
 
 
 def _without_hooks(ids: set[int], state: dict[str, Any]) -> dict[str, Any]:
-    """A module's state without the forward hooks registered under ``ids``."""
+    """A module's state without the forward hooks registered under `ids`."""
     for name in _MODULE_HOOKS:
         hooks = state.get(name)
         if hooks and not ids.isdisjoint(hooks):
@@ -225,11 +226,11 @@ def _without_hooks(ids: set[int], state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer that ``optimizer`` is or wraps (accelerate's ``AcceleratedOptimizer``
-    in ``.optimizer``, Lightning's ``LightningOptimizer`` in ``._optimizer``), or ``TypeError``.
+    """The torch optimizer that `optimizer` is or wraps (accelerate's `AcceleratedOptimizer`
+    in `.optimizer`, Lightning's `LightningOptimizer` in `._optimizer`), or `TypeError`.
 
     Its step post-hooks run once per step that really updates the parameters: a
-    wrapper's ``step`` that skips the update (a gradient-accumulation micro-batch)
+    wrapper's `step` that skips the update (a gradient-accumulation micro-batch)
     counts no step.
     """
     current, seen = optimizer, set()
@@ -251,7 +252,7 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 def _statistics_reducer(statistics: bool | PreSave) -> list[PreSave]:
-    """The pre-save reducer ``ModelTracer(statistics=...)`` asks for, as a list."""
+    """The pre-save reducer `ModelTracer(statistics=...)` asks for, as a list."""
     if statistics is False:
         return []
     if statistics is True:
@@ -303,8 +304,8 @@ def _positive(name: str, value: int) -> int:
 class ModelTracer:
     """Record the values a model's code holds, at sites named by wildcard paths.
 
-    Example::
-
+    Example:
+        ```python
         saver = H5PYSaverCallback("run.h5")
         with ModelTracer(model, ["forward.x", "layers.*.attn.forward.scores"],
                          post_gather_callbacks=[saver], gathering_interval=8) as tracer:
@@ -312,63 +313,67 @@ class ModelTracer:
                 loss = model(batch).sum()
                 loss.backward()
         saver.close()
+        ```
 
-    Gradient accumulation, or a trainer that never calls ``model`` itself:
-    number iterations by optimizer steps::
+    Gradient accumulation, or a trainer that never calls `model` itself:
+    number iterations by optimizer steps:
 
-        with ModelTracer(model, ["**.scores"], optimizer=opt) as tracer:
-            trainer_loop()   # every record is tagged with opt's completed steps + 1
+    ```python
+    with ModelTracer(model, ["**.scores"], optimizer=opt) as tracer:
+        trainer_loop()   # every record is tagged with opt's completed steps + 1
+    ```
 
     Args:
         model: the model; DDP / DataParallel / FSDP / compile wrappers are
-            unwrapped, so paths never start with ``module.``.
+            unwrapped, so paths never start with `module.`.
         paths: patterns (see the path language in docs/paths.md); each must match a
-            site of the model, else ``ValueError`` (a warning if ``strict=False``).
-        pre_save_callbacks: ``cb(name, value, iteration) -> value`` on each
-            captured leaf before it is copied; return :data:`vartrace.DROP`
+            site of the model, else `ValueError` (a warning if `strict=False`).
+        pre_save_callbacks: `cb(name, value, iteration) -> value` on each
+            captured leaf before it is copied; return [`vartrace.DROP`][vartrace.DROP]
             to drop the record.  A structure it returns (a dict of statistics)
-            is recorded as its leaves, ``<name>.<key>``.
-        pre_gather_callbacks: ``cb(name, trace)`` on each rank's chunk.
-        post_gather_callbacks: ``cb(name, trace)`` on the gathered chunk (rank 0).
-        post_trace_callbacks: ``cb(name, trace)`` on each accumulated result at exit.
+            is recorded as its leaves, `<name>.<key>`.
+        pre_gather_callbacks: `cb(name, trace)` on each rank's chunk.
+        post_gather_callbacks: `cb(name, trace)` on the gathered chunk (rank 0).
+        post_trace_callbacks: `cb(name, trace)` on each accumulated result at exit.
         gathering_interval: gather every this many iterations (and at exit).
         trace_interval: record iterations 1, 1 + k, 1 + 2k, ...
-        mode: which outermost model calls are iterations: ``"train"``,
-            ``"eval"`` (by ``model.training``) or ``"any"``.
+        mode: which outermost model calls are iterations: `"train"`,
+            `"eval"` (by `model.training`) or `"any"`.
         optimizer: number iterations by this optimizer's steps (its
-            completed ``step()`` calls plus one) instead of by model calls;
-            see :mod:`vartrace.iterations` for every rule.  A wrapper (accelerate's
-            ``accelerator.prepare(opt)``, Lightning's) counts the steps of the torch
+            completed `step()` calls plus one) instead of by model calls;
+            see `vartrace.iterations` for every rule.  A wrapper (accelerate's
+            `accelerator.prepare(opt)`, Lightning's) counts the steps of the torch
             optimizer it holds.
         change_detection: record a site only when its value changed.
-        device: where recorded copies live (``"cuda"`` is the current CUDA device).
-        gather: ``False`` keeps each rank's records on that rank (shard files).
-        strict: raise (``True``) or warn (``False``) on patterns matching nothing.
+        device: where recorded copies live (`"cuda"` is the current CUDA device).
+        gather: `False` keeps each rank's records on that rank (shard files).
+        strict: raise (`True`) or warn (`False`) on patterns matching nothing.
         staging: how records of accelerator tensors leave the step.
-            ``"async"``: a clone on the device and an event at capture, and
+            `"async"`: a clone on the device and an event at capture, and
             everything else (copy to the host, change detection, gathers,
-            post-gather callbacks) on a ``vartrace-staging-N`` thread, so that
-            the step never waits for the device (see :mod:`vartrace.device.staging`).
-            ``"sync"``: each record is copied where it is captured (a
-            blocking device-to-host copy on a GPU).  ``"auto"`` (default):
-            ``"async"`` when the model has parameters or buffers on an
-            accelerator, or ``device`` is one.
+            post-gather callbacks) on a `vartrace-staging-N` thread, so that
+            the step never waits for the device (see `vartrace.device.staging`).
+            `"sync"`: each record is copied where it is captured (a
+            blocking device-to-host copy on a GPU).  `"auto"` (default):
+            `"async"` when the model has parameters or buffers on an
+            accelerator, or `device` is one.
         max_inflight_bytes: with asynchronous staging, the most bytes of
             records between capture and the host at once.
-        on_full: what a record that would exceed ``max_inflight_bytes`` does:
-            ``"wait"`` until earlier records land (counted in
-            :attr:`staging_stats`, warned once), or ``"drop"`` (counted per
-            site; an :class:`~vartrace.Unstored` marker takes its place).
-        statistics: statistics mode in one word: ``True`` reduces every tensor record to
-            its float64 statistics (:func:`vartrace.stats`), a reducer made by
-            ``vartrace.stats(...)`` is used as given; it runs before the other pre-save
-            callbacks.  The same as ``pre_save_callbacks=[vartrace.stats()]``.
+        on_full: what a record that would exceed `max_inflight_bytes` does:
+            `"wait"` until earlier records land (counted in
+            [`staging_stats`][vartrace.ModelTracer.staging_stats], warned once), or `"drop"`
+            (counted per site; an [`Unstored`][vartrace.Unstored] marker takes its place).
+        statistics: statistics mode in one word: `True` reduces every tensor record to
+            its float64 statistics ([`vartrace.stats`][vartrace.stats]), a reducer made by
+            `vartrace.stats(...)` is used as given; it runs before the other pre-save
+            callbacks.  The same as `pre_save_callbacks=[vartrace.stats()]`.
         max_host_bytes: the most host memory the tracer holds: the records kept in
-            :attr:`results` (no saver emptied their chunks), and the host slots of
-            asynchronous staging.  Crossing half of it warns once, with the figures and
-            the ways out (a saver, statistics mode, fewer sites); past it, a gathered
-            chunk's records are not kept: each site gets one :class:`~vartrace.Unstored`
-            marker saying so.  Default: a tenth of the machine's memory, at most 8 GiB.
+            [`results`][vartrace.ModelTracer.results] (no saver emptied their chunks), and the
+            host slots of asynchronous staging.  Crossing half of it warns once, with the
+            figures and the ways out (a saver, statistics mode, fewer sites); past it, a
+            gathered chunk's records are not kept: each site gets one
+            [`Unstored`][vartrace.Unstored] marker saying so.  Default: a tenth of the machine's
+            memory, at most 8 GiB.
     """
 
     def __init__(
@@ -479,10 +484,12 @@ class ModelTracer:
         """What the post-gather callbacks left of every gathered record, by site.
 
         With asynchronous staging, reading it first waits for the records
-        gathered so far to be handed over (outside the step)::
+        gathered so far to be handed over (outside the step):
 
-            model(x)
-            tracer.results["head"].values   # complete up to the last gather
+        ```python
+        model(x)
+        tracer.results["head"].values   # complete up to the last gather
+        ```
         """
         if not self._started:
             _warnings.warn(
@@ -497,12 +504,14 @@ class ModelTracer:
 
     @property
     def staging_stats(self) -> StagingStats | None:
-        """Counts of asynchronous staging (records staged, kept, waits, drops), or ``None``.
+        """Counts of asynchronous staging (records staged, kept, waits, drops), or `None`.
 
-        ``None`` with ``staging="sync"``.  Example::
+        `None` with `staging="sync"`.  Example:
 
-            stats = tracer.staging_stats
-            print(stats.waits, stats.wait_seconds, stats.dropped_by_site)
+        ```python
+        stats = tracer.staging_stats
+        print(stats.waits, stats.wait_seconds, stats.dropped_by_site)
+        ```
         """
         return None if self._stager is None else self._stager.stats
 
@@ -512,21 +521,23 @@ class ModelTracer:
         return self._iterations.state.iteration
 
     def set_iteration(self, iteration: int) -> None:
-        """Tag every record with ``iteration`` until the next call (user-driven iterations).
+        """Tag every record with `iteration` until the next call (user-driven iterations).
 
-        Example (gradient accumulation: four micro-batches per step)::
+        Example (gradient accumulation: four micro-batches per step):
 
-            for step, batches in enumerate(loader, 1):
-                tracer.set_iteration(step)
-                for batch in batches:
-                    model(batch).sum().backward()
+        ```python
+        for step, batches in enumerate(loader, 1):
+            tracer.set_iteration(step)
+            for batch in batches:
+                model(batch).sum().backward()
+        ```
         """
         if not isinstance(iteration, int) or isinstance(iteration, bool):
             raise TypeError(f"iteration must be an int, not {type(iteration).__name__}")
         self._iterations.set_user(iteration)
 
     def start(self) -> ModelTracer:
-        """Patch the model and start recording (``with`` does this for you)."""
+        """Patch the model and start recording (`with` does this for you)."""
         if self._started:
             raise RuntimeError("this ModelTracer was already started; create a new one")
         self._started = True
@@ -565,8 +576,8 @@ class ModelTracer:
     def stop(self, *, flush: bool = True) -> None:
         """Restore the model, hand over the last chunk and run post-trace callbacks.
 
-        Then the warnings that a ``-W error`` filter turned into errors while the
-        steps ran are emitted again (see :mod:`vartrace._warnings`): the first one
+        Then the warnings that a `-W error` filter turned into errors while the
+        steps ran are emitted again (see `vartrace._warnings`): the first one
         raises here, once every record was handed over.
         """
         self._finish(flush)
@@ -574,7 +585,7 @@ class ModelTracer:
 
     def _stop_at_exit(self) -> None:
         """At interpreter exit, a tracer left running hands its last records on (see
-        :mod:`vartrace._exit`); a failure then is a warning, the exit goes on."""
+        `vartrace._exit`); a failure then is a warning, the exit goes on."""
         try:
             self._finish(flush=True)
         except Exception as error:
@@ -585,7 +596,7 @@ class ModelTracer:
             )
 
     def _finish(self, flush: bool) -> None:
-        """:meth:`stop` without emitting the warnings kept during the steps."""
+        """`stop` without emitting the warnings kept during the steps."""
         if not self._started or self._finished:
             return
         called = [target for target, hook in self._hooks if hook.calls]
@@ -722,8 +733,8 @@ class ModelTracer:
     def _counting_hooks(
         self, module: nn.Module, before: Callable[..., None], after: Callable[..., None]
     ) -> list[RemovableHandle]:
-        """Register the hooks that count calls of ``module``, left out of its copies and
-        pickles (``copy.deepcopy``, ``torch.save``, averaged models)."""
+        """Register the hooks that count calls of `module`, left out of its copies and
+        pickles (`copy.deepcopy`, `torch.save`, averaged models)."""
         handles = [
             module.register_forward_pre_hook(before),
             module.register_forward_hook(after, always_call=True),
@@ -733,7 +744,7 @@ class ModelTracer:
 
     def _counting_parts(self) -> list[nn.Module]:
         """The root's children that hold traced sites: their outermost calls count until
-        the root itself is called (a LightningModule's ``self.model``)."""
+        the root itself is called (a LightningModule's `self.model`)."""
         heads = {t.path.split(".", 1)[0] for t in self._targets if t.path}
         return [child for name, child in self.model.named_children() if name in heads]
 
@@ -813,7 +824,7 @@ class ModelTracer:
                 self._store(name, leaf, iteration)
 
     def _store(self, site: str, value: Any, iteration: int, *, saved: bool = False) -> None:
-        """Record ``value`` at ``site``; ``saved``: the pre-save callbacks already ran."""
+        """Record `value` at `site`; `saved`: the pre-save callbacks already ran."""
         if isinstance(value, torch.Tensor) and is_transformed(value):
             with torch._C._DisableFuncTorch():  # copies made under torch.func stay plain
                 plain = untransformed(value, site, self._transformed_warned)
@@ -856,8 +867,8 @@ class ModelTracer:
             trace.append(record, iteration, self._rank, self._order)
 
     def _keep(self, site: str, record: Any, iteration: int, host: Any) -> None:
-        """Append a staged ``record`` to the chunk, unless ``host`` (a host copy of a value
-        copied at admission) equals the site's last one; ``host`` is ``None`` for a record
+        """Append a staged `record` to the chunk, unless `host` (a host copy of a value
+        copied at admission) equals the site's last one; `host` is `None` for a record
         the stager already compared on the device.
 
         The stager's thread alone calls it, in capture order, and alone touches the
@@ -893,8 +904,8 @@ class ModelTracer:
                 self._chunk[name] = unstacked(pieces)
 
     def _kept(self, name: str, trace: Trace, ring: HostRing | None) -> Trace:
-        """``trace`` as :attr:`results` keeps it: out of the staging slots (which go back to
-        the ring), or, past ``max_host_bytes`` of results, one marker saying so."""
+        """`trace` as `results` keeps it: out of the staging slots (which go back to
+        the ring), or, past `max_host_bytes` of results, one marker saying so."""
         held = _held_bytes(trace)
         if not held:
             return trace
@@ -964,8 +975,8 @@ class ModelTracer:
             self._hand_over(final=final)
 
     def _retag(self, chunk: dict[str, Trace]) -> None:
-        """Tag ``chunk`` with this process's rank, if the process group started after the
-        tracer did (a tracer around Lightning's ``trainer.fit``): every record in it was
+        """Tag `chunk` with this process's rank, if the process group started after the
+        tracer did (a tracer around Lightning's `trainer.fit`): every record in it was
         captured here."""
         rank = distributed.rank()
         if rank == self._rank or distributed.world_size() == 1:
@@ -977,8 +988,8 @@ class ModelTracer:
     def _hand_over(self, *, final: bool = False) -> None:
         """Hand the chunk through the gather callbacks to the results.
 
-        ``final``: the tracer's last hand-over, which also joins the gathers of ranks
-        still running (see :func:`vartrace.distributed.final_gathers`).
+        `final`: the tracer's last hand-over, which also joins the gathers of ranks
+        still running (see `vartrace.distributed.final_gathers`).
         """
         with self._lock:
             chunk, self._chunk = self._chunk, {}
@@ -1012,9 +1023,9 @@ class ModelTracer:
     def _gathers(
         self, chunk: dict[str, Trace], final: bool
     ) -> Iterable[tuple[dict[str, Trace], bool]]:
-        """What this rank holds of ``chunk``'s gathers: ``(records, merged)`` pairs.
+        """What this rank holds of `chunk`'s gathers: `(records, merged)` pairs.
 
-        ``merged`` records go through the post-gather callbacks (rank 0's gathered chunk,
+        `merged` records go through the post-gather callbacks (rank 0's gathered chunk,
         or a rank's own chunk without gathering); the others are empty on ranks other than
         0, or this rank's own records that a final gather could not take (another rank did
         not come): kept as they are.
