@@ -589,3 +589,29 @@ def test_reading_the_results_of_a_tracer_never_started_warns() -> None:
     model(torch.ones(2))
     with pytest.warns(UserWarning, match="was never started, so it recorded nothing"):
         assert len(tracer.results) == 0
+
+
+class _Traceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.lin(x)
+        return torch.relu(hidden) * 2
+
+
+def test_a_local_of_fx_generated_code_says_why_it_is_none_and_every_records_it() -> None:
+    graph = torch.fx.symbolic_trace(_Traceable())
+    x = torch.randn(2, 4)
+    with (
+        pytest.warns(UserWarning, match=r"torch.fx's generated code frees each value") as caught,
+        ModelTracer(graph, ["forward.relu"], mode="any"),
+    ):
+        graph(x)
+    assert "'forward.relu@every'" in str(caught[0].message)
+    with ModelTracer(graph, ["forward.relu@every"], mode="any") as tracer:
+        graph(x)
+    kept = [v for v in tracer.results["forward.relu"].values if v is not None]
+    with torch.no_grad():
+        assert torch.equal(kept[0], torch.relu(graph.lin(x)))

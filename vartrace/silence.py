@@ -31,6 +31,7 @@ from vartrace.sites import Target
 __all__ = ["SilenceWatch"]
 
 _ABSENT = object()
+_FX_FILE = "<eval_with_key>"  # the file name of the code torch.fx generates (GraphModule)
 
 
 class SilenceWatch:
@@ -138,6 +139,13 @@ class SilenceWatch:
         self, sites: set[str], targets: list[Target], called_ids: set[int], replaced: list[Target]
     ) -> str:
         if self._seen(sites, self._nones):
+            if any(t.method.code.co_filename.startswith(_FX_FILE) for t in targets):
+                return (
+                    "its value was None at every call: torch.fx's generated code frees each "
+                    "value after its last use (`x = None`), so a local is None when the method "
+                    "returns; record it as it is assigned, with @every (e.g. "
+                    f"'{sorted(sites)[0]}@every')"
+                )
             return "its value was None at every call (e.g. attention weights under SDPA)"
         lost = [t for t in replaced if any(t is target for target in targets)]
         if lost:
