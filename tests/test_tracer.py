@@ -615,3 +615,21 @@ def test_a_local_of_fx_generated_code_says_why_it_is_none_and_every_records_it()
     kept = [v for v in tracer.results["forward.relu"].values if v is not None]
     with torch.no_grad():
         assert torch.equal(kept[0], torch.relu(graph.lin(x)))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    weights = torch.softmax(q @ k.transpose(-1, -2), -1)
+    return weights @ k
+
+
+class _Attends(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _attend(x, x)
+        return out
+
+
+def test_a_function_called_at_any_depth_is_named_with_a_double_star() -> None:
+    model = nn.Sequential(_Attends(), _Attends())
+    with ModelTracer(model, ["**>_attend.weights"], mode="any") as tracer:
+        model(torch.randn(2, 3, 4))
+    assert sorted(tracer.results) == ["0.forward>_attend.weights", "1.forward>_attend.weights"]

@@ -21,6 +21,12 @@ from vartrace.engine.paths import parse
         ("head.forward.self.weight@grad", ("head", "forward", "self", "weight"), "grad"),
         ("encoder.[0-3]@return", ("encoder", "[0-3]"), "return"),
         ("forward.x@entry", ("forward", "x"), "entry"),
+        # A function that a method at any depth calls: "**" then "*>function".
+        (
+            "**>eager_attention_forward.attn_weights",
+            ("**", "*>eager_attention_forward", "attn_weights"),
+            None,
+        ),
     ],
 )
 def test_parse(text: str, segments: tuple[str, ...], when: str | None) -> None:
@@ -40,6 +46,7 @@ def test_parse(text: str, segments: tuple[str, ...], when: str | None) -> None:
         ("forward.", "segment 2 is empty"),
         ("forward.x@sometimes", "unknown timing '@sometimes'"),
         ("a.b**.c", "'**' must be a whole segment"),
+        ("a.**x>f.c", "'**' must be a whole segment"),
         ("a.[0-3.c", "unbalanced brackets"),
     ],
 )

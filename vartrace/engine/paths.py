@@ -169,7 +169,12 @@ def parse(text: str) -> Pattern:
         )
     if not body:
         raise ValueError(f"pattern {text!r} is empty")
-    segments = tuple(body.split("."))
+    # "**>function": a function that a method at any depth calls; "**" then "*>function".
+    segments = tuple(
+        part
+        for segment in body.split(".")
+        for part in (("**", "*" + segment[2:]) if segment.startswith("**>") else (segment,))
+    )
     for position, segment in enumerate(segments, 1):
         if not segment:
             raise ValueError(f"pattern {text!r}: segment {position} is empty")
