@@ -633,3 +633,12 @@ def test_a_function_called_at_any_depth_is_named_with_a_double_star() -> None:
     with ModelTracer(model, ["**>_attend.weights"], mode="any") as tracer:
         model(torch.randn(2, 3, 4))
     assert sorted(tracer.results) == ["0.forward>_attend.weights", "1.forward>_attend.weights"]
+
+
+def test_async_staging_without_an_accelerator_says_what_it_does() -> None:
+    model = nn.Linear(2, 2)
+    with (
+        pytest.warns(UserWarning, match="no record of iteration 1 was an accelerator tensor"),
+        ModelTracer(model, ["forward"], staging="async", mode="any"),
+    ):
+        model(torch.ones(2))

@@ -443,6 +443,7 @@ class ModelTracer:
         self.device = _record_device(device)
         if staging == "auto":
             staging = "async" if self.device.type != "cpu" or _on_accelerator(model) else "sync"
+
         self.staging = staging
         self._stager: Stager | None = None
         self._group: Any = None  # the gathers' own process group, with asynchronous staging
@@ -962,6 +963,15 @@ class ModelTracer:
             return
         self._first_seen = True
         self._silence.after_first_iteration([target for target, hook in self._hooks if hook.calls])
+        stats = None if self._stager is None else self._stager.stats
+        if stats is not None and stats.admitted and not stats.staged:
+            _warnings.warn(
+                "vartrace: staging='async', but no record of iteration 1 was an accelerator "
+                "tensor: records are copied on the thread that captures them, as with "
+                "'sync'; only change detection, gathers and callbacks run on the staging "
+                "thread",
+                UserWarning,
+            )
 
     def _flush(self, *, final: bool = False) -> None:
         self._after_first_iteration()
