@@ -443,7 +443,6 @@ class ModelTracer:
         self.device = _record_device(device)
         if staging == "auto":
             staging = "async" if self.device.type != "cpu" or _on_accelerator(model) else "sync"
-
         self.staging = staging
         self._stager: Stager | None = None
         self._group: Any = None  # the gathers' own process group, with asynchronous staging
