@@ -20,6 +20,7 @@ run: ``vartrace.open("run.rank*.h5")``.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import difflib
 import errno
@@ -85,6 +86,7 @@ __all__ = [
 ]
 
 _READ_BLOCK = 64 << 20  # bytes read at once by to_frame
+_REDUCE_BYTES = 16 << 20  # bytes (as float64) a statistic of records of one shape takes at once
 _OPEN_TRIES = 5  # opening a file a live writer is flushing: tries, this far apart
 _OPEN_PAUSE_S = 0.1
 
@@ -286,6 +288,22 @@ def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
     return out
 
 
+def _int_attr(group: h5py.Group, name: str) -> int | None:
+    """The integer scalar attribute ``name`` of ``group``; ``None`` if it is missing or none.
+
+    Read through h5py's low-level calls: listing a run reads one of each site.
+    """
+    try:
+        attr = h5py.h5a.open(group.id, name.encode())
+    except KeyError:
+        return None
+    if attr.get_space().get_simple_extent_type() != h5py.h5s.SCALAR or attr.dtype.kind not in "iu":
+        return None
+    out = np.empty((), attr.dtype)
+    attr.read(out)
+    return int(out)
+
+
 #: The kinds of record a ``values`` dataset of each storage holds (others are kept in
 #: ``other``); a blob dataset holds any kind but None.
 _KINDS_HELD = {
@@ -335,32 +353,109 @@ def _too_few(group: h5py.Group, name: str, held: int, rows: int) -> RunFileError
     )
 
 
-class _Part:
-    """One file's datasets of one site."""
+class _ReadAhead:
+    """Blocks of consecutive rows read ahead for record-by-record loops, a few per run.
 
-    def __init__(self, group: h5py.Group, committed: np.ndarray) -> None:
+    A loop reading a site's records one after another (``site.record(i)``,
+    :meth:`Site.calls`) is served from blocks read in one go: the first
+    consecutive read fetches :data:`_AHEAD_FIRST` rows, each next block twice
+    as many, up to :data:`_AHEAD_BYTES`.  A read elsewhere reads its row
+    alone.  The run keeps the :data:`_AHEAD_BLOCKS` blocks used last, so loops
+    over a few sites at once each keep theirs; a part whose block was dropped
+    starts again small.
+    """
+
+    def __init__(self) -> None:
+        self._blocks: dict[int, tuple[int, np.ndarray]] = {}  # id(part) -> (first row, rows)
+
+    def find(self, part: _Part, row: int) -> np.ndarray | None:
+        """Row ``row`` of ``part`` from its block (a view), or ``None`` if not read ahead."""
+        held = self._blocks.pop(id(part), None)
+        if held is None:
+            return None
+        self._blocks[id(part)] = held  # the most recently used: last
+        first, block = held
+        return block[row - first] if 0 <= row - first < len(block) else None
+
+    def holds(self, part: _Part) -> bool:
+        return id(part) in self._blocks
+
+    def keep(self, part: _Part, first: int, block: np.ndarray) -> None:
+        self._blocks.pop(id(part), None)
+        self._blocks[id(part)] = (first, block)
+        while len(self._blocks) > _AHEAD_BLOCKS:
+            del self._blocks[next(iter(self._blocks))]
+
+
+#: Read-ahead of record-by-record loops (see :class:`_ReadAhead`).
+_AHEAD_FIRST = 8
+_AHEAD_BYTES = 1 << 20
+_AHEAD_BLOCKS = 8
+
+
+class _Part:
+    """One file's datasets of one site.
+
+    Made when a run lists its sites, reading only the site's ``slot``
+    attribute; its datasets are opened (and checked) when the site is used.
+    """
+
+    def __init__(self, group: h5py.Group, committed: np.ndarray, ahead: _ReadAhead) -> None:
         self.group = group
-        try:
-            slot = group.attrs["slot"]
-        except KeyError:
-            slot = None
-        if not isinstance(slot, (int, np.integer)):
+        slot = _int_attr(group, "slot")
+        if slot is None:
             raise RunFileError(
                 f"{file_name(group.id)}: {group.name} has no integer 'slot' attribute: a "
                 "damaged file"
             )
         self.rows = max(0, int(committed[slot])) if 0 <= slot < len(committed) else 0
-        self.values: h5py.Dataset | None = (
-            self._records("values") if group.id.links.exists(b"values") else None
-        )
-        self.unreadable = None if self.values is None else _load_filters(self.values)
-        self.storage = "" if self.values is None else str(self.values.attrs["storage"])
-        self.torch_dtype = (
-            "" if self.values is None else str(self.values.attrs.get("torch_dtype", ""))
-        )
-        # The dtype the records were written with: h5py reads non-native byte orders as native.
+        self._ahead = ahead
+        self._next_row = -1  # the row after the one read last: a loop reads it next
+        self._ahead_rows = 0  # rows the next block read ahead holds
+
+    def open(self) -> None:
+        """Open the site's values and check their attributes (done once, when the site is used)."""
+        _ = self.written_dtype
+
+    @cached_property
+    def values(self) -> h5py.Dataset | None:
+        """The ``values`` dataset; uncompressed chunks are read without a chunk cache, so a
+        row is read alone rather than its whole chunk (a read of one row anywhere in a long
+        site costs what reading its bytes costs)."""
+        if not self.group.id.links.exists(b"values"):
+            return None
+        dataset = self._records("values").id  # a hard link to a dataset kept in the file
+        plist = dataset.get_create_plist()
+        if plist.get_layout() == h5py.h5d.CHUNKED and not plist.get_nfilters():
+            # HDF5 keeps a dataset's chunk cache while it is open: open it anew without one.
+            dataset.close()
+            access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+            access.set_chunk_cache(0, 0, 1.0)
+            dataset = h5py.h5d.open(self.group.id, b"values", access)
+        # Read-only: h5py keeps its shape and fast reader (the run is read as of its opening).
+        return h5py.Dataset(dataset, readonly=True)
+
+    @cached_property
+    def unreadable(self) -> str | None:
+        return None if self.values is None else _load_filters(self.values)
+
+    @cached_property
+    def storage(self) -> str:
+        _ = self.unreadable
+        return "" if self.values is None else str(self.values.attrs["storage"])
+
+    @cached_property
+    def torch_dtype(self) -> str:
+        _ = self.storage
+        return "" if self.values is None else str(self.values.attrs.get("torch_dtype", ""))
+
+    @cached_property
+    def written_dtype(self) -> np.dtype | None:
+        """The dtype the records were written with: h5py reads non-native byte orders as
+        native."""
+        _ = self.torch_dtype
         key = "" if self.values is None else str(self.values.attrs.get("key", ""))
-        self.written_dtype = self._written(key) if key and not self.torch_dtype else None
+        return self._written(key) if key and not self.torch_dtype else None
 
     def _written(self, key: str) -> np.dtype:
         """The dtype a values dataset's ``key`` names: its own, in some byte order."""
@@ -442,14 +537,26 @@ class _Part:
     def shape(self, row: int) -> tuple[int, ...]:
         """Record ``row``'s true shape, checked to lie within the padded one of ``values``."""
         assert self.values is not None
-        shape = tuple(int(n) for n in self.shapes[row])
-        padded = self.values.shape[1:]
+        shape = tuple(self.shapes[row].tolist())
+        padded = self.padded
         if any(not 0 <= n <= most for n, most in zip(shape, padded, strict=True)):
             raise RunFileError(
                 f"{file_name(self.group.id)}: {self.group.name}/shapes gives record {row} the "
                 f"shape {shape}, outside its values' {padded}: a damaged file"
             )
         return shape
+
+    @cached_property
+    def padded(self) -> tuple[int, ...]:
+        """The shape of a row of ``values``: every record's padded shape."""
+        assert self.values is not None
+        return tuple(self.values.shape[1:])
+
+    @cached_property
+    def itemsize(self) -> int:
+        """The bytes of one entry of ``values``."""
+        assert self.values is not None
+        return int(self.values.dtype.itemsize)
 
     @property
     def dtype(self) -> str:
@@ -483,13 +590,52 @@ class _Part:
         if self.values.dtype.kind not in _NUMERIC_KINDS:
             raise self._misstored(self.values, "numeric records")
         shape = self.shape(row)  # within the padded shape, one size per axis
-        check_read(self.values, math.prod(shape))
-        cut = tuple(slice(0, n) for n in shape)
-        data = self.values[(row, *cut)]
+        data = self._numbers(row, shape)
         written = self.written_dtype
         if kind in (Kind.NDARRAY, Kind.NPSCALAR) and written is not None:
             data = np.asarray(data).astype(written, copy=False)
         return from_array(kind, data, self.torch_dtype, where)
+
+    def _numbers(self, row: int, shape: tuple[int, ...]) -> np.ndarray:
+        """Row ``row`` of the numeric ``values``, cut to ``shape``: a fresh array.
+
+        A row that follows the one read last is served from a block read ahead
+        (see :class:`_ReadAhead`); any other is read alone.
+        """
+        assert self.values is not None
+        held = self._ahead.find(self, row)
+        if held is None and row == self._next_row:
+            held = self._read_ahead(row)
+        self._next_row = row + 1
+        if held is not None:
+            return np.array(held[tuple(slice(0, n) for n in shape)])
+        if math.prod(shape) * self.itemsize > FREE_READ_BYTES:
+            check_read(self.values, math.prod(shape))
+        return np.asarray(self.values[(row, *(slice(0, n) for n in shape))])
+
+    def _read_ahead(self, row: int) -> np.ndarray | None:
+        """Read rows from ``row`` on at full padded shape, keep them and return the first;
+        ``None`` when a row is too large to read ahead."""
+        assert self.values is not None
+        record_bytes = math.prod(self.padded) * self.itemsize
+        most = _AHEAD_BYTES // max(1, record_bytes)
+        if most < 2:
+            return None
+        if not self._ahead.holds(self):  # a first block, or its block was dropped
+            self._ahead_rows = 0
+        self._ahead_rows = min(most, max(_AHEAD_FIRST, 2 * self._ahead_rows))
+        count = min(self._ahead_rows, self.rows - row)
+        if count < 1:
+            return None
+        check_read(self.values, count * math.prod(self.padded))
+        block = self._read_rows(row, count, self.padded)
+        self._ahead.keep(self, row, block)
+        return block[0]
+
+    def _read_rows(self, row: int, count: int, shape: tuple[int, ...]) -> np.ndarray:
+        """``count`` rows of ``values`` from ``row`` on, cut to ``shape``, as h5py reads them."""
+        assert self.values is not None
+        return np.asarray(self.values[(slice(row, row + count), *(slice(0, n) for n in shape))])
 
     def _misstored(self, dataset: h5py.Dataset, what: str) -> RunFileError:
         return RunFileError(
@@ -512,32 +658,31 @@ class _Part:
     def describe(
         self, stat: str | Callable[[Any], Any], allow_pickle: bool, name: str
     ) -> list[tuple[Any, str, tuple[int, ...]]]:
-        """Per row: the statistic of the record, its dtype name and its shape."""
+        """Per row: the statistic of the record, its dtype name and its shape.
+
+        Records in a numeric ``values`` dataset are read in blocks and a named
+        statistic is taken of all records of one shape in a block at once; the
+        others (and every record for a callable ``stat``) one by one.
+        """
         kinds = self.tags["kinds"]
         rows: list[Any] = [None] * len(kinds)
         if self.storage == "array":
             assert self.values is not None
             self.check(name)
-            record_bytes = self.values.dtype.itemsize * int(np.prod(self.values.shape[1:]))
+            record_bytes = self.itemsize * math.prod(self.padded)
             step = max(1, _READ_BLOCK // max(1, record_bytes))
+            in_values = np.flatnonzero((kinds & IN_OTHER == 0) & (kinds != Kind.NONE))
+            self._check_shapes(in_values)
             for begin in range(0, len(kinds), step):
                 stop = min(begin + step, len(kinds))  # rows past the committed ones: unflushed
-                check_read(self.values, (stop - begin) * record_bytes // self.values.dtype.itemsize)
+                check_read(self.values, (stop - begin) * record_bytes // self.itemsize)
                 block = self.values[begin:stop]
-                site = f"site {name!r}"
-                numeric = block if callable(stat) else _decode_raw(block, self.torch_dtype, site)
-                for row in range(begin, begin + len(block)):
-                    if kinds[row] & IN_OTHER or kinds[row] == Kind.NONE:
-                        continue
-                    shape = self.shape(row)
-                    cut: tuple[int | slice, ...] = (row - begin, *(slice(0, n) for n in shape))
-                    kind = int(kinds[row])
-                    value = (
-                        from_array(kind, block[cut], self.torch_dtype, f"row {row} of {name!r}")
-                        if callable(stat)
-                        else None
-                    )
-                    rows[row] = (_apply(stat, value, numeric[cut]), self.dtype, shape)
+                taken = in_values[(in_values >= begin) & (in_values < stop)]
+                if callable(stat):
+                    self._describe_each(stat, block, begin, taken, rows, name)
+                else:
+                    numeric = _decode_raw(block, self.torch_dtype, f"site {name!r}")
+                    self._describe_block(stat, numeric, begin, taken, rows)
         for row, kind in enumerate(kinds & 0x7F):
             if rows[row] is not None:
                 continue
@@ -545,13 +690,77 @@ class _Part:
                 rows[row] = (np.nan, "pickle", ())
                 continue
             value = self.read(row, allow_pickle, f"row {row} of site {name!r}")
-            numeric = _numeric(value)
             if hasattr(value, "dtype") and hasattr(value, "shape"):
                 dtype, shape = str(value.dtype).removeprefix("torch."), tuple(value.shape)
             else:
                 dtype, shape = KIND_NAMES[kind], ()
-            rows[row] = (_apply(stat, value, numeric), dtype, shape)
+            rows[row] = (_apply(stat, value, _numeric(value)), dtype, shape)
         return rows
+
+    def _check_shapes(self, rows: np.ndarray) -> None:
+        """Check the true shapes of records ``rows`` of ``values`` as :meth:`shape` checks
+        one: the first outside the padded shape raises its error."""
+        shapes = self.shapes[rows]
+        outside = ((shapes < 0) | (shapes > np.asarray(self.padded, np.int64))).any(axis=1)
+        if outside.any():
+            self.shape(int(rows[np.flatnonzero(outside)[0]]))
+
+    def _describe_each(
+        self,
+        stat: Callable[[Any], Any],
+        block: np.ndarray,
+        begin: int,
+        taken: np.ndarray,
+        rows: list[Any],
+        name: str,
+    ) -> None:
+        """The callable ``stat`` of each record ``taken`` of ``block`` (rows from ``begin``)."""
+        kinds = self.tags["kinds"].tolist()
+        for row in taken.tolist():
+            shape = tuple(self.shapes[row].tolist())
+            cut = (row - begin, *(slice(0, n) for n in shape))
+            value = from_array(kinds[row], block[cut], self.torch_dtype, f"row {row} of {name!r}")
+            rows[row] = (stat(value), self.dtype, shape)
+
+    def _describe_block(
+        self, stat: str, numeric: np.ndarray, begin: int, taken: np.ndarray, rows: list[Any]
+    ) -> None:
+        """The statistic ``stat`` of the records ``taken`` of ``numeric`` (rows from
+        ``begin``): a field of each statistics record, or :data:`STATS` of all records of
+        one shape at once."""
+        dtype = self.dtype
+        shapes = self.shapes[taken]
+        if numeric.dtype.names:  # statistics records: a field of each
+            for row, shape in zip(taken.tolist(), shapes.tolist(), strict=True):
+                cut = (row - begin, *(slice(0, n) for n in shape))
+                rows[row] = (_apply(stat, None, numeric[cut]), dtype, tuple(shape))
+            return
+        if not len(shapes) or (shapes == shapes[0]).all():  # one shape: the usual case
+            unique, group_of = shapes[:1], np.zeros(len(shapes), np.intp)
+        else:
+            unique, group_of = np.unique(shapes, axis=0, return_inverse=True)
+        for group, shape in enumerate(unique.tolist()):
+            members = taken if len(unique) == 1 else taken[group_of.reshape(-1) == group]
+            found = self._reduced(stat, numeric, members - begin, tuple(shape))
+            for row, value in zip(members.tolist(), found, strict=True):
+                rows[row] = (value, dtype, tuple(shape))
+
+    def _reduced(
+        self, stat: str, numeric: np.ndarray, at: np.ndarray, shape: tuple[int, ...]
+    ) -> list[float]:
+        """:data:`STATS` ``stat`` of the records at ``at`` of ``numeric``, all of ``shape``
+        (NaN for a name that is no statistic), a slice of :data:`_REDUCE_BYTES` at a time."""
+        if stat not in STATS:
+            return [np.nan] * len(at)
+        cut = (slice(None), *(slice(0, n) for n in shape))
+        step = max(1, _REDUCE_BYTES // max(1, 8 * math.prod(shape)))
+        found: list[float] = []
+        for first in range(0, len(at), step):
+            some = at[first : first + step]
+            whole = len(some) == some[-1] - some[0] + 1  # consecutive rows: a view
+            records = numeric[some[0] : some[-1] + 1] if whole else numeric[some]
+            found += reduce_block(STATS[stat], records[cut]).tolist()
+        return found
 
 
 class ValuesView:
@@ -626,6 +835,8 @@ class Site:
         self.name = name
         self._parts = parts
         self._allow_pickle = allow_pickle
+        for part in parts:
+            part.open()
         part_of = np.concatenate([np.full(len(p.tags["kinds"]), i) for i, p in enumerate(parts)])
         row_of = np.concatenate([np.arange(len(p.tags["kinds"])) for p in parts])
         tags = {
@@ -713,13 +924,34 @@ class Site:
         where = f"record {index} of site {self.name!r}"
         return self._parts[part].read(row, self._allow_pickle, where)
 
-    def _rows(self, rank: int) -> np.ndarray:
-        """Indices of ``rank``'s records, by (iteration, capture order)."""
-        rows = np.flatnonzero(self.ranks == rank)
-        return rows[np.lexsort((self.order[rows], self.iterations[rows]))]
+    @cached_property
+    def _by_rank(self) -> dict[int, tuple[list[int], list[int]]]:
+        """Rank -> (iterations, record indices) of its records, by (iteration, capture order).
 
-    def _nothing_before(self, iteration: int, rank: int, rows: np.ndarray) -> KeyError:
-        if not rows.size:
+        Built once, on the first :meth:`get` or :meth:`calls`, from the tags read when
+        the site was opened: a run is read as of its opening (a live writer's later
+        records need a reopen), so the index cannot go stale.  Python lists: a
+        :func:`bisect.bisect` of one costs less than a numpy search.
+        """
+        by_key = np.lexsort((self.order, self.iterations, self.ranks))
+        ranks = self.ranks[by_key]
+        cuts = np.flatnonzero(np.diff(ranks)) + 1
+        return {
+            int(ranks[first]): (self.iterations[rows].tolist(), rows.tolist())
+            for first, rows in zip([0, *cuts.tolist()], np.split(by_key, cuts), strict=True)
+            if len(rows)
+        }
+
+    def _rows(self, rank: int) -> tuple[list[int], list[int]]:
+        """(iterations, indices) of ``rank``'s records, by (iteration, capture order)."""
+        try:
+            found = self._by_rank.get(rank)
+        except TypeError:  # unhashable: no rank
+            found = None
+        return found if found is not None else ([], [])
+
+    def _nothing_before(self, iteration: int, rank: int, rows: list[int]) -> KeyError:
+        if not rows:
             ranks = np.unique(self.ranks).tolist()
             return KeyError(
                 f"site {self.name!r} has no record on rank {rank} (it has records of "
@@ -747,11 +979,14 @@ class Site:
 
             run["head.weight"].get(iteration=5)   # recorded at 1, unchanged since
         """
-        rows = self._rows(rank)
-        upto = rows[self.iterations[rows] <= iteration]
-        if not upto.size:
+        iterations, rows = self._rows(rank)
+        if isinstance(iteration, (int, np.integer)):
+            upto = bisect.bisect_right(iterations, int(iteration))
+        else:  # as numpy compares them (a NaN is at no iteration)
+            upto = int(np.count_nonzero(np.asarray(iterations) <= iteration))
+        if not upto:
             raise self._nothing_before(iteration, rank, rows)
-        return self.record(int(upto[-1]))
+        return self.record(rows[upto - 1])
 
     def calls(self, iteration: int, rank: int = 0) -> list[Any]:
         """Every record tagged ``iteration`` on ``rank``, in capture order: always a list.
@@ -765,8 +1000,14 @@ class Site:
 
             first, second = run["shared.forward.x"].calls(iteration=3)
         """
-        rows = self._rows(rank)
-        return [self.record(int(r)) for r in rows[self.iterations[rows] == iteration]]
+        iterations, rows = self._rows(rank)
+        if isinstance(iteration, (int, np.integer)):
+            key = int(iteration)
+            first, stop = bisect.bisect_left(iterations, key), bisect.bisect_right(iterations, key)
+            tagged = rows[first:stop]
+        else:  # as numpy compares them
+            tagged = np.asarray(rows, np.int64)[np.asarray(iterations) == iteration].tolist()
+        return [self.record(r) for r in tagged]
 
     def to_xarray(self) -> Any:
         """The site's records as an xarray ``DataArray`` named after the site.
@@ -970,6 +1211,7 @@ class Run:
             self.close()
             raise
         self._sites: dict[str, Site] = {}
+        self._ahead = _ReadAhead()
 
     @property
     def live(self) -> bool:
@@ -991,7 +1233,7 @@ class Run:
             live = handle.swmr_mode and _writer_alive(handle)
             for link in sites:
                 try:
-                    part = _Part(child(sites, link, h5py.Group), counts)
+                    part = _Part(child(sites, link, h5py.Group), counts, self._ahead)
                 except RunFileError as error:
                     if live and _BEYOND_VIEW in str(error):
                         continue  # the writer made the site after this reader's view of the file
@@ -1079,11 +1321,12 @@ class Run:
             table: dict[str, Any] = {}
             for one, column in zip(wanted, stat_columns, strict=True):
                 described = [part.describe(one, self.allow_pickle, name) for part in site._parts]
-                stats, dtypes, shapes = (
-                    zip(*(described[part][row] for part, row in site._where), strict=True)
-                    if len(site)
-                    else ((), (), ())
+                merged = (
+                    described[0]
+                    if len(described) == 1
+                    else [described[part][row] for part, row in site._where]
                 )
+                stats, dtypes, shapes = zip(*merged, strict=True) if merged else ((), (), ())
                 table[column] = stats
             frames.append(
                 pd.DataFrame(
