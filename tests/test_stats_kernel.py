@@ -83,14 +83,20 @@ def activations(dtype: torch.dtype, size: int = 300_001) -> torch.Tensor:
 # -- ops and temporaries on the capturing thread ----------------------------------------------
 
 
-def test_a_record_is_one_op_on_the_stand_in_device_and_the_cpu() -> None:
+def test_a_record_is_one_op_on_the_stand_in_device_and_no_kernel_on_the_cpu() -> None:
+    """On a device the op, header written too; on the CPU its kernel called directly: views
+    of the tensor for numpy (``detach``, ``lift_fresh``), no aten kernel touching data."""
     for value in (simgpu.to_device(torch.randn(64, 33)), torch.randn(64, 33)):
         SUMMARY("site", value, 1)  # the op registered, constants on the device
         with Dispatched() as seen:
             record = SUMMARY("site", value, 1)
-        assert seen.ops == ["vartrace.summary.default"], seen.ops  # the header written too
-        assert seen.bytes <= 1024  # the record: 96 bytes
-        assert record.device == value.device
+        if value.is_cpu:  # views (their bytes are the tensor's, not new memory)
+            assert set(seen.ops) <= {"aten.detach.default", "aten.lift_fresh.default"}, seen.ops
+            assert len(seen.ops) <= 8
+        else:
+            assert seen.ops == ["vartrace.summary.default"], seen.ops
+            assert seen.bytes <= 1024  # the record: 96 bytes
+        assert record.device == value.device and record.nbytes == 96
     assert simgpu.LOG.syncs() == []
 
 
@@ -302,5 +308,5 @@ def test_the_benchmark_prints_op_counts_times_and_the_step_ratio() -> None:
     assert set(rows) == {"float32", "bfloat16"}
     for row in rows.values():  # ops of eager (44 with torch 2.13), fused and clone
         eager, fused, clone = (int(cell.split()[0]) for cell in row.split("|")[1:4])
-        assert eager > 30 and fused == 1 and clone == 1, row
+        assert eager > 30 and fused <= 8 and clone == 1, row  # fused: views for numpy
     assert "vartrace.stats()" in done.stdout and "1.000x" in done.stdout

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from vartrace.sources.statistics import COUNTS, SUMMARY_FIELDS
-from vartrace.statistics.kernels import summarize_values, summary
+from vartrace.statistics.kernels import cpu_summary, summarize_values, summary
 
 __all__ = [
     "Statistics",
@@ -336,8 +336,10 @@ class StatsReducer:
         if torch is not None and isinstance(value, torch.Tensor):
             if value.layout is not torch.strided or value.is_meta or value.is_quantized:
                 return value
-            if value.is_cpu and self._extras:
-                return torch.from_numpy(self._host(_numbers(value.detach())))
+            if value.is_cpu:  # the op's kernel, called directly: no dispatch, no contexts
+                if self._extras:
+                    return torch.from_numpy(self._host(_numbers(value.detach())))
+                return cpu_summary(value, self.layout.header)
             return self._tensor(value)
         if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
             return self._host(np.abs(value) if value.dtype.kind == "c" else value)

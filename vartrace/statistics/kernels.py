@@ -38,6 +38,7 @@ __all__ = [
     "BLOCK",
     "Decoder",
     "bfloat16_decoder",
+    "cpu_summary",
     "eager_summary",
     "summarize_values",
     "summary",
@@ -206,8 +207,12 @@ _NUMPY_DTYPES = frozenset(
 _decoders: dict[Any, Decoder] = {}
 
 
-def _cpu_summary(x: Any, header: float | None = None) -> Any:
-    """The op's CPU kernel: :func:`summarize_values` on a view of the tensor's memory."""
+def cpu_summary(x: Any, header: float | None = None) -> Any:
+    """The op's CPU kernel: :func:`summarize_values` on a view of the tensor's memory.
+
+    Called directly on a CPU tensor it is the op without the dispatcher's round trip
+    (what a statistics record of a CPU tensor uses).
+    """
     import torch
 
     return torch.from_numpy(_headed(_cpu_row(x), header))
@@ -280,7 +285,7 @@ def summary_op() -> Any:
 def _define(torch: Any) -> Any:
     library = torch.library.Library("vartrace", "DEF")
     library.define("summary(Tensor x, float? header=None) -> Tensor")
-    library.impl("summary", _cpu_summary, "CPU")
+    library.impl("summary", cpu_summary, "CPU")
     library.impl("summary", _cuda_summary, "CUDA")
     library.impl("summary", eager_summary, "CompositeExplicitAutograd")
     register_fake = getattr(torch.library, "register_fake", None)  # torch 2.4
