@@ -28,6 +28,7 @@ import glob
 import math
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
@@ -366,25 +367,32 @@ class _ReadAhead:
     """
 
     def __init__(self) -> None:
-        self._blocks: dict[int, tuple[int, np.ndarray]] = {}  # id(part) -> (first row, rows)
+        # id(part) -> (part, first row, rows), the block used last at the end; thread-safe
+        # (compare reads sites of one run from several threads).
+        self._blocks: dict[int, tuple[_Part, int, np.ndarray]] = {}
+        self._lock = threading.Lock()
 
     def find(self, part: _Part, row: int) -> np.ndarray | None:
         """Row ``row`` of ``part`` from its block (a view), or ``None`` if not read ahead."""
-        held = self._blocks.pop(id(part), None)
-        if held is None:
-            return None
-        self._blocks[id(part)] = held  # the most recently used: last
-        first, block = held
+        with self._lock:
+            held = self._blocks.pop(id(part), None)
+            if held is None or held[0] is not part:
+                return None
+            self._blocks[id(part)] = held  # the most recently used: last
+        _, first, block = held
         return block[row - first] if 0 <= row - first < len(block) else None
 
     def holds(self, part: _Part) -> bool:
-        return id(part) in self._blocks
+        with self._lock:
+            held = self._blocks.get(id(part))
+        return held is not None and held[0] is part
 
     def keep(self, part: _Part, first: int, block: np.ndarray) -> None:
-        self._blocks.pop(id(part), None)
-        self._blocks[id(part)] = (first, block)
-        while len(self._blocks) > _AHEAD_BLOCKS:
-            del self._blocks[next(iter(self._blocks))]
+        with self._lock:
+            self._blocks.pop(id(part), None)
+            self._blocks[id(part)] = (part, first, block)
+            while len(self._blocks) > _AHEAD_BLOCKS:
+                del self._blocks[next(iter(self._blocks))]
 
 
 #: Read-ahead of record-by-record loops (see :class:`_ReadAhead`).
