@@ -298,3 +298,25 @@ def test_thousands_of_sites_in_one_gather(tmp_path: Path) -> None:
         assert run["layers.4099.forward"].get(1) == 4099
         assert run["layers.7.forward"].get(2) == -7
         assert run["layers.300.forward"].iterations.tolist() == [1]
+
+
+def test_hundreds_of_sites_kept_open_across_gathers_are_all_stored(tmp_path: Path) -> None:
+    """600 sites of 4 KiB records in three gathers of 8, every site's datasets open all
+    along: with HDF5's default metadata cache SWMR mode failed here ("Child entry doesn't
+    have a flush dependency parent array", or a crash) once a few hundred sites were open
+    while new ones were created."""
+    path = tmp_path / "run.h5"
+    sites = [f"layers.{index}.forward.x" for index in range(600)]
+    with H5PYSaverCallback(path, metadata=False) as saver:
+        for gather in range(3):
+            steps = list(range(gather * 8 + 1, gather * 8 + 9))
+            for index, name in enumerate(sites):
+                values = [np.full(1024, index * 100 + step, np.float32) for step in steps]
+                saver(name, _trace(values, steps, first=gather * 8))
+            saver.flush()
+    with open_run(path) as run:
+        assert len(run.names) == len(sites)
+        for index in (0, 299, 599):
+            site = run[sites[index]]
+            assert len(site) == 24
+            np.testing.assert_array_equal(site.get(24), np.full(1024, index * 100 + 24, np.float32))

@@ -7,6 +7,7 @@ Usage::
     python tools/bench_storage.py overhead --size small   # training step traced into HDF5
     python tools/bench_storage.py pagecache    # what the kernel charges per MiB as a file grows
     python tools/bench_storage.py size         # file bytes against record bytes, compressed too
+    python tools/bench_storage.py sites --sites 1000   # many small sites: saver vs plain h5py
 
 ``throughput`` writes the same records (float32 tensors captured from the GPT
 of ``tools/bench_overhead.py``) through ``H5PYSaverCallback`` in gathers of 8,
@@ -537,9 +538,109 @@ def bench_overhead(size: str, rounds: int, block: int, compressions: list[str]) 
     return "\n".join(lines)
 
 
+def _sites_raw(path: Path, records: list[Any], sites: int, steps: int, gather: int) -> None:
+    """The floor: every record's bytes through ``os.write``, one file, one write a record."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        for _ in range(0, steps, gather):
+            for site in range(sites):
+                for step in range(gather):
+                    os.write(fd, records[(site + step) % len(records)])
+    finally:
+        os.close(fd)
+
+
+def _sites_h5py(path: Path, records: list[Any], sites: int, steps: int, gather: int) -> None:
+    """What a user would write by hand: one chunked dataset a site, resized and written each
+    gather, a flush after each gather (the datasets stay open)."""
+    import h5py
+    import numpy as np
+
+    width = len(records[0])
+    with h5py.File(path, "w", libver="latest") as handle:
+        datasets = [
+            handle.create_dataset(
+                f"site{site}",
+                (0, width),
+                np.float32,
+                maxshape=(None, width),
+                chunks=(gather, width),
+            )
+            for site in range(sites)
+        ]
+        handle.swmr_mode = True
+        for start in range(0, steps, gather):
+            for site, dataset in enumerate(datasets):
+                block = np.stack([records[(site + step) % len(records)] for step in range(gather)])
+                dataset.resize(start + gather, axis=0)
+                dataset[start : start + gather] = block
+            handle.flush()
+
+
+def _sites_saver(path: Path, records: list[Any], sites: int, steps: int, gather: int) -> None:
+    """The saver, called as the tracer calls it: one call a site a gather, a flush a gather."""
+    from vartrace.storage import H5PYSaverCallback
+    from vartrace.trace import Trace
+
+    names = [f"layers.{site}.forward.x" for site in range(sites)]
+    with H5PYSaverCallback(path, overwrite=True, metadata=False) as saver:
+        for start in range(0, steps, gather):
+            for site, name in enumerate(names):
+                trace = Trace()
+                for step in range(start, start + gather):
+                    record = records[(site + step) % len(records)]
+                    trace.append(record, step + 1, 0, step * sites + site)
+                saver(name, trace)
+            saver.flush()
+
+
+def bench_sites(sites: int, steps: int, rounds: int) -> str:
+    """``sites`` sites of one 4 KiB float32 record a step, ``steps`` steps gathered every
+    :data:`GATHER`: wall and CPU time of the saver against plain h5py and ``os.write``."""
+    import numpy as np
+
+    generator = np.random.default_rng(0)
+    records = [generator.standard_normal(1024).astype(np.float32) for _ in range(16)]
+    contenders: dict[str, Callable[[Path, list[Any], int, int, int], None]] = {
+        "raw os.write": _sites_raw,
+        "plain h5py": _sites_h5py,
+        "vartrace saver": _sites_saver,
+    }
+    wall: dict[str, list[float]] = {name: [] for name in contenders}
+    cpu: dict[str, list[float]] = {name: [] for name in contenders}
+    with tempfile.TemporaryDirectory() as folder:
+        names = list(contenders)
+        for round_ in range(rounds):
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                path = Path(folder) / "sites.bin"
+                start, used = time.perf_counter(), time.process_time()
+                contenders[name](path, records, sites, steps, GATHER)
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - used)
+                path.unlink()
+    count = sites * steps
+    lines = [
+        f"sites: {sites} sites x 4 KiB float32 records x {steps} steps ({count} records), "
+        f"gather every {GATHER} steps, flush a gather; min / median of {rounds} rounds "
+        "(contenders rotate)",
+        f"{'contender':<16} {'wall s':>15} {'vs h5py':>13} {'CPU a record':>16}",
+    ]
+    base = min(wall["plain h5py"]), statistics.median(wall["plain h5py"])
+    for name in names:
+        best, middle = min(wall[name]), statistics.median(wall[name])
+        per = min(cpu[name]) / count * 1e6, statistics.median(cpu[name]) / count * 1e6
+        lines.append(
+            f"{name:<16} {best:6.2f} / {middle:6.2f} {best / base[0]:5.2f} / "
+            f"{middle / base[1]:5.2f}x {per[0]:6.0f} / {per[1]:4.0f} µs"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=["throughput", "memory", "overhead", "pagecache", "size"])
+    parser.add_argument(
+        "mode", choices=["throughput", "memory", "overhead", "pagecache", "size", "sites"]
+    )
     parser.add_argument(
         "--mib", type=int, default=256, help="throughput: MiB per measurement; pagecache: in all"
     )
@@ -550,6 +651,8 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=16, help="overhead: steps per block")
     parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--counts", default="200,2000", help="memory: iteration counts")
+    parser.add_argument("--sites", type=int, default=1000, help="sites: sites written")
+    parser.add_argument("--steps", type=int, default=32, help="sites: steps (records a site)")
     parser.add_argument(
         "--compressions",
         help="comma-separated compression names (vartrace.storage.COMPRESSIONS, gzip, lzf); "
@@ -569,6 +672,8 @@ def main() -> None:
                 [name for name in (args.compressions or "blosc,gzip,lzf").split(",") if name]
             )
         )
+    elif args.mode == "sites":
+        print(bench_sites(args.sites, args.steps, args.rounds))
     elif args.mode == "memory":
         print(bench_memory([int(count) for count in args.counts.split(",")]))
     else:

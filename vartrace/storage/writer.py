@@ -25,6 +25,7 @@ import contextlib
 import difflib
 import errno
 import itertools
+import math
 import os
 import re
 import signal
@@ -87,13 +88,24 @@ _TAG_ROWS_MIN = 256  # fewest rows of a chunk of per-record tags (2 KiB of int64
 _SPREAD = 4
 _SPREAD_SLACK = 64 << 10
 _UNFILTERED = 0xFFFFFFFF  # a chunk's filter mask: stored as it is, no filter applied
-# Sites whose datasets stay open between gathers.  Beyond this they are reopened when
-# written: HDF5's SWMR mode fails ("Child entry doesn't have a flush dependency parent
-# array") once thousands of objects are open while new ones are created.
-_OPEN_SITES = 256
+# Sites whose datasets stay open between gathers (about 200 KiB of HDF5 memory each).
+# Beyond this the least recently written are closed and reopened when written (about 2 ms).
+_OPEN_SITES = 2048
+# HDF5's metadata cache of the file (bytes it starts at, least, most: HDF5's own ceiling).
+# With HDF5's default cache (2 MiB at first) SWMR mode fails ("Child entry doesn't have a
+# flush dependency parent array") once a few hundred sites are open while new ones are
+# created: an eviction bug that a cache holding the open objects' metadata does not meet.
+_METADATA_CACHE = (64 << 20, 32 << 20, 128 << 20)
 _SLOTS = 4096  # record counts per chunk of /committed
-_CACHE_BYTES = 1 << 20  # chunk cache per dataset: holds a partly filled multi-record chunk
+# Chunk cache of each open dataset: small chunks (tags, small records) are written from it
+# at the flush; bigger chunks go straight to the file (a compressed one whole, a partly
+# filled one unfiltered, see _Site._put_records).  A cache keeps up to its size of every open
+# dataset's chunks in memory (1 MiB: up to 10 GiB for 1,000 sites).  Few hash slots: each of
+# HDF5's default 521 costs memory in every open dataset.
+_CACHE_BYTES = 64 << 10
+_CACHE_SLOTS = 17
 _STACK_BELOW = 1 << 20  # smaller equally shaped records are written together, up to this many bytes
+_WRITTEN = frozenset((*TAGS, "values", "shapes", "other"))  # datasets a gather writes
 _BLOB = h5py.vlen_dtype(np.uint8)
 _STR = h5py.string_dtype("utf-8")
 
@@ -167,21 +179,23 @@ def _probe(filters: dict[str, Any], compression: Any) -> None:
 _DIMENSION = "This is a netCDF dimension but not a netCDF variable."
 
 
-def _label(dataset: h5py.Dataset) -> None:
-    """Label ``dataset``'s axes for h5netcdf / xarray: the record axis by the site's
-    ``iterations`` (a dimension scale: a coordinate), the others by dimension-only
-    scales ``<name>_dim<k>`` (resized with it); files made before scales stay as they are.
-    """
-    group = dataset.parent
-    iterations = group["iterations"]
-    if not h5py.h5ds.is_scale(iterations.id):
-        return
+def _label(group: h5py.Group, iterations: h5py.Dataset, dataset: h5py.Dataset, stem: str) -> None:
+    """Label ``dataset`` (``group``'s ``stem``) for h5netcdf / xarray: the record axis by the
+    site's ``iterations`` (a dimension scale: a coordinate), the others by dimension-only
+    scales ``<stem>_dim<k>`` (resized with it)."""
     dataset.dims[0].attach_scale(iterations)
-    stem = dataset.name.rsplit("/", 1)[-1]
     for axis, size in enumerate(dataset.shape[1:], 1):
         scale = group.create_dataset(f"{stem}_dim{axis}", (size,), np.uint8, maxshape=(None,))
         scale.make_scale(_DIMENSION)
         dataset.dims[axis].attach_scale(scale)
+
+
+def _site_datasets(group: h5py.Group) -> dict[str, h5py.Dataset]:
+    """The datasets a site's writer keeps open: tags, ``values``, ``shapes``, ``other`` and
+    the labels of ``values``' axes (the other labels never change)."""
+    return {
+        name: group[name] for name in group if name in _WRITTEN or name.startswith("values_dim")
+    }
 
 
 def _gather_rows(records: int) -> int:
@@ -257,23 +271,37 @@ def _write_tree(group: h5py.Group, tree: Mapping[str, Any]) -> None:
 class _Site:
     """The datasets of one site and the appending logic."""
 
-    def __init__(self, group: h5py.Group, options: dict[str, Any], rows: int) -> None:
+    def __init__(
+        self,
+        group: h5py.Group,
+        options: dict[str, Any],
+        rows: int,
+        datasets: Mapping[str, h5py.Dataset] | None = None,
+    ) -> None:
+        """The site of ``group`` holding ``rows`` committed records; ``datasets`` (name ->
+        dataset) are those just created, else they are looked up."""
         self.group = group
         self.options = options
         self.slot = int(group.attrs["slot"])
-        self.tags = {name: group[name] for name in TAGS}
-        self.values: h5py.Dataset | None = group.get("values")
+        found = dict(datasets) if datasets is not None else _site_datasets(group)
+        self.tags = {name: found[name] for name in TAGS}
+        self.values: h5py.Dataset | None = found.get("values")
         self.gather_rows = int(self.tags["iterations"].chunks[0])  # see _gather_rows
-        self.shapes: h5py.Dataset | None = group.get("shapes")
-        self.other: h5py.Dataset | None = group.get("other")
+        self.shapes: h5py.Dataset | None = found.get("shapes")
+        self.other: h5py.Dataset | None = found.get("other")
         self.rows = rows  # committed records; rows past them (a killed writer's) are rewritten
         self.chunk = None if self.values is None else self.values.chunks
         self.padded: tuple[int, ...] = () if self.values is None else self.values.shape[1:]
+        # the labels of the record's axes (none in files made before them), resized with values
+        labels = (found.get(f"values_dim{axis}") for axis in range(1, len(self.padded) + 1))
+        self.scales = [scale for scale in labels if scale is not None]
         self.storage = "" if self.values is None else str(self.values.attrs["storage"])
         self.key = "" if self.values is None else str(self.values.attrs.get("key", ""))
         self.warned = False  # about a record that could not be stored
+        self.spread: dict[tuple[int, ...], bool] = {}  # record shape -> _spread's answer
         # Scales are attached only in the gather that creates the site: HDF5 cannot change
-        # a scale's back references once SWMR readers may have seen it.
+        # a scale's back references once SWMR readers may have seen it.  A site of a file
+        # made before scales has none.
         self.labelled = False
 
     @classmethod
@@ -285,15 +313,19 @@ class _Site:
         group.attrs["slot"] = slot
         if _utf8(name):  # for people browsing the file; the reader unescapes the link name
             group.attrs["name"] = name
-        for tag in TAGS:
-            dtype = np.uint8 if tag == "kinds" else np.int64
-            chunks = (_gather_rows(records),)
-            group.create_dataset(tag, (0,), dtype, maxshape=(None,), chunks=chunks)
-        group["iterations"].make_scale()  # the record axis' coordinate (see _label)
-        for tag in TAGS:
+        chunks = (_gather_rows(records),)
+        tags = {
+            tag: group.create_dataset(
+                tag, (0,), np.uint8 if tag == "kinds" else np.int64, maxshape=(None,), chunks=chunks
+            )
+            for tag in TAGS
+        }
+        iterations = tags["iterations"]
+        iterations.make_scale()  # the record axis' coordinate (see _label)
+        for tag, dataset in tags.items():
             if tag != "iterations":
-                _label(group[tag])
-        site = cls(group, options, 0)
+                _label(group, iterations, dataset, tag)
+        site = cls(group, options, 0, tags)
         site.labelled = True
         return site
 
@@ -326,13 +358,17 @@ class _Site:
     def _spread(self, shape: tuple[int, ...]) -> bool:
         """Whether a record of ``shape`` would make ``values`` allocate far more than its
         bytes (see :data:`_SPREAD`): it goes to ``other`` instead, unpadded."""
-        assert self.values is not None and self.chunk is not None
-        rows, *tile = self.chunk
-        tiles = int(np.prod([-(-size // step) for size, step in zip(shape, tile, strict=True)]))
-        itemsize = self.values.dtype.itemsize
-        chunk = rows * int(np.prod(tile)) * itemsize
-        record = int(np.prod(shape)) * itemsize
-        return tiles > 1 and tiles * chunk > _SPREAD * record + chunk + _SPREAD_SLACK
+        spread = self.spread.get(shape)
+        if spread is None:
+            assert self.values is not None and self.chunk is not None
+            rows, *tile = self.chunk
+            tiles = math.prod(-(-size // step) for size, step in zip(shape, tile, strict=True))
+            itemsize = self.values.dtype.itemsize
+            chunk = rows * math.prod(tile) * itemsize
+            record = math.prod(shape) * itemsize
+            spread = tiles > 1 and tiles * chunk > _SPREAD * record + chunk + _SPREAD_SLACK
+            self.spread[shape] = spread
+        return spread
 
     def _create_values(self, leaf: Leaf, records: int) -> None:
         """Create ``values`` for records like ``leaf``, ``records`` of them in this gather."""
@@ -350,7 +386,8 @@ class _Site:
             )
             values.attrs.update(storage="array", key=leaf.key, torch_dtype=leaf.torch_dtype)
             if self.labelled:
-                _label(values)
+                _label(self.group, self.tags["iterations"], values, "values")
+                self.scales = [self.group[f"values_dim{axis}"] for axis in range(1, ndim + 1)]
             self.chunk = values.chunks
             if ndim:
                 self.shapes = self.group.create_dataset(
@@ -362,7 +399,7 @@ class _Site:
                     fillvalue=-1,
                 )
                 if self.labelled:
-                    _label(self.shapes)
+                    _label(self.group, self.tags["iterations"], self.shapes, "shapes")
         else:
             self.storage = "str" if leaf.kind == Kind.STR and _utf8(leaf.data) else "blob"
             dtype = _STR if self.storage == "str" else _BLOB
@@ -371,7 +408,7 @@ class _Site:
             )
             values.attrs["storage"] = self.storage
             if self.labelled:
-                _label(values)
+                _label(self.group, self.tags["iterations"], values, "values")
         self.values = values
 
     def append(self, trace: Trace) -> None:
@@ -412,9 +449,8 @@ class _Site:
         if shapes:
             self.padded = tuple(max(sizes) for sizes in zip(self.padded, *shapes, strict=True))
         self.values.id.set_extent((stop, *self.padded))
-        for axis, size in enumerate(self.padded, 1):  # the labels of the record's axes
-            scale = self.group.get(f"values_dim{axis}")
-            if scale is not None and scale.shape[0] < size:
+        for scale, size in zip(self.scales, self.padded, strict=False):
+            if scale.shape[0] < size:
                 scale.id.set_extent((size,))
         if self.shapes is not None:
             self.shapes.id.set_extent((stop, len(self.padded)))
@@ -802,7 +838,9 @@ class H5PYSaverCallback:
             )
         if path.exists():
             _check_appendable(path)
-            handle = h5py.File(path, "r+", libver=LIBVER, rdcc_nbytes=_CACHE_BYTES)
+            handle = h5py.File(
+                path, "r+", libver=LIBVER, rdcc_nbytes=_CACHE_BYTES, rdcc_nslots=_CACHE_SLOTS
+            )
             self._last = _last_tags(handle)
         else:
             handle = self._create(path)
@@ -814,6 +852,7 @@ class H5PYSaverCallback:
         self._committed = np.zeros(max([len(committed), *(s + 1 for s in slots)]), np.int64)
         self._committed[: len(committed)] = committed
         self._capacity = len(committed)
+        _size_metadata_cache(handle)
         handle.swmr_mode = True  # from here on, a killed process leaves a consistent file
         self._descriptor = handle.id.get_vfd_handle()
         self._owner = os.getpid()
@@ -825,7 +864,9 @@ class H5PYSaverCallback:
         meta = None
         if self._metadata is not None:  # collected first: outside SWMR mode only briefly
             meta = collect_metadata(self._context.world_size, **self._metadata)
-        handle = h5py.File(path, "x", libver=LIBVER, rdcc_nbytes=_CACHE_BYTES)
+        handle = h5py.File(
+            path, "x", libver=LIBVER, rdcc_nbytes=_CACHE_BYTES, rdcc_nslots=_CACHE_SLOTS
+        )
         handle.attrs[FORMAT_ATTR] = FORMAT_VERSION
         handle.attrs["vartrace_version"] = _vartrace_version()
         context = self._context
@@ -1162,6 +1203,14 @@ def _os_error(error: Exception) -> tuple[int, str] | None:
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return error.errno, os.strerror(error.errno)
     return None
+
+
+def _size_metadata_cache(handle: h5py.File) -> None:
+    """Give ``handle`` the metadata cache of :data:`_METADATA_CACHE` (holds many open sites)."""
+    config = handle.id.get_mdc_config()
+    config.set_initial_size = True
+    config.initial_size, config.min_size, config.max_size = _METADATA_CACHE
+    handle.id.set_mdc_config(config)
 
 
 def _claimed_size(handle: h5py.File) -> int:
