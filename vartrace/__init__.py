@@ -20,10 +20,36 @@ Torch-backed names are imported lazily (PEP 562), so `import vartrace` and
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import re
 from typing import TYPE_CHECKING, Any
 
 from vartrace.record import DROP, Unstored, record
 from vartrace.trace import RunContext, Trace
+
+_OLDEST_TORCH = (2, 10)
+"""The oldest torch release vartrace is tested on (`.ci/run` runs a job on it)."""
+
+
+def _refuse_older_torch() -> None:
+    """Raise ImportError where the installed torch is older than `_OLDEST_TORCH`, read from
+    its distribution's metadata so that torch is not imported (the engine runs without it)."""
+    try:
+        installed = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    release = re.match(r"(\d+)\.(\d+)", installed)
+    if release is not None and tuple(map(int, release.groups())) < _OLDEST_TORCH:
+        raise ImportError(
+            f"vartrace needs torch >= {'.'.join(map(str, _OLDEST_TORCH))}, found torch "
+            f"{installed}: it is tested on torch 2.10 and newer only (its tests of staging "
+            "on an accelerator need torch 2.10's Python backends), and before torch 2.3 "
+            "every traced step fails (torch.compiler.is_compiling is missing); "
+            "upgrade torch: pip install -U torch"
+        )
+
+
+_refuse_older_torch()
 
 __version__ = "0.1.0"
 
