@@ -426,6 +426,11 @@ class _Part:
         _ = self.written_dtype
 
     @cached_property
+    def first_order(self) -> int:
+        """The capture order of the part's first record."""
+        return int(_leading_rows(self.group, "order", 1)[0])
+
+    @cached_property
     def values(self) -> h5py.Dataset | None:
         """The ``values`` dataset; uncompressed chunks are read without a chunk cache, so a
         row is read alone rather than its whole chunk (a read of one row anywhere in a long
@@ -1068,7 +1073,7 @@ def all_values(values: h5py.Dataset | ValuesView) -> np.ndarray:
 
 def _first_order(parts: list[_Part]) -> int:
     """The capture order of a site's first record (each file's records are in capture order)."""
-    return min(int(_leading_rows(part.group, "order", 1)[0]) for part in parts)
+    return min(part.first_order for part in parts)
 
 
 def _numeric(value: Any) -> np.ndarray | None:
@@ -1242,6 +1247,9 @@ class Run:
             for link in sites:
                 try:
                     part = _Part(child(sites, link, h5py.Group), counts, self._ahead)
+                    if live and part.rows:  # its datasets may lie past this reader's view
+                        part.open()
+                        _ = part.first_order
                 except RunFileError as error:
                     if live and _BEYOND_VIEW in str(error):
                         continue  # the writer made the site after this reader's view of the file
