@@ -101,11 +101,6 @@ def test_the_api_page_lists_every_public_name(site: Path) -> None:
 _REST_ROLE = re.compile(r":(?:data|func|class|meth|mod|attr|exc|obj):")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the docstrings of vartrace/storage/reader.py and writer.py (Run, Site, open, "
-    "H5PYSaverCallback) still hold reST roles and Example:: blocks; the storage work owns them",
-)
 def test_no_page_shows_raw_rest(site: Path) -> None:
     """Docstrings are markdown: no reST literal block (a line ending in `::`) and no role."""
     shown = []

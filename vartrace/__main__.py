@@ -1,4 +1,4 @@
-"""``python -m vartrace``: the ``vartrace`` command line (see :mod:`vartrace.cli`)."""
+"""`python -m vartrace`: the `vartrace` command line (see `vartrace.cli`)."""
 
 from vartrace.cli import main
 

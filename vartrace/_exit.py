@@ -1,15 +1,17 @@
 """Tracers left running at interpreter exit are stopped, their records handed on.
 
-A tracer started with ``start()`` and never stopped (a notebook, a script that
-leaves its loop by ``sys.exit``, an exception path that skips ``stop()``)
-registers itself with :func:`watch`.  When the interpreter shuts down, *before*
-it joins threads and before ``atexit`` handlers run (savers close their files
+A tracer started with `start()` and never stopped (a notebook, a script that
+leaves its loop by `sys.exit`, an exception path that skips `stop()`)
+registers itself with `watch`.  When the interpreter shuts down, *before*
+it joins threads and before `atexit` handlers run (savers close their files
 there; CUDA is torn down after), each one still watched is stopped: its last
 records reach the callbacks and the file.  Each stop is bounded in time, so an
-exit never hangs on a gather whose other ranks are gone.  Example::
+exit never hangs on a gather whose other ranks are gone.  Example:
 
-    watch(tracer)      # while it runs
-    unwatch(tracer)    # once it stopped
+```python
+watch(tracer)      # while it runs
+unwatch(tracer)    # once it stopped
+```
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ _registered = False
 
 
 def watch(owner: _Stoppable) -> None:
-    """Call ``owner._stop_at_exit()`` at interpreter exit unless :func:`unwatch`\\ ed before."""
+    """Call `owner._stop_at_exit()` at interpreter exit unless `unwatch`\\ ed before."""
     global _registered
     if not _registered:
         try:
@@ -47,7 +49,7 @@ def watch(owner: _Stoppable) -> None:
 
 
 def unwatch(owner: _Stoppable) -> None:
-    """Stop watching ``owner`` (not watched: nothing happens)."""
+    """Stop watching `owner` (not watched: nothing happens)."""
     _watched.discard(owner)
 
 

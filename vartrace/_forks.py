@@ -1,12 +1,14 @@
 """What a forked child must let go of: objects that belong to the parent process.
 
-A tracer or a saver that is running registers itself with :func:`watch`; in
-the child of an ``os.fork`` (DataLoader workers, ``multiprocessing``), each
-one still registered has its ``_forget()`` called, once, before the child
-runs anything else.  Example::
+A tracer or a saver that is running registers itself with `watch`; in
+the child of an `os.fork` (DataLoader workers, `multiprocessing`), each
+one still registered has its `_forget()` called, once, before the child
+runs anything else.  Example:
 
-    watch(tracer)      # while it runs
-    unwatch(tracer)    # once it stopped
+```python
+watch(tracer)      # while it runs
+unwatch(tracer)    # once it stopped
+```
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ _watched: weakref.WeakSet[_Forgetful] = weakref.WeakSet()
 
 
 def watch(owner: _Forgetful) -> None:
-    """Call ``owner._forget()`` in a child forked while it is watched."""
+    """Call `owner._forget()` in a child forked while it is watched."""
     _watched.add(owner)
 
 
 def unwatch(owner: _Forgetful) -> None:
-    """Stop watching ``owner`` (not watched: nothing happens)."""
+    """Stop watching `owner` (not watched: nothing happens)."""
     _watched.discard(owner)
 
 

@@ -17,11 +17,13 @@ class Unstored(str):
     tracer records this marker (with a warning naming the site); where the
     saver cannot store a record, it writes this marker instead of failing
     the step; a reference back into a structure being walked is one too.
-    Reading a file gives it back.  Example::
+    Reading a file gives it back.  Example:
 
-        value = run["forward.gen"].get(iteration=1)
-        if isinstance(value, vartrace.Unstored):
-            print(value)   # "generator: cannot pickle 'generator' object"
+    ```python
+    value = run["forward.gen"].get(iteration=1)
+    if isinstance(value, vartrace.Unstored):
+        print(value)   # "generator: cannot pickle 'generator' object"
+    ```
     """
 
     __slots__ = ()

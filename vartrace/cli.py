@@ -1,27 +1,30 @@
-"""The ``vartrace`` command: look at runs without writing a script.
+"""The `vartrace` command: look at runs without writing a script.
 
-Subcommands::
+Subcommands:
 
-    vartrace ls RUN                         sites, records, shapes, dtypes, iterations, bytes
-    vartrace show RUN SITE... [--iteration I] [--rank R]
-    vartrace meta RUN [KEY]                 command, packages, git state, ...
-    vartrace sites MODULE:FACTORY [PATTERN] capturable sites of a model
-    vartrace compare A B [--atol --rtol --csv OUT --names PATTERN ...]
-    vartrace plot RUN SITE... [--stat mean,std] -o out.png
-    vartrace plot A B -o out.png            similarity heat map
+```python
+vartrace ls RUN                         sites, records, shapes, dtypes, iterations, bytes
+vartrace show RUN SITE... [--iteration I] [--rank R]
+vartrace meta RUN [KEY]                 command, packages, git state, ...
+vartrace sites MODULE:FACTORY [PATTERN] capturable sites of a model
+vartrace compare A B [--atol --rtol --csv OUT --names PATTERN ...]
+vartrace plot RUN SITE... [--stat mean,std] -o out.png
+vartrace plot A B -o out.png            similarity heat map
+```
 
-``RUN`` is an HDF5 file or a glob of per-rank shards (quote it:
-``'run.rank*.h5'``); ``SITE`` may be a glob (``'layers.*.forward'``).  Sites
-are listed in execution order.  ``show --iteration K`` prints the value each
+`RUN` is an HDF5 file or a glob of per-rank shards (quote it:
+`'run.rank*.h5'`); `SITE` may be a glob (`'layers.*.forward'`).  Sites
+are listed in execution order.  `show --iteration K` prints the value each
 site held at iteration K: its last record at or before K (change detection
-stores a value only when it changes).  ``compare`` exits 1 when anything differs beyond
+stores a value only when it changes).  `compare` exits 1 when anything differs beyond
 tolerance, so it can guard numerics in CI.  Errors print one line to
-stderr and exit 2.  Everything is printed through :func:`_print`, which shows control
-and format characters of site names, metadata and paths escaped (``\x1b``, ``\u202e``).
+stderr and exit 2.  Everything is printed through `_print`, which shows control
+and format characters of site names, metadata and paths escaped (`\x1b`, `\u202e`).
 
-Example::
-
+Example:
+    ```python
     $ vartrace compare reference.h5 candidate.h5 --atol 1e-6 --csv diff.csv
+    ```
 """
 
 from __future__ import annotations
@@ -84,15 +87,15 @@ def _escape(match: re.Match[str]) -> str:
 
 
 def _printable(text: str) -> str:
-    """``text`` with every character a terminal would act on shown escaped, as Python writes
-    it (``\\x1b``, ``\\n``, ``\\u202e``); tabs and printable text of any script are kept."""
+    """`text` with every character a terminal would act on shown escaped, as Python writes
+    it (`\\x1b`, `\\n`, `\\u202e`); tabs and printable text of any script are kept."""
     return _NOT_ASCII_TEXT.sub(_escape, text)
 
 
 def _print(*lines: str, file: TextIO | None = None) -> None:
-    """Write ``lines`` to stdout (or ``file``), each on a line of its own and
-    :func:`_printable`: a newline inside one (of a site name, a metadata string) shows as
-    ``\\n`` and cannot forge a line.  Every command prints through it, errors too: a site
+    """Write `lines` to stdout (or `file`), each on a line of its own and
+    `_printable`: a newline inside one (of a site name, a metadata string) shows as
+    `\\n` and cannot forge a line.  Every command prints through it, errors too: a site
     name comes from any dict key of the traced code, a run file from anyone."""
     text = "".join(_printable(line) + "\n" for line in lines)
     (sys.stdout if file is None else file).write(text)
@@ -110,7 +113,7 @@ def _table(
     header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
 ) -> list[str]:
     """The lines of an aligned table; cells are made printable first, so escaped names
-    (``\\x1b``) keep the columns aligned."""
+    (`\\x1b`) keep the columns aligned."""
     from vartrace.comparison.report import table
 
     return table(header, [[_printable(cell) for cell in row] for row in rows], right)
@@ -147,7 +150,7 @@ def _site(run: Any, path: str, name: str) -> Any:
 
 
 def _matching(run: Any, path: str, patterns: Sequence[str]) -> list[str]:
-    """The sites named by ``patterns`` (exact names or globs), in execution order."""
+    """The sites named by `patterns` (exact names or globs), in execution order."""
     import fnmatch
 
     for pattern in patterns:
@@ -161,7 +164,7 @@ def _matching(run: Any, path: str, patterns: Sequence[str]) -> list[str]:
 
 
 def _progress(items: Sequence[Any], what: str) -> Any:
-    """``items`` with a progress bar on a terminal's stderr, shown after one second."""
+    """`items` with a progress bar on a terminal's stderr, shown after one second."""
     from tqdm.auto import tqdm
 
     return tqdm(items, desc=what, disable=not sys.stderr.isatty(), delay=1.0, leave=False)
@@ -194,7 +197,7 @@ def _shapes_summary(view: Any) -> str:
 def _dtypes(view: Any) -> list[str]:
     """Every dtype among a site's records, in order of first appearance.
 
-    Numeric records kept outside the site's ``values`` dataset (another dtype
+    Numeric records kept outside the site's `values` dataset (another dtype
     than the first record's) are read to name theirs.
     """
     from vartrace.sources import value_dtype_name
@@ -299,7 +302,7 @@ _STATISTICS = "statistics"
 
 
 def _value_text(value: Any) -> str:
-    """``repr`` of a record value; an int too long for decimal text (Python refuses more
+    """`repr` of a record value; an int too long for decimal text (Python refuses more
     than 4300 digits) in hexadecimal, its middle cut."""
     try:
         return repr(value)
@@ -479,7 +482,7 @@ def _flatten(meta: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def _meta_lines(key: str, value: Any, width: int, command: str | None) -> list[str]:
-    """The lines of one metadata entry; with ``command`` (how to print one entry), long texts
+    """The lines of one metadata entry; with `command` (how to print one entry), long texts
     and lists (the git diff, the packages) are summarized in one line."""
     if isinstance(value, bytes):
         value = value.decode("utf-8", "replace")
@@ -816,17 +819,18 @@ def _show_warning(
     line: str | None = None,
 ) -> None:
     """Print a warning of a library (matplotlib's missing glyph of a site name) in one line
-    through :func:`_print`, as ``warnings.showwarning`` during a command."""
+    through `_print`, as `warnings.showwarning` during a command."""
     _print(f"{filename}:{lineno}: {category.__name__}: {message}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``vartrace`` command line; return the exit status.
+    """Run the `vartrace` command line; return the exit status.
 
-    Example::
-
+    Example:
+        ```python
         >>> main(["ls", "run.h5"])
         0
+        ```
     """
     args = _parser().parse_args(argv)
     try:

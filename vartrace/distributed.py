@@ -1,29 +1,29 @@
-"""Gathering buffered chunks across ``torch.distributed`` ranks.
+"""Gathering buffered chunks across `torch.distributed` ranks.
 
-The tracer hands each rank's chunk (site name -> :class:`~vartrace.trace.Trace`)
-to :func:`gather_chunk` every ``gathering_interval`` iterations, on every rank,
-and to :func:`final_gathers` at exit.  Without an initialised process group (or
+The tracer hands each rank's chunk (site name -> [`Trace`][vartrace.Trace])
+to `gather_chunk` every `gathering_interval` iterations, on every rank,
+and to `final_gathers` at exit.  Without an initialised process group (or
 with one rank) this is a local hand-over.
 
 How a gather travels
 --------------------
 Each rank other than 0 packs its chunk: a small pickled header (site names,
 record counts, dtypes, shapes, where each record's bytes are, and the
-non-tensor leaves: Python scalars, strings, bytes, ``None``, opaque objects)
-followed, in one flat ``uint8`` buffer, by the ``iterations`` / ``ranks`` /
-``order`` tags and the bytes of small tensor and numeric numpy records.
+non-tensor leaves: Python scalars, strings, bytes, `None`, opaque objects)
+followed, in one flat `uint8` buffer, by the `iterations` / `ranks` /
+`order` tags and the bytes of small tensor and numeric numpy records.
 Records of 256 KiB or more are not copied into that buffer: they travel as
 messages of their own, straight from their storage, and rank 0 receives them
 straight into freshly allocated tensors of their final dtype and shape.
 Tensor bytes are never pickled: tensors of any dtype (bfloat16, float8, bool
-and complex included) travel as ``uint8`` views of their storage; only
+and complex included) travel as `uint8` views of their storage; only
 tensors without plain strided storage (sparse, quantized, nested, tensor
 subclasses) travel pickled, as opaque objects.  The exchange:
 
-1. an ``all_gather`` of one ``[length, status, done]`` triple per rank, so
+1. an `all_gather` of one `[length, status, done]` triple per rank, so
    that rank 0 knows every buffer's size and every rank knows whether any rank
    failed to pack its chunk, and which ranks are done (see below);
-2. one batch of point-to-point operations (``batch_isend_irecv``): each rank
+2. one batch of point-to-point operations (`batch_isend_irecv`): each rank
    sends its packed buffer, at its exact size, to rank 0 (a rank with an
    empty chunk sends nothing);
 3. a second batch: the large records, whose sizes rank 0 read from the
@@ -31,14 +31,14 @@ subclasses) travel pickled, as opaque objects.  The exchange:
 
 Batches are cut into rounds of at most 1 GiB in flight, which bounds the
 device memory rank 0 needs with NCCL.  (Point-to-point rather than
-``dist.gather``: a gather needs equal sizes, so uneven ranks would pad to
+`dist.gather`: a gather needs equal sizes, so uneven ranks would pad to
 the largest buffer, and gloo's gather measured about 5x slower than
 point-to-point for 64 MB per rank.)
 
 Rank 0's own records never travel: it merges them, as they are (and where
 they are), with the unpacked records of the other ranks.  With NCCL the
 buffers live on the rank's current CUDA device during the transfer (call
-``torch.cuda.set_device(local_rank)`` before tracing, as NCCL requires anyway)
+`torch.cuda.set_device(local_rank)` before tracing, as NCCL requires anyway)
 and rank 0 copies what it receives back to CPU memory, so the other ranks'
 records arrive as CPU tensors; with gloo (or any backend that supports CPU
 tensors) the buffers stay on the CPU.  The same code serves both.
@@ -46,12 +46,12 @@ tensors) the buffers stay on the CPU.  The same code serves both.
 The merged chunk holds, for every site present on any rank, the records of
 rank 0, then rank 1, and so on, each rank's in its capture order; sites that
 only some ranks recorded are included.  Each record keeps the rank that
-captured it in ``trace.ranks``.  When every rank's trace of a site was stacked
-by a pre-gather callback (:func:`~vartrace.stack_tensors` /
-:func:`~vartrace.stack_padded_tensors`), the merged trace is stacked too:
+captured it in `trace.ranks`.  When every rank's trace of a site was stacked
+by a pre-gather callback ([`stack_tensors`][vartrace.stack_tensors] /
+[`stack_padded_tensors`][vartrace.stack_padded_tensors]), the merged trace is stacked too:
 values are concatenated along the record dimension, padded with zeros to the
-largest shape where ranks differ (``trace.shapes`` then lists the true shapes)
-and the tags become 1-D ``int64`` tensors.  Otherwise the merged trace holds
+largest shape where ranks differ (`trace.shapes` then lists the true shapes)
+and the tags become 1-D `int64` tensors.  Otherwise the merged trace holds
 lists.
 
 Ranks that run different numbers of iterations
@@ -61,7 +61,7 @@ rank, make the ranks reach different numbers of periodic gathers.  Gathers
 never assume that the ranks step in lockstep: each rank's gathers pair, in
 order, with the other ranks' gathers, whatever iterations they hold (every
 record carries its own iteration and rank).  At exit, a rank calls
-:func:`final_gathers`: its first gather carries its last chunk and says, in the
+`final_gathers`: its first gather carries its last chunk and says, in the
 exchange of step 1, that this rank is done; then it joins, with nothing to
 send, every gather of the ranks still running, until every rank has said it
 is done, and all of them leave together.  A rank that finishes early so waits
@@ -71,22 +71,22 @@ with asynchronous staging, takes the default group's; an NCCL default group's
 watchdog ends the process at its timeout instead): when a rank does not come
 (stuck, or gone), the exchange fails, every rank that waited warns
 naming the ranks not known to be done, rank 0 hands on what it holds, and a
-rank whose last chunk could not be sent keeps it (in ``tracer.results`` on
+rank whose last chunk could not be sent keeps it (in `tracer.results` on
 that rank).
 
 Failures
 --------
 Every gather is a collective: all ranks must reach it (a rank that is done
-reaches it from :func:`final_gathers`).  If one rank raises inside the traced
+reaches it from `final_gathers`).  If one rank raises inside the traced
 step it leaves the step (and the tracer) with that exception and does not
 reach the next collective.  The other ranks then block in their next
 collective -- DDP's gradient all-reduce or the next gather -- until the
 process group gives up: at once when the failed process exits (gloo reports
 the closed connection), otherwise when the process group's timeout expires
-(``init_process_group(..., timeout=timedelta(minutes=5))``; the default is 30
+(`init_process_group(..., timeout=timedelta(minutes=5))`; the default is 30
 minutes for gloo and 10 minutes for NCCL, whose watchdog, with the default
-``TORCH_NCCL_ASYNC_ERROR_HANDLING``, tears the process down).  The collective
-then raises a ``RuntimeError`` (``torch.distributed.DistBackendError`` for
+`TORCH_NCCL_ASYNC_ERROR_HANDLING`, tears the process down).  The collective
+then raises a `RuntimeError` (`torch.distributed.DistBackendError` for
 NCCL) on each remaining rank, which propagates out of its step, so every
 process ends with an error instead of hanging forever.  The records buffered
 since the last completed gather are lost on every rank; everything a
@@ -133,10 +133,11 @@ def _active() -> bool:
 def rank() -> int:
     """This process's rank, 0 without an initialised process group.
 
-    Example::
-
+    Example:
+        ```python
         if vartrace.distributed.rank() == 0:
             print("writing the file")
+        ```
     """
     return dist.get_rank() if _active() else 0
 
@@ -144,9 +145,10 @@ def rank() -> int:
 def world_size() -> int:
     """The number of ranks, 1 without an initialised process group.
 
-    Example::
-
+    Example:
+        ```python
         shards = [f"run.rank{r}.h5" for r in range(vartrace.distributed.world_size())]
+        ```
     """
     return dist.get_world_size() if _active() else 1
 
@@ -160,16 +162,17 @@ def new_host_group() -> Any:
     device memory.  A collective call: every rank must make it, at the same
     point.  Its timeout is the default group's (``init_process_group(...,
     timeout=)``), which so bounds the gathers' waits as it bounds the training's.
-    Example::
-
+    Example:
+        ```python
         group = new_host_group()
         merged = gather_chunk(chunk, group)
+        ```
     """
     return dist.new_group(backend="gloo", timeout=_timeout())
 
 
 def _timeout() -> timedelta | None:
-    """The default group's timeout (``None``, torch's default, where it cannot be read)."""
+    """The default group's timeout (`None`, torch's default, where it cannot be read)."""
     world = dist.group.WORLD
     if world is None:
         return None
@@ -183,19 +186,20 @@ def _timeout() -> timedelta | None:
 def gather_chunk(chunk: dict[str, Trace], group: Any = None) -> dict[str, Trace] | None:
     """Gather every rank's chunk to rank 0.
 
-    Must be called on every rank of ``group`` (a group of every rank; ``None``
+    Must be called on every rank of `group` (a group of every rank; `None`
     is the default process group), the same number of times, unless a rank
-    has left for :func:`final_gathers`, which joins the gathers of the others.
-    Returns the merged chunk (site name -> :class:`Trace` holding the records
-    of all ranks, rank 0's first) on rank 0 and ``None`` on the other ranks.
-    Without an initialised process group, or with a single rank, ``chunk`` is
+    has left for `final_gathers`, which joins the gathers of the others.
+    Returns the merged chunk (site name -> [`Trace`][vartrace.Trace] holding the records
+    of all ranks, rank 0's first) on rank 0 and `None` on the other ranks.
+    Without an initialised process group, or with a single rank, `chunk` is
     returned unchanged.
 
-    Example::
-
+    Example:
+        ```python
         merged = gather_chunk({"forward.x": trace})
         if merged is not None:  # rank 0
             print(merged["forward.x"].ranks)  # e.g. [0, 0, 1, 1]
+        ```
 
     Raises:
         RuntimeError: on every rank when some rank could not pack its chunk,
@@ -209,36 +213,37 @@ def gather_chunk(chunk: dict[str, Trace], group: Any = None) -> dict[str, Trace]
 def final_gathers(
     chunk: dict[str, Trace], group: Any = None
 ) -> Iterator[tuple[dict[str, Trace], bool]]:
-    """A rank's last gathers: its ``chunk``, then empty ones until every rank has sent its last.
+    """A rank's last gathers: its `chunk`, then empty ones until every rank has sent its last.
 
     Ranks may run different numbers of iterations (evaluation shards of
     different sizes, generation that stops early on one rank), and so make
-    different numbers of periodic :func:`gather_chunk` calls.  A rank that
-    is done calls this instead: its first gather carries ``chunk`` and says
+    different numbers of periodic `gather_chunk` calls.  A rank that
+    is done calls this instead: its first gather carries `chunk` and says
     that this rank is done; then it joins, with nothing to send, each gather
     that the ranks still running make, until every rank has said it is done.
     The ranks learn who is done from the exchange that every gather starts
     with, so no collective is added.  Must be called once on every rank of
-    ``group`` (as :func:`gather_chunk`), at the end.
+    `group` (as `gather_chunk`), at the end.
 
-    Yields ``(records, gathered)`` after each gather: on rank 0 the merged
-    chunk and ``True``, on the other ranks an empty chunk and ``False``.  The
+    Yields `(records, gathered)` after each gather: on rank 0 the merged
+    chunk and `True`, on the other ranks an empty chunk and `False`.  The
     wait for ranks still running is bounded by the group's timeout: if a
     gather fails there (a rank never came, or its process is gone), this
     warns, naming the ranks not known to be done, and stops; a chunk not yet
     sent is yielded back, on rank 0 as gathered (its own records, for the
-    file), on the other ranks with ``False`` (records to keep where they
+    file), on the other ranks with `False` (records to keep where they
     are).  Without an initialised process group, or with a single rank, it
-    yields ``(chunk, True)`` once.
+    yields `(chunk, True)` once.
 
-    Example::
-
+    Example:
+        ```python
         for records, gathered in final_gathers(chunk):
             for name, trace in records.items():
                 (save if gathered else keep)(name, trace)
+        ```
 
     Raises:
-        RuntimeError: as :func:`gather_chunk`, for a failure after the ranks met.
+        RuntimeError: as `gather_chunk`, for a failure after the ranks met.
     """
     if not _active() or dist.get_world_size() == 1:
         yield chunk, True
@@ -291,11 +296,11 @@ def _warn_unmet(
 def _gather(
     chunk: dict[str, Trace], group: Any, *, final: bool
 ) -> tuple[dict[str, Trace] | None, list[bool]]:
-    """One gather: the merged chunk (``None`` except on rank 0) and which ranks are done.
+    """One gather: the merged chunk (`None` except on rank 0) and which ranks are done.
 
-    ``final``: this rank is done (it sends its last chunk or nothing).  A rank
+    `final`: this rank is done (it sends its last chunk or nothing).  A rank
     other than 0 with an empty chunk sends nothing.  If the first exchange
-    fails in a final gather, raises :class:`_Unmet` (the cause is the error).
+    fails in a final gather, raises `_Unmet` (the cause is the error).
     """
     me = dist.get_rank()
     size = dist.get_world_size()
@@ -403,9 +408,9 @@ class _Part:
 class _Layout:
     """Decides where each byte view travels.
 
-    Views smaller than ``_DIRECT_BYTES`` get an aligned offset (>= 0) in the
+    Views smaller than `_DIRECT_BYTES` get an aligned offset (>= 0) in the
     packed buffer; larger ones travel as messages of their own, straight from
-    their storage, and get the location ``-1 - index``.
+    their storage, and get the location `-1 - index`.
     """
 
     def __init__(self) -> None:
@@ -424,7 +429,7 @@ class _Layout:
 
 
 def _tensor_bytes(value: torch.Tensor) -> torch.Tensor | None:
-    """``value``'s elements as a flat ``uint8`` tensor, or None when it has no plain storage."""
+    """`value`'s elements as a flat `uint8` tensor, or None when it has no plain storage."""
     if value.layout != torch.strided or value.is_quantized or value.is_nested or value.is_meta:
         return None
     if type(value) not in (torch.Tensor, torch.nn.Parameter):
@@ -437,7 +442,7 @@ def _tensor_bytes(value: torch.Tensor) -> torch.Tensor | None:
 
 
 def _numpy_bytes(value: np.ndarray) -> torch.Tensor | None:
-    """``value``'s elements as a flat ``uint8`` tensor, or None for object/zero-size dtypes."""
+    """`value`'s elements as a flat `uint8` tensor, or None for object/zero-size dtypes."""
     if value.dtype.hasobject or value.dtype.itemsize == 0:
         return None
     flat = np.ascontiguousarray(value).reshape(-1)
@@ -459,7 +464,7 @@ def _encode_record(value: Any, layout: _Layout) -> tuple[Any, ...]:
 
 
 def _tags_tensor(trace: Trace) -> torch.Tensor:
-    """The ``iterations``, ``ranks`` and ``order`` tags as one ``(3, n)`` int64 tensor."""
+    """The `iterations`, `ranks` and `order` tags as one `(3, n)` int64 tensor."""
     rows = []
     for tags in (trace.iterations, trace.ranks, trace.order):
         if isinstance(tags, torch.Tensor):
@@ -509,7 +514,7 @@ def _buffer(packed: _Packed) -> torch.Tensor:
 
 
 def _segments(flats: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``flats`` cut, in order, into messages of at most ``_ROUND_BYTES``."""
+    """`flats` cut, in order, into messages of at most `_ROUND_BYTES`."""
     return [
         flat[start : start + _ROUND_BYTES]
         for flat in flats
@@ -518,7 +523,7 @@ def _segments(flats: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _rounds(sizes: list[int]) -> list[list[int]]:
-    """Consecutive message indices grouped so that each group holds at most ``_ROUND_BYTES``."""
+    """Consecutive message indices grouped so that each group holds at most `_ROUND_BYTES`."""
     groups: list[list[int]] = []
     used = _ROUND_BYTES
     for index, size in enumerate(sizes):
@@ -537,7 +542,7 @@ def _run_ops(ops: list[dist.P2POp]) -> None:
 
 
 def _send_all(flats: list[torch.Tensor], device: torch.device, group: Any) -> None:
-    """Send ``flats`` to rank 0 as numbered messages, a bounded round at a time.
+    """Send `flats` to rank 0 as numbered messages, a bounded round at a time.
 
     On a CPU backend the messages leave straight from the records' storage; on
     a device backend each round is first copied to the device.
@@ -548,11 +553,11 @@ def _send_all(flats: list[torch.Tensor], device: torch.device, group: Any) -> No
 
 
 def _receive_all(targets: list[list[torch.Tensor]], device: torch.device, group: Any) -> None:
-    """On rank 0, fill ``targets[r]`` (CPU ``uint8`` tensors) with what rank ``r`` sends.
+    """On rank 0, fill `targets[r]` (CPU `uint8` tensors) with what rank `r` sends.
 
-    Matches :func:`_send_all` message by message (same cutting, same numbers).
+    Matches `_send_all` message by message (same cutting, same numbers).
     Rounds bound what is in flight, and so the device staging memory, to
-    ``_ROUND_BYTES``.
+    `_ROUND_BYTES`.
     """
     messages = [
         (sender, tag, message)
@@ -575,8 +580,8 @@ class _Decoder:
     """Rebuilds one rank's records from its packed buffer.
 
     Records that travel as their own messages are allocated here with their
-    final dtype and shape; :attr:`targets` lists their bytes, in message order,
-    for :func:`_receive_all` to fill in place (no copy after the transfer).
+    final dtype and shape; `targets` lists their bytes, in message order,
+    for `_receive_all` to fill in place (no copy after the transfer).
     """
 
     def __init__(self, buffer: torch.Tensor) -> None:

@@ -1,38 +1,39 @@
-"""Gradients of traced tensors (the ``@grad`` timing).
+"""Gradients of traced tensors (the `@grad` timing).
 
-:class:`GradientWatcher` receives live tensors captured at ``@grad`` sites
+`GradientWatcher` receives live tensors captured at `@grad` sites
 and records the gradient that reaches each one during backward, tagged
 with the iteration of the forward that produced it.  Two kinds of tensors
 are watched differently:
 
 * a tensor computed by the forward (a local, an argument, a return value,
-  a nested key, a module output) gets a one-shot ``register_hook``: the
+  a nested key, a module output) gets a one-shot `register_hook`: the
   gradient w.r.t. that tensor is recorded when backward reaches it, and
   the hook removes itself;
-* a parameter (an ``nn.Parameter``, or a leaf tensor requiring grad
-  reached through ``self``) gets one ``register_post_accumulate_grad_hook``
+* a parameter (an `nn.Parameter`, or a leaf tensor requiring grad
+  reached through `self`) gets one `register_post_accumulate_grad_hook`
   for the life of the watcher: after each backward that follows a traced
-  forward using it, its accumulated ``.grad`` is recorded once.
+  forward using it, its accumulated `.grad` is recorded once.
 
 Only hook handles are kept, never the tensors themselves, so the autograd
 graph of a step is freed as soon as the step is done with it.
 
 Inside a reentrant activation checkpoint (``torch.utils.checkpoint.checkpoint(...,
-use_reentrant=True)``, HF's ``gradient_checkpointing_enable`` with those kwargs) the
-forward runs under ``torch.no_grad()``: what it computes has no gradient yet.  Such a
+use_reentrant=True)`, HF's `gradient_checkpointing_enable`` with those kwargs) the
+forward runs under `torch.no_grad()`: what it computes has no gradient yet.  Such a
 site is remembered with the checkpoint's autograd context and the forward's iteration,
 and watched when backward recomputes the region with grad enabled
-(:meth:`GradientWatcher.recomputed`); the inputs of the region, which do require grad
+(`GradientWatcher.recomputed`); the inputs of the region, which do require grad
 in the forward, are watched there, as without checkpointing.
 
-Example::
-
+Example:
+    ```python
     with ModelTracer(model, ["layers.*.attn.forward.scores@grad",
                              "head.forward.self.weight@grad"]) as tracer:
         loss = model(tokens).logsumexp(-1).mean()
         loss.backward()
     tracer.results["layers.0.attn.forward.scores@grad"].values[0]   # d loss / d scores
     tracer.results["head.forward.self.weight@grad"].values[0]       # head.weight.grad
+    ```
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from vartrace._warnings import warn
 __all__ = ["GradientWatcher"]
 
 Store = Callable[[str, Any, int], None]
-"""``store(site, gradient, iteration)``: the tracer's record path."""
+"""`store(site, gradient, iteration)`: the tracer's record path."""
 
 _MIN_PRUNE = 64
 
@@ -88,7 +89,7 @@ _CHECKPOINTED = (
 
 class _Checkpoint:
     """One call of a reentrant checkpoint: the iteration its forward belongs to and the
-    sites its forward captured under ``torch.no_grad()``, watched when it is recomputed."""
+    sites its forward captured under `torch.no_grad()`, watched when it is recomputed."""
 
     __slots__ = ("iteration", "sites")
 
@@ -111,17 +112,17 @@ def _checkpoint_frames() -> Iterator[tuple[Any, bool]]:
 class GradientWatcher:
     """Registers autograd hooks on captured tensors and stores their gradients.
 
-    A :class:`~vartrace.tracer.ModelTracer` owns one and calls :meth:`watch`
-    for every leaf captured at an ``@grad`` site, with the site name (ending
-    in ``@grad``) and the iteration of the forward running; :meth:`close`
-    at stop removes every hook still registered.  Gradients reach ``store``
+    A [`ModelTracer`][vartrace.ModelTracer] owns one and calls `watch`
+    for every leaf captured at an `@grad` site, with the site name (ending
+    in `@grad`) and the iteration of the forward running; `close`
+    at stop removes every hook still registered.  Gradients reach `store`
     in the order backward produces them, each tagged with the iteration of
     the forward that produced its tensor; a parameter's record is tagged
     with the iteration of the latest traced forward before the backward
     (several forwards before one backward: the last one).
 
-    Example::
-
+    Example:
+        ```python
         records = []
         watcher = GradientWatcher(lambda site, grad, it: records.append((site, grad, it)))
         x = torch.ones(3, requires_grad=True)
@@ -130,6 +131,7 @@ class GradientWatcher:
         (y * 3).sum().backward()
         records   # [("f.y@grad", tensor([3., 3., 3.]), 1)]
         watcher.close()
+        ```
     """
 
     def __init__(self, store: Store) -> None:
@@ -148,16 +150,16 @@ class GradientWatcher:
         self._closed = False
 
     def watch(self, site: str, value: Any, iteration: int) -> None:
-        """Record the gradient of ``value`` under ``site`` when backward reaches it.
+        """Record the gradient of `value` under `site` when backward reaches it.
 
-        ``iteration`` is the iteration of the forward that produced ``value``.
+        `iteration` is the iteration of the forward that produced `value`.
         A value that cannot receive a gradient (not a tensor, a tensor that
-        does not require grad, a parameter used under ``torch.no_grad()``)
+        does not require grad, a parameter used under `torch.no_grad()`)
         records nothing and warns once per site; with grad mode off (an
-        evaluation under ``torch.no_grad()``) only at :meth:`close`, and only if
-        the site never received a gradient hook (``mode="any"`` runs that also train).
+        evaluation under `torch.no_grad()`) only at `close`, and only if
+        the site never received a gradient hook (`mode="any"` runs that also train).
         Inside the forward of a reentrant activation checkpoint, a value without a
-        gradient yet waits for :meth:`recomputed`.
+        gradient yet waits for `recomputed`.
         """
         if self._closed:
             return
@@ -186,9 +188,9 @@ class GradientWatcher:
             self._watch_tensor(site, value, iteration)
 
     def recomputed(self, site: str, value: Any) -> None:
-        """A forward recomputed during backward (activation checkpointing) captured ``value``
-        at ``site``: watch it if the checkpoint's forward deferred the site (its forward
-        ran under ``torch.no_grad()``), tagged with that forward's iteration.
+        """A forward recomputed during backward (activation checkpointing) captured `value`
+        at `site`: watch it if the checkpoint's forward deferred the site (its forward
+        ran under `torch.no_grad()`), tagged with that forward's iteration.
 
         Other sites were watched in the forward (a non-reentrant checkpoint, the
         region's inputs) and record nothing twice.
@@ -240,13 +242,13 @@ class GradientWatcher:
             handle.remove()
 
     def _parameter(self, site: str, value: torch.Tensor) -> bool:
-        """Whether ``value`` is watched as a parameter (its accumulated ``.grad``)."""
+        """Whether `value` is watched as a parameter (its accumulated `.grad`)."""
         return value.is_leaf and (isinstance(value, nn.Parameter) or _through_self(site))
 
     def _defer(self, site: str, value: torch.Tensor, iteration: int) -> bool:
-        """Leave ``site`` to the recomputation of the reentrant checkpoint whose forward runs
-        now (see :meth:`recomputed`), if ``value`` has no gradient there (a parameter, or a
-        tensor computed under its ``torch.no_grad()``); ``False`` otherwise."""
+        """Leave `site` to the recomputation of the reentrant checkpoint whose forward runs
+        now (see `recomputed`), if `value` has no gradient there (a parameter, or a
+        tensor computed under its `torch.no_grad()`); `False` otherwise."""
         parameter = self._parameter(site, value)
         if value.requires_grad and not parameter:
             return False  # an input of the region: its gradient reaches it as it is
@@ -307,10 +309,10 @@ class GradientWatcher:
             watch.pending[site] = iteration
 
     def _watch_to_the_end(self, site: str, parameter: torch.Tensor, iteration: int) -> None:
-        """Record ``parameter.grad`` when the running backward ends.
+        """Record `parameter.grad` when the running backward ends.
 
         A recomputed region runs a backward of its own, which accumulates into
-        ``.grad`` once per checkpoint call: the gradient of the step is complete only
+        `.grad` once per checkpoint call: the gradient of the step is complete only
         when the outer backward ends.  One record per backward, tagged with the latest
         of the forwards that used the parameter, as without checkpointing.
         """

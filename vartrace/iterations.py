@@ -1,42 +1,43 @@
 """Iteration counting: which calls are the turns of a training loop, counted per thread.
 
-A :class:`~vartrace.tracer.ModelTracer` tags every record with an
+A [`ModelTracer`][vartrace.ModelTracer] tags every record with an
 iteration number chosen by the first rule that applies:
 
-1. ``tracer.set_iteration(i)``: every record is tagged ``i`` until the next call.
-2. ``ModelTracer(..., optimizer=opt)``: the number of completed ``opt.step()``
+1. `tracer.set_iteration(i)`: every record is tagged `i` until the next call.
+2. `ModelTracer(..., optimizer=opt)`: the number of completed `opt.step()`
    calls plus one (a step post-hook), so that all micro-batches of a
    gradient-accumulation step share one number; chunks are gathered after
-   every ``gathering_interval``-th step.
+   every `gathering_interval`-th step.
 3. Each outermost call of the model (the root module, seen through module
-   hooks that ``torch.compile`` keeps) is one iteration.
+   hooks that `torch.compile` keeps) is one iteration.
 4. As long as the root module itself has never been called (a
-   ``LightningModule`` whose ``training_step`` calls ``self.model(...)``),
+   `LightningModule` whose `training_step` calls `self.model(...)`),
    each outermost call of a top-level submodule holding traced sites, or of
    a traced method, is one iteration.
 5. Once it has, a module holding traced sites called directly, outside a
-   call of the root (the model that PEFT's ``merge_and_unload()`` returns, a
+   call of the root (the model that PEFT's `merge_and_unload()` returns, a
    block called after training), is one iteration per outermost module call,
    in the mode of that module; a traced method called outside any module call
-   (a helper the loop calls after ``model(x)``) records with the latest iteration.
+   (a helper the loop calls after `model(x)`) records with the latest iteration.
 
-Module hooks run inside a compiled region: under ``torch.compile(fullgraph=True)``,
+Module hooks run inside a compiled region: under `torch.compile(fullgraph=True)`,
 where no graph break may leave the region for eager code, they cannot count, and the
-traced methods inside cannot record (:func:`vartrace.sites.fullgraph_regions`).
+traced methods inside cannot record (`vartrace.sites.fullgraph_regions`).
 
 "Outermost" is per thread: two threads calling the model at once make two
 iterations, and each thread's records carry its own call's number.  A model
 that calls itself (a chunked forward, a recursive tree model) runs one
 iteration: its nested calls are not outermost.  A
-counted call whose ``model.training`` does not match the tracer's mode
+counted call whose `model.training` does not match the tracer's mode
 records nothing.
 
-Example::
-
+Example:
+    ```python
     counter = IterationCounter(model, "train", trace_interval=1, gathering_interval=1,
                                set_enabled=lambda on: None, flush=lambda: None)
     counter.enter(root=True); counter.state.iteration   # 1
     counter.exit(failed=False)
+    ```
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ _CALL = nn.Module._wrapped_call_impl.__code__  # the frame of ``module(...)``
 
 
 def _running(module: nn.Module) -> bool:
-    """Whether a call of ``module`` is on this thread's stack besides the one starting now:
+    """Whether a call of `module` is on this thread's stack besides the one starting now:
     the model calls itself (a chunked forward, a recursive tree model)."""
     calls = 0
     frame: FrameType | None = sys._getframe(1)
@@ -70,7 +71,7 @@ def _running(module: nn.Module) -> bool:
 
 
 def _outermost_call() -> FrameType | None:
-    """The frame of the outermost ``module(...)`` call on this thread's stack, if any."""
+    """The frame of the outermost `module(...)` call on this thread's stack, if any."""
     outermost = None
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
@@ -100,9 +101,9 @@ class _ThreadState(threading.local):
 class IterationCounter:
     """Counts iterations by the rules of this module and says whether a thread records now.
 
-    ``set_enabled(on)`` switches the tracer's capture hooks (off while no
-    thread runs a recorded iteration); ``flush()`` hands the buffered chunk
-    on (every ``gathering_interval`` iterations or optimizer steps); ``end()`` is
+    `set_enabled(on)` switches the tracer's capture hooks (off while no
+    thread runs a recorded iteration); `flush()` hands the buffered chunk
+    on (every `gathering_interval` iterations or optimizer steps); `end()` is
     called at the end of every other outermost call.
     """
 
@@ -140,33 +141,33 @@ class IterationCounter:
 
     @property
     def state(self) -> _ThreadState:
-        """The calling thread's state (``iteration``, ``recording``, ``in_mode``, ``depth``)."""
+        """The calling thread's state (`iteration`, `recording`, `in_mode`, `depth`)."""
         return self._thread
 
     def capturing(self) -> int | None:
         """The iteration that a value captured now, in this thread, is recorded with, or
-        ``None`` if it is not recorded."""
+        `None` if it is not recorded."""
         state = self._thread
         return state.iteration if state.recording and state.in_mode else None
 
     def records_manual(self) -> bool:
-        """Whether a :func:`vartrace.record` call now, in this thread, is recorded."""
+        """Whether a `vartrace.record` call now, in this thread, is recorded."""
         state = self._thread
         return state.recording and (state.depth == 0 or state.in_mode)
 
     def follow_steps(self) -> None:
-        """Number iterations by optimizer steps from now on (call :meth:`stepped` after each)."""
+        """Number iterations by optimizer steps from now on (call `stepped` after each)."""
         self._steps = 0
 
     def set_user(self, iteration: int) -> None:
-        """User-driven numbering: ``iteration`` for every record until the next call."""
+        """User-driven numbering: `iteration` for every record until the next call."""
         self._user = iteration
         with self._lock:
             self._assign(self._thread, iteration)
             self._switch(self._active > 0 or self.capturing() is not None)
 
     def _switch(self, enabled: bool) -> None:
-        """Turn the capture hooks on or off, if that changes them (called under ``_lock``)."""
+        """Turn the capture hooks on or off, if that changes them (called under `_lock`)."""
         if enabled != self._enabled:
             self._enabled = enabled
             self._set_enabled(enabled)
@@ -187,17 +188,17 @@ class IterationCounter:
 
     def nested(self) -> bool:
         """Whether this thread runs a counted call now: a call inside it needs no
-        :meth:`enter` (nor :meth:`exit`), as it can start no iteration."""
+        `enter` (nor `exit`), as it can start no iteration."""
         return self._thread.depth > 0
 
     def enter(self, *, root: bool, replay: bool = False, module: nn.Module | None = None) -> None:
-        """A call of the root module (``root``), a counting submodule or a traced method begins.
+        """A call of the root module (`root`), a counting submodule or a traced method begins.
 
-        ``replay``: a forward recomputed during backward (activation
+        `replay`: a forward recomputed during backward (activation
         checkpointing), which belongs to the iteration that ran it first.
-        ``module``: the module whose forward hook will report the end; if its
-        previous call never did (an exception that skips ``always_call``
-        hooks: ``KeyboardInterrupt``, or any exception in compiled code),
+        `module`: the module whose forward hook will report the end; if its
+        previous call never did (an exception that skips `always_call`
+        hooks: `KeyboardInterrupt`, or any exception in compiled code),
         this thread's depth is reset instead of staying stuck inside that call
         (unless that call is still running: the module calls itself).
         """
@@ -241,7 +242,7 @@ class IterationCounter:
         state.open.clear()
 
     def exit(self, failed: bool, module: nn.Module | None = None) -> None:
-        """The call that :meth:`enter` saw ends (``failed``: by an exception)."""
+        """The call that `enter` saw ends (`failed`: by an exception)."""
         state = self._thread
         if module is not None:
             key = id(module)

@@ -1,16 +1,17 @@
 """Plots of runs: a statistic over iterations, and a two-run similarity heat map.
 
-matplotlib is an optional extra (``pip install 'torch-vartrace[plot]'``); it is
+matplotlib is an optional extra (`pip install 'torch-vartrace[plot]'`); it is
 imported only when a plot is made.  The functions build a
-:class:`matplotlib.figure.Figure` without pyplot (no global state, no
-display needed), save it when ``path`` is given, and return it.
+`matplotlib.figure.Figure` without pyplot (no global state, no
+display needed), save it when `path` is given, and return it.
 
-Example::
-
+Example:
+    ```python
     from vartrace.plot import plot_similarity, plot_stat
 
     plot_stat("run.h5", ["layers.0.out", "layers.1.out"], ("mean", "std"), "stats.png")
     plot_similarity("fp32.h5", "bf16.h5", "similarity.png")
+    ```
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _matplotlib() -> Any:
 
 
 def _expand(source: Source, sites: str | Sequence[str]) -> list[str]:
-    """Site names and glob patterns -> site names of ``source``, in the order given."""
+    """Site names and glob patterns -> site names of `source`, in the order given."""
     wanted = [sites] if isinstance(sites, str) else list(sites)
     if not wanted:
         raise ValueError("name at least one site to plot")
@@ -119,8 +120,8 @@ _DTYPE_LIMITS = {
 
 
 def _at_dtype_limits(dtypes: Sequence[str], low: np.ndarray, high: np.ndarray) -> np.ndarray:
-    """Per record: it holds a value at or beyond its dtype's ``finfo.min``/``finfo.max``
-    (a mask value, ``torch.finfo(dtype).min``), from its finite ``low``/``high``.
+    """Per record: it holds a value at or beyond its dtype's `finfo.min`/`finfo.max`
+    (a mask value, `torch.finfo(dtype).min`), from its finite `low`/`high`.
 
     A statistics record (its tensor's dtype not stored) counts when its min or max is
     exactly the limit of one of the float dtypes.
@@ -143,25 +144,26 @@ def plot_stat(
 ) -> Figure:
     """A statistic of each record over iterations: one subplot per statistic, a line per rank.
 
-    ``run`` is a path (or shard glob), an open run, a ModelTracer or its
-    results; ``sites`` names sites or glob patterns; ``stats`` are names from
-    :data:`vartrace.sources.STATS` (``"mean,std"`` works too).  Saves to
-    ``path`` when given and returns the figure; ``progress`` shows tqdm bars
+    `run` is a path (or shard glob), an open run, a ModelTracer or its
+    results; `sites` names sites or glob patterns; `stats` are names from
+    `vartrace.sources.STATS` (`"mean,std"` works too).  Saves to
+    `path` when given and returns the figure; `progress` shows tqdm bars
     on stderr for work that takes more than a second.  Beyond 10 sites, lines
     are coloured by execution order (depth: first blue, last red); up to 16 get
     a legend, more a colour bar naming them.  Statistics sites
-    (:func:`vartrace.stats`) plot their stored fields (``absmax``, ``nan``,
-    ``q0.5``...); every statistic is over the finite values, NaN, +inf and -inf
-    being counted by ``nan``, ``posinf``, ``neginf``.  A record holding values at
-    its dtype's ``finfo.min``/``finfo.max`` (an attention mask: its mean is near
+    ([`vartrace.stats`][vartrace.stats]) plot their stored fields (`absmax`, `nan`,
+    `q0.5`...); every statistic is over the finite values, NaN, +inf and -inf
+    being counted by `nan`, `posinf`, `neginf`.  A record holding values at
+    its dtype's `finfo.min`/`finfo.max` (an attention mask: its mean is near
     -3.4e38) is left out of the value statistics' curves and scale, marked at the
-    axis edge (``▼`` below, ``▲`` above) with a note saying how many; the counts
+    axis edge (`▼` below, `▲` above) with a note saying how many; the counts
     plot it as it is.
 
-    Example::
-
+    Example:
+        ```python
         fig = plot_stat("run.h5", "layers.*.out", "mean,std", "out.png")
         len(fig.axes)   # 2
+        ```
     """
     Figure = _matplotlib()
     stat_names = [s.strip() for s in stats.split(",")] if isinstance(stats, str) else list(stats)
@@ -233,16 +235,16 @@ def plot_stat(
 
 
 def _kept_points(curves: list[tuple[Any, ...]], stat: str) -> bool:
-    """Whether some record without values at its dtype's limits has a value of ``stat``."""
+    """Whether some record without values at its dtype's limits has a value of `stat`."""
     return any(bool(np.isfinite(values[stat][~extreme]).any()) for *_, values, extreme in curves)
 
 
 def _mark_off_scale(ax: Any, points: list[tuple[Any, np.ndarray, np.ndarray]]) -> None:
-    """Mark the records left out of ``ax``'s scale at its bottom (negative) or top edge,
+    """Mark the records left out of `ax`'s scale at its bottom (negative) or top edge,
     in their site's colour, and say why in a note on the axis.
 
-    ``points`` holds, per site, its colour and the iterations and values of its records
-    holding values at their dtype's ``finfo.min``/``finfo.max``: a mask value makes a
+    `points` holds, per site, its colour and the iterations and values of its records
+    holding values at their dtype's `finfo.min`/`finfo.max`: a mask value makes a
     record's min -3.4e38 and its mean near it, which would scale the axis to 1e38 and
     flatten every other curve.
     """
@@ -313,16 +315,17 @@ def plot_similarity(
 
     Each cell is the smallest cosine similarity of that site's records in
     that iteration (over ranks and repeated calls); cells beyond tolerance
-    (``atol``/``rtol``, or a shape mismatch, or a record missing on one side)
-    carry a red ``x``; grey cells have no record.  Records without a cosine
+    (`atol`/`rtol`, or a shape mismatch, or a record missing on one side)
+    carry a red `x`; grey cells have no record.  Records without a cosine
     (non-numeric, statistics) count as 1 when equal and take the lowest colour
     when they differ.  Sites are in execution
-    order.  Pass ``comparison`` (a :class:`~vartrace.comparison.Comparison`)
+    order.  Pass `comparison` (a [`Comparison`][vartrace.Comparison])
     to reuse one already computed.
 
-    Example::
-
+    Example:
+        ```python
         fig = plot_similarity("fp32.h5", "bf16.h5", "similarity.png", atol=1e-3)
+        ```
     """
     Figure = _matplotlib()
     from matplotlib.colors import Normalize

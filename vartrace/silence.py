@@ -2,22 +2,23 @@
 
 Patterns are checked statically before the first step, but some can only
 fail at run time: a local that is never bound on the path the model takes
-(nanoGPT's ``att`` when it uses scaled-dot-product attention), a value that
-is always ``None`` (Hugging Face's ``attn_weights`` under SDPA), a method
+(nanoGPT's `att` when it uses scaled-dot-product attention), a value that
+is always `None` (Hugging Face's `attn_weights` under SDPA), a method
 that is never called, a key below a return value that the run does not
 have, a method the program replaced on its module while traced (with one
 that does not call the patched method), or a model that only ran in a mode
 the tracer does not trace.  A
-:class:`SilenceWatch` notes what each patched method and each site saw,
-and :meth:`SilenceWatch.report` warns once per pattern that recorded
-nothing (or only ``None``), saying which of these applies.
+`SilenceWatch` notes what each patched method and each site saw,
+and `SilenceWatch.report` warns once per pattern that recorded
+nothing (or only `None`), saying which of these applies.
 
-Example::
-
+Example:
+    ```python
     with ModelTracer(model, ["layers.*.attn.forward.att"]) as tracer:
         model(x)
     # UserWarning: vartrace: pattern 'layers.*.attn.forward.att' recorded nothing:
     # the variable or key was never bound when its method returned ...
+    ```
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class SilenceWatch:
         self._held = {id(t): vars(t.module).get(t.method.name, _ABSENT) for t in self._targets}
 
     def saw(self, site: str, value: Any) -> None:
-        """Note a captured leaf (``None`` counts apart)."""
+        """Note a captured leaf (`None` counts apart)."""
         (self._nones if value is None else self._values).add(site)
 
     def _seen(self, sites: set[str], names: set[str]) -> bool:
@@ -61,9 +62,9 @@ class SilenceWatch:
     def report(self, in_mode: bool, other_calls: int, called: Sequence[Target]) -> None:
         """Warn once per pattern that recorded nothing, or once for a mode that never ran.
 
-        ``in_mode`` says whether any outermost model call ran in the traced
-        mode; ``other_calls`` counts those that ran in the other one;
-        ``called`` lists the targets whose patched method was called.  A tracer
+        `in_mode` says whether any outermost model call ran in the traced
+        mode; `other_calls` counts those that ran in the other one;
+        `called` lists the targets whose patched method was called.  A tracer
         during which the model never ran says nothing.  Call it once the
         patches are removed.
         """
@@ -105,7 +106,7 @@ class SilenceWatch:
 
     def after_first_iteration(self, called: Sequence[Target]) -> None:
         """Warn once per pattern none of whose methods ran in the first traced iteration:
-        known as early as that, and said again by :meth:`report` if they never run."""
+        known as early as that, and said again by `report` if they never run."""
         called_ids = {id(target) for target in called}
         patterns: dict[str, list[Target]] = {}
         for target in self._targets:
@@ -176,7 +177,7 @@ class SilenceWatch:
 
 
 def _described(held: object) -> str:
-    """What a module's ``__dict__`` holds in place of a traced method, for a warning."""
+    """What a module's `__dict__` holds in place of a traced method, for a warning."""
     if held is None:
         return "nothing: the class's method"
     function = getattr(held, "__func__", held)

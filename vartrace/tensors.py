@@ -1,17 +1,17 @@
 """Detached copies of captured leaves, and bit-exact change detection.
 
 A record must not change when the live value does, must not keep an
-autograd graph alive, and must live on the tracer's ``device``.  An object
-that holds tensors in its attributes (a Hugging Face ``DynamicCache``) is
-never recorded live: :func:`split_object` splits it into its tensors, and
+autograd graph alive, and must live on the tracer's `device`.  An object
+that holds tensors in its attributes (a Hugging Face `DynamicCache`) is
+never recorded live: `split_object` splits it into its tensors, and
 a value that can be neither split nor copied (an object refusing
-``deepcopy``, a tensor of a dtype torch cannot copy, an expanded view of
-more than 1 GiB) is recorded as a :class:`vartrace.Unstored` marker saying
+`deepcopy`, a tensor of a dtype torch cannot copy, an expanded view of
+more than 1 GiB) is recorded as a [`vartrace.Unstored`][vartrace.Unstored] marker saying
 why (with a warning per site).  Change detection compares a new copy with
 the last one recorded for the site, bit for bit: in-place writes that do
 not bump a tensor's version counter (BatchNorm running statistics, writes
-through ``.data``) are still seen, a NaN equals only a NaN of the same
-payload, and ``-0.0`` differs from ``0.0``, for tensors, numpy arrays and
+through `.data`) are still seen, a NaN equals only a NaN of the same
+payload, and `-0.0` differs from `0.0`, for tensors, numpy arrays and
 scalars and Python floats alike.
 """
 
@@ -55,7 +55,7 @@ _MAX_STATE_OBJECTS = 4096  # an object reaching a whole program (a trainer) is n
 
 
 def _tensor_state(value: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
-    """The tensors reachable from ``value`` through containers and attributes, with their paths."""
+    """The tensors reachable from `value` through containers and attributes, with their paths."""
     if isinstance(value, torch.Tensor):
         yield path, value
         return
@@ -74,7 +74,7 @@ def _tensor_state(value: Any, path: str, depth: int, seen: set[int]) -> Iterator
 
 
 def _attributes(value: Any) -> Iterator[tuple[str, Any]]:
-    """An object's attributes: its ``__dict__``, then the slots of its classes that are set
+    """An object's attributes: its `__dict__`, then the slots of its classes that are set
     (a base class's first)."""
     yield from getattr(value, "__dict__", {}).items()
     for cls in reversed(type(value).__mro__):
@@ -91,18 +91,19 @@ def _attributes(value: Any) -> Iterator[tuple[str, Any]]:
 
 
 def split_object(site: str, value: Any, warned: set[type]) -> Iterator[tuple[str, Any]]:
-    """``(site, value)`` itself, or, for an object whose attributes hold tensors, those tensors.
+    """`(site, value)` itself, or, for an object whose attributes hold tensors, those tensors.
 
-    Recording such an object live (a ``DynamicCache`` refuses ``deepcopy``)
+    Recording such an object live (a `DynamicCache` refuses `deepcopy`)
     would keep every tensor it holds, and their autograd graph, alive; its
     tensors are recorded instead, as leaves named by attribute path
-    (``forward.past_key_values.layers.0.keys``).  Warns once per type
-    (``warned`` holds the types already named).
+    (`forward.past_key_values.layers.0.keys`).  Warns once per type
+    (`warned` holds the types already named).
 
-    Example::
-
+    Example:
+        ```python
         list(split_object("forward.cache", cache, set()))
         # [('forward.cache.keys.0', tensor(...)), ('forward.cache.values.0', tensor(...))]
+        ```
     """
     if type(value) in _IMMUTABLE or isinstance(value, (torch.Tensor, np.ndarray)):
         yield site, value
@@ -124,25 +125,26 @@ def split_object(site: str, value: Any, warned: set[type]) -> Iterator[tuple[str
 
 _functorch = torch._C._functorch
 is_transformed: Callable[[torch.Tensor], bool] = _functorch.is_functorch_wrapped_tensor
-"""Whether a tensor is a ``torch.func`` wrapper (``vmap``'s batched tensor, ``grad``'s ...)."""
+"""Whether a tensor is a `torch.func` wrapper (`vmap`'s batched tensor, `grad`'s ...)."""
 
 
 def untransformed(value: torch.Tensor, site: str, warned: set[str]) -> torch.Tensor | Unstored:
-    """The plain tensor behind the ``torch.func`` wrappers of ``value``, detached.
+    """The plain tensor behind the `torch.func` wrappers of `value`, detached.
 
-    Inside ``vmap`` / ``grad`` / ``jacrev`` / ``jvp`` / ``functionalize`` a
+    Inside `vmap` / `grad` / `jacrev` / `jvp` / `functionalize` a
     method sees wrapper tensors: their shape is the per-call one, they have no
     storage, and they die with the transform.  The record is the value they
-    stand for: under ``grad`` and the others the wrapped tensor itself; under
-    ``vmap`` the batched tensor holding every mapped call, the mapped
-    dimensions first (outermost ``vmap`` first), with a warning once per
-    site (``warned`` holds the sites already named).  A wrapper of another
-    kind gives an :class:`vartrace.Unstored` marker, with a warning.
+    stand for: under `grad` and the others the wrapped tensor itself; under
+    `vmap` the batched tensor holding every mapped call, the mapped
+    dimensions first (outermost `vmap` first), with a warning once per
+    site (`warned` holds the sites already named).  A wrapper of another
+    kind gives an [`vartrace.Unstored`][vartrace.Unstored] marker, with a warning.
 
-    Example::
-
+    Example:
+        ```python
         # inside torch.func.vmap(model)(x):
         untransformed(h, "forward.h", set()).shape   # (len(x), *h.shape)
+        ```
     """
     unwrapped = _unwrapped(value)
     if unwrapped is None:
@@ -169,8 +171,8 @@ def untransformed(value: torch.Tensor, site: str, warned: set[str]) -> torch.Ten
 
 
 def _unwrapped(value: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """The detached plain tensor behind ``value``'s wrappers and how many ``vmap`` levels
-    it maps, or ``None`` for a wrapper of an unknown kind."""
+    """The detached plain tensor behind `value`'s wrappers and how many `vmap` levels
+    it maps, or `None` for a wrapper of an unknown kind."""
     dims: list[int] = []
     tensor = value
     while is_transformed(tensor):
@@ -197,22 +199,23 @@ _COMPLEX = struct.Struct("<dd")
 
 
 def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
-    """A detached, independent copy of ``value``; tensors land on ``device``.
+    """A detached, independent copy of `value`; tensors land on `device`.
 
-    A value that cannot be copied gives a :class:`vartrace.Unstored` marker
+    A value that cannot be copied gives a [`vartrace.Unstored`][vartrace.Unstored] marker
     instead, never an exception in the step, with one warning per site (the
-    first time the process meets it): an object that refuses ``deepcopy``, a
-    tensor whose dtype torch cannot copy (the sub-byte ``torch.uint4``,
-    ``torch.int1`` ... ``torch.int7``, ``torch.quint4x2``), one the device
+    first time the process meets it): an object that refuses `deepcopy`, a
+    tensor whose dtype torch cannot copy (the sub-byte `torch.uint4`,
+    `torch.int1` ... `torch.int7`, `torch.quint4x2`), one the device
     has no memory for.  An expanded view
-    (``expand``, ``broadcast_to``: a dimension of stride 0) is copied whole,
+    (`expand`, `broadcast_to`: a dimension of stride 0) is copied whole,
     as the value it stands for, up to 1 GiB; above that the record is a
-    marker giving both sizes (``"4 bytes expanded to 512 GiB"``): its copy
+    marker giving both sizes (`"4 bytes expanded to 512 GiB"`): its copy
     would need that memory, and the file that space.
 
-    Example::
-
+    Example:
+        ```python
         record = copy_leaf(hidden, torch.device("cpu"))
+        ```
     """
     if isinstance(value, torch.Tensor):
         detached = value.detach()
@@ -243,19 +246,19 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
 
 def refused_copy(tensor: torch.Tensor, site: str) -> Unstored | None:
     """The marker (warned once per site) for an expanded view too large to copy, else
-    ``None``: the check :func:`copy_leaf` makes, for copies made elsewhere (a device clone)."""
+    `None`: the check `copy_leaf` makes, for copies made elsewhere (a device clone)."""
     if _expanded_too_far(tensor):
         return _uncopyable(site, _tensor_text(tensor), _overexpanded(tensor))
     return None
 
 
 def failed_copy(tensor: torch.Tensor, site: str, error: BaseException) -> Unstored:
-    """The marker (warned once per site) for ``tensor`` whose copy raised ``error``."""
+    """The marker (warned once per site) for `tensor` whose copy raised `error`."""
     return _uncopyable(site, _tensor_text(tensor), _first_line(error))
 
 
 def _uncopyable(site: str, what: str, why: str) -> Unstored:
-    """The marker recorded for ``what`` at ``site`` that cannot be copied because of ``why``;
+    """The marker recorded for `what` at `site` that cannot be copied because of `why`;
     warns the first time a site gives one."""
     marker = Unstored(f"{what}: cannot copy it ({why})")
     if site not in _uncopyable_warned:
@@ -270,7 +273,7 @@ def _uncopyable(site: str, what: str, why: str) -> Unstored:
 
 
 def _tensor_text(tensor: torch.Tensor) -> str:
-    """A tensor as a marker names it: ``"torch.uint4 tensor of shape (2, 3)"``."""
+    """A tensor as a marker names it: `"torch.uint4 tensor of shape (2, 3)"`."""
     return f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}"
 
 
@@ -281,7 +284,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _expanded_too_far(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is an expanded view whose copy would exceed 1 GiB."""
+    """Whether `tensor` is an expanded view whose copy would exceed 1 GiB."""
     return (
         tensor.layout is torch.strided
         and not tensor.is_nested
@@ -298,7 +301,7 @@ def _reach(tensor: torch.Tensor) -> int:
 
 
 def _overexpanded(tensor: torch.Tensor) -> str:
-    """Why an expanded view is not copied: ``"4 bytes expanded to 512 GiB; ..."``."""
+    """Why an expanded view is not copied: `"4 bytes expanded to 512 GiB; ..."`."""
     return (
         f"{_size_text(_reach(tensor))} expanded to {_size_text(tensor.nbytes)}; an expanded "
         f"view is copied up to {_size_text(_MAX_EXPANDED_BYTES)}"
@@ -306,7 +309,7 @@ def _overexpanded(tensor: torch.Tensor) -> str:
 
 
 def _size_text(nbytes: int) -> str:
-    """``nbytes`` for a reader: ``"4 bytes"``, ``"1.5 KiB"``, ``"512 GiB"``."""
+    """`nbytes` for a reader: `"4 bytes"`, `"1.5 KiB"`, `"512 GiB"`."""
     if nbytes < 1024:
         return f"{nbytes} bytes"
     amount = float(nbytes)
@@ -318,7 +321,7 @@ def _size_text(nbytes: int) -> str:
 
 
 def _libc_memcmp() -> Callable[[int, int, int], int] | None:
-    """The C library's ``memcmp``, where ctypes can reach it (not on Windows)."""
+    """The C library's `memcmp`, where ctypes can reach it (not on Windows)."""
     try:
         memcmp = ctypes.CDLL(None).memcmp
     except (OSError, TypeError, AttributeError):
@@ -419,7 +422,7 @@ def _same_nested(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class _Identity(NamedTuple):
-    """What :func:`snapshot` keeps of an opaque object: its identity and version counter."""
+    """What `snapshot` keeps of an opaque object: its identity and version counter."""
 
     id: int
     version: Any
@@ -430,7 +433,7 @@ def _identity(value: Any) -> _Identity:
 
 
 class _Uncopied(NamedTuple):
-    """What :func:`snapshot` keeps of a CPU tensor it cannot clone: a weak reference (a new
+    """What `snapshot` keeps of a CPU tensor it cannot clone: a weak reference (a new
     tensor may take the id of a dead one) and the version counter."""
 
     tensor: weakref.ReferenceType[torch.Tensor]
@@ -438,7 +441,7 @@ class _Uncopied(NamedTuple):
 
 
 def snapshot(value: Any) -> Any:
-    """A copy of ``value``'s content for :func:`unchanged`: what ``@every`` compares with.
+    """A copy of `value`'s content for `unchanged`: what `@every` compares with.
 
     CPU tensors are detached and cloned, numpy arrays copied, lists, tuples and
     dicts copied element by element; of other objects (a module, a custom
@@ -448,13 +451,15 @@ def snapshot(value: Any) -> Any:
     every line.  Such a value is a candidate whenever it is rebound or written
     in place by an operation that bumps its version; the record path's own
     change detection then drops candidates equal to the last record.  A write
-    that bumps no version counter (through ``.data``) makes no candidate: the
+    that bumps no version counter (through `.data`) makes no candidate: the
     value it leaves is seen only once the name is rebound or written in place
-    again.  Example::
+    again.  Example:
 
-        old = snapshot(hidden)
-        hidden.data.add_(1)
-        assert not unchanged(old, hidden)
+    ```python
+    old = snapshot(hidden)
+    hidden.data.add_(1)
+    assert not unchanged(old, hidden)
+    ```
     """
     if isinstance(value, torch.Tensor):
         if is_transformed(value):
@@ -474,7 +479,7 @@ def snapshot(value: Any) -> Any:
 
 
 def _tensor_snapshot(tensor: torch.Tensor) -> Any:
-    """A detached clone of a CPU or meta tensor, or its identity where :func:`copy_leaf`
+    """A detached clone of a CPU or meta tensor, or its identity where `copy_leaf`
     records no copy of it either (a sub-byte dtype, an expanded view above 1 GiB)."""
     try:
         if _expanded_too_far(tensor):
@@ -485,7 +490,7 @@ def _tensor_snapshot(tensor: torch.Tensor) -> Any:
 
 
 def _transformed_snapshot(value: torch.Tensor) -> Any:
-    """:func:`snapshot` of a ``torch.func`` wrapper: a plain copy of what it stands for."""
+    """`snapshot` of a `torch.func` wrapper: a plain copy of what it stands for."""
     unwrapped = _unwrapped(value)
     if unwrapped is None or not (unwrapped[0].is_cpu or unwrapped[0].is_meta):
         return _identity(value)
@@ -494,7 +499,7 @@ def _transformed_snapshot(value: torch.Tensor) -> Any:
 
 
 def unchanged(old: Any, value: Any) -> bool:
-    """Whether ``value`` still holds, bit for bit, what :func:`snapshot` copied into ``old``."""
+    """Whether `value` still holds, bit for bit, what `snapshot` copied into `old`."""
     if isinstance(old, _Identity):
         return old == _identity(value)
     if isinstance(old, _Uncopied):

@@ -1,16 +1,16 @@
 """Per-record statistics of two equally shaped stacks of records.
 
-For each record (row) of two stacks ``a`` and ``b``: the sums of a, b, a*a,
+For each record (row) of two stacks `a` and `b`: the sums of a, b, a*a,
 b*b and a*b in float64 from exact products of the inputs (giving mean, std,
 var and cosine similarity), the largest absolute and relative difference,
-and whether ``|a - b| <= atol + rtol * |b|`` holds elementwise, NaN equal to
+and whether `|a - b| <= atol + rtol * |b|` holds elementwise, NaN equal to
 NaN at the same place.  Rows are reduced in groups, and long records in
 column slices, through per-thread scratch buffers.
 
-Entry points for the engine: :func:`numeric_stats` (two stacks -> the
+Entry points for the engine: `numeric_stats` (two stacks -> the
 report's statistics columns), and for blocks cut in pieces
-:func:`block_partial` per piece, :func:`concatenate` to join them and
-:func:`finish` to turn the sums into columns.
+`block_partial` per piece, `concatenate` to join them and
+`finish` to turn the sums into columns.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ _COLUMNS = 1 << 20
 class _Scratch:
     """Buffers reused across the row groups of one block (no allocation per record).
 
-    ``wide`` holds the float64 copies of ``a`` and ``b`` padded with zeros to
+    `wide` holds the float64 copies of `a` and `b` padded with zeros to
     a whole number of dot pieces.
     """
 
@@ -67,7 +67,7 @@ _THREAD_SCRATCH = threading.local()
 
 
 def _scratch(rows: int, m: int, dtype: np.dtype) -> _Scratch:
-    """This thread's scratch buffers for ``rows`` rows of (m, dtype), kept from its last block."""
+    """This thread's scratch buffers for `rows` rows of (m, dtype), kept from its last block."""
     cached = getattr(_THREAD_SCRATCH, "value", None)
     if cached is None or cached[0] != (m, dtype) or cached[1].rows < rows:
         cached = ((m, dtype), _Scratch(rows, m, dtype))
@@ -88,7 +88,7 @@ def _power_sums(
 ) -> tuple[np.ndarray, ...]:
     """Per row, in float64 (exact products of the inputs): sums of a, b, a*a, b*b, a*b.
 
-    ``same`` says every row of ``a`` equals that of ``b``: b's sums are then a's.
+    `same` says every row of `a` equals that of `b`: b's sums are then a's.
     """
     rows, m = a.shape
     if m < 512:
@@ -121,7 +121,7 @@ class Partial(NamedTuple):
     """What a slice of columns contributes to each row's statistics.
 
     The sums are over finite values only (as every vartrace statistic), and
-    ``finite`` counts them: (2, rows), for a and b.
+    `finite` counts them: (2, rows), for a and b.
     """
 
     sums: tuple[np.ndarray, ...]  # sum a, sum b, sum a*a, sum b*b, sum a*b (float64)
@@ -143,7 +143,7 @@ def _combine(left: Partial, right: Partial) -> Partial:
 
 
 def _finite_sums(a: np.ndarray, b: np.ndarray, partial: Partial) -> Partial:
-    """``partial`` with the sums of rows holding non-finite values taken over finite ones.
+    """`partial` with the sums of rows holding non-finite values taken over finite ones.
 
     Only rows whose sums came out non-finite are read again, so blocks of finite
     values cost nothing more.
@@ -214,7 +214,7 @@ def concatenate(parts: list[Partial]) -> Partial:
 
 
 def finish(m: int, partial: Partial) -> dict[str, np.ndarray]:
-    """Turn the row sums of ``partial`` (records of ``m`` elements) into the report's columns.
+    """Turn the row sums of `partial` (records of `m` elements) into the report's columns.
 
     Means, variances and standard deviations are those of the finite values.
     """
@@ -246,7 +246,7 @@ def finish(m: int, partial: Partial) -> dict[str, np.ndarray]:
 def _real_partial(
     a: np.ndarray, b: np.ndarray, atol: float, rtol: float, scratch: _Scratch
 ) -> Partial:
-    """Row contributions of real columns ``a``, ``b`` of shape (k, width), float32 or float64."""
+    """Row contributions of real columns `a`, `b` of shape (k, width), float32 or float64."""
     rows, m = a.shape
     diff = np.subtract(a, b, out=scratch.diff[:rows, :m])
     np.abs(diff, out=diff)

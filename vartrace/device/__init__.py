@@ -1,13 +1,13 @@
 """The accelerator record path: one room with one door.
 
 The tracer hands each record of an accelerator tensor to a
-:class:`~vartrace.device.staging.Stager` (:meth:`~vartrace.device.staging.Stager.admit`)
+`Stager` (`admit`)
 and gets it back, in capture order, on the stager's thread.  Behind that door:
 
-* :mod:`vartrace.device.staging`: admission (a device clone, no event, no lock),
+* `vartrace.device.staging`: admission (a device clone, no event, no lock),
   per-step batches, change detection on the device, the copies to the host;
-* :mod:`vartrace.device.ring`: the host memory those copies land in, allocated once;
-* :mod:`vartrace.device._threads`: the staging thread's own single OpenMP thread.
+* `vartrace.device.ring`: the host memory those copies land in, allocated once;
+* `vartrace.device._threads`: the staging thread's own single OpenMP thread.
 """
 
 from vartrace.device.ring import HostRing, detach_from_ring

@@ -1,10 +1,10 @@
 """Keep torch's OpenMP pool off a background thread, without touching the process's setting.
 
-``torch.set_num_threads`` is process-wide: it also sets the team size of every
+`torch.set_num_threads` is process-wide: it also sets the team size of every
 thread started later (autograd's device threads, a DataLoader's pin thread).
-OpenMP's own ``omp_set_num_threads`` sets only the calling thread's value, so a
+OpenMP's own `omp_set_num_threads` sets only the calling thread's value, so a
 vartrace thread calls that, on the OpenMP runtime torch loaded, after torch has
-initialised the thread (``torch.get_num_threads``).  Host work on such a thread
+initialised the thread (`torch.get_num_threads`).  Host work on such a thread
 then never wakes a team of spinning workers (on a 16-core GPU host, 15 of them
 took cores from the training thread).
 """
@@ -22,7 +22,7 @@ _RUNTIMES = ("libgomp", "libiomp5", "libomp")
 
 
 def _openmp_runtime() -> str | None:
-    """The path of the OpenMP runtime loaded into this process, from ``/proc/self/maps``."""
+    """The path of the OpenMP runtime loaded into this process, from `/proc/self/maps`."""
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
@@ -35,7 +35,7 @@ def _openmp_runtime() -> str | None:
 
 
 def one_openmp_thread() -> bool:
-    """Make torch's CPU ops on the calling thread use one OpenMP thread; ``True`` if done.
+    """Make torch's CPU ops on the calling thread use one OpenMP thread; `True` if done.
 
     Other threads, present and future, keep torch's setting.
     """

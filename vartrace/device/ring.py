@@ -1,6 +1,6 @@
 """Host memory for records leaving an accelerator: allocated once, reused, never copied out.
 
-A :class:`HostRing` owns a few large host segments (pinned where the device
+A `HostRing` owns a few large host segments (pinned where the device
 can pin, ordinary memory where it cannot: the stand-in device of the tests
 runs the same code).  A record's host copy is a *slot*, a byte range of a
 segment, handed out as a zero-copy tensor view.  The slot returns to the ring
@@ -9,16 +9,17 @@ saver writing it, a background writer, a user's callback.  So no record is
 copied out of the ring to be kept, and no record's memory is freed while
 something still reads it.
 
-Segments come in on demand, up to ``capacity`` bytes; a record that finds no
+Segments come in on demand, up to `capacity` bytes; a record that finds no
 room gets ordinary memory of its own (counted as an overflow), so the staging
 thread never waits for a consumer that itself waits behind it.
 
-Example::
-
+Example:
+    ```python
     ring = HostRing(capacity=1 << 30, pin=True)
     host = ring.tensor((1024, 768), torch.bfloat16)   # a view of a pinned slot
     host.copy_(device_tensor, non_blocking=True)
     del host                                          # the slot is free again
+    ```
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class _Segment:
         self.free_ends = [tensor.nbytes]
 
     def take(self, size: int) -> int | None:
-        """The offset of ``size`` free bytes (first fit), now taken; ``None`` when none."""
+        """The offset of `size` free bytes (first fit), now taken; `None` when none."""
         for index, (start, end) in enumerate(zip(self.free_starts, self.free_ends, strict=True)):
             if end - start >= size:
                 if end - start == size:
@@ -62,7 +63,7 @@ class _Segment:
         return None
 
     def give(self, start: int, size: int) -> None:
-        """Return ``[start, start + size)``, merging it with its free neighbours."""
+        """Return `[start, start + size)`, merging it with its free neighbours."""
         end = start + size
         index = bisect.bisect_left(self.free_starts, start)
         starts, ends = self.free_starts, self.free_ends
@@ -81,12 +82,12 @@ class HostRing:
 
     Args:
         capacity: the most bytes of segments the ring allocates.
-        pin: page-lock the segments (``torch.empty(..., pin_memory=True)``); where
+        pin: page-lock the segments (`torch.empty(..., pin_memory=True)`); where
             the build or the device cannot, the segments are ordinary memory.
 
     Attributes:
-        pinned: whether the segments are pinned (``None`` before the first one).
-        used: bytes of slots in use now; ``peak``: the most at once.
+        pinned: whether the segments are pinned (`None` before the first one).
+        used: bytes of slots in use now; `peak`: the most at once.
         overflows: records that found no room and got memory of their own.
     """
 
@@ -102,7 +103,7 @@ class HostRing:
         self._lock = threading.Lock()  # slots return on whatever thread drops the last view
 
     def tensor(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised host tensor of ``shape`` and ``dtype``: a slot's view, or, when
+        """An uninitialised host tensor of `shape` and `dtype`: a slot's view, or, when
         the ring is full, a tensor of its own (an overflow)."""
         nbytes = _numel(shape) * dtype.itemsize
         if not nbytes:
@@ -125,7 +126,7 @@ class HostRing:
         return torch.from_numpy(window).view(dtype).view(shape)
 
     def owns(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s memory lies in one of the ring's segments."""
+        """Whether `tensor`'s memory lies in one of the ring's segments."""
         if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu:
             return False
         address = tensor.untyped_storage().data_ptr()
@@ -164,7 +165,7 @@ class HostRing:
 
 
 def detach_from_ring(ring: HostRing | None, value: Any) -> Any:
-    """``value``, or a copy of it in memory of its own if it views ``ring`` (records kept in
+    """`value`, or a copy of it in memory of its own if it views `ring` (records kept in
     memory for good must not hold the ring's slots).  The copy is numpy's: one thread, no
     torch CPU kernel."""
     if ring is None or not ring.owns(value):

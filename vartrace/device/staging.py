@@ -1,56 +1,57 @@
 """Asynchronous staging: records of accelerator tensors reach the host with no sync in the step.
 
-On a GPU, a blocking ``.cpu()`` per record drains the launch queue: the CPU
+On a GPU, a blocking `.cpu()` per record drains the launch queue: the CPU
 can no longer run ahead of the device, and a Python-heavy step becomes CPU
-time plus GPU time.  A :class:`Stager` takes every record off the capturing
+time plus GPU time.  A `Stager` takes every record off the capturing
 thread instead, and costs that thread one clone per record:
 
 1. **Admission** (the capturing thread: the training thread, or autograd's
-   device thread for ``@grad``) counts the record's bytes against
-   ``max_inflight_bytes``, clones the tensor on the device, on the producer's
+   device thread for `@grad`) counts the record's bytes against
+   `max_inflight_bytes`, clones the tensor on the device, on the producer's
    current stream, and appends it to the open batch: no event, no lock, no
    wake-up.  Values that are not accelerator tensors (CPU tensors, Python
    scalars, markers) are copied at once and join the batch too, so that
    records keep capture order.
 2. **Flush** (any thread, at the end of each iteration, at the end of a
-   backward pass, every :data:`FLUSH_BYTES` or :data:`FLUSH_RECORDS`, and
+   backward pass, every `FLUSH_BYTES` or `FLUSH_RECORDS`, and
    before a job): one event per producer stream after the batch's clones,
    and one hand-off to the staging thread.
-3. **Copy** (one ``vartrace-staging-N`` thread per tracer): a side stream
+3. **Copy** (one `vartrace-staging-N` thread per tracer): a side stream
    waits for those events, compares each clone with the site's previous one
    on the device (bit for bit, into one flag per record: no host pass over
-   unchanged records), copies the clones into slots of a :class:`HostRing`
+   unchanged records), copies the clones into slots of a `HostRing`
    (pinned memory allocated once and reused: no copy-out, no allocation per
    record), and records one event.
 4. **Delivery** (the same thread, in admission order): once that event has
    completed (a blocking wait that releases the GIL, or polls where a user's
-   ``torch.cuda.set_sync_debug_mode`` watches for syncs), the changed records
-   go to ``deliver(site, record, iteration, host)`` -- the tracer's chunk --
+   `torch.cuda.set_sync_debug_mode` watches for syncs), the changed records
+   go to `deliver(site, record, iteration, host)` -- the tracer's chunk --
    as views of their slots; a slot returns to the ring when its last view
-   dies (after the saver wrote it).  Jobs queued with :meth:`Stager.call`
+   dies (after the saver wrote it).  Jobs queued with `Stager.call`
    (the tracer's gathers) run in the same order, after every record admitted
    before them.
 
 The staging thread runs no torch CPU kernel on records (views and
-device-to-host ``copy_`` only) and uses one OpenMP thread of its own, so it
+device-to-host `copy_` only) and uses one OpenMP thread of its own, so it
 never wakes a team of spinning workers on the training thread's cores.
 
 Memory in flight (records between admission and delivery) is bounded by
 bytes at admission: when a record would exceed the bound the capturing thread
-waits for earlier records to land (``on_full="wait"``, counted, warned once),
-or the record is dropped (``on_full="drop"``, counted per site) and a
-:class:`~vartrace.Unstored` marker takes its place, so that "the last record
+waits for earlier records to land (`on_full="wait"`, counted, warned once),
+or the record is dropped (`on_full="drop"`, counted per site) and a
+[`Unstored`][vartrace.Unstored] marker takes its place, so that "the last record
 at or before step k" is never silently stale.
 
 A stream that is capturing a CUDA graph skips the record with one warning: a
 replay of the graph runs no Python, so there would be nothing to record.
 
-Example::
-
+Example:
+    ```python
     stager = Stager(lambda site, record, iteration, host: print(site, record))
     stager.admit("forward.x", torch.ones(3, device="cuda"), iteration=1)
     stager.call(lambda: print("every record admitted so far was delivered"))
     stager.close()
+    ```
 """
 
 from __future__ import annotations
@@ -78,11 +79,11 @@ __all__ = ["FLUSH_BYTES", "FLUSH_RECORDS", "OnFull", "Stager", "StagingStats", "
 
 OnFull = Literal["wait", "drop"]
 Deliver = Callable[[str, Any, int, Any], None]
-"""``deliver(site, record, iteration, host)``: a changed record, in admission order.
+"""`deliver(site, record, iteration, host)`: a changed record, in admission order.
 
-The record lives on the stager's ``device``.  ``host`` is the record's host
+The record lives on the stager's `device`.  `host` is the record's host
 copy for the receiver's own change detection (values copied at admission), or
-``None`` when the stager already compared it with the site's last record.
+`None` when the stager already compared it with the site's last record.
 """
 
 FLUSH_BYTES = 64 << 20
@@ -100,20 +101,20 @@ _graph_task_id = torch._C._current_graph_task_id  # -1 outside autograd's backwa
 
 @dataclass
 class StagingStats:
-    """What a :class:`Stager` did, for ``tracer.staging_stats``.
+    """What a `Stager` did, for `tracer.staging_stats`.
 
     Attributes:
         admitted: records admitted (staged or copied at once).
         staged: records cloned on a device and copied to the host asynchronously.
         kept: records that changed and were recorded.
         unchanged: records equal to the site's last one, left out.
-        dropped: records dropped because the bound was reached (``on_full="drop"``).
-        dropped_by_site: ``dropped`` per site.
-        waits: admissions that waited for memory in flight (``on_full="wait"``).
+        dropped: records dropped because the bound was reached (`on_full="drop"`).
+        dropped_by_site: `dropped` per site.
+        waits: admissions that waited for memory in flight (`on_full="wait"`).
         wait_seconds: the time those waits took, in total.
         max_inflight_bytes: the most bytes in flight at once.
         skipped_capturing: records skipped while a stream was capturing a graph.
-        pinned: whether host buffers are pinned (``None`` before the first copy).
+        pinned: whether host buffers are pinned (`None` before the first copy).
         flushes: batches handed to the staging thread (one event per producer stream each).
         handoffs: hand-offs to the staging thread (a batch, a job, or both at once).
         wakeups: times the staging thread woke up (hand-offs seen, event polls).
@@ -143,7 +144,7 @@ _stream_modules: dict[str, ModuleType | None] = {}
 
 
 def _stream_module(device: torch.device) -> ModuleType | None:
-    """The device's torch module (``torch.cuda``...) when it has streams and events."""
+    """The device's torch module (`torch.cuda`...) when it has streams and events."""
     kind = device.type
     if kind not in _stream_modules:
         try:
@@ -156,10 +157,10 @@ def _stream_module(device: torch.device) -> ModuleType | None:
 
 
 def stageable(value: Any) -> bool:
-    """Whether ``value`` is a dense accelerator tensor that a :class:`Stager` copies asynchronously.
+    """Whether `value` is a dense accelerator tensor that a `Stager` copies asynchronously.
 
     CPU and meta tensors, sparse, quantized and nested tensors, tensor
-    subclasses that flatten into other tensors (``DTensor``, float8
+    subclasses that flatten into other tensors (`DTensor`, float8
     wrappers) and functorch wrappers are copied at admission instead.
     """
     return (
@@ -242,12 +243,12 @@ class Stager:
     """Admits records on any thread and delivers them, in order, on a thread of its own.
 
     Args:
-        deliver: ``deliver(site, record, iteration, host)``, called on the
-            staging thread for each changed record, in admission order (see :data:`Deliver`).
+        deliver: `deliver(site, record, iteration, host)`, called on the
+            staging thread for each changed record, in admission order (see `Deliver`).
         max_inflight_bytes: the most bytes of records between admission and
             delivery; a record larger than that alone is admitted when
             nothing else is in flight.
-        on_full: ``"wait"`` (the admitting thread waits) or ``"drop"`` (the
+        on_full: `"wait"` (the admitting thread waits) or `"drop"` (the
             record becomes a marker) when the bound would be exceeded.
         device: where delivered records live: the host (the default), or a
             device, where the record is the clone itself (then nothing is copied
@@ -255,7 +256,7 @@ class Stager:
         compare: leave out a staged record equal, bit for bit, to the site's
             previous one (compared on the device).
         host_bytes: the most bytes of host memory the ring of host slots allocates
-            (default: twice ``max_inflight_bytes``).
+            (default: twice `max_inflight_bytes`).
         name: the thread's name.
     """
 
@@ -310,11 +311,11 @@ class Stager:
     # -- any capturing thread -------------------------------------------------------------
 
     def admit(self, site: str, value: Any, iteration: int, *, fresh: bool = False) -> None:
-        """Queue ``value``'s record: a device clone for an accelerator tensor, else a copy.
+        """Queue `value`'s record: a device clone for an accelerator tensor, else a copy.
 
-        ``fresh``: ``value`` is a new tensor that nothing else holds or writes (a
+        `fresh`: `value` is a new tensor that nothing else holds or writes (a
         statistics row), taken as it is, without a clone.  Never raises a failure of the
-        staging thread (that is for :meth:`call`, :meth:`drain` and :meth:`close`,
+        staging thread (that is for `call`, `drain` and `close`,
         outside the traced code).
         """
         stats = self.stats
@@ -365,7 +366,7 @@ class Stager:
         self._hand_off(None)
 
     def call(self, job: Callable[[], None]) -> None:
-        """Run ``job`` on the staging thread once every record admitted before is delivered.
+        """Run `job` on the staging thread once every record admitted before is delivered.
 
         Raises a failure of the staging thread that was not raised before.
         """
@@ -385,10 +386,10 @@ class Stager:
         self._raise()
 
     def close(self, last: Callable[[], None] | None = None) -> None:
-        """Run ``last`` (if given) as :meth:`call` would, drain, and end the staging thread.
+        """Run `last` (if given) as `call` would, drain, and end the staging thread.
 
-        Raises the oldest failure of the thread not raised before (by :meth:`call`
-        or :meth:`drain`); any later ones are warnings: every failure reaches the
+        Raises the oldest failure of the thread not raised before (by `call`
+        or `drain`); any later ones are warnings: every failure reaches the
         caller once.
         """
         try:
@@ -428,7 +429,7 @@ class Stager:
 
     def _hand_off(self, job: _Job | None) -> None:
         """One hand-off: the open batch (if any), with an event after its clones on each
-        producer stream, then ``job`` (if any).  Batches reach the queue in admission order."""
+        producer stream, then `job` (if any).  Batches reach the queue in admission order."""
         with self._flush_lock:
             items: list[_Ready | _Staged] = []
             pop = self._open.popleft
@@ -460,7 +461,7 @@ class Stager:
                 self._cv.notify_all()
 
     def _reserve(self, site: str, nbytes: int) -> bool:
-        """Count ``nbytes`` in flight, waiting or refusing (``False``) when over the bound."""
+        """Count `nbytes` in flight, waiting or refusing (`False`) when over the bound."""
         counter = getattr(self._local, "admitted", None)
         if counter is None:
             counter = self._local.admitted = [0]
@@ -561,8 +562,8 @@ class Stager:
                 self._cv.notify_all()
 
     def _attempt(self, step: Callable[..., Any], *args: Any) -> bool:
-        """``step(*args)``, and whether it succeeded; its exception is kept for
-        :meth:`call`, :meth:`drain` or :meth:`close` to raise, once, and the staging
+        """`step(*args)`, and whether it succeeded; its exception is kept for
+        `call`, `drain` or `close` to raise, once, and the staging
         thread goes on with what comes after (as a failed gather does without staging)."""
         try:
             step(*args)

@@ -3,12 +3,12 @@
 It knows nothing of torch, so it runs (and is tested) on every supported
 Python, with or without torch installed:
 
-* :mod:`~vartrace.engine.paths` parses patterns and matches segments;
-* :mod:`~vartrace.engine.code` reads methods, arguments and locals from classes;
-* :mod:`~vartrace.engine.structures` splits captured values into leaves;
-* :mod:`~vartrace.engine.frames` reads a running method's locals
-  (``sys.monitoring`` on Python >= 3.12, ``sys.settrace`` before);
-* :mod:`~vartrace.engine.patching` patches methods of single objects.
+* `paths` parses patterns and matches segments;
+* `code` reads methods, arguments and locals from classes;
+* `structures` splits captured values into leaves;
+* `frames` reads a running method's locals
+  (`sys.monitoring` on Python >= 3.12, `sys.settrace` before);
+* `patching` patches methods of single objects.
 """
 
 from vartrace.engine.code import MethodInfo, methods_of

@@ -4,8 +4,8 @@ Everything a pattern can name below a module — its methods, their
 arguments and locals, the keys their return values may have — is known
 before the first step from the class and each method's code object.  This
 lets a tracer validate patterns and suggest near misses up front.  Where a
-method returns another call's result (``return self.proj(h)``), its source
-says which call (:func:`returned_calls`), for the torch side to follow.
+method returns another call's result (`return self.proj(h)`), its source
+says which call (`returned_calls`), for the torch side to follow.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 CALLEE_SEPARATOR = ">"
-"""Joins a method and a function it calls into one site segment: ``forward>attention``."""
+"""Joins a method and a function it calls into one site segment: `forward>attention`."""
 
 
 @dataclass(frozen=True)
@@ -44,25 +44,25 @@ class MethodInfo:
     """What the engine knows about one method of a class.
 
     Attributes:
-        name: the attribute name on the class (``forward``, ``_attention``).
+        name: the attribute name on the class (`forward`, `_attention`).
         code: the code object whose frames are captured (decorators unwrapped).
-        arguments: parameter names in order, ``self`` first.
+        arguments: parameter names in order, `self` first.
         locals: every other local variable name (including closure cells).
         return_keys: keys a returned structure is likely to have: string
-            constants of the code (``"logits"`` in ``return {"logits": ...}``),
+            constants of the code (`"logits"` in `return {"logits": ...}`),
             small indices, and the fields of a dataclass / namedtuple return
             annotation.  Used to decide statically which methods a key
             pattern may concern.
         annotated: a return annotation names the fields of what the method
-            returns (a dataclass, a namedtuple): ``return_keys`` are its keys.
+            returns (a dataclass, a namedtuple): `return_keys` are its keys.
             Otherwise keys of a value the method returns from a call
-            (``return self.proj(h)``) are those of the callee's result:
-            :func:`returned_calls` says which calls.
+            (`return self.proj(h)`) are those of the callee's result:
+            `returned_calls` says which calls.
         library: the method comes from a base class of an installed
-            library (``PreTrainedModel.from_pretrained`` machinery): wildcards
+            library (`PreTrainedModel.from_pretrained` machinery): wildcards
             skip it, a literal name still reaches it.
         callees: the plain functions the method calls by global name
-            (``eager_attention_forward``), each analysed like a method.
+            (`eager_attention_forward`), each analysed like a method.
     """
 
     name: str
@@ -117,11 +117,11 @@ _LOAD_FAST = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"})
 
 
 def _returns_a_call(code: CodeType) -> bool:
-    """Whether some ``return`` returns a call's result made without keyword names.
+    """Whether some `return` returns a call's result made without keyword names.
 
-    Either directly (``return self.model(*args, **kwargs)``) or through a
-    local stored straight from such a call (``out = self.model(**batch)``
-    ... ``return out``).  A call with keyword names (``Output(loss=...,
+    Either directly (`return self.model(*args, **kwargs)`) or through a
+    local stored straight from such a call (`out = self.model(**batch)`
+    ... `return out`).  A call with keyword names (``Output(loss=...,
     logits=...)``) builds a structure whose keys are among the code's
     constants; a bare call returns something only the run knows.
     """
@@ -143,7 +143,7 @@ def _returns_a_call(code: CodeType) -> bool:
 
 
 def _global_functions(function: FunctionType) -> dict[str, FunctionType]:
-    """The plain Python functions ``function`` loads by global name."""
+    """The plain Python functions `function` loads by global name."""
     namespace = function.__globals__
     found: dict[str, FunctionType] = {}
     for instruction in dis.get_instructions(function.__code__):
@@ -186,19 +186,19 @@ def function_info(function: FunctionType) -> MethodInfo:
 class Returned:
     """One call whose result a method returns, as the method's code spells the callee.
 
-    ``kind`` says where the callee's name starts:
+    `kind` says where the callee's name starts:
 
-    * ``"self"``: an attribute chain of the method's object (``self.proj``,
-      ``self.model.forward``); ``names`` is the chain;
-    * ``"super"``: ``super().<name>``; ``names`` is ``(name,)``;
-    * ``"loop"``: a local bound by ``for layer in self.layers`` (or ``in
-      self``) and called; ``names`` is the chain iterated (``("layers",)``);
-    * ``"value"``: a method called on another local value (``x.softmax``);
-      ``names`` is ``(method,)``;
-    * ``"global"``: a name of the function's globals or builtins, through
-      modules (``F.linear``); ``target`` is the object it names, ``keywords``
-      whether the call passes keyword names only (``dict(loss=...)``);
-    * ``"unknown"``: anything else (a call's result called, a local function).
+    * `"self"`: an attribute chain of the method's object (`self.proj`,
+      `self.model.forward`); `names` is the chain;
+    * `"super"`: `super().<name>`; `names` is `(name,)`;
+    * `"loop"`: a local bound by `for layer in self.layers` (or ``in
+      self`) and called; `names` is the chain iterated (`("layers",)``);
+    * `"value"`: a method called on another local value (`x.softmax`);
+      `names` is `(method,)`;
+    * `"global"`: a name of the function's globals or builtins, through
+      modules (`F.linear`); `target` is the object it names, `keywords`
+      whether the call passes keyword names only (`dict(loss=...)`);
+    * `"unknown"`: anything else (a call's result called, a local function).
     """
 
     kind: str
@@ -212,7 +212,7 @@ _NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 
 
 def _syntax(function: FunctionType) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
-    """The syntax tree of ``function``, or ``None`` when its source cannot be read."""
+    """The syntax tree of `function`, or `None` when its source cannot be read."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError, SyntaxError):
@@ -286,7 +286,7 @@ class _Returns:
             yield from self.stored.get(expr.id, ())
 
     def _self_chain(self, expr: ast.expr) -> tuple[str, ...] | None:
-        """``("layers",)`` for ``self.layers`` (or a slice of it), ``()`` for ``self``."""
+        """`("layers",)` for `self.layers` (or a slice of it), `()` for `self`."""
         if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Slice):
             expr = expr.value
         chain: list[str] = []
@@ -343,13 +343,15 @@ class _Returns:
 
 @cache
 def returned_calls(function: FunctionType) -> tuple[Returned, ...]:
-    """The calls whose results ``function`` returns: directly, through a conditional
-    expression, or through a local stored straight from one (``out = self.model(**b)``).
+    """The calls whose results `function` returns: directly, through a conditional
+    expression, or through a local stored straight from one (`out = self.model(**b)`).
 
     Read from the source; where it cannot be read, a call seen in the bytecode
-    is an ``"unknown"`` one.  Example::
+    is an `"unknown"` one.  Example:
 
-        returned_calls(Block.forward)   # (Returned("self", ("proj",)),)
+    ```python
+    returned_calls(Block.forward)   # (Returned("self", ("proj",)),)
+    ```
     """
     node = _syntax(function)
     if node is None:
@@ -365,7 +367,7 @@ def _installed_roots() -> tuple[str, ...]:
 
 
 def _is_library_base(klass: type, cls: type) -> bool:
-    """Whether ``klass``, a base of ``cls``, is an installed library's class from another module."""
+    """Whether `klass`, a base of `cls`, is an installed library's class from another module."""
     if klass is cls or klass.__module__ == cls.__module__:
         return False
     path = getattr(sys.modules.get(klass.__module__), "__file__", None)
@@ -380,14 +382,16 @@ _RUNS_LATER = (
 
 
 def runs_later(code: CodeType) -> str | None:
-    """What ``code`` is when a call of it returns before its body runs, else ``None``.
+    """What `code` is when a call of it returns before its body runs, else `None`.
 
-    A generator or ``async def`` function returns a generator (coroutine)
+    A generator or `async def` function returns a generator (coroutine)
     object at once; its body runs when that is iterated (awaited), after the
     call a tracer brackets has returned, so no local of it can be read at
-    that return.  Example::
+    that return.  Example:
 
-        runs_later(Model.stream.__code__)   # 'a generator'
+    ```python
+    runs_later(Model.stream.__code__)   # 'a generator'
+    ```
     """
     for flag, kind in _RUNS_LATER:
         if code.co_flags & flag:
@@ -406,14 +410,16 @@ def method_code(function: object) -> CodeType | None:
 
 @cache
 def methods_of(cls: type, stop: type | None = None) -> dict[str, MethodInfo]:
-    """The plain methods defined on ``cls`` and its bases, up to (excluding) ``stop``.
+    """The plain methods defined on `cls` and its bases, up to (excluding) `stop`.
 
     Dunder methods, static and class methods and properties are left out:
     they are not per-instance behaviour a tracer can patch.  A method
     inherited from an installed library's base class in another module is
-    marked ``library`` (``forward`` never is).  Example::
+    marked `library` (`forward` never is).  Example:
 
-        methods_of(MyBlock, torch.nn.Module)["forward"].locals
+    ```python
+    methods_of(MyBlock, torch.nn.Module)["forward"].locals
+    ```
     """
     found: dict[str, MethodInfo] = {}
     for klass in cls.__mro__:

@@ -1,35 +1,35 @@
 """Frame capture: reading a running method's locals, with one interface and two cores.
 
 A patched method that needs locals at return (or every value a variable
-takes) calls the method through :meth:`FrameCore.run`, which returns the
+takes) calls the method through `FrameCore.run`, which returns the
 method's result and a snapshot of the requested variables as they were
 when it returned.  How the frame is observed depends on the Python:
 
-* :class:`MonitoringCore` (Python >= 3.12) enables ``sys.monitoring``
-  *local* events (``PY_RETURN``, and ``LINE`` for ``@every``) on exactly
+* `MonitoringCore` (Python >= 3.12) enables `sys.monitoring`
+  *local* events (`PY_RETURN`, and `LINE` for `@every`) on exactly
   the code objects being traced.  Other code runs at full speed, and the
-  ``sys.settrace`` / ``sys.monitoring`` use of other tools is untouched.
-* :class:`SettraceCore` (older Pythons) arms ``sys.settrace`` only until the
-  traced call's frame starts (for its whole duration with ``@every`` or
+  `sys.settrace` / `sys.monitoring` use of other tools is untouched.
+* `SettraceCore` (older Pythons) arms `sys.settrace` only until the
+  traced call's frame starts (for its whole duration with `@every` or
   callees), chains
   every event to the trace function already installed (a debugger,
   coverage.py), and reads the locals from the finished frame afterwards.
 
-Both cores leave other tools' state alone: the ``sys.monitoring`` tool ids
+Both cores leave other tools' state alone: the `sys.monitoring` tool ids
 that Python assigns to debuggers, coverage, profilers and optimizers are
 taken only when the free ones are not, and a trace function that another
-tool installs during a traced call (``breakpoint()``) stays installed.
+tool installs during a traced call (`breakpoint()`) stays installed.
 
 A frame is recognised as the traced call when its code object is the
-method's and its caller chain reaches the :meth:`~FrameCore.run` frame
+method's and its caller chain reaches the `run` frame
 (through at most a few decorator frames, never through another frame of
 the same code): calls of the same code on untraced instances, or nested
 recursive calls, are not mistaken for it.
 
 *Callees* are plain functions the traced method calls (Hugging Face's
-``eager_attention_forward``), each described by a :class:`Callee`: a frame
+`eager_attention_forward`), each described by a `Callee`: a frame
 of a callee's code whose caller is the traced call's frame is read when it
-returns (and on each line for ``@every``), once per call, and handed to the
+returns (and on each line for `@every`), once per call, and handed to the
 callee's callbacks at once.
 """
 
@@ -72,11 +72,11 @@ def _called_from(frame: FrameType, caller: FrameType | None) -> bool:
 
 
 def _wraps(frame: FrameType, code: CodeType) -> bool:
-    """Whether ``frame`` is a decorator's wrapper around the function of ``code``.
+    """Whether `frame` is a decorator's wrapper around the function of `code`.
 
-    A ``functools.wraps`` wrapper (transformers' ``create_causal_mask``)
+    A `functools.wraps` wrapper (transformers' `create_causal_mask`)
     holds the function it calls in its closure, itself or through the
-    ``__wrapped__`` chain of nested decorators.
+    `__wrapped__` chain of nested decorators.
     """
     if not frame.f_code.co_freevars:
         return False
@@ -93,10 +93,10 @@ def _wraps(frame: FrameType, code: CodeType) -> bool:
 
 
 def _past_wrappers(frame: FrameType, check: Callable[[FrameType], Any]) -> Any:
-    """The first ``check(caller)`` not ``None``, past the decorators of ``frame``'s function.
+    """The first `check(caller)` not `None`, past the decorators of `frame`'s function.
 
     While the frame's caller is a decorator's wrapper around the function
-    (``functools.wraps``), the wrapper's caller is checked; the direct
+    (`functools.wraps`), the wrapper's caller is checked; the direct
     caller itself is the caller's to check first (the common case).
     """
     code = frame.f_code
@@ -126,15 +126,16 @@ _change_test: tuple[Snapshot, Unchanged] = (_identity, _same_identity)
 
 
 def set_change_test(snapshot: Snapshot, unchanged: Unchanged) -> None:
-    """Set how ``@every`` tells a new value of a variable from the one it last sent.
+    """Set how `@every` tells a new value of a variable from the one it last sent.
 
-    ``snapshot(value)`` keeps what the next comparison needs;
-    ``unchanged(snapshot, value)`` says whether ``value`` still equals it.  The
-    default compares identity and ``_version`` only, which misses in-place
+    `snapshot(value)` keeps what the next comparison needs;
+    `unchanged(snapshot, value)` says whether `value` still equals it.  The
+    default compares identity and `_version` only, which misses in-place
     changes of mutable objects; the torch edge installs a content comparison.
-    Example::
-
+    Example:
+        ```python
         set_change_test(copy.deepcopy, lambda old, new: old == new)
+        ```
     """
     global _change_test
     _change_test = (snapshot, unchanged)
@@ -143,10 +144,10 @@ def set_change_test(snapshot: Snapshot, unchanged: Unchanged) -> None:
 def _changed(
     last: dict[str, Any], f_locals: Mapping[str, Any], names: tuple[str, ...]
 ) -> Iterator[tuple[str, Any]]:
-    """The variables of ``names`` bound to another object (or changed in place) since ``last``.
+    """The variables of `names` bound to another object (or changed in place) since `last`.
 
-    ``last`` holds a snapshot per name, taken and compared by the change test
-    (:func:`set_change_test`).
+    `last` holds a snapshot per name, taken and compared by the change test
+    (`set_change_test`).
     """
     snapshot, unchanged = _change_test
     for name in names:
@@ -162,9 +163,9 @@ def _changed(
 class Callee:
     """A function to watch inside a traced call, and what to do with its frames.
 
-    ``on_return(variables, return_value)`` receives ``names`` read when a
-    call returns; ``on_line(name, value)`` each new value of a name in
-    ``every`` (line events), as for the method's own ``@every``.
+    `on_return(variables, return_value)` receives `names` read when a
+    call returns; `on_line(name, value)` each new value of a name in
+    `every` (line events), as for the method's own `@every`.
     """
 
     __slots__ = ("every", "names", "on_line", "on_return")
@@ -219,7 +220,7 @@ class _Watch:
         self.done = False
 
     def callee_line(self, frame: FrameType) -> None:
-        """A line of a callee's frame: report the ``every`` variables that changed."""
+        """A line of a callee's frame: report the `every` variables that changed."""
         callee = self.callees[frame.f_code]
         if callee.every:
             last = self.callee_last.setdefault(frame, {})
@@ -227,7 +228,7 @@ class _Watch:
                 callee.on_line(name, value)  # type: ignore[misc]
 
     def called(self, frame: FrameType, value: Any) -> None:
-        """A callee's frame returned ``value``: hand its variables over."""
+        """A callee's frame returned `value`: hand its variables over."""
         callee = self.callees[frame.f_code]
         self.callee_line(frame)
         self.callee_last.pop(frame, None)
@@ -249,23 +250,23 @@ class _Watch:
 class FrameCore:
     """The interface both cores implement.
 
-    ``arm(code, lines, callee)`` / ``disarm(code, lines, callee)`` are
+    `arm(code, lines, callee)` / `disarm(code, lines, callee)` are
     reference counted and bracket the time a code object may be traced
-    (``callee``: as a function a traced method calls);
-    ``run`` calls ``function`` and returns ``(result, snapshot)``, where
-    ``snapshot`` maps each name in ``names`` still bound at return to its
-    value (``None`` if the call was not observed, which cannot happen for a
-    plain Python method).  ``callees`` maps the code of each function to
-    watch inside the call to its :class:`Callee`.
+    (`callee`: as a function a traced method calls);
+    `run` calls `function` and returns `(result, snapshot)`, where
+    `snapshot` maps each name in `names` still bound at return to its
+    value (`None` if the call was not observed, which cannot happen for a
+    plain Python method).  `callees` maps the code of each function to
+    watch inside the call to its `Callee`.
     """
 
     name = "abstract"
 
     def arm(self, code: CodeType, lines: bool, callee: bool = False) -> None:
-        """Start observing ``code`` (with line events if ``lines``)."""
+        """Start observing `code` (with line events if `lines`)."""
 
     def disarm(self, code: CodeType, lines: bool, callee: bool = False) -> None:
-        """Stop observing ``code`` once no armed user is left."""
+        """Stop observing `code` once no armed user is left."""
 
     def run(
         self,
@@ -282,15 +283,15 @@ class FrameCore:
 
 
 class SettraceCore(FrameCore):
-    """``sys.settrace`` armed only until a traced method's frame starts (Python < 3.12).
+    """`sys.settrace` armed only until a traced method's frame starts (Python < 3.12).
 
     The trace function is installed just before the call and sees the frame's
-    ``call`` event; the frame is then held and its locals are read once the call
+    `call` event; the frame is then held and its locals are read once the call
     has returned (a finished frame keeps them), so no return event is needed and,
-    without ``@every`` or callees to read, the previous trace function is back in
+    without `@every` or callees to read, the previous trace function is back in
     place for the whole body of the method.  Every event is chained to the trace function that
     was installed (a debugger, coverage.py), which also stays in charge of what
-    the method's own code does: a debugger started inside it (``breakpoint()``)
+    the method's own code does: a debugger started inside it (`breakpoint()`)
     keeps running after the method returns.
     """
 
@@ -311,7 +312,7 @@ class SettraceCore(FrameCore):
 
 class _ChainedTracer:
     """A global trace function (the object itself) that finds one frame and defers
-    everything to ``previous``."""
+    everything to `previous`."""
 
     __slots__ = ("previous", "previous_local", "target", "watch")
 
@@ -408,7 +409,7 @@ class _CalleeTracer:
 
 
 class MonitoringCore(FrameCore):
-    """``sys.monitoring`` local events on exactly the traced code objects (Python >= 3.12)."""
+    """`sys.monitoring` local events on exactly the traced code objects (Python >= 3.12)."""
 
     name = "monitoring"
     # The free ids first; then the ones Python assigns to OPTIMIZER_ID (5), PROFILER_ID (2),
@@ -499,7 +500,7 @@ class MonitoringCore(FrameCore):
         return None
 
     def _caller_watch(self, frame: FrameType) -> _Watch | None:
-        """The watch of the traced call that called ``frame`` (through decorators), if any."""
+        """The watch of the traced call that called `frame` (through decorators), if any."""
         caller = frame.f_back
         watch = None if caller is None else self._find(caller)  # the common case first
         if watch is None:
@@ -545,5 +546,5 @@ class MonitoringCore(FrameCore):
 
 
 def default_core() -> FrameCore:
-    """The best core for this Python: ``sys.monitoring`` where it exists."""
+    """The best core for this Python: `sys.monitoring` where it exists."""
     return MonitoringCore() if hasattr(sys, "monitoring") else SettraceCore()

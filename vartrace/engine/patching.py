@@ -1,26 +1,26 @@
 """Patching methods of individual objects, and capturing values from their calls.
 
-A :class:`Probe` says what to read from one method of one object: which
+A `Probe` says what to read from one method of one object: which
 arguments at entry, which variables at return, which variables on every
-line, and which parts of the return value, each as a :class:`Selector`.
-A :class:`Hook` pairs a probe with the *sink* that receives the captured
+line, and which parts of the return value, each as a `Selector`.
+A `Hook` pairs a probe with the *sink* that receives the captured
 leaves, plus optional enter/exit observers (a tracer counts iterations
-with those).  :func:`attach` installs a hook; the first hook on an
-``(object, method)`` pair replaces the bound method in the object's
-``__dict__`` with a ``wrapt`` wrapper, the last :func:`detach` restores
+with those).  `attach` installs a hook; the first hook on an
+`(object, method)` pair replaces the bound method in the object's
+`__dict__` with a `wrapt` wrapper, the last `detach` restores
 exactly what was there.  Several hooks (several tracers) share one patch,
 so tracers may start and stop in any order.
 
-A program that rebuilds the method from the patched one's ``__func__``
+A program that rebuilds the method from the patched one's `__func__`
 while traced (accelerate's mixed precision: ``model.forward =
 MethodType(autocast(model.forward.__func__), model)``) keeps the capture:
-that ``__func__`` is a function that runs the patch for the patched object.
+that `__func__` is a function that runs the patch for the patched object.
 
 Only the patched object is affected: other instances of the class run the
 original method untouched.  Copies and pickles of a patched object
-(``copy.deepcopy``, ``pickle``, ``torch.save``, EMA / SWA averaged models)
-are of the object as it is untraced: while it is patched, its ``__dict__``
-also holds a ``__getstate__`` that leaves the patches out.
+(`copy.deepcopy`, `pickle`, `torch.save`, EMA / SWA averaged models)
+are of the object as it is untraced: while it is patched, its `__dict__`
+also holds a `__getstate__` that leaves the patches out.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ __all__ = [
 ]
 
 StateFilter = Callable[[dict[str, Any]], dict[str, Any]]
-"""Takes a copy of an object's ``__dict__`` state, returns it without what a tracer added."""
+"""Takes a copy of an object's `__dict__` state, returns it without what a tracer added."""
 Sink = Callable[[str, Any, bool], None]
-"""``sink(site, leaf, grad)``: receives every captured leaf."""
+"""`sink(site, leaf, grad)`: receives every captured leaf."""
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 _MISSING = object()
@@ -66,17 +66,17 @@ _MISSING = object()
 class Selector:
     """One variable (or the return value) of a method, and the pattern state that selected it.
 
-    ``site`` is the concrete name of the selected object
-    (``layers.0.attn.forward.scores``, or ``encoder.1.forward`` for a return
-    value); ``states`` is the pattern's automaton state after that name, used
-    to follow keys into the runtime value.  ``callee`` is the code of a
+    `site` is the concrete name of the selected object
+    (`layers.0.attn.forward.scores`, or `encoder.1.forward` for a return
+    value); `states` is the pattern's automaton state after that name, used
+    to follow keys into the runtime value.  `callee` is the code of a
     function the method calls, when the variable is that function's
-    (``forward>eager_attention_forward.attn_weights``).  ``tag`` is appended
-    to every key (``@return`` when one variable is read at two timings).
-    ``renamed`` lists the keys of a returned value that are also names of
-    arguments read at entry: that key gets ``@return``, leaves below it keep their keys
-    after it (``forward.cache`` is the argument, ``forward.cache@return`` the output's
-    field and ``forward.cache@return.hidden_states`` a leaf of it).
+    (`forward>eager_attention_forward.attn_weights`).  `tag` is appended
+    to every key (`@return` when one variable is read at two timings).
+    `renamed` lists the keys of a returned value that are also names of
+    arguments read at entry: that key gets `@return`, leaves below it keep their keys
+    after it (`forward.cache` is the argument, `forward.cache@return` the output's
+    field and `forward.cache@return.hidden_states` a leaf of it).
     """
 
     variable: str | None
@@ -96,10 +96,10 @@ class Selector:
         object.__setattr__(self, "whole", self.pattern.accepts(self.states))
 
     def emit(self, value: Any, sink: Sink, seen: set[str] | None) -> None:
-        """Send every selected leaf of ``value`` to ``sink``, skipping names in ``seen``.
+        """Send every selected leaf of `value` to `sink`, skipping names in `seen`.
 
-        ``seen`` collects the names sent during one call, where two selectors
-        of a probe may select the same leaf; ``None`` where they cannot.
+        `seen` collects the names sent during one call, where two selectors
+        of a probe may select the same leaf; `None` where they cannot.
         """
         # The common case: one leaf (a tensor), as it is.
         if self.whole and (type(value) in leaf_types or children(value) is None):
@@ -152,7 +152,7 @@ class Probe:
         object.__setattr__(self, "dedupe", dedupe)
 
     def callee_names(self) -> dict[CodeType, tuple[set[str], set[str]]]:
-        """Per callee code, the variables to read at return and those read ``@every``."""
+        """Per callee code, the variables to read at return and those read `@every`."""
         names: dict[CodeType, tuple[set[str], set[str]]] = {}
         for selector in self.calls:
             at_return, every = names.setdefault(selector.callee, (set(), set()))  # type: ignore[arg-type]
@@ -167,10 +167,10 @@ class Probe:
 class Hook:
     """A subscriber to one patched method.
 
-    ``enabled`` may be flipped at any time (a tracer turns capture off
-    between traced iterations); ``on_enter()`` runs before every call whether
-    enabled or not, and ``on_exit(failed)`` after each call for which it
-    returned true (a tracer counts outermost calls only); ``calls`` counts the
+    `enabled` may be flipped at any time (a tracer turns capture off
+    between traced iterations); `on_enter()` runs before every call whether
+    enabled or not, and `on_exit(failed)` after each call for which it
+    returned true (a tracer counts outermost calls only); `calls` counts the
     calls.
     """
 
@@ -195,12 +195,12 @@ class Hook:
 class _Binder:
     """Maps a call's arguments to the names of the traced function's parameters.
 
-    Those are the names sites use (``forward.x``), read from the function behind
-    decorators.  A decorator whose own signature differs (a ``functools.wraps``
+    Those are the names sites use (`forward.x`), read from the function behind
+    decorators.  A decorator whose own signature differs (a `functools.wraps`
     wrapper that takes a keyword of its own) is checked with its signature, the
     one the call is made with; the arguments the traced function's signature
     cannot bind are left out, once with a warning, never with an error: a call
-    that neither signature accepts raises its own ``TypeError`` when it runs.
+    that neither signature accepts raises its own `TypeError` when it runs.
     """
 
     __slots__ = ("_called", "_positional", "_signature", "_warned", "name")
@@ -268,8 +268,8 @@ class _Binder:
 class _Wrapper(wrapt.FunctionWrapper):
     """A patched method; a copy or pickle of it is of the untraced method (of the copy).
 
-    Reached only for objects whose own ``__reduce__`` copies their ``__dict__`` as it
-    is; :class:`_CleanState` keeps the wrapper out of every other copy.
+    Reached only for objects whose own `__reduce__` copies their `__dict__` as it
+    is; `_CleanState` keeps the wrapper out of every other copy.
     """
 
     _self_function: Callable[..., Any] | None = None  # see _Patch._rebindable
@@ -285,16 +285,16 @@ class _Wrapper(wrapt.FunctionWrapper):
 
     @property
     def __func__(self) -> Any:
-        """A function that captures for the patched object (see :meth:`_Patch._rebindable`)."""
+        """A function that captures for the patched object (see `_Patch._rebindable`)."""
         function = self._self_function
         return self.__wrapped__.__func__ if function is None else function  # type: ignore[attr-defined]
 
 
 class _CleanState:
-    """The ``__getstate__`` of a patched object: its state as it is untraced.
+    """The `__getstate__` of a patched object: its state as it is untraced.
 
-    ``copy``, ``pickle`` and ``torch.save`` look ``__getstate__`` up on the
-    object, so this one (in the object's ``__dict__``) takes the place of the
+    `copy`, `pickle` and `torch.save` look `__getstate__` up on the
+    object, so this one (in the object's `__dict__`) takes the place of the
     class's, which it calls, and drops the patches from what that returns.
     """
 
@@ -315,12 +315,12 @@ class _CleanState:
         return found
 
     def forget(self, name: str) -> None:
-        """``name`` is restored; the last one out restores the ``__getstate__`` entry too."""
+        """`name` is restored; the last one out restores the `__getstate__` entry too."""
         del self.originals[name]
         self.release()
 
     def release(self) -> None:
-        """Restore the ``__getstate__`` entry once no patch and no filter is left.
+        """Restore the `__getstate__` entry once no patch and no filter is left.
 
         An entry the program put in its place meanwhile stays.
         """
@@ -365,7 +365,7 @@ class _CleanState:
 
 
 class _Patch:
-    """The wrapper installed on one ``(object, method)`` pair."""
+    """The wrapper installed on one `(object, method)` pair."""
 
     def __init__(
         self, instance: Any, name: str, code: CodeType, decorate: Decorator | None
@@ -390,13 +390,13 @@ class _Patch:
         self.wrapper._self_function = self._rebindable(bound, call)
 
     def _rebindable(self, bound: Any, call: Callable[..., Any]) -> Callable[..., Any] | None:
-        """The patched method's ``__func__``: the method's function, capturing when called
+        """The patched method's `__func__`: the method's function, capturing when called
         with the patched object while it is patched.
 
         A program that rebuilds the method from it (accelerate's mixed precision:
-        ``MethodType(autocast(model.forward.__func__), model)``) keeps the capture.  Its
-        signature is the function's; it has no ``__wrapped__``, so that unwrapping such a
-        rebuilt method (accelerate's ``unwrap_model``) stops at it.  ``None`` where
+        `MethodType(autocast(model.forward.__func__), model)`) keeps the capture.  Its
+        signature is the function's; it has no `__wrapped__`, so that unwrapping such a
+        rebuilt method (accelerate's `unwrap_model`) stops at it.  `None` where
         the method is not a bound method of the object.
         """
         function = getattr(bound, "__func__", None)
@@ -449,8 +449,8 @@ class _Patch:
     def restore(self) -> None:
         """Put back what the object held, unless the program replaced the patch meanwhile.
 
-        A ``forward`` the program installs while traced
-        (``block.forward = MethodType(f, block)``) is the program's: it stays.
+        A `forward` the program installs while traced
+        (`block.forward = MethodType(f, block)`) is the program's: it stays.
         """
         self.set_hooks(())
         namespace = vars(self.instance)
@@ -532,7 +532,7 @@ class _Patch:
         return result
 
     def _callees(self, active: list[Hook]) -> dict[CodeType, Callee]:
-        """What to do with each callee's frames during one call, for the ``active`` hooks."""
+        """What to do with each callee's frames during one call, for the `active` hooks."""
         key = tuple(active)
         built, callees = self._callee_handlers
         if built == key:
@@ -548,7 +548,7 @@ class _Patch:
 def _call_emitter(
     active: list[Hook], code: CodeType, every: bool
 ) -> Callable[[dict[str, Any], Any], None]:
-    """Emit the callee variables (or, for ``every``, the rebound ones) to each active hook."""
+    """Emit the callee variables (or, for `every`, the rebound ones) to each active hook."""
 
     def emit(variables: dict[str, Any], value: Any) -> None:
         for hook in active:
@@ -580,10 +580,11 @@ def core() -> FrameCore:
 def set_core(new: FrameCore) -> None:
     """Choose the frame-capture core (only while nothing is attached).
 
-    Example::
-
+    Example:
+        ```python
         from vartrace.engine.frames import SettraceCore
         set_core(SettraceCore())   # compare the cores on Python >= 3.12
+        ```
     """
     global _core
     if _patches:
@@ -592,14 +593,16 @@ def set_core(new: FrameCore) -> None:
 
 
 def filter_state(instance: Any, key: object, state_filter: StateFilter | None) -> None:
-    """Pass copies and pickles of ``instance``'s state through ``state_filter``.
+    """Pass copies and pickles of `instance`'s state through `state_filter`.
 
-    ``key`` names the filter; ``None`` removes the one ``key`` added.  A tracer
+    `key` names the filter; `None` removes the one `key` added.  A tracer
     uses it to leave the hooks it registered on a module out of the module's
-    copies.  Example::
+    copies.  Example:
 
-        filter_state(module, tracer, lambda state: {k: v for k, v in state.items() if k != "x"})
-        filter_state(module, tracer, None)
+    ```python
+    filter_state(module, tracer, lambda state: {k: v for k, v in state.items() if k != "x"})
+    filter_state(module, tracer, None)
+    ```
     """
     if state_filter is not None:
         _CleanState.of(instance).filters[key] = state_filter
@@ -612,10 +615,10 @@ def filter_state(instance: Any, key: object, state_filter: StateFilter | None) -
 def attach(
     instance: Any, name: str, code: CodeType, hook: Hook, decorate: Decorator | None = None
 ) -> None:
-    """Subscribe ``hook`` to calls of ``instance.<name>`` (whose frames run ``code``).
+    """Subscribe `hook` to calls of `instance.<name>` (whose frames run `code`).
 
-    ``decorate``, applied to the wrapper when the patch is first installed,
-    lets a caller keep it out of a JIT (``torch._dynamo.disable``).
+    `decorate`, applied to the wrapper when the patch is first installed,
+    lets a caller keep it out of a JIT (`torch._dynamo.disable`).
     """
     key = (id(instance), name)
     patch = _patches.get(key)
@@ -629,7 +632,7 @@ def attach(
 
 
 def detach(instance: Any, name: str, hook: Hook) -> None:
-    """Unsubscribe ``hook``; the last one out restores the original method."""
+    """Unsubscribe `hook`; the last one out restores the original method."""
     key = (id(instance), name)
     patch = _patches.get(key)
     if patch is None or hook not in patch.hooks:

@@ -1,21 +1,23 @@
 """The path language: parsing patterns and matching them one segment at a time.
 
 A pattern is a dot-separated sequence of segments, each an fnmatch glob
-(``*``, ``?``, ``[0-3]``) over one segment, or ``**`` for zero or more
-segments, optionally followed by a timing suffix::
+(`*`, `?`, `[0-3]`) over one segment, or `**` for zero or more
+segments, optionally followed by a timing suffix:
 
-    layers.*.attn.forward.scores
-    **.scores@every
-    head.forward.self.weight@grad
+```python
+layers.*.attn.forward.scores
+**.scores@every
+head.forward.self.weight@grad
+```
 
-Matching is incremental: a :class:`Pattern` is a small non-deterministic
+Matching is incremental: a `Pattern` is a small non-deterministic
 automaton whose state is a frozenset of positions in the segment list.
 The static part of a site (module path, method, variable) is matched once
 when a tracer starts; the dynamic part (keys inside runtime values) is
 matched while walking a captured value.  Wildcards never match the
-*variable* ``self`` (the module object): only a literal ``self`` does.  A
-module path segment named ``self`` (Hugging Face BERT's ``attention.self``)
-is an ordinary name: callers step module path segments with ``plain=True``.
+*variable* `self` (the module object): only a literal `self` does.  A
+module path segment named `self` (Hugging Face BERT's `attention.self`)
+is an ordinary name: callers step module path segments with `plain=True`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ States = frozenset[int]
 
 
 def is_glob(segment: str) -> bool:
-    """Whether a pattern segment is a wildcard (``*``, ``?``, ``[...]``, ``**``)."""
+    """Whether a pattern segment is a wildcard (`*`, `?`, `[...]`, `**`)."""
     return not GLOB_CHARS.isdisjoint(segment)
 
 
@@ -51,13 +53,14 @@ def is_glob(segment: str) -> bool:
 class Pattern:
     """A parsed pattern.
 
-    Example::
-
+    Example:
+        ```python
         >>> p = parse("layers.*.attn.forward.scores@every")
         >>> p.segments, p.when
         (('layers', '*', 'attn', 'forward', 'scores'), 'every')
         >>> p.matches("layers.3.attn.forward.scores".split("."))
         True
+        ```
     """
 
     text: str
@@ -83,10 +86,10 @@ class Pattern:
         return frozenset(out)
 
     def step(self, states: States, segment: str, *, plain: bool = False) -> States:
-        """The states after consuming ``segment`` (empty when the pattern cannot match).
+        """The states after consuming `segment` (empty when the pattern cannot match).
 
-        A segment reading ``self`` is matched only by a literal ``self``,
-        unless ``plain`` says it is an ordinary name (a module path segment).
+        A segment reading `self` is matched only by a literal `self`,
+        unless `plain` says it is an ordinary name (a module path segment).
         """
         nxt: set[int] = set()
         is_self = segment == "self" and not plain
@@ -101,7 +104,7 @@ class Pattern:
         return self._closure(frozenset(nxt)) if nxt else frozenset()
 
     def _matches_at(self, i: int, segment: str, is_self: bool) -> bool:
-        """Whether the (non-``**``) pattern segment ``i`` matches ``segment``."""
+        """Whether the (non-`**`) pattern segment `i` matches `segment`."""
         regex = self._regexes[i]
         if regex is None:
             return self.segments[i] == segment
@@ -124,10 +127,10 @@ class Pattern:
         }
 
     def explicit(self, states: States, segment: str) -> bool:
-        """Whether a segment other than ``**`` can consume ``segment`` from ``states``.
+        """Whether a segment other than `**` can consume `segment` from `states`.
 
-        ``False`` means that only a ``**`` would swallow it: the pattern names
-        something further down, not ``segment`` itself.
+        `False` means that only a `**` would swallow it: the pattern names
+        something further down, not `segment` itself.
         """
         is_self = segment == "self"
         return any(
@@ -138,10 +141,10 @@ class Pattern:
         )
 
     def matches(self, segments: list[str] | tuple[str, ...], *, plain: int = 0) -> bool:
-        """Whether the whole sequence ``segments`` matches.
+        """Whether the whole sequence `segments` matches.
 
-        The first ``plain`` segments are ordinary names (a module path), so
-        wildcards match them even where one reads ``self``.
+        The first `plain` segments are ordinary names (a module path), so
+        wildcards match them even where one reads `self`.
         """
         states = self.start
         for position, segment in enumerate(segments):
@@ -152,12 +155,13 @@ class Pattern:
 
 
 def parse(text: str) -> Pattern:
-    """Parse a pattern, raising ``ValueError`` that quotes it when it is malformed.
+    """Parse a pattern, raising `ValueError` that quotes it when it is malformed.
 
-    Example::
-
+    Example:
+        ```python
         >>> parse("encoder.1").segments
         ('encoder', '1')
+        ```
     """
     if not isinstance(text, str):
         raise TypeError(f"a pattern must be a str, not {type(text).__name__}: {text!r}")

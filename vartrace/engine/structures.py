@@ -2,31 +2,32 @@
 
 A captured value is either a *container* — a mapping, list, tuple,
 namedtuple, dataclass, or a type registered with
-:func:`register_container` (the torch edge registers ``nn.Module``, whose
+`register_container` (the torch edge registers `nn.Module`, whose
 children are its parameters, buffers and submodules) — or a *leaf*.  A
-container is split into leaf sites named by its keys (``forward.0``,
-``forward.logits``).  Keys are matched one segment at a time against the
-rest of a :class:`~vartrace.engine.paths.Pattern`.
+container is split into leaf sites named by its keys (`forward.0`,
+`forward.logits`).  Keys are matched one segment at a time against the
+rest of a `Pattern`.
 
-Plain attributes of non-container objects (``forward.self.step_count``)
+Plain attributes of non-container objects (`forward.self.step_count`)
 are reachable by writing their name literally; wildcards only expand over
 container keys.
 
-A structure that refers to itself (a ring of dicts linked by ``prev`` and
-``next``) is walked once: the reference back to a container being walked
-is an :class:`Unstored` leaf naming it, with a warning.  A container
+A structure that refers to itself (a ring of dicts linked by `prev` and
+`next`) is walked once: the reference back to a container being walked
+is an [`Unstored`][vartrace.Unstored] leaf naming it, with a warning.  A container
 reached again along another path (shared, not cyclic) is walked again,
-as long as the walk has entered fewer than ``_MAX_NODES`` containers; past
-that, it is an :class:`Unstored` leaf naming where it was walked, so that
+as long as the walk has entered fewer than `_MAX_NODES` containers; past
+that, it is an [`Unstored`][vartrace.Unstored] leaf naming where it was walked, so that
 deeply shared structures cost what they hold, not 2**depth.
 
-Example::
-
+Example:
+    ```python
     >>> from vartrace.engine.paths import parse
     >>> p = parse("out.*.b")
     >>> states = p.step(p.start, "out")
     >>> sorted(select({"x": {"b": 1}, "y": {"b": 2, "c": 3}}, p, states, "f.out"))
     [('f.out.x.b', 1), ('f.out.y.b', 2)]
+    ```
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ _registered: dict[type, Children] = {}
 # type -> how to list its children, or None for leaves; filled lazily per type.
 _kind_cache: dict[type, Children | None] = {}
 leaf_types: set[type] = set()
-"""The types :func:`children` has found to be leaves so far (a type not in it may be one too).
+"""The types `children` has found to be leaves so far (a type not in it may be one too).
 
 A membership test is cheaper than a call where every microsecond counts (a
 captured tensor, on every traced call)."""
@@ -64,9 +65,9 @@ _warned_markers: set[str] = set()
 class _Walk:
     """One walk over a captured value: the containers on the current path, and those seen.
 
-    ``ancestors`` holds a key per container being walked (its id, with the
-    pattern's state when selecting); ``first`` the site where each container
-    was first walked; ``nodes`` counts the containers entered.
+    `ancestors` holds a key per container being walked (its id, with the
+    pattern's state when selecting); `first` the site where each container
+    was first walked; `nodes` counts the containers entered.
     """
 
     __slots__ = ("ancestors", "first", "nodes", "root")
@@ -78,7 +79,7 @@ class _Walk:
         self.nodes = 0
 
     def enter(self, value: Any, key: tuple[int, States | None], path: str) -> Unstored | None:
-        """Start walking the container ``value`` at ``path``; or the marker to record instead."""
+        """Start walking the container `value` at `path`; or the marker to record instead."""
         self.nodes += 1
         first = self.first.setdefault(key[0], path)
         if key in self.ancestors:
@@ -103,11 +104,13 @@ class _Walk:
 
 
 def register_container(cls: type, children_of: Children) -> None:
-    """Treat instances of ``cls`` (and subclasses) as containers.
+    """Treat instances of `cls` (and subclasses) as containers.
 
-    ``children_of(obj)`` yields ``(key, child)`` pairs.  Example::
+    `children_of(obj)` yields `(key, child)` pairs.  Example:
 
-        register_container(nn.Module, lambda m: m._parameters.items())
+    ```python
+    register_container(nn.Module, lambda m: m._parameters.items())
+    ```
     """
     _registered[cls] = children_of
     _kind_cache.clear()
@@ -121,9 +124,9 @@ def _escape_key(key: str) -> str:
 def _key_names(keys: list[Any]) -> list[str]:
     """Unambiguous site segments for the keys of one mapping.
 
-    A dot in a key is escaped (``"a.b"`` -> ``a\\.b``), so that it never reads
+    A dot in a key is escaped (`"a.b"` -> `a\\.b`), so that it never reads
     as two levels; a non-str key named like a str key of the same mapping
-    gets its type as a prefix (``{1: a, "1": b}`` -> ``int:1`` and ``1``).
+    gets its type as a prefix (`{1: a, "1": b}` -> `int:1` and `1`).
     """
     names = [_escape_key(k if type(k) is str else str(k)) for k in keys]
     taken = {name for key, name in zip(keys, names, strict=True) if type(key) is str}
@@ -170,7 +173,7 @@ def _classify(cls: type) -> Children | None:
 
 
 def children(value: Any) -> Iterable[tuple[str, Any]] | None:
-    """The ``(key, child)`` pairs of a container, or ``None`` for a leaf."""
+    """The `(key, child)` pairs of a container, or `None` for a leaf."""
     cls = type(value)
     try:
         kind = _kind_cache[cls]
@@ -184,7 +187,7 @@ def children(value: Any) -> Iterable[tuple[str, Any]] | None:
 def leaves(
     value: Any, path: str, _depth: int = 0, _walk: _Walk | None = None
 ) -> Iterator[tuple[str, Any]]:
-    """Yield ``(site, leaf)`` for every leaf below ``value``, named from ``path``."""
+    """Yield `(site, leaf)` for every leaf below `value`, named from `path`."""
     kids = children(value) if _depth < _MAX_DEPTH else None
     if kids is None:
         yield path, value
@@ -205,7 +208,7 @@ def _join(path: str, key: str) -> str:
 
 
 def _attribute(value: Any, name: str) -> Any:
-    """A plain, non-callable attribute of ``value``, or raise AttributeError."""
+    """A plain, non-callable attribute of `value`, or raise AttributeError."""
     attr = getattr(value, name)
     if callable(attr) and children(attr) is None:
         raise AttributeError(name)
@@ -220,10 +223,10 @@ def select(
     _depth: int = 0,
     _walk: _Walk | None = None,
 ) -> Iterator[tuple[str, Any]]:
-    """Yield ``(site, leaf)`` for the parts of ``value`` the rest of ``pattern`` selects.
+    """Yield `(site, leaf)` for the parts of `value` the rest of `pattern` selects.
 
-    ``states`` is the pattern's state after the segments that led to
-    ``value`` (named ``path``).  A node that completes the pattern
+    `states` is the pattern's state after the segments that led to
+    `value` (named `path`).  A node that completes the pattern
     contributes all its leaves.  Going round a cycle back to a container
     in the same pattern state selects nothing new: the walk stops there.
     """

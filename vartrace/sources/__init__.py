@@ -1,24 +1,25 @@
 """Uniform views of runs (files or memory) for analysis: the package behind compare and plot.
 
 A run reaches the analysis side in several forms: an HDF5 file (a path, a
-glob of shards, or an open :class:`~vartrace.storage.reader.Run`), a
-:class:`~vartrace.tracer.ModelTracer`, or ``tracer.results`` (any mapping of
-site name -> :class:`~vartrace.trace.Trace`).  :func:`open_source` wraps each
-in a :class:`Source` whose sites are :class:`SiteView` objects with numpy
-tags and block reads, which :mod:`vartrace.comparison` and :mod:`vartrace.plot`
+glob of shards, or an open [`Run`][vartrace.Run]), a
+[`ModelTracer`][vartrace.ModelTracer], or `tracer.results` (any mapping of
+site name -> [`Trace`][vartrace.Trace]).  `open_source` wraps each
+in a `Source` whose sites are `SiteView` objects with numpy
+tags and block reads, which `vartrace.comparison` and `vartrace.plot`
 build on.  One concept per module, data flowing one way:
 
-- :mod:`~vartrace.sources.statistics`: named statistics and numeric views of values;
-- :mod:`~vartrace.sources.frames`: DataFrames of in-memory results;
-- :mod:`~vartrace.sources.buffers`: reusable read buffers;
-- :mod:`~vartrace.sources.chunk_maps`: memory-mapped HDF5 chunks;
-- :mod:`~vartrace.sources.views`: site views (memory, file) and per-record statistics;
-- :mod:`~vartrace.sources.source`: a whole run as a :class:`Source`.
+- `statistics`: named statistics and numeric views of values;
+- `frames`: DataFrames of in-memory results;
+- `buffers`: reusable read buffers;
+- `chunk_maps`: memory-mapped HDF5 chunks;
+- `views`: site views (memory, file) and per-record statistics;
+- `source`: a whole run as a `Source`.
 
-Example::
-
+Example:
+    ```python
     with open_source("run.h5") as run:
         stds = record_stats(run.site("layers.0.out"), "std")["std"]
+    ```
 """
 
 from vartrace.sources.buffers import BufferPool

@@ -16,12 +16,13 @@ class BufferPool:
     into new arrays can take longer than the read itself.  A pool hands out
     arrays carved from buffers that earlier blocks gave back.  Thread-safe.
 
-    Example::
-
+    Example:
+        ```python
         pool = BufferPool()
         block = view.read(rows, shape, pool)
         ...
         pool.give(block)
+        ```
     """
 
     def __init__(self) -> None:
@@ -30,7 +31,7 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """An uninitialised array of ``shape`` and ``dtype``, from a free buffer when one fits."""
+        """An uninitialised array of `shape` and `dtype`, from a free buffer when one fits."""
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         buffer = None
         with self._lock:
@@ -45,7 +46,7 @@ class BufferPool:
         return array
 
     def give(self, array: np.ndarray) -> None:
-        """Return an array from :meth:`take` (anything else is ignored)."""
+        """Return an array from `take` (anything else is ignored)."""
         with self._lock:
             buffer = self._lent.pop(id(array), None)
             if buffer is not None:

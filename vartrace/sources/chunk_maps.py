@@ -43,7 +43,7 @@ class ChunkMap:
         self._rows = np.diff(np.append(starts, len(first_rows))) * chunk_rows
 
     def groups(self, rows: np.ndarray) -> list[tuple[int, np.ndarray]] | None:
-        """Runs of consecutive ``rows`` within a segment, as views; ``None`` if one is unwritten."""
+        """Runs of consecutive `rows` within a segment, as views; `None` if one is unwritten."""
         if len(rows) == 0:
             return []
         index = np.searchsorted(self._first_rows, rows, side="right") - 1
@@ -68,13 +68,14 @@ class FileMaps:
     buffer; a view of a memory map reads the page cache in place, so a pass
     over gigabytes costs one traversal instead of two.  Only datasets that
     are chunked with whole records per chunk, unfiltered, in native byte
-    order, in a file of the default (``sec2``) driver qualify; everything
-    else returns ``None`` and is read through HDF5.
+    order, in a file of the default (`sec2`) driver qualify; everything
+    else returns `None` and is read through HDF5.
 
-    Example::
-
+    Example:
+        ```python
         maps = FileMaps()
         chunks = maps.chunk_map(run["layers.0.out"].values)
+        ```
     """
 
     def __init__(self) -> None:
@@ -82,7 +83,7 @@ class FileMaps:
         self._lock = threading.Lock()
 
     def _file(self, dataset: h5py.Dataset) -> mmap.mmap | None:
-        """A map of the file holding ``dataset``; ``None`` unless it is a plain (sec2) file."""
+        """A map of the file holding `dataset`; `None` unless it is a plain (sec2) file."""
         filename = h5py.h5f.get_name(dataset.id)  # cheaper than dataset.file
         with self._lock:
             if filename not in self._maps:
@@ -95,7 +96,7 @@ class FileMaps:
             return self._maps[filename]
 
     def chunk_map(self, dataset: Any) -> ChunkMap | None:
-        """Views of ``dataset``'s records, or ``None`` when it does not qualify."""
+        """Views of `dataset`'s records, or `None` when it does not qualify."""
         if not isinstance(dataset, h5py.Dataset) or dataset.ndim == 0:
             return None
         layout = dataset.id.get_create_plist()

@@ -1,15 +1,16 @@
-"""DataFrames of in-memory results: :func:`results_frame` (``tracer.results.to_frame()``).
+"""DataFrames of in-memory results: `results_frame` (`tracer.results.to_frame()`).
 
-It gives the same table that ``vartrace.open(path).to_frame()`` gives for a
+It gives the same table that `vartrace.open(path).to_frame()` gives for a
 file: one row per record with its site, iteration, rank, capture order,
 shape, dtype and a statistic of its value (Graphcore tensor_tracker style).
 
-Example::
-
+Example:
+    ```python
     with ModelTracer(model, ["**.forward"]) as tracer:
         model(x)
     df = tracer.results.to_frame(stat="std")
     df.groupby("site")["std"].mean()
+    ```
 """
 
 from __future__ import annotations
@@ -41,17 +42,18 @@ def results_frame(
 ) -> Any:
     """A pandas DataFrame of in-memory results: one row per record.
 
-    ``results`` is ``tracer.results`` (or a :class:`~vartrace.tracer.ModelTracer`,
-    or any mapping of site name -> :class:`~vartrace.trace.Trace`).  Columns:
-    ``site``, ``iteration``, ``rank``, ``order``, ``shape`` (a tuple; ``()``
-    for non-array values), ``dtype`` and one column named after ``stat``
-    (a name from :data:`STATS`, float64, NaN for non-numeric values; or a
-    function called with each record's value, as ``Run.to_frame`` does).
+    `results` is `tracer.results` (or a [`ModelTracer`][vartrace.ModelTracer],
+    or any mapping of site name -> [`Trace`][vartrace.Trace]).  Columns:
+    `site`, `iteration`, `rank`, `order`, `shape` (a tuple; `()`
+    for non-array values), `dtype` and one column named after `stat`
+    (a name from `STATS`, float64, NaN for non-numeric values; or a
+    function called with each record's value, as `Run.to_frame` does).
 
-    Example::
-
+    Example:
+        ```python
         df = results_frame(tracer.results, stat="absmax")
         df.pivot_table(index="iteration", columns="site", values="absmax")
+        ```
     """
     try:
         import pandas as pd

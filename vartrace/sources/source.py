@@ -1,4 +1,4 @@
-"""A run in any form (file, glob of shards, open run, tracer, results) as one :class:`Source`."""
+"""A run in any form (file, glob of shards, open run, tracer, results) as one `Source`."""
 
 from __future__ import annotations
 
@@ -13,17 +13,18 @@ __all__ = ["Source", "open_source"]
 
 
 class Source:
-    """A run in any form: its site names and a :class:`SiteView` per site.
+    """A run in any form: its site names and a `SiteView` per site.
 
-    A source opened from a path closes its file on :meth:`close` (or when
+    A source opened from a path closes its file on `close` (or when
     used as a context manager); one wrapping an object the caller opened
     leaves it open.
 
-    Example::
-
+    Example:
+        ```python
         with open_source("run.h5") as run:
             for name in run.names:
                 print(name, len(run.site(name).iterations))
+        ```
     """
 
     def __init__(
@@ -40,7 +41,7 @@ class Source:
         self._known = set(self.names)
 
     def site(self, name: str) -> SiteView:
-        """The view of site ``name``; ``KeyError`` naming the run when it has no such site."""
+        """The view of site `name`; `KeyError` naming the run when it has no such site."""
         if name not in self._known:
             raise KeyError(f"{self.label} has no site {name!r}")
         return self._view(name)
@@ -62,12 +63,13 @@ class Source:
 
 
 def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
-    """Wrap a path/glob, an open run, a ModelTracer or a mapping name -> Trace as a :class:`Source`.
+    """Wrap a path/glob, an open run, a ModelTracer or a mapping name -> Trace as a `Source`.
 
-    Example::
-
+    Example:
+        ```python
         with open_source(tracer) as run:
             view = run.site("forward")
+        ```
     """
     if isinstance(source, Source):
         return Source(source.names, source.site, source.label)

@@ -1,9 +1,10 @@
 """Statistics of record values: the named reducers and the numeric view of one value.
 
-Example::
-
+Example:
+    ```python
     stat_function("std")(np.ones((2, 3)))      # array([0., 0.]): one float per record
     value_as_array(torch.ones(2, dtype=torch.bfloat16)).dtype   # float32
+    ```
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class _Finite:
 
     Every statistic is taken over the finite values; a block without NaN or
     infinities (the usual case) skips the masking.  Intermediate results are
-    kept, so that :func:`summarize` computes each once.
+    kept, so that `summarize` computes each once.
     """
 
     def __init__(self, block: np.ndarray) -> None:
@@ -145,11 +146,12 @@ STATS: dict[str, Callable[[np.ndarray], np.ndarray]] = {name: _statistic(name) f
 
 
 def summarize(block: np.ndarray, names: Sequence[str]) -> dict[str, np.ndarray]:
-    """Several :data:`STATS` of a (records, elements) float64 block, sharing the work.
+    """Several `STATS` of a (records, elements) float64 block, sharing the work.
 
-    Example::
-
+    Example:
+        ```python
         summarize(np.array([[1.0, np.nan, 3.0]]), ["mean", "nan"])   # mean 2, nan 1
+        ```
     """
     with np.errstate(all="ignore"):
         finite = _Finite(block)
@@ -164,11 +166,12 @@ SUMMARY_FIELDS = ("count", "mean", "std", "min", "max", "absmax", "norm", *COUNT
 
 
 def stat_function(stat: str) -> Callable[[np.ndarray], np.ndarray]:
-    """The vectorised reducer of a statistic name from :data:`STATS`.
+    """The vectorised reducer of a statistic name from `STATS`.
 
-    Example::
-
+    Example:
+        ```python
         stat_function("std")(np.ones((2, 3)))   # array([0., 0.])
+        ```
     """
     if stat not in STATS:
         raise ValueError(f"unknown statistic {stat!r}; choose one of {', '.join(STATS)}")
@@ -178,9 +181,10 @@ def stat_function(stat: str) -> Callable[[np.ndarray], np.ndarray]:
 def reduce_block(fn: Callable[[np.ndarray], Any], block: np.ndarray) -> np.ndarray:
     """Apply a statistic to a (k, *shape) numeric block: float64, magnitudes for complex.
 
-    Example::
-
+    Example:
+        ```python
         reduce_block(STATS["max"], np.array([[1.0, -np.inf, 3.0]]))   # array([3.])
+        ```
     """
     k = block.shape[0]
     with np.errstate(all="ignore"):
@@ -193,24 +197,26 @@ def _float_rows(block: np.ndarray) -> np.ndarray:
 
 
 def summarize_block(block: np.ndarray, names: Sequence[str]) -> dict[str, np.ndarray]:
-    """:func:`summarize` of a (k, *shape) numeric block, as :func:`reduce_block` takes it.
+    """`summarize` of a (k, *shape) numeric block, as `reduce_block` takes it.
 
-    Example::
-
+    Example:
+        ```python
         summarize_block(np.ones((2, 3), np.float32), ["mean", "zeros"])["mean"]   # [1., 1.]
+        ```
     """
     return summarize(_float_rows(block), names)
 
 
 def value_as_array(value: Any) -> np.ndarray | None:
-    """A numpy view of a numeric record value, or ``None`` for anything else.
+    """A numpy view of a numeric record value, or `None` for anything else.
 
     Tensors are detached and moved to the CPU; bfloat16 and float8 become
     float32 (exactly).  Python and numpy scalars become 0-d arrays.
 
-    Example::
-
+    Example:
+        ```python
         value_as_array(torch.ones(2, dtype=torch.bfloat16)).dtype   # float32
+        ```
     """
     if _statistics(value) is not None:
         return None  # a statistics record is not an array of values: see statistic_of
@@ -236,15 +242,16 @@ def value_as_array(value: Any) -> np.ndarray | None:
 
 
 def value_dtype_name(value: Any) -> str:
-    """The dtype of a record value, named as ``Run.to_frame`` names it.
+    """The dtype of a record value, named as `Run.to_frame` names it.
 
-    Tensors and numpy values give their dtype (``"float32"``, ``"bfloat16"``);
-    Python scalars their type (``"int"``, ``"float"``); ``"str"``, ``"bytes"``,
-    ``"none"``; any other object ``"pickle"`` (how a file stores it).
+    Tensors and numpy values give their dtype (`"float32"`, `"bfloat16"`);
+    Python scalars their type (`"int"`, `"float"`); `"str"`, `"bytes"`,
+    `"none"`; any other object `"pickle"` (how a file stores it).
 
-    Example::
-
+    Example:
+        ```python
         value_dtype_name(torch.zeros(1))   # "float32"
+        ```
     """
     if _statistics(value) is not None:
         return "statistics"
@@ -261,7 +268,7 @@ def value_dtype_name(value: Any) -> str:
 
 
 def _statistics(value: Any) -> Any:
-    """``value`` as a :class:`vartrace.Statistics` when it is a statistics record, else ``None``."""
+    """`value` as a `vartrace.Statistics` when it is a statistics record, else `None`."""
     if not isinstance(value, (np.ndarray, Mapping)) and "torch" not in sys.modules:
         return None
     from vartrace.stat_records import as_statistics
@@ -270,14 +277,15 @@ def _statistics(value: Any) -> Any:
 
 
 def statistic_of(value: Any, stat: str) -> float:
-    """One statistic (a :data:`STATS` name, or a field of a statistics record) of one record.
+    """One statistic (a `STATS` name, or a field of a statistics record) of one record.
 
-    A statistics record (:func:`vartrace.stats`) gives its stored field, a numeric
-    value is reduced by :data:`STATS`, anything else gives NaN.
+    A statistics record ([`vartrace.stats`][vartrace.stats]) gives its stored field, a numeric
+    value is reduced by `STATS`, anything else gives NaN.
 
-    Example::
-
+    Example:
+        ```python
         statistic_of(np.array([1.0, -np.inf]), "neginf")   # 1.0
+        ```
     """
     statistics = _statistics(value)
     if statistics is not None:

@@ -1,7 +1,7 @@
 """Site views: one site of a run, in memory or in a file, seen uniformly.
 
-:class:`SiteView` gives numpy tags and block reads whatever the run's form;
-:func:`numeric_groups` and :func:`record_stats` work on any view.
+`SiteView` gives numpy tags and block reads whatever the run's form;
+`numeric_groups` and `record_stats` work on any view.
 """
 
 from __future__ import annotations
@@ -40,17 +40,18 @@ __all__ = [
 class SiteView:
     """One site of a run, seen uniformly whatever the run's form.
 
-    Tags are 1-D int64 numpy arrays.  ``shapes[i]`` is record ``i``'s true
-    shape, or ``None`` when the record is not numeric (str, bytes, None, an
-    opaque object); ``dtypes[i]`` names its dtype.  :meth:`read` returns
-    numeric records stacked with an exact shape, :meth:`objects` returns the
+    Tags are 1-D int64 numpy arrays.  `shapes[i]` is record `i`'s true
+    shape, or `None` when the record is not numeric (str, bytes, None, an
+    opaque object); `dtypes[i]` names its dtype.  `read` returns
+    numeric records stacked with an exact shape, `objects` returns the
     values of non-numeric ones.
 
-    Example::
-
+    Example:
+        ```python
         with open_source("run.h5") as run:
             view = run.site("loss")
             block = view.read(np.arange(len(view.iterations)), view.shapes[0])
+        ```
     """
 
     name: str
@@ -63,25 +64,25 @@ class SiteView:
     def read(
         self, rows: np.ndarray, shape: tuple[int, ...], pool: BufferPool | None = None
     ) -> np.ndarray:
-        """Records ``rows`` (in any order, all of true shape ``shape``) as one array.
+        """Records `rows` (in any order, all of true shape `shape`) as one array.
 
-        With a ``pool``, the array may be one of its buffers: hand it back with
-        ``pool.give(array)`` once done (arrays not from the pool are ignored there).
+        With a `pool`, the array may be one of its buffers: hand it back with
+        `pool.give(array)` once done (arrays not from the pool are ignored there).
         """
         raise NotImplementedError
 
     def objects(self, rows: np.ndarray) -> list[Any]:
-        """The values of the non-numeric records ``rows``."""
+        """The values of the non-numeric records `rows`."""
         raise NotImplementedError
 
     def views(
         self, rows: np.ndarray, shape: tuple[int, ...]
     ) -> list[tuple[int, np.ndarray]] | None:
-        """Records ``rows`` as zero-copy arrays of consecutive records, or ``None``.
+        """Records `rows` as zero-copy arrays of consecutive records, or `None`.
 
-        Each entry is ``(position in rows, array of the next len(array) records)``.
+        Each entry is `(position in rows, array of the next len(array) records)`.
         Only records stored uncompressed in a file, at full padded shape, can
-        be viewed this way (see :class:`FileMaps`); the rest is :meth:`read`.
+        be viewed this way (see `FileMaps`); the rest is `read`.
         """
         return None
 
@@ -100,7 +101,7 @@ def _crop(block: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 class MemorySiteView(SiteView):
-    """A :class:`~vartrace.trace.Trace` held in memory (list or stacked values)."""
+    """A [`Trace`][vartrace.Trace] held in memory (list or stacked values)."""
 
     def __init__(self, name: str, trace: Trace) -> None:
         self.name = name
@@ -164,9 +165,9 @@ _NUMERIC_KINDS = frozenset({"tensor", "ndarray", "numpy scalar", "int", "float",
 
 
 class FileSiteView(SiteView):
-    """A site of an open run read from HDF5 (``run[name]``).
+    """A site of an open run read from HDF5 (`run[name]`).
 
-    Records stored in the site's numeric ``values`` dataset are read in
+    Records stored in the site's numeric `values` dataset are read in
     blocks (raw-bit dtypes such as bfloat16 decoded exactly to float32);
     the others (None, str, blobs, records of another dtype) one by one.
     """
@@ -248,7 +249,7 @@ class FileSiteView(SiteView):
         return out
 
     def _statistics(self, rows: np.ndarray) -> list[Any]:
-        """Records of a statistics site: its compound ``values`` read in one go."""
+        """Records of a statistics site: its compound `values` read in one go."""
         from vartrace.stat_records import Statistics
         from vartrace.storage.reader import all_values
 
@@ -287,12 +288,13 @@ def _numeric_dtype_name(name: str) -> bool:
 def numeric_groups(
     view: SiteView, rows: np.ndarray | None = None
 ) -> dict[tuple[int, ...], np.ndarray]:
-    """Numeric record indices of ``view`` (or of ``rows``) grouped by true shape, ascending.
+    """Numeric record indices of `view` (or of `rows`) grouped by true shape, ascending.
 
-    Example::
-
+    Example:
+        ```python
         for shape, rows in numeric_groups(view).items():
             block = view.read(rows, shape)
+        ```
     """
     candidates = range(len(view.iterations)) if rows is None else rows
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -308,26 +310,27 @@ STATISTICS = "statistics"
 
 
 def _field_name(name: str) -> bool:
-    """Whether ``name`` is a field only statistics records have (a quantile, a histogram bin)."""
+    """Whether `name` is a field only statistics records have (a quantile, a histogram bin)."""
     return name.startswith(("q", "log2|x|"))
 
 
 def record_stats(
     view: SiteView, stats: str | Sequence[str] = "mean", *, progress: bool = False
 ) -> dict[str, np.ndarray]:
-    """Statistics (:data:`STATS` names) of every record of a site, in one pass over the data.
+    """Statistics (`STATS` names) of every record of a site, in one pass over the data.
 
     Returns name -> one float per record (NaN for non-numeric records).
-    Statistics records (:func:`vartrace.stats`) give their stored fields, which
-    include those only they have (``q0.5``, ``log2|x|=3``).  Numeric records are
-    read in large blocks (or viewed in place, see :class:`FileMaps`) and reduced
-    vectorised; ``progress`` shows a tqdm bar on stderr when that takes more
+    Statistics records ([`vartrace.stats`][vartrace.stats]) give their stored fields, which
+    include those only they have (`q0.5`, `log2|x|=3`).  Numeric records are
+    read in large blocks (or viewed in place, see `FileMaps`) and reduced
+    vectorised; `progress` shows a tqdm bar on stderr when that takes more
     than a second.
 
-    Example::
-
+    Example:
+        ```python
         with open_source("run.h5") as run:
             stds = record_stats(run.site("layers.0.out"), "std")["std"]
+        ```
     """
     from tqdm.auto import tqdm
 

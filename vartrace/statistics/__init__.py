@@ -1,9 +1,10 @@
-"""Statistics mode's computations: the fused summary of a record (:mod:`.kernels`).
+"""Statistics mode's computations: the fused summary of a record (`.kernels`).
 
-Example::
-
+Example:
+    ```python
     from vartrace.statistics import summary
     summary(torch.randn(1000))   # the 11 float64 fields of SUMMARY_FIELDS
+    ```
 """
 
 from vartrace.statistics.kernels import summarize_values, summary

@@ -1,19 +1,20 @@
 """The statistics row of one tensor on a CUDA device: two Triton kernels, one read of it.
 
-:func:`summary` launches :func:`_partials` (one program per span of the tensor: its
-values upcast to float64 in registers; per tile of :data:`_BLOCK` a two-pass ``(n, mean,
+`summary` launches `_partials` (one program per span of the tensor: its
+values upcast to float64 in registers; per tile of `_BLOCK` a two-pass ``(n, mean,
 M2)``, merged by Chan's formula with the means taken relative to the record's first value,
 so a large mean with a tiny spread keeps its digits; min, max and the NaN, +inf, -inf and
-zero counts) and :func:`_finish` (one program: the spans' partials merged into the 11
-fields of :data:`~vartrace.sources.statistics.SUMMARY_FIELDS`).  No float64 copy of the
-input is made; the device holds 10 float64 per span (at most :data:`_SPANS` spans).
+zero counts) and `_finish` (one program: the spans' partials merged into the 11
+fields of `SUMMARY_FIELDS`).  No float64 copy of the
+input is made; the device holds 10 float64 per span (at most `_SPANS` spans).
 
-Importing this module needs ``triton``.  With ``TRITON_INTERPRET=1`` set before the import
+Importing this module needs `triton`.  With `TRITON_INTERPRET=1` set before the import
 the kernels run on CPU tensors in Triton's interpreter (how the tests check them).
 
-Example::
-
+Example:
+    ```python
     row = summary(torch.randn(4096, device="cuda"))   # 11 float64 on the device
+    ```
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ DTYPES = frozenset(
 
 @triton.jit
 def _load(x_ptr, table_ptr, offsets, inside, DECODE: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Values at ``offsets`` as float64 (1-byte floats decoded by their table)."""
+    """Values at `offsets` as float64 (1-byte floats decoded by their table)."""
     raw = tl.load(x_ptr + offsets, mask=inside, other=0)
     if DECODE:
         return tl.load(table_ptr + raw.to(tl.int32), mask=inside, other=0.0)
@@ -64,7 +65,7 @@ def _load(x_ptr, table_ptr, offsets, inside, DECODE: tl.constexpr):  # type: ign
 def _partials(  # type: ignore[no-untyped-def]
     x_ptr, table_ptr, part_ptr, size, tiles, BLOCK: tl.constexpr, DECODE: tl.constexpr
 ):
-    """Program ``p`` reduces tiles ``p * tiles ...`` of the flat input into 10 float64: count,
+    """Program `p` reduces tiles `p * tiles ...` of the flat input into 10 float64: count,
     sum, M2 and mean minus the shift (the first value when finite) of its finite values,
     min, max, and its NaN, +inf, -inf and zero counts."""
     first = _load(x_ptr, table_ptr, tl.arange(0, 1), tl.arange(0, 1) < size, DECODE)
@@ -121,7 +122,7 @@ def _partials(  # type: ignore[no-untyped-def]
 @triton.jit(do_not_specialize=["size"])  # a size of 1 would become a constant: no .to()
 def _finish(part_ptr, out_ptr, spans, size, header, TILE: tl.constexpr, FIRST: tl.constexpr):  # type: ignore[no-untyped-def]
     """One program: the spans' partials merged into the 11 summary fields, written from
-    ``out_ptr + FIRST`` (``header`` at ``out_ptr`` when FIRST is 1).  A tile of partials:
+    `out_ptr + FIRST` (`header` at `out_ptr` when FIRST is 1).  A tile of partials:
     M2 is theirs plus n (mean - tile mean)^2 (two passes, in registers); tiles then merge
     by Chan's formula."""
     n = tl.zeros([], tl.float64)
@@ -179,7 +180,7 @@ _tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The 256 values of a 1-byte float dtype as float64 on ``device`` (made once)."""
+    """The 256 values of a 1-byte float dtype as float64 on `device` (made once)."""
     table = _tables.get((dtype, device))
     if table is None:
         codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -189,8 +190,8 @@ def _table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def summary(x: torch.Tensor, header: float | None = None) -> torch.Tensor:
-    """The 11 float64 :data:`~vartrace.sources.statistics.SUMMARY_FIELDS` of ``x`` (real:
-    a dtype of :data:`DTYPES` or a 1-byte float) on its device, ``header`` first when given:
+    """The 11 float64 `SUMMARY_FIELDS` of `x` (real:
+    a dtype of `DTYPES` or a 1-byte float) on its device, `header` first when given:
     two launches."""
     flat = x.reshape(-1)
     size = flat.numel()

@@ -1,27 +1,28 @@
 """The statistics row of one record in one read: a numpy kernel, a torch custom op.
 
-:func:`summarize_values` computes the 11 float64 fields of
-:data:`~vartrace.sources.statistics.SUMMARY_FIELDS` (count, mean, std, min, max,
+`summarize_values` computes the 11 float64 fields of
+`SUMMARY_FIELDS` (count, mean, std, min, max,
 absmax, norm over the finite values; counts of NaN, +inf, -inf and exact zeros) of a
 numpy array without a float64 copy of it: the values are upcast one block of
-:data:`BLOCK` elements at a time into a reused float64 buffer (the cache holds it),
-each block is reduced there, and the blocks' ``(count, mean, M2)`` are merged by Chan,
+`BLOCK` elements at a time into a reused float64 buffer (the cache holds it),
+each block is reduced there, and the blocks' `(count, mean, M2)` are merged by Chan,
 Golub and LeVeque's formula.  Within a block the centred sum of squares is the two-pass
 one; across blocks the means are taken relative to a shift (the first value, when
 finite, refined by the centred values' sum), so a large mean with a tiny spread loses
 no digits.
 
-:func:`summary` is the same row for a tensor, on the tensor's device, as ONE torch op,
-``torch.ops.vartrace.summary`` (a ``torch.library`` op, traceable by its fake kernel):
-on the CPU :func:`summarize_values` on a zero-copy view (bfloat16 widened to float32
+`summary` is the same row for a tensor, on the tensor's device, as ONE torch op,
+`torch.ops.vartrace.summary` (a `torch.library` op, traceable by its fake kernel):
+on the CPU `summarize_values` on a zero-copy view (bfloat16 widened to float32
 bits, float8 decoded by a table of its 256 values), on CUDA two Triton kernels
-(:mod:`vartrace.statistics._triton`), elsewhere the eager torch formulation
-:func:`eager_summary`.  Complex values are reduced by magnitude.
+(`vartrace.statistics._triton`), elsewhere the eager torch formulation
+`eager_summary`.  Complex values are reduced by magnitude.
 
-Example::
-
+Example:
+    ```python
     summarize_values(np.array([1.0, np.nan, 3.0]))[:3]   # count 3, mean 2, std 1
     summary(torch.randn(10, device="cuda"))              # 11 float64 on the device
+    ```
 """
 
 from __future__ import annotations
@@ -56,14 +57,15 @@ Decoder = Callable[[np.ndarray, np.ndarray], None]
 def summarize_values(values: np.ndarray, decode: Decoder | None = None) -> np.ndarray:
     """The 11 float64 summary fields of a real or complex (by magnitude) numeric array.
 
-    ``decode``: ``values`` are the codes of a dtype numpy lacks (bfloat16, float8), turned
-    into float64 by this function (:func:`bfloat16_decoder`, :func:`table_decoder`).
-    Temporaries: one float64 buffer of at most :data:`BLOCK` values, a bool and a code
+    `decode`: `values` are the codes of a dtype numpy lacks (bfloat16, float8), turned
+    into float64 by this function (`bfloat16_decoder`, `table_decoder`).
+    Temporaries: one float64 buffer of at most `BLOCK` values, a bool and a code
     buffer of as many; the array is read once (copied only where it is not dense).
 
-    Example::
-
+    Example:
+        ```python
         summarize_values(np.array([[0.0, -np.inf], [2.0, 4.0]], np.float32))
+        ```
     """
     flat = values.ravel(order="K")
     size = flat.size
@@ -106,7 +108,7 @@ def bfloat16_decoder(codes: np.ndarray, out: np.ndarray) -> None:
 
 
 def table_decoder(table: np.ndarray) -> Decoder:
-    """A decoder of uint8 codes by the float64 ``table`` of their 256 values (float8)."""
+    """A decoder of uint8 codes by the float64 `table` of their 256 values (float8)."""
 
     def decode(codes: np.ndarray, out: np.ndarray) -> None:
         step = 1 << 13  # numpy turns the codes into 8-byte indices: a few at a time
@@ -119,10 +121,10 @@ def table_decoder(table: np.ndarray) -> Decoder:
 def _reduce(
     block: np.ndarray, flags: np.ndarray, shift: float, counted: np.ndarray, refine: bool
 ) -> tuple[float, ...]:
-    """One float64 block (overwritten; ``flags``: a bool buffer as long): finite count, sum,
-    centred sum of squares, mean minus ``shift`` (refined by the centred values' sum when
-    ``refine``: blocks to merge), min, max; adds its NaN, +inf, -inf and zero counts to
-    ``counted``."""
+    """One float64 block (overwritten; `flags`: a bool buffer as long): finite count, sum,
+    centred sum of squares, mean minus `shift` (refined by the centred values' sum when
+    `refine`: blocks to merge), min, max; adds its NaN, +inf, -inf and zero counts to
+    `counted`."""
     total = float(block.sum())  # NaN with a NaN or both infinities, +-inf with one of them
     holes = None
     if math.isfinite(total):
@@ -154,7 +156,7 @@ def _reduce(
 
 def eager_summary(x: Any, header: float | None = None) -> Any:
     """The summary fields of a tensor in eager torch ops on its device (devices without a
-    kernel of :func:`summary`, CUDA without triton): a float64 copy, ~40 ops; ``header``
+    kernel of `summary`, CUDA without triton): a float64 copy, ~40 ops; `header`
     first, when given."""
     import torch
 
@@ -189,7 +191,7 @@ def eager_summary(x: Any, header: float | None = None) -> Any:
 
 
 def _headed(row: np.ndarray, header: float | None) -> np.ndarray:
-    """``row`` with ``header`` before it, when given."""
+    """`row` with `header` before it, when given."""
     if header is None:
         return row
     out = np.empty(len(row) + 1)
@@ -208,7 +210,7 @@ _decoders: dict[Any, Decoder] = {}
 
 
 def cpu_summary(x: Any, header: float | None = None) -> Any:
-    """The op's CPU kernel: :func:`summarize_values` on a view of the tensor's memory.
+    """The op's CPU kernel: `summarize_values` on a view of the tensor's memory.
 
     Called directly on a CPU tensor it is the op without the dispatcher's round trip
     (what a statistics record of a CPU tensor uses).
@@ -263,13 +265,13 @@ _registering = threading.Lock()
 
 
 def summary_op() -> Any:
-    """``torch.ops.vartrace.summary.default``, registered on first use.
+    """`torch.ops.vartrace.summary.default`, registered on first use.
 
-    Registered with ``torch.library.Library`` (a kernel per dispatch key), not
-    ``torch.library.custom_op``, whose Python wrappers cost ~40 us a call against ~1.5 us:
+    Registered with `torch.library.Library` (a kernel per dispatch key), not
+    `torch.library.custom_op`, whose Python wrappers cost ~40 us a call against ~1.5 us:
     a CPU kernel, a CUDA kernel, the eager formulation for every other device
-    (CompositeExplicitAutograd) and a fake kernel (so ``torch.compile`` and FakeTensor
-    trace it).  No autograd formula: records are reduced under ``no_grad``.
+    (CompositeExplicitAutograd) and a fake kernel (so `torch.compile` and FakeTensor
+    trace it).  No autograd formula: records are reduced under `no_grad`.
     """
     global _library, _op
     if _op is None:
@@ -303,12 +305,13 @@ def _fake(x: Any, header: float | None = None) -> Any:
 
 
 def summary(x: Any, header: float | None = None) -> Any:
-    """The 11 float64 :data:`~vartrace.sources.statistics.SUMMARY_FIELDS` of tensor ``x``
-    on its device, by ONE dispatched op (:func:`summary_op`); ``header`` (a statistics
+    """The 11 float64 `SUMMARY_FIELDS` of tensor `x`
+    on its device, by ONE dispatched op (`summary_op`); `header` (a statistics
     record's first element) before them, when given.
 
-    Example::
-
+    Example:
+        ```python
         summary(torch.tensor([1.0, float("nan"), 3.0]))[1]   # mean 2.0
+        ```
     """
     return summary_op()(x, header)

@@ -1,18 +1,19 @@
 """HDF5 storage of traced runs: the streaming writer and the offline reader.
 
-Example::
-
+Example:
+    ```python
     from vartrace.storage import H5PYSaverCallback, open_run
 
     with H5PYSaverCallback("run.h5") as saver:
         ...  # pass saver as a post-gather callback of ModelTracer
     with open_run("run.h5") as run:
         run["forward.x"].get(iteration=1)
+    ```
 
 Files are written in HDF5's SWMR mode, so a killed training process leaves a
-readable file holding every flushed record; :func:`recover` clears the flags
-that make plain ``h5py.File`` refuse such a file.  The layout is described in
-:mod:`vartrace.storage._layout`.  This package imports no torch; tensors are
+readable file holding every flushed record; `recover` clears the flags
+that make plain `h5py.File` refuse such a file.  The layout is described in
+`vartrace.storage._layout`.  This package imports no torch; tensors are
 converted where they are read or written.
 """
 

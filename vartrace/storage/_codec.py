@@ -1,20 +1,20 @@
 """Turning record values into HDF5-storable data and back, exactly.
 
-Every record is encoded as a :class:`Leaf`: a *kind* code (what Python type
+Every record is encoded as a `Leaf`: a *kind* code (what Python type
 comes back on reading) and the data.  Numeric kinds (tensors, numpy arrays
-and scalars, Python ``int``/``float``/``bool``/``complex``) carry a numpy
-array and can share a site's numeric ``values`` dataset; ``str`` carries
-the string; everything else carries bytes.  :func:`to_blob` /
-:func:`from_blob` give every kind a byte form, used when a record does not
-fit its site's ``values`` dataset.
+and scalars, Python `int`/`float`/`bool`/`complex`) carry a numpy
+array and can share a site's numeric `values` dataset; `str` carries
+the string; everything else carries bytes.  `to_blob` /
+`from_blob` give every kind a byte form, used when a record does not
+fit its site's `values` dataset.
 
 Tensors whose dtype numpy lacks (bfloat16, float8, complex32) are stored as
 their raw bit pattern in an unsigned integer of the same width, with the
 torch dtype name alongside, and are viewed back bit-exactly.  Sparse, meta
 (shape and dtype only), quantized and nested tensors are stored in their
-``torch.save`` form and read back with ``torch.load(weights_only=True)``,
+`torch.save` form and read back with `torch.load(weights_only=True)`,
 which rebuilds tensors only (no pickle is run).  Statistics records (made by
-:func:`vartrace.stats`) are stored as one row of a compound dtype, a field per
+[`vartrace.stats`][vartrace.stats]) are stored as one row of a compound dtype, a field per
 statistic.  Python ints outside int64
 are stored in hexadecimal, exact at any size.  torch is imported only when a
 tensor is met.
@@ -50,7 +50,7 @@ __all__ = [
 
 
 class Kind:
-    """Record kind codes, stored per record in the ``kinds`` dataset (uint8)."""
+    """Record kind codes, stored per record in the `kinds` dataset (uint8)."""
 
     NONE = 0
     TENSOR = 1
@@ -71,7 +71,7 @@ class Kind:
 
 
 IN_OTHER = 0x80
-"""Flag or-ed into a stored kind code: the record lives in the ``other`` dataset."""
+"""Flag or-ed into a stored kind code: the record lives in the `other` dataset."""
 
 KIND_NAMES = (
     "none",
@@ -100,7 +100,7 @@ _INT64 = np.iinfo(np.int64)
 
 
 class PickleNotAllowedError(ValueError):
-    """A record holds a pickled object and the run was opened without ``allow_pickle=True``."""
+    """A record holds a pickled object and the run was opened without `allow_pickle=True`."""
 
 
 def unstored(value: Any, error: Exception) -> Leaf:
@@ -111,9 +111,9 @@ def unstored(value: Any, error: Exception) -> Leaf:
 class Leaf(NamedTuple):
     """One encoded record.
 
-    ``data`` is a numpy array for numeric kinds (``torch_dtype`` names the
-    tensor dtype when the array holds raw bits), a ``str`` for strings, and
-    ``bytes`` otherwise.
+    `data` is a numpy array for numeric kinds (`torch_dtype` names the
+    tensor dtype when the array holds raw bits), a `str` for strings, and
+    `bytes` otherwise.
     """
 
     kind: int
@@ -136,10 +136,10 @@ def _npy(array: np.ndarray) -> bytes:
 
 
 def dtype_name(dtype: Any, kind: str) -> str | None:
-    """Normalise a ``float_dtype`` / ``int_dtype`` option to a dtype name (``None`` keeps).
+    """Normalise a `float_dtype` / `int_dtype` option to a dtype name (`None` keeps).
 
-    ``kind`` is ``"f"`` or ``"i"``; ``"bfloat16"`` (or ``torch.bfloat16``) is a
-    valid float name.  Example: ``dtype_name(torch.float16, "f") == "float16"``.
+    `kind` is `"f"` or `"i"`; `"bfloat16"` (or `torch.bfloat16`) is a
+    valid float name.  Example: `dtype_name(torch.float16, "f") == "float16"`.
     """
     if dtype is None:
         return None
@@ -221,14 +221,15 @@ _NUMPY_OF_TORCH = frozenset(
 def encode(value: Any, float_dtype: str | None = None, int_dtype: str | None = None) -> Leaf:
     """Encode one record value.
 
-    ``float_dtype`` / ``int_dtype`` (names from :func:`dtype_name`;
-    ``"bfloat16"`` converts tensors only) convert floating / integer tensors
+    `float_dtype` / `int_dtype` (names from `dtype_name`;
+    `"bfloat16"` converts tensors only) convert floating / integer tensors
     and numpy arrays; Python scalars are always kept exact.
 
-    Example::
-
+    Example:
+        ```python
         leaf = encode(torch.ones(2, dtype=torch.bfloat16))
         leaf.kind == Kind.TENSOR_RAW and leaf.torch_dtype == "bfloat16"
+        ```
     """
     if value is None:
         return Leaf(Kind.NONE, b"")
@@ -259,7 +260,7 @@ def encode(value: Any, float_dtype: str | None = None, int_dtype: str | None = N
 
 
 def _statistics(array: np.ndarray) -> Leaf | None:
-    """The leaf of a statistics record (:func:`vartrace.stats`): a compound row, else ``None``."""
+    """The leaf of a statistics record (`vartrace.stats`): a compound row, else `None`."""
     if array.dtype != np.float64 or array.ndim != 1:
         return None
     from vartrace.stat_records import to_compound
@@ -279,7 +280,7 @@ def to_blob(leaf: Leaf) -> bytes:
 
 
 def from_blob(kind: int, blob: bytes, allow_pickle: bool, where: str) -> Any:
-    """Decode the byte form written by :func:`to_blob`; ``where`` names the record in errors."""
+    """Decode the byte form written by `to_blob`; `where` names the record in errors."""
     if kind == Kind.NONE:
         return None
     if kind == Kind.STR:
@@ -313,7 +314,7 @@ def from_blob(kind: int, blob: bytes, allow_pickle: bool, where: str) -> Any:
 def from_array(kind: int, array: Any, torch_dtype: str = "", where: str = "a record") -> Any:
     """The record value of a numeric kind from its stored array (or numpy scalar).
 
-    ``ValueError`` naming ``where`` for a scalar kind stored with axes (a damaged file).
+    `ValueError` naming `where` for a scalar kind stored with axes (a damaged file).
     """
     array = np.asarray(array)
     if array.ndim and (kind == Kind.NPSCALAR or kind in _PY_TYPES):
@@ -341,8 +342,8 @@ def from_array(kind: int, array: Any, torch_dtype: str = "", where: str = "a rec
 
 
 def raw_dtype(name: str, itemsize: int, where: str) -> Any:
-    """The torch dtype ``name`` whose bits are stored as ``itemsize``-byte integers;
-    ``ValueError`` naming ``where`` if it is none (a damaged file)."""
+    """The torch dtype `name` whose bits are stored as `itemsize`-byte integers;
+    `ValueError` naming `where` if it is none (a damaged file)."""
     import torch
 
     dtype = getattr(torch, name, None) if name.isidentifier() else None
@@ -355,7 +356,7 @@ def raw_dtype(name: str, itemsize: int, where: str) -> Any:
 
 
 def _tensor_globals(torch: Any) -> Any:
-    """Allow ``torch.load(weights_only=True)`` torch's own rebuilders of nested tensors (newer
+    """Allow `torch.load(weights_only=True)` torch's own rebuilders of nested tensors (newer
     torch versions no longer allow them by default); a no-op where torch lacks the API."""
     safe_globals = getattr(torch.serialization, "safe_globals", None)
     if safe_globals is None:

@@ -3,15 +3,16 @@
 Run files travel (sent between users, attached to bug reports), so a reader
 treats each as possibly crafted: data kept in other files (external storage,
 external links, virtual datasets mapping other files) is refused, links are
-never followed, and no read allocates more than :data:`FREE_READ_BYTES` unless
+never followed, and no read allocates more than `FREE_READ_BYTES` unless
 the file really holds that much of the dataset; compressed data counts for at most
-:data:`MAX_COMPRESSION` times the file's size whatever its real compression ratio, so a
+`MAX_COMPRESSION` times the file's size whatever its real compression ratio, so a
 small file of compressed zeros cannot make a reader allocate gigabytes.
 
-Example::
-
+Example:
+    ```python
     values = child(group, "values", h5py.Dataset)   # a hard-linked dataset, data inside
     check_read(values, rows * record_elements)       # before reading that many elements
+    ```
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class RunFileError(ValueError):
     storage, external links, virtual datasets mapping other files), for links and
     structures vartrace never writes, and for reads that a dataset declares larger
     than what the file holds of it (a damaged or crafted file): reading never
-    allocates more than :data:`FREE_READ_BYTES` or what the file holds (compressed
-    data: at most :data:`MAX_COMPRESSION` times the file's size).
+    allocates more than `FREE_READ_BYTES` or what the file holds (compressed
+    data: at most `MAX_COMPRESSION` times the file's size).
     """
 
 
@@ -103,8 +104,8 @@ def check_storage(dsid: h5py.h5d.DatasetID) -> None:
 
 
 def open_object(group: h5py.Group, link: str) -> h5py.h5o.ObjectID:
-    """The low-level object ``link`` of ``group`` (a hard link, checked); an object HDF5
-    cannot open (a damaged header) is a :class:`RunFileError` naming it."""
+    """The low-level object `link` of `group` (a hard link, checked); an object HDF5
+    cannot open (a damaged header) is a `RunFileError` naming it."""
     check_link(group, link)
     try:
         return h5py.h5o.open(group.id, link.encode())
@@ -116,7 +117,7 @@ def open_object(group: h5py.Group, link: str) -> h5py.h5o.ObjectID:
 
 
 def child(group: h5py.Group, link: str, kind: type) -> Any:
-    """The object ``link`` of ``group`` (a hard link to a ``kind``), its data inside the file."""
+    """The object `link` of `group` (a hard link to a `kind`), its data inside the file."""
     item = open_object(group, link)
     if kind is h5py.Group and isinstance(item, h5py.h5g.GroupID):
         return h5py.Group(item)
@@ -132,7 +133,7 @@ def held_bytes(dsid: h5py.h5d.DatasetID) -> int:
     """The bytes of a dataset's data the file really holds (unwritten chunks hold none).
 
     Counted as read (decompressed): no more than the file's size, or than
-    :data:`MAX_COMPRESSION` times it for compressed data, whose real ratio is only known
+    `MAX_COMPRESSION` times it for compressed data, whose real ratio is only known
     by decompressing (a gzip of zeros reaches thousands).
     """
     plist = dsid.get_create_plist()
@@ -150,9 +151,9 @@ def held_bytes(dsid: h5py.h5d.DatasetID) -> int:
 
 
 def check_read(dataset: h5py.Dataset | h5py.h5d.DatasetID, elements: int) -> None:
-    """Raise :class:`RunFileError` before a read of ``elements`` that the file cannot back.
+    """Raise `RunFileError` before a read of `elements` that the file cannot back.
 
-    A read is allowed up to :data:`FREE_READ_BYTES`, beyond that only as far as
+    A read is allowed up to `FREE_READ_BYTES`, beyond that only as far as
     the file holds data of the dataset: a crafted file declaring gigabytes it does
     not hold, or holding them as a few KiB of compressed zeros, cannot make a
     reader allocate them.

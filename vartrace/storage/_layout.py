@@ -1,29 +1,30 @@
 """The on-disk layout shared by the writer and the reader.
 
-::
 
-    /                     attrs: vartrace_format, vartrace_version, writer_host, writer_pid,
-                          run_id (one id per run: every shard of a sharded run holds the
-                          same when the ranks share a process group, "" when that is unknown),
-                          shard (int64 [rank, world size]: only in a shard of a sharded run)
-    /committed            int64 (sites,): records of each site as of the last flush;
-                          rows past it were not flushed and are ignored
-    /meta/...             run metadata (written once per file)
-    /vars/<escaped name>  attrs: name (the true site name), slot (its entry in /committed)
-        iterations, ranks, order   int64 (records,)
-        kinds                      uint8 (records,): the kind of each record (_codec.Kind)
-        values                     records x padded shape (numeric), or (records,) of
-                                   UTF-8 strings, or (records,) of byte blobs
-        shapes                     int64 (records, ndim): true shape of each record
-                                   (-1 where the record is not in ``values``); absent
-                                   when records are 0-d
-        other                      (records,) byte blobs of records that did not fit
-                                   ``values`` (another dtype or kind); absent until needed
+```python
+/                     attrs: vartrace_format, vartrace_version, writer_host, writer_pid,
+                      run_id (one id per run: every shard of a sharded run holds the
+                      same when the ranks share a process group, "" when that is unknown),
+                      shard (int64 [rank, world size]: only in a shard of a sharded run)
+/committed            int64 (sites,): records of each site as of the last flush;
+                      rows past it were not flushed and are ignored
+/meta/...             run metadata (written once per file)
+/vars/<escaped name>  attrs: name (the true site name), slot (its entry in /committed)
+    iterations, ranks, order   int64 (records,)
+    kinds                      uint8 (records,): the kind of each record (_codec.Kind)
+    values                     records x padded shape (numeric), or (records,) of
+                               UTF-8 strings, or (records,) of byte blobs
+    shapes                     int64 (records, ndim): true shape of each record
+                               (-1 where the record is not in ``values``); absent
+                               when records are 0-d
+    other                      (records,) byte blobs of records that did not fit
+                               ``values`` (another dtype or kind); absent until needed
+```
 
 Files are written with HDF5's SWMR mode on, so a killed writer leaves a
 consistent file; such a file carries "open for writing" flags in its
-superblock that plain (non-SWMR) opening refuses: :func:`clear_write_flags`
-clears them once the writer is known to be gone, as HDF5's ``h5clear`` does.
+superblock that plain (non-SWMR) opening refuses: `clear_write_flags`
+clears them once the writer is known to be gone, as HDF5's `h5clear` does.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def escape(name: str) -> str:
     """An HDF5 link name for a site name, reversibly.
 
-    ``%``, ``/`` and NUL are %-escaped, and a lone surrogate (a key decoded by
-    ``os.fsdecode``, which UTF-8 cannot hold) becomes ``%uDCxx``.
-    Example: ``escape("forward.a/b") == "forward.a%2Fb"``.
+    `%`, `/` and NUL are %-escaped, and a lone surrogate (a key decoded by
+    `os.fsdecode`, which UTF-8 cannot hold) becomes `%uDCxx`.
+    Example: `escape("forward.a/b") == "forward.a%2Fb"`.
     """
     if not name:
         return "%"
@@ -81,16 +82,16 @@ def escape(name: str) -> str:
 
 
 def unescape(link: str) -> str:
-    """The site name of an HDF5 link name made by :func:`escape`."""
+    """The site name of an HDF5 link name made by `escape`."""
     if link == "%":
         return ""
     return _ESCAPED.sub(lambda match: chr(int(match.group(1) or match.group(2), 16)), link)
 
 
 def shard_path(path: Path, rank: int) -> Path:
-    """The file one rank writes in a sharded run: ``run.h5`` -> ``run.rank3.h5``.
+    """The file one rank writes in a sharded run: `run.h5` -> `run.rank3.h5`.
 
-    A path that already names a rank (``f"run.rank{rank}.h5"``) gives the same file.
+    A path that already names a rank (`f"run.rank{rank}.h5"`) gives the same file.
     """
     stem = re.sub(r"\.rank\d+$", "", path.stem)
     return path.with_name(f"{stem}.rank{rank}{path.suffix}")
@@ -106,10 +107,12 @@ def run_attrs(path: Path, rank: int, world_size: int, sharded: bool) -> dict[str
 
     A single file gets a fresh id.  The shards of a sharded run share one: the
     first rank to start writes it to the process group's key-value store
-    (``torch.distributed``), the others read it there, with no collective; ""
-    without a process group.  Example::
+    (`torch.distributed`), the others read it there, with no collective; ""
+    without a process group.  Example:
 
-        handle.attrs.update(run_attrs(path, rank=3, world_size=8, sharded=True))
+    ```python
+    handle.attrs.update(run_attrs(path, rank=3, world_size=8, sharded=True))
+    ```
     """
     if not sharded:
         return {RUN_ID_ATTR: uuid.uuid4().hex}
@@ -119,7 +122,7 @@ def run_attrs(path: Path, rank: int, world_size: int, sharded: bool) -> dict[str
 
 
 def _shared_id(key: str) -> str:
-    """An id every rank of the process group reads under ``key``; "" without a group."""
+    """An id every rank of the process group reads under `key`; "" without a group."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return ""
@@ -134,7 +137,7 @@ def _shared_id(key: str) -> str:
 def writer_alive(host: str, pid: int) -> bool | None:
     """Whether the process that last opened a file for writing still runs.
 
-    ``None`` when that cannot be told (it ran on another host).
+    `None` when that cannot be told (it ran on another host).
     """
     if host != socket.gethostname():
         return None
@@ -152,7 +155,7 @@ def _rot(x: int, k: int) -> int:
 
 
 def _lookup3(data: bytes) -> int:
-    """Bob Jenkins' lookup3 ``hashlittle`` (initval 0): HDF5's metadata checksum."""
+    """Bob Jenkins' lookup3 `hashlittle` (initval 0): HDF5's metadata checksum."""
     mask = 0xFFFFFFFF
     a = b = c = (0xDEADBEEF + len(data)) & mask
     words = data + bytes(-len(data) % 12)
@@ -202,7 +205,7 @@ def has_write_flags(path: Path) -> bool:
 def clear_write_flags(path: Path) -> bool:
     """Clear the superblock's "open for writing" flags left by a killed writer.
 
-    What ``h5clear -s`` does, for superblock versions 2 and 3 (the ones with
+    What `h5clear -s` does, for superblock versions 2 and 3 (the ones with
     flags and a checksum).  Only call it when no process writes the file.
     Returns whether anything was cleared.
     """

@@ -4,9 +4,9 @@ A reader in SWMR mode takes a piece of metadata whose checksum fails for one the
 writer is rewriting, and reads it again, sleeping 1 ns, 2 ns, 4 ns, ... between
 attempts: with HDF5's default of 100 attempts that is 2**100 ns, for ever, on a file
 a killed writer left damaged (a SIGKILL mid-flush) or one damaged later. h5py does
-not expose ``H5Pset_metadata_read_attempts``, so it is called through ctypes on the
+not expose `H5Pset_metadata_read_attempts`, so it is called through ctypes on the
 HDF5 library h5py itself runs on (found among the process's loaded libraries, or
-in h5py's own folder on platforms without ``/proc``).
+in h5py's own folder on platforms without `/proc`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _candidates() -> list[Path]:
 
 @functools.cache
 def _set_read_attempts() -> Callable[[int, int], int] | None:
-    """``H5Pset_metadata_read_attempts`` of h5py's HDF5 library, or None if not found."""
+    """`H5Pset_metadata_read_attempts` of h5py's HDF5 library, or None if not found."""
     wanted = tuple(int(n) for n in h5py.version.hdf5_version_tuple[:3])
     for path in _candidates():
         if "hdf5_hl" in path.name or "hdf5" not in path.name:
@@ -61,8 +61,8 @@ def _set_read_attempts() -> Callable[[int, int], int] | None:
 
 
 def open_swmr(path: Path) -> h5py.File:
-    """``path`` opened read-only in SWMR mode, each piece of metadata read at most
-    :data:`READ_ATTEMPTS` times (``OSError`` as h5py raises it, where it cannot open).
+    """`path` opened read-only in SWMR mode, each piece of metadata read at most
+    `READ_ATTEMPTS` times (`OSError` as h5py raises it, where it cannot open).
 
     Where HDF5's library cannot be reached, the file is opened with HDF5's own
     retries, and a warning says a damaged file may then hang the read.

@@ -1,16 +1,17 @@
 """A background thread that runs jobs in order: the saver's writes, off the training thread.
 
-Example::
-
+Example:
+    ```python
     worker = Worker("vartrace-writer")
     worker.submit(lambda: write_gather(chunk))  # returns at once (blocks if ``depth`` are queued)
     worker.join()                               # every job ran; re-raises a job's error
     worker.stop()
+    ```
 
-At most ``depth`` jobs wait in the queue, so the caller blocks rather than
+At most `depth` jobs wait in the queue, so the caller blocks rather than
 let memory grow when the thread falls behind.  The first exception a job
-raises is kept; later jobs are skipped, and :meth:`Worker.submit`,
-:meth:`Worker.join` and :meth:`Worker.stop` raise it in the caller's thread.
+raises is kept; later jobs are skipped, and `Worker.submit`,
+`Worker.join` and `Worker.stop` raise it in the caller's thread.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ _STOP = object()
 
 
 class WorkerError(RuntimeError):
-    """A background job failed; the original exception is the ``__cause__``."""
+    """A background job failed; the original exception is the `__cause__`."""
 
 
 class Worker:
@@ -55,7 +56,7 @@ class Worker:
             raise WorkerError(f"a background job failed: {self._error!r}") from self._error
 
     def submit(self, job: Callable[[], None]) -> None:
-        """Queue ``job``; raise the error of an earlier job instead, if one failed."""
+        """Queue `job`; raise the error of an earlier job instead, if one failed."""
         self._raise()
         if not self._thread.is_alive():
             raise RuntimeError("the worker is stopped")

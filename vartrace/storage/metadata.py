@@ -1,22 +1,23 @@
-"""What a run file records about the run that wrote it (``/meta``).
+"""What a run file records about the run that wrote it (`/meta`).
 
-:func:`collect_metadata` gathers the command line, working directory, host,
+`collect_metadata` gathers the command line, working directory, host,
 versions, installed packages, git state, world size, start time and an
 allow-listed set of environment variables.  Secrets stay out: environment
 variables whose names look secret are never recorded even when allow-listed, and
-one function, :func:`redact`, replaces the credentials found in every other text by
-``<redacted>``, the same way in the command line, the variables' values, the git
-status and diff and the packages list: values of secret-looking options (``--pw x``,
-``-p x``, ``-px``, ``curl -u user:pw``, ``openssl -k x``), ``.netrc`` passwords,
-``user:password@`` in URLs, ``password=...`` pairs, ``password: ...`` lines of a
+one function, `redact`, replaces the credentials found in every other text by
+`<redacted>`, the same way in the command line, the variables' values, the git
+status and diff and the packages list: values of secret-looking options (`--pw x`,
+`-p x`, `-px`, `curl -u user:pw`, `openssl -k x`), `.netrc` passwords,
+`user:password@` in URLs, `password=...` pairs, `password: ...` lines of a
 config, tokens of well-known shapes and private keys.  The diff can be left out
-alone: ``collect_metadata(git_diff=False)``, or
-``H5PYSaverCallback(path, metadata={"git_diff": False})``.
+alone: `collect_metadata(git_diff=False)`, or
+`H5PYSaverCallback(path, metadata={"git_diff": False})`.
 
-Example::
-
+Example:
+    ```python
     meta = collect_metadata(world_size=4)
     meta["git"].get("commit"), meta["env"].get("CUDA_VISIBLE_DEVICES")
+    ```
 """
 
 from __future__ import annotations
@@ -127,30 +128,30 @@ def looks_secret(name: str) -> bool:
 
 
 def redact(text: str) -> str:
-    """``text`` with the credentials found in it replaced by ``<redacted>``, line by line.
+    """`text` with the credentials found in it replaced by `<redacted>`, line by line.
 
-    The one redaction of ``/meta``: applied to the command line (its
+    The one redaction of `/meta`: applied to the command line (its
     arguments as the words of a line), environment values, git status and diff
     and the packages list.  It replaces private-key blocks; in each line the value of
-    an option whose name looks secret (``--password x``, ``--pw=x``,
-    ``-pass x``), of ``-p`` (``-p x``, ``-px``: mysql, sshpass, and so also
-    ``ssh -p 22``; not after ``mkdir``, nor common flags such as ``-pthread``),
-    the password of ``-u user:password`` (curl), of ``-k x`` after ``openssl``
-    and of ``password x`` in a ``.netrc`` line, also inside a quoted list
-    (``["sshpass", "-p", "x"]``); the value of a ``name=value`` or
-    ``name: value`` pair whose name looks secret (code, configs, YAML, JSON),
-    ``Bearer`` tokens, credentials in URLs (``https://user:password@host`` ->
-    ``https://<redacted>@host``) and tokens of well-known shapes (GitHub,
+    an option whose name looks secret (`--password x`, `--pw=x`,
+    `-pass x`), of `-p` (`-p x`, `-px`: mysql, sshpass, and so also
+    `ssh -p 22`; not after `mkdir`, nor common flags such as `-pthread`),
+    the password of `-u user:password` (curl), of `-k x` after `openssl`
+    and of `password x` in a `.netrc` line, also inside a quoted list
+    (`["sshpass", "-p", "x"]`); the value of a `name=value` or
+    `name: value` pair whose name looks secret (code, configs, YAML, JSON),
+    `Bearer` tokens, credentials in URLs (`https://user:password@host` ->
+    `https://<redacted>@host`) and tokens of well-known shapes (GitHub,
     GitLab, Hugging Face, OpenAI, Slack, AWS, npm, PyPI).
-    Example: ``redact("mysql -u root -phunter2") == "mysql -u root -p<redacted>"``.
+    Example: `redact("mysql -u root -phunter2") == "mysql -u root -p<redacted>"`.
     """
     text = _PEM.sub(_REDACTED, text)
     return "".join(_redact_line(line) for line in text.splitlines(keepends=True))
 
 
 def _command_line() -> list[str]:
-    """``sys.argv`` with credentials replaced as :func:`redact` replaces them in a line of
-    text: ``mysql -p x`` -> ``["mysql", "-p", "<redacted>"]``."""
+    """`sys.argv` with credentials replaced as `redact` replaces them in a line of
+    text: `mysql -p x` -> `["mysql", "-p", "<redacted>"]`."""
     return [redact(word) for word in _redact_words(sys.argv)]
 
 
@@ -174,7 +175,7 @@ def _redact_words(words: list[str]) -> list[str]:
     """Words of a command with the values of secret-looking options redacted.
 
     A word is judged by its core, without the quotes, brackets and commas
-    around it (``"-p",`` is ``-p``), which stay.
+    around it (`"-p",` is `-p`), which stay.
     """
     parts = [_bare(word) for word in words]
     # A .netrc line starts with one of its keywords (after the + or - of a diff line).
@@ -233,12 +234,12 @@ def _bare(word: str) -> tuple[str, str, str]:
 
 
 def _hidden(value: str) -> str:
-    """``<redacted>`` for ``value``, its opening quote kept (the closing one is kept too)."""
+    """`<redacted>` for `value`, its opening quote kept (the closing one is kept too)."""
     return f"{value[0]}{_REDACTED}" if value[:1] in ("'", '"') else _REDACTED
 
 
 def _password_of(value: str) -> str:
-    """``user:password`` with the password redacted; a bare user name is kept."""
+    """`user:password` with the password redacted; a bare user name is kept."""
     user, colon, _ = value.partition(":")
     return f"{user}:{_REDACTED}" if colon else value
 
@@ -280,7 +281,7 @@ def _text(raw: bytes | None) -> str:
 
 
 def _script_directory() -> str | None:
-    """The directory of the running script (``python path/train.py``), if there is one."""
+    """The directory of the running script (`python path/train.py`), if there is one."""
     script = getattr(sys.modules.get("__main__"), "__file__", None)
     return os.path.dirname(os.path.abspath(script)) if script else None
 
@@ -288,8 +289,8 @@ def _script_directory() -> str | None:
 def _git_state(diff: bool) -> dict[str, Any]:
     """Git state of the running script's repository, else of the working directory's.
 
-    The status and the diff are redacted (:func:`redact`); ``diff=False`` leaves the
-    diff out (``diff_left_out``).
+    The status and the diff are redacted (`redact`); `diff=False` leaves the
+    diff out (`diff_left_out`).
     """
     for where in dict.fromkeys((_script_directory(), None)):
         commit = _git("rev-parse", "HEAD", where=where)
@@ -315,8 +316,8 @@ def _git_state(diff: bool) -> dict[str, Any]:
 def _version(name: str) -> str:
     """The version a module reports about itself, as users compare it.
 
-    ``torch.__version__`` keeps its local tag (``2.15.0+cu132``), which the
-    distribution's version (``2.15.0``) drops; the distribution's version is
+    `torch.__version__` keeps its local tag (`2.15.0+cu132`), which the
+    distribution's version (`2.15.0`) drops; the distribution's version is
     the fallback for a module that cannot be imported.
     """
     try:
@@ -329,7 +330,7 @@ def _version(name: str) -> str:
 
 
 def _packages() -> list[str]:
-    """The installed distributions as ``name==version``, redacted as the rest of ``/meta``."""
+    """The installed distributions as `name==version`, redacted as the rest of `/meta`."""
     found = {
         f"{dist.metadata['Name']}=={dist.version}"
         for dist in importlib.metadata.distributions()
@@ -339,11 +340,11 @@ def _packages() -> list[str]:
 
 
 def metadata_options(metadata: bool | Mapping[str, Any]) -> dict[str, Any] | None:
-    """The :func:`collect_metadata` options a saver's ``metadata`` argument asks for.
+    """The `collect_metadata` options a saver's `metadata` argument asks for.
 
-    ``True``: everything (``{}``); ``False``: no metadata (``None``); a dict of
-    options, e.g. ``{"git_diff": False}`` (everything but the uncommitted diff).
-    ``TypeError`` names an unknown option.
+    `True`: everything (`{}`); `False`: no metadata (`None`); a dict of
+    options, e.g. `{"git_diff": False}` (everything but the uncommitted diff).
+    `TypeError` names an unknown option.
     """
     if metadata is True or metadata is False:
         return {} if metadata else None
@@ -364,7 +365,7 @@ def metadata_options(metadata: bool | Mapping[str, Any]) -> dict[str, Any] | Non
 def collect_metadata(world_size: int = 1, *, git_diff: bool = True) -> dict[str, Any]:
     """The run metadata as a nested dict of strings, numbers, bools and string lists.
 
-    ``git_diff=False`` leaves the uncommitted diff out and keeps everything else.
+    `git_diff=False` leaves the uncommitted diff out and keeps everything else.
     """
     import h5py
 

@@ -1,7 +1,7 @@
-"""Reading run files offline: ``vartrace.open``.
+"""Reading run files offline: `vartrace.open`.
 
-Example::
-
+Example:
+    ```python
     import vartrace
 
     with vartrace.open("run.h5") as run:
@@ -12,10 +12,11 @@ Example::
                                # record at or before 8, exact shape and dtype
         site.calls(iteration=8)  # every record of iteration 8, in capture order (a list)
         run.to_frame(stat="norm")
+    ```
 
 Opening reads nothing but the root attributes; records are read when asked
-for.  Shards of a run written with ``ModelTracer(gather=False)`` open as one
-run: ``vartrace.open("run.rank*.h5")``.
+for.  Shards of a run written with `ModelTracer(gather=False)` open as one
+run: `vartrace.open("run.rank*.h5")`.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def _has_signature(path: Path) -> bool:
 
 
 def _open_hdf5(path: Path) -> h5py.File:
-    """``path`` opened read-only: plainly, else in SWMR mode (a running or killed writer's).
+    """`path` opened read-only: plainly, else in SWMR mode (a running or killed writer's).
 
     A running writer may be mid-flush, its file's end not yet written out: such a
     file is retried a few times before it is called damaged.
@@ -158,7 +159,7 @@ def open_file(path: str | os.PathLike[str]) -> h5py.File:
     """Open one vartrace file read-only with h5py, checking its format version.
 
     A file whose writer is running or was killed is opened in SWMR mode.
-    Raises ``ValueError`` naming the path for a file that is not a vartrace
+    Raises `ValueError` naming the path for a file that is not a vartrace
     file or was written by a newer vartrace.
     """
     path = Path(path)
@@ -194,7 +195,7 @@ _META_ENTRIES = 1 << 16
 
 def _read_tree(group: h5py.Group, seen: set[int] | None = None) -> dict[str, Any]:
     """A /meta group as a nested dict, every read bounded (in entries and in bytes: see
-    :func:`check_read`) and inside the file.
+    `check_read`) and inside the file.
 
     Each group is read once: a group linked twice (a loop) is refused.
     """
@@ -229,11 +230,11 @@ def _read_tree(group: h5py.Group, seen: set[int] | None = None) -> dict[str, Any
 
 
 def _load_filters(dataset: h5py.Dataset) -> str | None:
-    """Register hdf5plugin's filters (Blosc & co.) when ``dataset`` uses a plugin filter.
+    """Register hdf5plugin's filters (Blosc & co.) when `dataset` uses a plugin filter.
 
     Returns why the values cannot be read when a filter stays unavailable
     (hdf5plugin not installed), naming the filter and how to install it;
-    ``None`` when they can.
+    `None` when they can.
     """
     plist = dataset.id.get_create_plist()
     filters = [plist.get_filter(i) for i in range(plist.get_nfilters())]
@@ -256,7 +257,7 @@ def _load_filters(dataset: h5py.Dataset) -> str | None:
 
 
 def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
-    """The first ``rows`` rows of the dataset ``name`` of ``group``; it must hold that many.
+    """The first `rows` rows of the dataset `name` of `group`; it must hold that many.
 
     Read through h5py's low-level calls: opening a site reads five such small
     datasets, and the high-level ones cost several times more than the read.
@@ -290,7 +291,7 @@ def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
 
 
 def _int_attr(group: h5py.Group, name: str) -> int | None:
-    """The integer scalar attribute ``name`` of ``group``; ``None`` if it is missing or none.
+    """The integer scalar attribute `name` of `group`; `None` if it is missing or none.
 
     Read through h5py's low-level calls: listing a run reads one of each site.
     """
@@ -326,8 +327,8 @@ _KINDS_HELD = {
 
 
 def _check_statistics(dtype: np.dtype, what: str, where: Any) -> None:
-    """Refuse statistics records of ``dtype`` that lack a summary field or hold a
-    non-number (``what`` names them, ``where`` is the id of an object of their file)."""
+    """Refuse statistics records of `dtype` that lack a summary field or hold a
+    non-number (`what` names them, `where` is the id of an object of their file)."""
     fields: dict[str, tuple[Any, ...]] = dict(dtype.fields or {})
     missing = [name for name in SUMMARY_FIELDS if name not in fields]
     odd = [name for name, (field, *_) in fields.items() if field.kind not in "biuf"]
@@ -357,11 +358,11 @@ def _too_few(group: h5py.Group, name: str, held: int, rows: int) -> RunFileError
 class _ReadAhead:
     """Blocks of consecutive rows read ahead for record-by-record loops, a few per run.
 
-    A loop reading a site's records one after another (``site.record(i)``,
-    :meth:`Site.calls`) is served from blocks read in one go: the first
-    consecutive read fetches :data:`_AHEAD_FIRST` rows, each next block twice
-    as many, up to :data:`_AHEAD_BYTES`.  A read elsewhere reads its row
-    alone.  The run keeps the :data:`_AHEAD_BLOCKS` blocks used last, so loops
+    A loop reading a site's records one after another (`site.record(i)`,
+    [`Site.calls`][vartrace.Site.calls]) is served from blocks read in one go: the first
+    consecutive read fetches `_AHEAD_FIRST` rows, each next block twice
+    as many, up to `_AHEAD_BYTES`.  A read elsewhere reads its row
+    alone.  The run keeps the `_AHEAD_BLOCKS` blocks used last, so loops
     over a few sites at once each keep theirs; a part whose block was dropped
     starts again small.
     """
@@ -373,7 +374,7 @@ class _ReadAhead:
         self._lock = threading.Lock()
 
     def find(self, part: _Part, row: int) -> np.ndarray | None:
-        """Row ``row`` of ``part`` from its block (a view), or ``None`` if not read ahead."""
+        """Row `row` of `part` from its block (a view), or `None` if not read ahead."""
         with self._lock:
             held = self._blocks.pop(id(part), None)
             if held is None or held[0] is not part:
@@ -404,7 +405,7 @@ _AHEAD_BLOCKS = 8
 class _Part:
     """One file's datasets of one site.
 
-    Made when a run lists its sites, reading only the site's ``slot``
+    Made when a run lists its sites, reading only the site's `slot`
     attribute; its datasets are opened (and checked) when the site is used.
     """
 
@@ -432,7 +433,7 @@ class _Part:
 
     @cached_property
     def values(self) -> h5py.Dataset | None:
-        """The ``values`` dataset; uncompressed chunks are read without a chunk cache, so a
+        """The `values` dataset; uncompressed chunks are read without a chunk cache, so a
         row is read alone rather than its whole chunk (a read of one row anywhere in a long
         site costs what reading its bytes costs)."""
         if not self.group.id.links.exists(b"values"):
@@ -471,7 +472,7 @@ class _Part:
         return self._written(key) if key and not self.torch_dtype else None
 
     def _written(self, key: str) -> np.dtype:
-        """The dtype a values dataset's ``key`` names: its own, in some byte order."""
+        """The dtype a values dataset's `key` names: its own, in some byte order."""
         assert self.values is not None
         try:
             written = np.dtype(key.split("/")[0])
@@ -485,7 +486,7 @@ class _Part:
         return written
 
     def _records(self, name: str) -> h5py.Dataset:
-        """The dataset ``name`` of the site, which must hold a row for each committed record."""
+        """The dataset `name` of the site, which must hold a row for each committed record."""
         dataset = child(self.group, name, h5py.Dataset)
         held = dataset.shape[0] if dataset.shape else 0  # () or None: a scalar or empty one
         if held < self.rows:
@@ -500,7 +501,7 @@ class _Part:
 
     def _check_kinds(self, kinds: np.ndarray) -> None:
         """Refuse kind codes vartrace never writes: unknown ones, a None said to be kept in
-        ``other``, and kinds the ``values`` dataset cannot hold (a statistics record in a
+        `other`, and kinds the `values` dataset cannot hold (a statistics record in a
         dataset of plain numbers, a number in one of statistics rows, ...)."""
         where = f"{file_name(self.group.id)}: {self.group.name}/kinds"
         unknown = (kinds & 0x7F) >= len(KIND_NAMES)
@@ -534,7 +535,7 @@ class _Part:
 
     @cached_property
     def shapes(self) -> np.ndarray:
-        """Each record's true shape: one column per axis of a record in ``values``."""
+        """Each record's true shape: one column per axis of a record in `values`."""
         axes = self.values.ndim - 1 if self.storage == "array" and self.values is not None else 0
         if "shapes" in self.group:
             shapes = _leading_rows(self.group, "shapes", self.rows)
@@ -548,7 +549,7 @@ class _Part:
         return shapes
 
     def shape(self, row: int) -> tuple[int, ...]:
-        """Record ``row``'s true shape, checked to lie within the padded one of ``values``."""
+        """Record `row`'s true shape, checked to lie within the padded one of `values`."""
         assert self.values is not None
         shape = tuple(self.shapes[row].tolist())
         padded = self.padded
@@ -561,13 +562,13 @@ class _Part:
 
     @cached_property
     def padded(self) -> tuple[int, ...]:
-        """The shape of a row of ``values``: every record's padded shape."""
+        """The shape of a row of `values`: every record's padded shape."""
         assert self.values is not None
         return tuple(self.values.shape[1:])
 
     @cached_property
     def itemsize(self) -> int:
-        """The bytes of one entry of ``values``."""
+        """The bytes of one entry of `values`."""
         assert self.values is not None
         return int(self.values.dtype.itemsize)
 
@@ -579,7 +580,7 @@ class _Part:
         return {"str": "str", "blob": "object"}.get(self.storage, "none")
 
     def check(self, name: str) -> None:
-        """Raise ``OSError`` naming the missing filter when the values cannot be read."""
+        """Raise `OSError` naming the missing filter when the values cannot be read."""
         if self.unreadable is not None:
             raise OSError(f"site {name!r}: {self.unreadable}")
 
@@ -610,10 +611,10 @@ class _Part:
         return from_array(kind, data, self.torch_dtype, where)
 
     def _numbers(self, row: int, shape: tuple[int, ...]) -> np.ndarray:
-        """Row ``row`` of the numeric ``values``, cut to ``shape``: a fresh array.
+        """Row `row` of the numeric `values`, cut to `shape`: a fresh array.
 
         A row that follows the one read last is served from a block read ahead
-        (see :class:`_ReadAhead`); any other is read alone.
+        (see `_ReadAhead`); any other is read alone.
         """
         assert self.values is not None
         held = self._ahead.find(self, row)
@@ -627,8 +628,8 @@ class _Part:
         return np.asarray(self.values[(row, *(slice(0, n) for n in shape))])
 
     def _read_ahead(self, row: int) -> np.ndarray | None:
-        """Read rows from ``row`` on at full padded shape, keep them and return the first;
-        ``None`` when a row is too large to read ahead."""
+        """Read rows from `row` on at full padded shape, keep them and return the first;
+        `None` when a row is too large to read ahead."""
         assert self.values is not None
         record_bytes = math.prod(self.padded) * self.itemsize
         most = _AHEAD_BYTES // max(1, record_bytes)
@@ -646,7 +647,7 @@ class _Part:
         return block[0]
 
     def _read_rows(self, row: int, count: int, shape: tuple[int, ...]) -> np.ndarray:
-        """``count`` rows of ``values`` from ``row`` on, cut to ``shape``, as h5py reads them."""
+        """`count` rows of `values` from `row` on, cut to `shape`, as h5py reads them."""
         assert self.values is not None
         return np.asarray(self.values[(slice(row, row + count), *(slice(0, n) for n in shape))])
 
@@ -659,7 +660,7 @@ class _Part:
     def _blob(
         self, dataset: h5py.Dataset, row: int, kind: int, allow_pickle: bool, where: str
     ) -> Any:
-        """The record kept as bytes in row ``row`` of ``dataset`` (of variable-length uint8)."""
+        """The record kept as bytes in row `row` of `dataset` (of variable-length uint8)."""
         if h5py.check_vlen_dtype(dataset.dtype) != np.uint8:
             raise self._misstored(dataset, "records as bytes")
         check_read(dataset, math.prod(dataset.shape[1:]))
@@ -673,9 +674,9 @@ class _Part:
     ) -> list[tuple[Any, str, tuple[int, ...]]]:
         """Per row: the statistic of the record, its dtype name and its shape.
 
-        Records in a numeric ``values`` dataset are read in blocks and a named
+        Records in a numeric `values` dataset are read in blocks and a named
         statistic is taken of all records of one shape in a block at once; the
-        others (and every record for a callable ``stat``) one by one.
+        others (and every record for a callable `stat`) one by one.
         """
         kinds = self.tags["kinds"]
         rows: list[Any] = [None] * len(kinds)
@@ -711,7 +712,7 @@ class _Part:
         return rows
 
     def _check_shapes(self, rows: np.ndarray) -> None:
-        """Check the true shapes of records ``rows`` of ``values`` as :meth:`shape` checks
+        """Check the true shapes of records `rows` of `values` as `shape` checks
         one: the first outside the padded shape raises its error."""
         shapes = self.shapes[rows]
         outside = ((shapes < 0) | (shapes > np.asarray(self.padded, np.int64))).any(axis=1)
@@ -727,7 +728,7 @@ class _Part:
         rows: list[Any],
         name: str,
     ) -> None:
-        """The callable ``stat`` of each record ``taken`` of ``block`` (rows from ``begin``)."""
+        """The callable `stat` of each record `taken` of `block` (rows from `begin`)."""
         kinds = self.tags["kinds"].tolist()
         for row in taken.tolist():
             shape = tuple(self.shapes[row].tolist())
@@ -738,8 +739,8 @@ class _Part:
     def _describe_block(
         self, stat: str, numeric: np.ndarray, begin: int, taken: np.ndarray, rows: list[Any]
     ) -> None:
-        """The statistic ``stat`` of the records ``taken`` of ``numeric`` (rows from
-        ``begin``): a field of each statistics record, or :data:`STATS` of all records of
+        """The statistic `stat` of the records `taken` of `numeric` (rows from
+        `begin`): a field of each statistics record, or `STATS` of all records of
         one shape at once."""
         dtype = self.dtype
         shapes = self.shapes[taken]
@@ -761,8 +762,8 @@ class _Part:
     def _reduced(
         self, stat: str, numeric: np.ndarray, at: np.ndarray, shape: tuple[int, ...]
     ) -> list[float]:
-        """:data:`STATS` ``stat`` of the records at ``at`` of ``numeric``, all of ``shape``
-        (NaN for a name that is no statistic), a slice of :data:`_REDUCE_BYTES` at a time."""
+        """`STATS` `stat` of the records at `at` of `numeric`, all of `shape`
+        (NaN for a name that is no statistic), a slice of `_REDUCE_BYTES` at a time."""
         if stat not in STATS:
             return [np.nan] * len(at)
         cut = (slice(None), *(slice(0, n) for n in shape))
@@ -777,13 +778,13 @@ class _Part:
 
 
 class ValuesView:
-    """The ``values`` of one site's records, lazily: across shards (in merged
-    record order), or of a file whose ``values`` holds rows past the last
+    """The `values` of one site's records, lazily: across shards (in merged
+    record order), or of a file whose `values` holds rows past the last
     flushed record (a killed or running writer's).
 
-    Supports ``len``, ``shape``, ``dtype``, ``ndim``, indexing along records
+    Supports `len`, `shape`, `dtype`, `ndim`, indexing along records
     (an int, a slice or an index array, optionally followed by more indices)
-    and ``numpy.asarray``; records are zero-padded to the largest shape.
+    and `numpy.asarray`; records are zero-padded to the largest shape.
     """
 
     def __init__(self, parts: list[_Part], where: list[tuple[int, int]]) -> None:
@@ -833,15 +834,16 @@ class ValuesView:
 class Site:
     """The records of one site in a run (one file or several shards).
 
-    Attributes ``iterations``, ``ranks``, ``order``, ``kinds`` and ``shapes`` are
-    numpy arrays with one entry per record; ``values`` is the lazy h5py dataset
-    (a :class:`ValuesView` across shards).  Records are in file order for one
+    Attributes `iterations`, `ranks`, `order`, `kinds` and `shapes` are
+    numpy arrays with one entry per record; `values` is the lazy h5py dataset
+    (a `ValuesView` across shards).  Records are in file order for one
     file, sorted by (iteration, rank, order) across shards.
 
-    Example::
-
+    Example:
+        ```python
         site = run["forward.x"]
         first = site.get(site.iterations[0])
+        ```
     """
 
     def __init__(self, name: str, parts: list[_Part], allow_pickle: bool) -> None:
@@ -875,11 +877,11 @@ class Site:
 
     @property
     def values(self) -> h5py.Dataset | ValuesView | None:
-        """The stored values (records x padded shape); ``None`` if every record is None.
+        """The stored values (records x padded shape); `None` if every record is None.
 
-        Rows of records not in it (see :attr:`in_values`) hold the fill value, and
-        numeric records are zero-padded to the largest shape (see :attr:`shapes`);
-        :meth:`record` and :meth:`get` give each record exactly.
+        Rows of records not in it (see `in_values`) hold the fill value, and
+        numeric records are zero-padded to the largest shape (see [`shapes`][vartrace.Site.shapes]);
+        [`record`][vartrace.Site.record] and [`get`][vartrace.Site.get] give each record exactly.
         """
         for part in self._parts:
             part.check(self.name)
@@ -887,9 +889,9 @@ class Site:
 
     @property
     def raw_values(self) -> h5py.Dataset | ValuesView | None:
-        """:attr:`values` without checking that its compression filter is available.
+        """`values` without checking that its compression filter is available.
 
-        Its shape, dtype and size read without the filter (``vartrace ls`` lists a
+        Its shape, dtype and size read without the filter (`vartrace ls` lists a
         Blosc file without hdf5plugin); reading its data needs the filter.
         """
         if all(part.values is None for part in self._parts):
@@ -901,7 +903,7 @@ class Site:
 
     @cached_property
     def shapes(self) -> np.ndarray:
-        """The true shape of each record, (records, ndim); -1 rows: record not in ``values``."""
+        """The true shape of each record, (records, ndim); -1 rows: record not in `values`."""
         shapes = [part.shapes for part in self._parts]
         if len(shapes) == 1:
             return shapes[0]
@@ -914,25 +916,25 @@ class Site:
 
     @property
     def kinds(self) -> np.ndarray:
-        """The kind of each record: ``"tensor"``, ``"ndarray"``, ``"int"``, ``"none"``..."""
+        """The kind of each record: `"tensor"`, `"ndarray"`, `"int"`, `"none"`..."""
         return np.array(KIND_NAMES)[self._kinds & 0x7F]
 
     @property
     def in_values(self) -> np.ndarray:
-        """Whether each record's value sits in ``values`` (numeric ones at their ``shapes``).
+        """Whether each record's value sits in `values` (numeric ones at their `shapes`).
 
-        False for None records and for records that did not fit ``values``
-        (another dtype or kind than the site's first), which :meth:`record` reads.
+        False for None records and for records that did not fit `values`
+        (another dtype or kind than the site's first), which `record` reads.
         """
         return ((self._kinds & IN_OTHER) == 0) & (self._kinds != Kind.NONE)
 
     @property
     def dtype(self) -> str:
-        """The dtype name of ``values`` (e.g. ``"bfloat16"``, ``"float32"``, ``"str"``)."""
+        """The dtype name of `values` (e.g. `"bfloat16"`, `"float32"`, `"str"`)."""
         return next((p.dtype for p in self._parts if p.values is not None), "none")
 
     def record(self, index: int) -> Any:
-        """The value of record ``index``: exact shape, dtype and Python type."""
+        """The value of record `index`: exact shape, dtype and Python type."""
         part, row = self._where[index]
         where = f"record {index} of site {self.name!r}"
         return self._parts[part].read(row, self._allow_pickle, where)
@@ -941,10 +943,10 @@ class Site:
     def _by_rank(self) -> dict[int, tuple[list[int], list[int]]]:
         """Rank -> (iterations, record indices) of its records, by (iteration, capture order).
 
-        Built once, on the first :meth:`get` or :meth:`calls`, from the tags read when
+        Built once, on the first `get` or `calls`, from the tags read when
         the site was opened: a run is read as of its opening (a live writer's later
         records need a reopen), so the index cannot go stale.  Python lists: a
-        :func:`bisect.bisect` of one costs less than a numpy search.
+        `bisect.bisect` of one costs less than a numpy search.
         """
         by_key = np.lexsort((self.order, self.iterations, self.ranks))
         ranks = self.ranks[by_key]
@@ -956,7 +958,7 @@ class Site:
         }
 
     def _rows(self, rank: int) -> tuple[list[int], list[int]]:
-        """(iterations, indices) of ``rank``'s records, by (iteration, capture order)."""
+        """(iterations, indices) of `rank`'s records, by (iteration, capture order)."""
         try:
             found = self._by_rank.get(rank)
         except TypeError:  # unhashable: no rank
@@ -976,21 +978,22 @@ class Site:
         )
 
     def get(self, iteration: int, rank: int = 0) -> Any:
-        """The value the site held at ``iteration`` on ``rank``: its last record at or before it.
+        """The value the site held at `iteration` on `rank`: its last record at or before it.
 
         Change detection stores a value only when it changes, so a weight
         recorded at iteration 1 and never changed afterwards is its value at
-        every later iteration: ``get(5)`` returns it.  When iteration
-        ``iteration`` holds several records (a method called twice in one
+        every later iteration: `get(5)` returns it.  When iteration
+        `iteration` holds several records (a method called twice in one
         step), the last one in capture order: the value at the end of that
-        iteration; :meth:`calls` gives all of them.  Always one value: a torch
+        iteration; [`calls`][vartrace.Site.calls] gives all of them.  Always one value: a torch
         tensor for tensor records (any dtype, bfloat16 included), the Python or
-        numpy value otherwise.  ``KeyError`` when ``rank`` recorded nothing at
-        or before ``iteration``.
+        numpy value otherwise.  `KeyError` when `rank` recorded nothing at
+        or before `iteration`.
 
-        Example::
-
+        Example:
+            ```python
             run["head.weight"].get(iteration=5)   # recorded at 1, unchanged since
+            ```
         """
         iterations, rows = self._rows(rank)
         if isinstance(iteration, (int, np.integer)):
@@ -1002,16 +1005,17 @@ class Site:
         return self.record(rows[upto - 1])
 
     def calls(self, iteration: int, rank: int = 0) -> list[Any]:
-        """Every record tagged ``iteration`` on ``rank``, in capture order: always a list.
+        """Every record tagged `iteration` on `rank`, in capture order: always a list.
 
         One entry per recorded call of the iteration (a shared layer called
         twice gives two).  An empty list when the iteration recorded nothing
-        on that rank: with change detection, nothing changed, and :meth:`get`
+        on that rank: with change detection, nothing changed, and [`get`][vartrace.Site.get]
         gives the value then held.
 
-        Example::
-
+        Example:
+            ```python
             first, second = run["shared.forward.x"].calls(iteration=3)
+            ```
         """
         iterations, rows = self._rows(rank)
         if isinstance(iteration, (int, np.integer)):
@@ -1023,20 +1027,21 @@ class Site:
         return [self.record(r) for r in tagged]
 
     def to_xarray(self) -> Any:
-        """The site's records as an xarray ``DataArray`` named after the site.
+        """The site's records as an xarray `DataArray` named after the site.
 
-        Dimension ``record`` is indexed by ``iteration`` and ``rank`` (a
-        MultiIndex: ``da.sel(iteration=3, rank=0)``; several calls of one
-        iteration stay separate records) with ``order`` as a coordinate, then
-        the record's axes ``dim_1``, ``dim_2``... at the padded shape (ragged
-        records are zero-padded as in ``values``; ``shapes`` has the true ones).
+        Dimension `record` is indexed by `iteration` and `rank` (a
+        MultiIndex: `da.sel(iteration=3, rank=0)`; several calls of one
+        iteration stay separate records) with `order` as a coordinate, then
+        the record's axes `dim_1`, `dim_2`... at the padded shape (ragged
+        records are zero-padded as in `values`; `shapes` has the true ones).
         Numeric records only; bfloat16 and float8 come as float32 / float64.
-        Needs ``pip install 'torch-vartrace[xarray]'``.
+        Needs `pip install 'torch-vartrace[xarray]'`.
 
-        Example::
-
+        Example:
+            ```python
             da = run["layers.0.attn.forward.scores"].to_xarray()
             da.sel(rank=0).mean(["dim_1", "dim_2"])      # one number per record
+            ```
         """
         try:
             import xarray as xr
@@ -1064,8 +1069,8 @@ class Site:
 
 
 def all_values(values: h5py.Dataset | ValuesView) -> np.ndarray:
-    """All of a site's ``values`` in one array, the read bounded like every other
-    (:func:`check_read`; a :class:`ValuesView` bounds its own reads)."""
+    """All of a site's `values` in one array, the read bounded like every other
+    (`check_read`; a `ValuesView` bounds its own reads)."""
     if isinstance(values, h5py.Dataset):
         check_read(values, values.size)
     return np.asarray(values[:])
@@ -1077,7 +1082,7 @@ def _first_order(parts: list[_Part]) -> int:
 
 
 def _numeric(value: Any) -> np.ndarray | None:
-    """A numeric record as a numpy array (tensors of any dtype included), else ``None``."""
+    """A numeric record as a numpy array (tensors of any dtype included), else `None`."""
     from vartrace.stat_records import Statistics
 
     if isinstance(value, Statistics):
@@ -1112,8 +1117,8 @@ def _apply(stat: str | Callable[[Any], Any], value: Any, numeric: np.ndarray | N
 
 
 def _decode_raw(block: np.ndarray, torch_dtype: str, where: str) -> np.ndarray:
-    """Numbers of a block stored as the raw bits of ``torch_dtype`` (bfloat16, float8...);
-    ``where`` names the site in errors."""
+    """Numbers of a block stored as the raw bits of `torch_dtype` (bfloat16, float8...);
+    `where` names the site in errors."""
     if torch_dtype == "bfloat16" and block.dtype.itemsize == 2:  # without importing torch
         block = (block.astype(np.uint32) << 16).view(np.float32)
     elif torch_dtype and not block.dtype.names:  # (compound rows of statistics stay as they are)
@@ -1148,7 +1153,7 @@ _BEYOND_VIEW = "address of object past end of allocation"
 
 
 def _writer_alive(handle: h5py.File) -> bool:
-    """Whether the process that last opened ``handle``'s file for writing may still run."""
+    """Whether the process that last opened `handle`'s file for writing may still run."""
     host, pid = handle.attrs.get("writer_host", ""), handle.attrs.get("writer_pid", 0)
     if not isinstance(host, str) or not isinstance(pid, (int, np.integer)) or pid <= 0:
         return False
@@ -1156,7 +1161,7 @@ def _writer_alive(handle: h5py.File) -> bool:
 
 
 def _shard(path: Path, handle: h5py.File) -> tuple[str, int, int | None]:
-    """(run id, rank, world size or None) of a shard; ``ValueError`` for a run of its own."""
+    """(run id, rank, world size or None) of a shard; `ValueError` for a run of its own."""
     shard = handle.attrs.get(SHARD_ATTR)
     if shard is not None:
         rank, world = (int(n) for n in np.asarray(shard).reshape(-1)[:2])
@@ -1207,8 +1212,8 @@ def _check_shards(paths: list[Path], files: list[h5py.File]) -> list[int]:
 class Run:
     """A run read from one file, or from the shards of a sharded run.
 
-    ``run.names`` lists the sites, ``run[name]`` is a :class:`Site`, ``run.meta``
-    the metadata dict.  Close it (or use ``with``) to release the files.
+    `run.names` lists the sites, `run[name]` is a [`Site`][vartrace.Site], `run.meta`
+    the metadata dict.  Close it (or use `with`) to release the files.
     """
 
     def __init__(self, paths: list[Path], allow_pickle: bool = False) -> None:
@@ -1262,7 +1267,7 @@ class Run:
     def names(self) -> list[str]:
         """The site names in execution order: by the capture order of each site's first record.
 
-        ``blocks.2`` comes before ``blocks.10`` when the model ran it first.
+        `blocks.2` comes before `blocks.10` when the model ran it first.
         Ties (sites of shards with independent counters) go by name.
         """
         return sorted(self._links, key=lambda name: (_first_order(self._links[name]), name))
@@ -1303,16 +1308,16 @@ class Run:
         """A pandas DataFrame with one row per record and a column per statistic.
 
         Columns: site, iteration, rank, order, shape, dtype and the statistic
-        (named after ``stat``).  ``stat`` is a name of
-        :data:`vartrace.sources.STATS` (``mean``, ``std``, ``var``, ``min``, ``max``,
-        ``absmax``, ``norm`` over the finite values; ``nan``, ``posinf``, ``neginf``,
-        ``zeros``, ``count``: float64, NaN for non-numeric records), a field of
-        statistics records (``q0.5``; records of :func:`vartrace.stats` give their
+        (named after `stat`).  `stat` is a name of
+        `vartrace.sources.STATS` (`mean`, `std`, `var`, `min`, `max`,
+        `absmax`, `norm` over the finite values; `nan`, `posinf`, `neginf`,
+        `zeros`, `count`: float64, NaN for non-numeric records), a field of
+        statistics records (`q0.5`; records of [`vartrace.stats`][vartrace.stats] give their
         stored fields) or a callable receiving each record's value as
-        :meth:`Site.get` returns it; a list of names gives a column each
-        (``run.to_frame(["absmax", "nan"])``).
+        [`Site.get`][vartrace.Site.get] returns it; a list of names gives a column each
+        (`run.to_frame(["absmax", "nan"])`).
 
-        Example: ``run.to_frame("absmax").groupby("site")["absmax"].max()``.
+        Example: `run.to_frame("absmax").groupby("site")["absmax"].max()`.
         """
         try:
             import pandas as pd
@@ -1384,16 +1389,17 @@ def open_run(
     *,
     allow_pickle: bool = False,
 ) -> Run:
-    """Open a run file read-only (``vartrace.open``), lazily.
+    """Open a run file read-only (`vartrace.open`), lazily.
 
-    ``path_or_glob`` is a path, a glob pattern (``"run.rank*.h5"``) or a list
+    `path_or_glob` is a path, a glob pattern (`"run.rank*.h5"`) or a list
     of paths; several files are read as the shards of one run.  Pickled
-    records are refused unless ``allow_pickle=True``, since unpickling runs
+    records are refused unless `allow_pickle=True`, since unpickling runs
     code stored in the file.
 
-    Example::
-
+    Example:
+        ```python
         with vartrace.open("run.h5") as run:
             print(run.names, run.meta["git"].get("commit"))
+        ```
     """
     return Run(_expand(path_or_glob), allow_pickle=allow_pickle)

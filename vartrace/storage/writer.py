@@ -1,7 +1,7 @@
 """The streaming HDF5 writer: a post-gather callback that appends every chunk to a file.
 
-Example::
-
+Example:
+    ```python
     from vartrace import H5PYSaverCallback, ModelTracer
 
     with H5PYSaverCallback("run.h5", compression="blosc") as saver, ModelTracer(
@@ -9,12 +9,13 @@ Example::
         gathering_interval=8,
     ):
         train(model)
+    ```
 
 Each call appends the chunk's records to the site's datasets and empties the
-chunk, so memory stays bounded; the tracer calls :meth:`~H5PYSaverCallback.flush`
+chunk, so memory stays bounded; the tracer calls [`flush`][vartrace.H5PYSaverCallback.flush]
 once after each gather.  The file is written in HDF5's SWMR mode: a process
 killed at any moment leaves a file holding every record flushed before, and
-``vartrace.open`` (or ``h5py.File(path, "r", swmr=True)``) can read a file
+`vartrace.open` (or `h5py.File(path, "r", swmr=True)`) can read a file
 while it is being written.
 """
 
@@ -128,9 +129,9 @@ COMPRESSIONS = {
     "blosc2": lambda: _blosc(2, "lz4"),
     "blosc2-zstd": lambda: _blosc(2, "zstd"),
 }
-"""Shortcut compression names, all level 1 with byte shuffle: ``"blosc"`` (Blosc + LZ4, the
-fastest: the recommended one), ``"blosc2"`` (Blosc2 + LZ4), ``"blosc2-zstd"`` (Blosc2 +
-Zstd: smaller files, about half the speed).  They need ``pip install hdf5plugin``."""
+"""Shortcut compression names, all level 1 with byte shuffle: `"blosc"` (Blosc + LZ4, the
+fastest: the recommended one), `"blosc2"` (Blosc2 + LZ4), `"blosc2-zstd"` (Blosc2 +
+Zstd: smaller files, about half the speed).  They need `pip install hdf5plugin`."""
 
 
 #: Compression names HDF5 itself knows (h5py's), besides the shortcuts of :data:`COMPRESSIONS`.
@@ -138,7 +139,7 @@ _BUILTIN_COMPRESSIONS = ("gzip", "lzf", "szip")
 
 
 def _filters(compression: Any, options: Any, shuffle: bool) -> dict[str, Any]:
-    """The dataset filter options of a compression setting, checked: ``ValueError`` if unusable."""
+    """The dataset filter options of a compression setting, checked: `ValueError` if unusable."""
     if isinstance(compression, str) and compression in COMPRESSIONS:
         filters = COMPRESSIONS[compression]()
     elif isinstance(compression, str) and compression not in _BUILTIN_COMPRESSIONS:
@@ -161,7 +162,7 @@ def _filters(compression: Any, options: Any, shuffle: bool) -> dict[str, Any]:
 
 
 def _probe(filters: dict[str, Any], compression: Any) -> None:
-    """Create a dataset with ``filters`` in memory, so a bad setting fails now, not at a gather."""
+    """Create a dataset with `filters` in memory, so a bad setting fails now, not at a gather."""
     if not filters:
         return
     try:
@@ -180,9 +181,9 @@ _DIMENSION = "This is a netCDF dimension but not a netCDF variable."
 
 
 def _label(group: h5py.Group, iterations: h5py.Dataset, dataset: h5py.Dataset, stem: str) -> None:
-    """Label ``dataset`` (``group``'s ``stem``) for h5netcdf / xarray: the record axis by the
-    site's ``iterations`` (a dimension scale: a coordinate), the others by dimension-only
-    scales ``<stem>_dim<k>`` (resized with it)."""
+    """Label `dataset` (`group`'s `stem`) for h5netcdf / xarray: the record axis by the
+    site's `iterations` (a dimension scale: a coordinate), the others by dimension-only
+    scales `<stem>_dim<k>` (resized with it)."""
     dataset.dims[0].attach_scale(iterations)
     for axis, size in enumerate(dataset.shape[1:], 1):
         scale = group.create_dataset(f"{stem}_dim{axis}", (size,), np.uint8, maxshape=(None,))
@@ -191,8 +192,8 @@ def _label(group: h5py.Group, iterations: h5py.Dataset, dataset: h5py.Dataset, s
 
 
 def _site_datasets(group: h5py.Group) -> dict[str, h5py.Dataset]:
-    """The datasets a site's writer keeps open: tags, ``values``, ``shapes``, ``other`` and
-    the labels of ``values``' axes (the other labels never change)."""
+    """The datasets a site's writer keeps open: tags, `values`, `shapes`, `other` and
+    the labels of `values`' axes (the other labels never change)."""
     return {
         name: group[name] for name in group if name in _WRITTEN or name.startswith("values_dim")
     }
@@ -200,22 +201,22 @@ def _site_datasets(group: h5py.Group) -> dict[str, h5py.Dataset]:
 
 def _gather_rows(records: int) -> int:
     """Rows of a site's tag chunks, from the records of its first gather: about
-    :data:`_GATHERS_A_CHUNK` gathers' worth (a power of two), so that a short run's file
+    `_GATHERS_A_CHUNK` gathers' worth (a power of two), so that a short run's file
     holds little unused space and a long run's few chunks.
 
-    Example: ``_gather_rows(8) == 256`` (the floor), ``_gather_rows(1000) == 2048``.
+    Example: `_gather_rows(8) == 256` (the floor), `_gather_rows(1000) == 2048`.
     """
     rows = 1 << (max(1, records * _GATHERS_A_CHUNK) - 1).bit_length()
     return min(_TAG_CHUNK, max(_TAG_ROWS_MIN, rows))
 
 
 def _chunk_rows(records: int, record_bytes: int, least: int = _CHUNK_MIN) -> int:
-    """Rows of a ``values`` chunk, from the records of the site's first gather: a gather of
+    """Rows of a `values` chunk, from the records of the site's first gather: a gather of
     as many fills whole chunks, so a compressed chunk is written once, never rewritten.
 
-    A gather above :data:`_CHUNK_TARGET` bytes is split into equal chunks; one below
-    ``least`` bytes gets a chunk of several gathers.  Example:
-    ``_chunk_rows(20, 32 << 10) == 10`` (two chunks a gather), ``_chunk_rows(8, 1024) == 16``.
+    A gather above `_CHUNK_TARGET` bytes is split into equal chunks; one below
+    `least` bytes gets a chunk of several gathers.  Example:
+    `_chunk_rows(20, 32 << 10) == 10` (two chunks a gather), `_chunk_rows(8, 1024) == 16`.
     """
     most = max(1, min(_TAG_CHUNK, _CHUNK_TARGET // max(1, record_bytes)))
     records = max(1, records)
@@ -226,9 +227,9 @@ def _chunk_rows(records: int, record_bytes: int, least: int = _CHUNK_MIN) -> int
 
 
 def _chunks(shape: tuple[int, ...], itemsize: int, records: int) -> tuple[int, ...]:
-    """Chunk shape of ``values`` for records of ``shape``, the site's first gather holding
-    ``records`` of them: whole records (split when above :data:`_CHUNK_MAX`), rows as
-    :func:`_chunk_rows` gives."""
+    """Chunk shape of `values` for records of `shape`, the site's first gather holding
+    `records` of them: whole records (split when above `_CHUNK_MAX`), rows as
+    `_chunk_rows` gives."""
     dims = [max(1, size) for size in shape]
     while int(np.prod(dims)) * itemsize > _CHUNK_MAX:
         largest = int(np.argmax(dims))
@@ -238,7 +239,7 @@ def _chunks(shape: tuple[int, ...], itemsize: int, records: int) -> tuple[int, .
 
 
 def _put(dataset: h5py.Dataset, offset: tuple[int, ...], data: np.ndarray) -> None:
-    """Write ``data`` into ``dataset`` at ``offset`` (h5py's low-level calls: fast)."""
+    """Write `data` into `dataset` at `offset` (h5py's low-level calls: fast)."""
     data = np.ascontiguousarray(data)
     space = dataset.id.get_space()
     space.select_hyperslab(offset, data.shape)
@@ -250,12 +251,12 @@ def _int64(tags: Any) -> np.ndarray:
 
 
 def _text(value: str) -> str:
-    """``value`` as an HDF5 UTF-8 string can hold it (NULs and undecodable bytes escaped)."""
+    """`value` as an HDF5 UTF-8 string can hold it (NULs and undecodable bytes escaped)."""
     return value.encode("utf-8", "backslashreplace").decode("utf-8").replace("\0", "\\0")
 
 
 def _write_tree(group: h5py.Group, tree: Mapping[str, Any]) -> None:
-    """Store a nested dict of str / numbers / bools / str lists as datasets under ``group``."""
+    """Store a nested dict of str / numbers / bools / str lists as datasets under `group`."""
     for key, value in tree.items():
         if isinstance(value, Mapping):
             _write_tree(group.create_group(escape(key)), value)
@@ -278,7 +279,7 @@ class _Site:
         rows: int,
         datasets: Mapping[str, h5py.Dataset] | None = None,
     ) -> None:
-        """The site of ``group`` holding ``rows`` committed records; ``datasets`` (name ->
+        """The site of `group` holding `rows` committed records; `datasets` (name ->
         dataset) are those just created, else they are looked up."""
         self.group = group
         self.options = options
@@ -308,7 +309,7 @@ class _Site:
     def create(
         cls, parent: h5py.Group, name: str, options: dict[str, Any], slot: int, records: int
     ) -> _Site:
-        """A new site whose first gather holds ``records`` records (its chunks' size)."""
+        """A new site whose first gather holds `records` records (its chunks' size)."""
         group = parent.create_group(escape(name))
         group.attrs["slot"] = slot
         if _utf8(name):  # for people browsing the file; the reader unescapes the link name
@@ -356,8 +357,8 @@ class _Site:
         return leaf.kind != Kind.NONE
 
     def _spread(self, shape: tuple[int, ...]) -> bool:
-        """Whether a record of ``shape`` would make ``values`` allocate far more than its
-        bytes (see :data:`_SPREAD`): it goes to ``other`` instead, unpadded."""
+        """Whether a record of `shape` would make `values` allocate far more than its
+        bytes (see `_SPREAD`): it goes to `other` instead, unpadded."""
         spread = self.spread.get(shape)
         if spread is None:
             assert self.values is not None and self.chunk is not None
@@ -371,7 +372,7 @@ class _Site:
         return spread
 
     def _create_values(self, leaf: Leaf, records: int) -> None:
-        """Create ``values`` for records like ``leaf``, ``records`` of them in this gather."""
+        """Create `values` for records like `leaf`, `records` of them in this gather."""
         rows = self.rows
         if isinstance(leaf.data, np.ndarray):
             shape, ndim = leaf.data.shape, leaf.data.ndim
@@ -412,7 +413,7 @@ class _Site:
         self.values = values
 
     def append(self, trace: Trace) -> None:
-        """Append the records of ``trace``."""
+        """Append the records of `trace`."""
         count = len(trace)
         if not count:
             return
@@ -432,7 +433,7 @@ class _Site:
         self.labelled = False
 
     def _block(self, trace: Trace) -> Leaf | None:
-        """The stacked values of ``trace`` as one leaf, when they go to ``values`` as they are."""
+        """The stacked values of `trace` as one leaf, when they go to `values` as they are."""
         if isinstance(trace.values, (list, tuple)):
             return None
         leaf = self._encode(trace.values)
@@ -444,7 +445,7 @@ class _Site:
         return leaf if self._fits(record) else None
 
     def _extend(self, stop: int, shapes: Sequence[tuple[int, ...]] = ()) -> None:
-        """Give every per-record dataset ``stop`` rows, growing ``values`` to fit ``shapes``."""
+        """Give every per-record dataset `stop` rows, growing `values` to fit `shapes`."""
         assert self.values is not None
         if shapes:
             self.padded = tuple(max(sizes) for sizes in zip(self.padded, *shapes, strict=True))
@@ -466,12 +467,12 @@ class _Site:
             _put(self.shapes, (start, 0), np.array([tuple(shape) for shape in true], np.int64))
 
     def _put_records(self, row: int, data: np.ndarray) -> None:
-        """Write records (records x shape) from ``row`` on; a record filling exactly one
+        """Write records (records x shape) from `row` on; a record filling exactly one
         unfiltered chunk goes straight to the file, past HDF5's pipeline.
 
         With filters, only whole chunks of rows go through them, each written once; rows
         of a chunk that later gathers still fill are stored unfiltered (see
-        :meth:`_put_unfiltered`): HDF5 writes a rewritten compressed chunk elsewhere, and
+        `_put_unfiltered`): HDF5 writes a rewritten compressed chunk elsewhere, and
         in SWMR mode never reuses the old space.
         """
         assert self.values is not None and self.chunk is not None
@@ -603,7 +604,7 @@ class _Site:
 
 
 def _alike(leaf: Leaf, first: Leaf) -> bool:
-    """Whether ``leaf`` is an array record of the same dtype and shape as ``first``."""
+    """Whether `leaf` is an array record of the same dtype and shape as `first`."""
     return (
         isinstance(leaf.data, np.ndarray)
         and isinstance(first.data, np.ndarray)
@@ -613,7 +614,7 @@ def _alike(leaf: Leaf, first: Leaf) -> bool:
 
 
 def _utf8(text: str) -> bool:
-    """Whether ``text`` survives an HDF5 UTF-8 string exactly (no NUL, no lone surrogate)."""
+    """Whether `text` survives an HDF5 UTF-8 string exactly (no NUL, no lone surrogate)."""
     if "\0" in text:
         return False
     try:
@@ -641,7 +642,7 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 
 def _launched_as_other_rank() -> bool:
     """Whether a launcher started this process as a rank other than 0 of several, whose
-    process group is not initialised yet (a tracer around Lightning's ``trainer.fit``, which
+    process group is not initialised yet (a tracer around Lightning's `trainer.fit`, which
     initialises it inside): the file is rank 0's to create, and this process must not
     touch it."""
     if not _number(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -657,7 +658,7 @@ def _number(text: str) -> int:
 def unused_savers() -> list[H5PYSaverCallback]:
     """Savers created but neither started by a tracer, called nor closed yet.
 
-    :class:`~vartrace.tracer.ModelTracer` warns about those it is not given:
+    [`ModelTracer`][vartrace.ModelTracer] warns about those it is not given:
     they would write nothing.
     """
     return list(_UNUSED)
@@ -666,36 +667,37 @@ def unused_savers() -> list[H5PYSaverCallback]:
 class H5PYSaverCallback:
     """Post-gather callback streaming every record into an HDF5 file.
 
-    Example::
-
+    Example:
+        ```python
         saver = H5PYSaverCallback("run.h5")
         with ModelTracer(model, paths, post_gather_callbacks=[saver], gathering_interval=8):
             train(model)
         saver.close()
         vartrace.open("run.h5")["forward.x"].get(iteration=3)
+        ```
 
     Args:
-        dataset_file: the file to write.  In a sharded run (``ModelTracer(gather=False)``
-            on several ranks) each rank writes ``<stem>.rank<r><suffix>`` instead.
+        dataset_file: the file to write.  In a sharded run (`ModelTracer(gather=False)`
+            on several ranks) each rank writes `<stem>.rank<r><suffix>` instead.
         overwrite: replace an existing file.
         append: continue an existing vartrace file (a resumed run): records are appended
             to its sites, new sites are added, its metadata is kept.  A missing file is
-            created.  Without ``overwrite`` or ``append`` an existing file raises
-            :class:`FileExistsError` and is left untouched.
+            created.  Without `overwrite` or `append` an existing file raises
+            `FileExistsError` and is left untouched.
         float_dtype / int_dtype: store floating / integer tensors and arrays in this dtype
-            (e.g. ``"float16"``; ``"bfloat16"`` applies to tensors only); ``None`` keeps
+            (e.g. `"float16"`; `"bfloat16"` applies to tensors only); `None` keeps
             each record's dtype, bit-exact.  Python scalars are always kept exact.
-        compression / compression_opts / shuffle: HDF5 filters for numeric ``values``
-            datasets: ``"gzip"``, ``"lzf"``, an ``hdf5plugin`` filter object, or the
-            shortcuts of :data:`COMPRESSIONS`: ``"blosc"`` (Blosc + LZ4 + byte shuffle:
-            fast, the recommended one), ``"blosc2"``, ``"blosc2-zstd"`` (smaller, slower);
-            the shortcuts need ``pip install hdf5plugin``.  gzip and lzf compress on one
+        compression / compression_opts / shuffle: HDF5 filters for numeric `values`
+            datasets: `"gzip"`, `"lzf"`, an `hdf5plugin` filter object, or the
+            shortcuts of `COMPRESSIONS`: `"blosc"` (Blosc + LZ4 + byte shuffle:
+            fast, the recommended one), `"blosc2"`, `"blosc2-zstd"` (smaller, slower);
+            the shortcuts need `pip install hdf5plugin`.  gzip and lzf compress on one
             core inside the training step: far slower.
-        metadata: store the run's metadata under ``/meta`` when the file is created;
-            ``False``: none; a dict of options, e.g. ``{"git_diff": False}``: all of it but
-            the uncommitted git diff (see :func:`vartrace.storage.collect_metadata`).
+        metadata: store the run's metadata under `/meta` when the file is created;
+            `False`: none; a dict of options, e.g. `{"git_diff": False}`: all of it but
+            the uncommitted git diff (see `vartrace.storage.collect_metadata`).
         background: write on a thread of the saver's own.  Each call only takes the
-            records over; :meth:`flush` (once per gather) hands the gather to the
+            records over; `flush` (once per gather) hands the gather to the
             thread and returns, so the training step does not wait for the disk.  It
             waits only when the previous gather is still being written (at most two
             gathers are held).  A process killed meanwhile loses the gathers not yet
@@ -703,13 +705,13 @@ class H5PYSaverCallback:
             Worth it where writes block on a slow disk or network file system (h5py
             releases the GIL while HDF5 writes); where writing costs CPU and the cores
             are busy training, it gains nothing.  An error of the thread is raised by the next
-            :meth:`flush` or by :meth:`close`, as :class:`vartrace.storage.WorkerError`
-            (the original exception is its ``__cause__``).
+            `flush` or by `close`, as `vartrace.storage.WorkerError`
+            (the original exception is its `__cause__`).
 
-    The file is opened lazily: by :meth:`on_start` (the tracer calls it when it starts)
+    The file is opened lazily: by `on_start` (the tracer calls it when it starts)
     or by the first call.  In a gathered multi-rank run only rank 0 writes; the saver
     of the other ranks stays idle.  Records handed to the saver are removed from the
-    chunk (``trace.clear()``), so they are not also kept in ``tracer.results``.
+    chunk (`trace.clear()`), so they are not also kept in `tracer.results`.
     """
 
     def __init__(
@@ -886,8 +888,8 @@ class H5PYSaverCallback:
         HDF5 writes out the records first; then the per-site record counts that
         readers trust are rewritten in place.  A process killed at any moment
         leaves every record of the last completed flush readable, and nothing
-        half-written visible.  With ``background=True`` the records are handed
-        to the writer thread, which writes and commits them; ``wait=True`` then
+        half-written visible.  With `background=True` the records are handed
+        to the writer thread, which writes and commits them; `wait=True` then
         also waits until it has.
         """
         with self._lock:
@@ -937,12 +939,12 @@ class H5PYSaverCallback:
     def close(self) -> None:
         """Flush and close the file; later records raise.  Safe to call twice.
 
-        With ``background=True`` it first waits for the writer thread, and raises
+        With `background=True` it first waits for the writer thread, and raises
         its error, if it had one, after closing the file.  The file is closed
         whatever happens.  A write that fails (a full disk) raises nothing: it
-        was warned about once and is kept in :attr:`failure`.  Then the warnings
-        that a ``-W error`` filter turned into errors during the run are emitted
-        again (see :mod:`vartrace._warnings`).
+        was warned about once and is kept in `failure`.  Then the warnings
+        that a `-W error` filter turned into errors during the run are emitted
+        again (see `vartrace._warnings`).
         """
         with self._lock, _interrupts_held():
             self._close()
@@ -981,19 +983,21 @@ class H5PYSaverCallback:
 
     @property
     def failure(self) -> OSError | None:
-        """The write failure (a full disk, a file-size limit) that stopped this saver, or ``None``.
+        """The write failure (a full disk, a file-size limit) that stopped this saver, or `None`.
 
         After it the saver writes nothing more: later records are dropped, and
-        the file holds every record flushed before.  Example::
+        the file holds every record flushed before.  Example:
 
-            if saver.failure is not None:
-                print("the run file is incomplete:", saver.failure.strerror)
+        ```python
+        if saver.failure is not None:
+            print("the run file is incomplete:", saver.failure.strerror)
+        ```
         """
         return self._failure
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
-        """Turn a failed write into a closed file, :attr:`failure` and one warning.
+        """Turn a failed write into a closed file, `failure` and one warning.
 
         After a failed write HDF5 can neither flush the file nor close its
         datasets; closing them anyway, or leaving it to the process's exit,
@@ -1054,7 +1058,7 @@ class H5PYSaverCallback:
     # -- writing --------------------------------------------------------------------------
 
     def __call__(self, name: str, trace: Trace) -> None:
-        """Append the chunk's records of site ``name`` to the file and empty the chunk."""
+        """Append the chunk's records of site `name` to the file and empty the chunk."""
         _UNUSED.discard(self)
         # Ctrl-C is held until the records are written and taken from the chunk: neither
         # half written nor written twice (the tracer keeps what a callback did not take).
@@ -1095,12 +1099,12 @@ class H5PYSaverCallback:
         self._dirty = True
 
     def _continued(self, trace: Trace) -> Trace:
-        """``trace`` with tags that continue the file's (appending): never a duplicate iteration.
+        """`trace` with tags that continue the file's (appending): never a duplicate iteration.
 
         The first records appended decide: when they are tagged at or before the
         file's last iteration (a restarted tracer counts from 1 again), every
         iteration of this session is moved past it, with a warning naming
-        ``set_iteration``; capture order numbers likewise continue the file's.
+        `set_iteration`; capture order numbers likewise continue the file's.
         """
         if self._shift is None and self._last is None:
             self._shift = (0, 0)
@@ -1133,9 +1137,9 @@ class H5PYSaverCallback:
 
     @property
     def datasets(self) -> Mapping[str, h5py.Dataset]:
-        """Site name -> its ``values`` dataset (opened when looked up), while the file is open.
+        """Site name -> its `values` dataset (opened when looked up), while the file is open.
 
-        With ``background=True``, it first waits for the records handed to the thread.
+        With `background=True`, it first waits for the records handed to the thread.
         """
         if self._worker is not None:
             self._worker.join()
@@ -1143,7 +1147,7 @@ class H5PYSaverCallback:
 
 
 class _Datasets(Mapping[str, h5py.Dataset]):
-    """The ``values`` datasets of an open file's sites, opened one at a time when looked up."""
+    """The `values` datasets of an open file's sites, opened one at a time when looked up."""
 
     def __init__(self, handle: h5py.File | None) -> None:
         self._vars = None if handle is None else handle["vars"]
@@ -1168,7 +1172,7 @@ class _Datasets(Mapping[str, h5py.Dataset]):
 def _interrupts_held() -> Iterator[None]:
     """Hold Ctrl-C (SIGINT) back while the file is written, then raise it at the end.
 
-    A ``KeyboardInterrupt`` raised inside a write lands wherever Python code runs
+    A `KeyboardInterrupt` raised inside a write lands wherever Python code runs
     next, often in a weakref callback of h5py's objects, where Python ignores it
     ("Exception ignored in ... KeyboardInterrupt"): training would go on, and a
     write cut short could leave the file's records half written.  So the signal
@@ -1196,7 +1200,7 @@ _HDF5_OS_ERROR = re.compile(r"errno = (\d+), error message = '([^']*)'")
 
 
 def _os_error(error: Exception) -> tuple[int, str] | None:
-    """``(errno, message)`` of the operating-system failure behind an HDF5 write error."""
+    """`(errno, message)` of the operating-system failure behind an HDF5 write error."""
     found = _HDF5_OS_ERROR.search(str(error))
     if found is not None:
         return int(found.group(1)), found.group(2)
@@ -1206,7 +1210,7 @@ def _os_error(error: Exception) -> tuple[int, str] | None:
 
 
 def _size_metadata_cache(handle: h5py.File) -> None:
-    """Give ``handle`` the metadata cache of :data:`_METADATA_CACHE` (holds many open sites)."""
+    """Give `handle` the metadata cache of `_METADATA_CACHE` (holds many open sites)."""
     config = handle.id.get_mdc_config()
     config.set_initial_size = True
     config.initial_size, config.min_size, config.max_size = _METADATA_CACHE
@@ -1222,7 +1226,7 @@ def _claimed_size(handle: h5py.File) -> int:
 
 
 def _pad_to(path: Path, size: int) -> None:
-    """Extend ``path`` to ``size`` bytes with a hole (no disk space taken), so that HDF5,
+    """Extend `path` to `size` bytes with a hole (no disk space taken), so that HDF5,
     which refuses a file shorter than its superblock records, opens it."""
     with contextlib.suppress(OSError):
         if os.path.getsize(path) < size:
@@ -1230,7 +1234,7 @@ def _pad_to(path: Path, size: int) -> None:
 
 
 def _discard_writes(handle: h5py.File) -> None:
-    """Send every later write of ``handle`` to the null device (its file keeps what it holds)."""
+    """Send every later write of `handle` to the null device (its file keeps what it holds)."""
     try:
         fd = handle.id.get_vfd_handle()
         null = os.open(os.devnull, os.O_RDWR)
@@ -1243,7 +1247,7 @@ def _discard_writes(handle: h5py.File) -> None:
 
 
 def _last_tags(handle: h5py.File) -> tuple[int, int] | None:
-    """The largest committed iteration and capture order of an open file; ``None`` if empty."""
+    """The largest committed iteration and capture order of an open file; `None` if empty."""
     committed = handle[COMMITTED][()]
     found: list[tuple[int, int]] = []
     for group in handle["vars"].values():
@@ -1265,7 +1269,7 @@ def _vartrace_version() -> str:
 
 
 def _check_appendable(path: Path) -> None:
-    """Raise unless ``path`` is a vartrace file this version can continue; recover a crash."""
+    """Raise unless `path` is a vartrace file this version can continue; recover a crash."""
     from vartrace.storage.reader import open_file
 
     open_file(path).close()
@@ -1274,17 +1278,19 @@ def _check_appendable(path: Path) -> None:
 
 
 def recover(path: str | os.PathLike[str], *, force: bool = False) -> bool:
-    """Make a file left by a killed writer openable by plain h5py (``h5clear -s``).
+    """Make a file left by a killed writer openable by plain h5py (`h5clear -s`).
 
     A writer killed mid-run leaves a consistent file whose superblock still says
-    "open for writing": ``vartrace.open`` and ``h5py.File(path, "r", swmr=True)``
-    read it as is, plain ``h5py.File(path)`` refuses it until this is called.
+    "open for writing": `vartrace.open` and `h5py.File(path, "r", swmr=True)`
+    read it as is, plain `h5py.File(path)` refuses it until this is called.
     It refuses while the recorded writer process still runs on this host, and
-    when the writer ran on another host unless ``force=True``.  Returns whether
-    flags were cleared.  Example::
+    when the writer ran on another host unless `force=True`.  Returns whether
+    flags were cleared.  Example:
 
-        vartrace.storage.recover("run.h5")
-        h5py.File("run.h5")
+    ```python
+    vartrace.storage.recover("run.h5")
+    h5py.File("run.h5")
+    ```
     """
     path = Path(path)
     if not has_write_flags(path):
@@ -1295,12 +1301,12 @@ def recover(path: str | os.PathLike[str], *, force: bool = False) -> bool:
 
 
 def _refuse_live_writer(path: Path, *, by_saver: bool = False) -> None:
-    """Raise ``OSError(EBUSY)`` unless the writer that left ``path`` open for writing is gone.
+    """Raise `OSError(EBUSY)` unless the writer that left `path` open for writing is gone.
 
     A file whose superblock does not say "open for writing" passes.  The message says
-    what to do: for :func:`recover`, pass ``force=True``; for a saver (``by_saver``,
+    what to do: for `recover`, pass `force=True`; for a saver (`by_saver`,
     which has no such option), wait for or stop the writer, write to another path, or
-    clear the flag with ``recover(path, force=True)`` once the writer is known gone.
+    clear the flag with `recover(path, force=True)` once the writer is known gone.
     """
     if not has_write_flags(path):
         return
