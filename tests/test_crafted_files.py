@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import vartrace
-from vartrace.stat_records import Layout, record_dtype
+from vartrace.statistics.records import Layout, record_dtype
 from vartrace.storage import H5PYSaverCallback
 from vartrace.storage._codec import IN_OTHER, Kind
 from vartrace.storage.reader import RunFileError

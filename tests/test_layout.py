@@ -32,11 +32,33 @@ def test_sources_is_a_package_of_one_concept_per_module_without_cycles() -> None
     graph = _graph("sources")
     assert set(graph) == {
         f"vartrace.sources.{name}"
-        for name in ("statistics", "frames", "buffers", "chunk_maps", "views", "source")
+        for name in ("frames", "buffers", "chunk_maps", "views", "source")
     }
     order = list(graphlib.TopologicalSorter(graph).static_order())  # raises on a cycle
-    assert order.index("vartrace.sources.statistics") < order.index("vartrace.sources.views")
     assert order.index("vartrace.sources.views") < order.index("vartrace.sources.source")
+
+
+def test_statistics_is_one_package_the_analysis_side_imports_never_the_reverse() -> None:
+    graph = _graph("statistics")
+    assert set(graph) == {
+        f"vartrace.statistics.{name}"
+        for name in ("fields", "records", "kernels", "named", "_triton")
+    }
+    order = list(graphlib.TopologicalSorter(graph).static_order())  # raises on a cycle
+    assert order.index("vartrace.statistics.fields") < order.index("vartrace.statistics.records")
+    assert order.index("vartrace.statistics.records") < order.index("vartrace.statistics.named")
+    outside = {
+        imported
+        for path in (PACKAGE / "statistics").glob("*.py")
+        for imported in _imports(path)
+        if not imported.startswith("vartrace.statistics")
+    }
+    assert not {m for m in outside if m.startswith(("vartrace.sources", "vartrace.storage"))}
+    assert not {m for m in outside if m.startswith(("vartrace.comparison", "vartrace.plot"))}
+    users = [
+        p for p in (PACKAGE / "sources").glob("*.py") if "vartrace.statistics.named" in _imports(p)
+    ]
+    assert users, "the read side computes its named statistics from vartrace.statistics"
 
 
 def test_comparison_modules_import_one_way() -> None:

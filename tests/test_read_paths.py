@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import vartrace
-from vartrace.sources.statistics import STATS, reduce_block
+from vartrace.statistics.named import STATS, reduce_block
 from vartrace.storage import H5PYSaverCallback
 from vartrace.storage.reader import RunFileError
 from vartrace.trace import RunContext, Trace

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 import vartrace
 from tests import simgpu
 from tests._models import TinyTransformer, tokens
-from vartrace.stat_records import Statistics, is_statistics
+from vartrace.statistics.records import Statistics, is_statistics
 
 FLOAT_DTYPES = [
     torch.float32,

@@ -32,8 +32,8 @@ import vartrace
 import vartrace.statistics.kernels as kernels
 from tests import simgpu
 from tests.test_stats import assert_matches, reference, tensors
-from vartrace.sources.statistics import SUMMARY_FIELDS
-from vartrace.stat_records import Statistics
+from vartrace.statistics.named import SUMMARY_FIELDS
+from vartrace.statistics.records import Statistics
 
 SUMMARY = vartrace.stats()
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import vartrace
 from vartrace import H5PYSaverCallback, ModelTracer, TensorBoardCallback, Trace
-from vartrace.sources.statistics import STATS, reduce_block
+from vartrace.statistics.named import STATS, reduce_block
 
 pytest.importorskip("tensorboard", reason="needs the tensorboard extra")
 from tensorboard.backend.event_processing.event_accumulator import (

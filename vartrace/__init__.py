@@ -68,8 +68,8 @@ _LAZY = {
     "Site": "vartrace.storage.reader",
     "compare": "vartrace.comparison",
     "Comparison": "vartrace.comparison",
-    "stats": "vartrace.stat_records",
-    "Statistics": "vartrace.stat_records",
+    "stats": "vartrace.statistics.records",
+    "Statistics": "vartrace.statistics.records",
     "TensorBoardCallback": "vartrace.tensorboard",
 }
 
@@ -104,7 +104,7 @@ if TYPE_CHECKING:
     from vartrace.comparison import Comparison, compare
     from vartrace.results import Results
     from vartrace.sites import list_sites, sites_of_type
-    from vartrace.stat_records import Statistics, stats
+    from vartrace.statistics.records import Statistics, stats
     from vartrace.storage.reader import Run, Site
     from vartrace.storage.reader import open_run as open
     from vartrace.storage.writer import H5PYSaverCallback

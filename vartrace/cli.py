@@ -316,7 +316,7 @@ def _value_text(value: Any) -> str:
 def _stats_text(array: np.ndarray) -> str:
     """The one definition of every view (vartrace.sources.STATS): statistics over the finite
     values, then the counts of NaN, +inf and -inf when there are any."""
-    from vartrace.sources.statistics import STATS, reduce_block
+    from vartrace.statistics.named import STATS, reduce_block
 
     block = array.reshape(1, -1)
     parts = [f"{name} {reduce_block(STATS[name], block)[0]:.6g}" for name in _TABLE_STATS]

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vartrace.sources import Source, open_source, record_stats, stat_function
-from vartrace.sources.statistics import COUNTS
 from vartrace.sources.views import STATISTICS
+from vartrace.statistics.named import COUNTS
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

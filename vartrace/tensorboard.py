@@ -3,7 +3,7 @@
 `TensorBoardCallback` is a post-gather callback that writes while the run goes
 (TensorBoard shows it live); `export_run` (`vartrace tensorboard RUN --logdir DIR`)
 writes a finished run's file the same way.  Scalars are the statistics
-`vartrace.sources.statistics.STATS` defines (`mean`, `std`, `min`, `max`,
+`vartrace.statistics.named.STATS` defines (`mean`, `std`, `min`, `max`,
 `absmax` over the finite values; `nan`, `posinf`, `neginf` count the values left
 out), tagged `<site>/<statistic>`; a histogram of the finite values is tagged
 `<site>`.  A scalar record (a 0-d tensor such as a loss, or a number) is one series,
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vartrace.sources.statistics import STATS, reduce_block, value_as_array
+from vartrace.statistics.named import STATS, reduce_block, value_as_array
 from vartrace.trace import RunContext, Trace
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class TensorBoardCallback:
     Args:
         logdir: the folder of the event files (`tensorboard --logdir` its parent to
             compare runs).
-        stats: statistic names of `vartrace.sources.statistics.STATS` written as
+        stats: statistic names of `vartrace.statistics.named.STATS` written as
             scalars (for records with at least one dimension: a scalar record is written
             as its value).
         histograms: also write a histogram of each record's finite values (it reads
@@ -190,7 +190,7 @@ class TensorBoardCallback:
 
 
 def _as_statistics(value: Any) -> Any:
-    from vartrace.stat_records import as_statistics
+    from vartrace.statistics.records import as_statistics
 
     return as_statistics(value)
 

@@ -37,7 +37,7 @@ from vartrace.record import DROP, Unstored, subscribe, unsubscribe
 from vartrace.results import Results, unstacked
 from vartrace.silence import SilenceWatch
 from vartrace.sites import Target, fullgraph_regions, is_compiled, resolve, unwrap
-from vartrace.stat_records import stats
+from vartrace.statistics.records import stats
 from vartrace.tensors import (
     copy_leaf,
     is_transformed,

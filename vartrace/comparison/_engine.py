@@ -43,9 +43,9 @@ from vartrace.sources import (
     value_as_array,
     value_dtype_name,
 )
-from vartrace.sources.statistics import STATS, statistic_of
 from vartrace.sources.views import STATISTICS
-from vartrace.stat_records import as_statistics
+from vartrace.statistics.named import STATS, statistic_of
+from vartrace.statistics.records import as_statistics
 
 #: Largest block (bytes per side, counted as float64) read from a file in one go.
 _READ_BYTES = 32 << 20

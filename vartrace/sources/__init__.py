@@ -26,8 +26,8 @@ from vartrace.sources.buffers import BufferPool
 from vartrace.sources.chunk_maps import FileMaps
 from vartrace.sources.frames import results_frame
 from vartrace.sources.source import Source, open_source
-from vartrace.sources.statistics import STATS, stat_function, value_as_array, value_dtype_name
 from vartrace.sources.views import SiteView, Unreadable, numeric_groups, record_stats
+from vartrace.statistics.named import STATS, stat_function, value_as_array, value_dtype_name
 
 __all__ = [
     "STATS",

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from vartrace.sources.statistics import (
+from vartrace.statistics.named import (
     stat_function,
     statistic_of,
     value_as_array,

@@ -16,7 +16,7 @@ import numpy as np
 
 from vartrace.sources.buffers import BufferPool
 from vartrace.sources.chunk_maps import ChunkMap, FileMaps
-from vartrace.sources.statistics import (
+from vartrace.statistics.named import (
     BLOCK_BYTES,
     stat_function,
     statistic_of,
@@ -250,7 +250,7 @@ class FileSiteView(SiteView):
 
     def _statistics(self, rows: np.ndarray) -> list[Any]:
         """Records of a statistics site: its compound `values` read in one go."""
-        from vartrace.stat_records import Statistics
+        from vartrace.statistics.records import Statistics
         from vartrace.storage.reader import all_values
 
         fits = np.asarray(self._site.in_values)

@@ -1,4 +1,14 @@
-"""Statistics mode's computations: the fused summary of a record (`.kernels`).
+"""Statistics mode in one place: what a record holds, how it is computed, how it is read.
+
+- `fields`: the names of a record's summary fields, in stored order;
+- `records`: the record layout, the `Statistics` mapping a reader gives back, and
+  `vartrace.stats()` (the pre-save reducer) and its `StatsReducer`;
+- `kernels`: the fused summary of a tensor in one op (numpy on the CPU, Triton on CUDA);
+- `named`: the named statistics (`mean`, `absmax`, ...) that readers, plots and comparisons
+  compute over recorded values, statistics records included.
+
+The analysis side (`vartrace.sources`, the reader, `compare`, `plot`) imports this package;
+nothing here imports them.
 
 Example:
     ```python

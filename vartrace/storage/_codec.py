@@ -263,7 +263,7 @@ def _statistics(array: np.ndarray) -> Leaf | None:
     """The leaf of a statistics record (`vartrace.stats`): a compound row, else `None`."""
     if array.dtype != np.float64 or array.ndim != 1:
         return None
-    from vartrace.stat_records import to_compound
+    from vartrace.statistics.records import to_compound
 
     row = to_compound(array)
     return None if row is None else Leaf(Kind.STATISTICS, row, STATISTICS)
@@ -324,7 +324,7 @@ def from_array(kind: int, array: Any, torch_dtype: str = "", where: str = "a rec
     if kind == Kind.NDARRAY:
         return array
     if kind == Kind.STATISTICS:
-        from vartrace.stat_records import Statistics
+        from vartrace.statistics.records import Statistics
 
         return Statistics(array)
     if kind == Kind.NPSCALAR:

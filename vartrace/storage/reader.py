@@ -41,7 +41,7 @@ import h5py
 import numpy as np
 
 from vartrace._warnings import warn
-from vartrace.sources.statistics import STATS, SUMMARY_FIELDS, reduce_block
+from vartrace.statistics.named import STATS, SUMMARY_FIELDS, reduce_block
 from vartrace.storage._codec import (
     IN_OTHER,
     KIND_NAMES,
@@ -1083,7 +1083,7 @@ def _first_order(parts: list[_Part]) -> int:
 
 def _numeric(value: Any) -> np.ndarray | None:
     """A numeric record as a numpy array (tensors of any dtype included), else `None`."""
-    from vartrace.stat_records import Statistics
+    from vartrace.statistics.records import Statistics
 
     if isinstance(value, Statistics):
         return value.row
@@ -1108,7 +1108,7 @@ def _apply(stat: str | Callable[[Any], Any], value: Any, numeric: np.ndarray | N
     if callable(stat):
         return stat(value)
     if numeric is not None and numeric.dtype.names:  # a statistics record: its own field
-        from vartrace.stat_records import Statistics
+        from vartrace.statistics.records import Statistics
 
         return Statistics(numeric).statistic(stat)
     if numeric is None or stat not in STATS:

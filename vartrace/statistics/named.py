@@ -16,6 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from vartrace.statistics.fields import COUNTS, SUMMARY_FIELDS
+from vartrace.statistics.records import as_statistics
+
 __all__ = [
     "BLOCK_BYTES",
     "COUNTS",
@@ -158,13 +161,6 @@ def summarize(block: np.ndarray, names: Sequence[str]) -> dict[str, np.ndarray]:
         return {name: _FIELDS[name](finite) for name in names}
 
 
-#: The statistics that count values (whole numbers), stored as integers by statistics mode.
-COUNTS = ("count", "nan", "posinf", "neginf", "zeros")
-
-#: The fields of every statistics-mode record (:func:`vartrace.stats`), in stored order.
-SUMMARY_FIELDS = ("count", "mean", "std", "min", "max", "absmax", "norm", *COUNTS[1:])
-
-
 def stat_function(stat: str) -> Callable[[np.ndarray], np.ndarray]:
     """The vectorised reducer of a statistic name from `STATS`.
 
@@ -271,8 +267,6 @@ def _statistics(value: Any) -> Any:
     """`value` as a `vartrace.Statistics` when it is a statistics record, else `None`."""
     if not isinstance(value, (np.ndarray, Mapping)) and "torch" not in sys.modules:
         return None
-    from vartrace.stat_records import as_statistics
-
     return as_statistics(value)
 
 

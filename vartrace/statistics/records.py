@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vartrace.sources.statistics import COUNTS, SUMMARY_FIELDS
+from vartrace.statistics.fields import COUNTS, SUMMARY_FIELDS
 from vartrace.statistics.kernels import cpu_summary, summarize_values, summary
 
 __all__ = [
@@ -350,7 +350,7 @@ class StatsReducer:
         """Whether records hold more than the summary: a histogram or quantiles."""
         return self.layout.bins is not None or bool(self.layout.quantiles)
 
-    # -- the host definition: vartrace.sources.statistics ---------------------------------------
+    # -- the host definition: vartrace.statistics.named ---------------------------------------
 
     def _host(self, array: np.ndarray) -> np.ndarray:
         layout = self.layout
