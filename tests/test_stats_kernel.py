@@ -208,8 +208,36 @@ def _interpreted_triton() -> types.ModuleType | None:
     return module
 
 
-TRITON = _interpreted_triton()
-needs_triton = pytest.mark.skipif(TRITON is None, reason="triton is not installed")
+# Triton decides at decoration whether a function is interpreted, its standard library's
+# included (decorated when triton is first imported): its interpreter works only in a process
+# started with TRITON_INTERPRET=1.  The kernels' tests run in such a process of their own
+# (test_the_triton_kernels_run_in_the_interpreter), where they run here for real.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON = _interpreted_triton() if IN_INTERPRETER else None
+needs_triton = pytest.mark.skipif(
+    TRITON is None,
+    reason="runs in a process started with TRITON_INTERPRET=1, by "
+    "test_the_triton_kernels_run_in_the_interpreter"
+    if HAS_TRITON
+    else "triton is not installed",
+)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(IN_INTERPRETER, reason="this is the process it starts")
+def test_the_triton_kernels_run_in_the_interpreter() -> None:
+    tests = "triton_kernels_equal_the_reference or triton_kernels_on_large_records"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", tests],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert "4 passed" in result.stdout, result.stdout[-2000:]
 
 
 def triton_summary(tensor: torch.Tensor, block: int, spans: int, tile: int) -> torch.Tensor:
