@@ -5,8 +5,10 @@ leaves its loop by `sys.exit`, an exception path that skips `stop()`)
 registers itself with `watch`.  When the interpreter shuts down, *before*
 it joins threads and before `atexit` handlers run (savers close their files
 there; CUDA is torn down after), each one still watched is stopped: its last
-records reach the callbacks and the file.  Each stop is bounded in time, so an
-exit never hangs on a gather whose other ranks are gone.  Example:
+records reach the callbacks and the file.  The stop runs on the exiting thread (Python
+3.12 starts no thread at shutdown); its waits are bounded: the staging thread's last
+records, and, under `torch.distributed`, final gathers that wait for ranks that are gone
+at most the process group's timeout.  Example:
 
 ```python
 watch(tracer)      # while it runs
@@ -20,12 +22,7 @@ import threading
 import weakref
 from typing import Protocol
 
-from vartrace._warnings import warn
-
-__all__ = ["EXIT_SECONDS", "unwatch", "watch"]
-
-EXIT_SECONDS = 60.0
-"""The longest one tracer's stop may take at interpreter exit."""
+__all__ = ["unwatch", "watch"]
 
 
 class _Stoppable(Protocol):
@@ -56,13 +53,4 @@ def unwatch(owner: _Stoppable) -> None:
 def _stop_all() -> None:
     for owner in list(_watched):
         _watched.discard(owner)
-        stopper = threading.Thread(target=owner._stop_at_exit, name="vartrace-exit", daemon=True)
-        stopper.start()
-        stopper.join(EXIT_SECONDS)
-        if stopper.is_alive():
-            warn(
-                f"vartrace: a tracer left running did not stop within {EXIT_SECONDS:g} s of "
-                "interpreter exit; its last records may be missing: stop tracers with "
-                "`with ModelTracer(...)` or tracer.stop()",
-                RuntimeWarning,
-            )
+        owner._stop_at_exit()
