@@ -9,7 +9,6 @@ checkpointing, bit for bit, tagged with the forward's iteration.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,15 +26,6 @@ SITES = [
     "blocks.0.forward.self.fc.weight@grad",  # a parameter used only in the region
     "head.forward.self.weight@grad",  # a parameter outside it
 ]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """These models are tiny: intra-op threads only spin against the other processes' load."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Block(nn.Module):

@@ -28,15 +28,6 @@ VOCAB, SEQ, BATCH = 32, 6, 2
 SCORES = "layers.*.attn.forward.scores@grad"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """These models are tiny: intra-op threads only spin against the other processes' load."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Attention(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_cli import vartrace
+
 #: Dict keys of the traced code, each a site name ``forward.parts.<key>``.
 KEYS = [
     "csi\x1b[2Jcleared",  # CSI: clears the screen
@@ -74,16 +76,6 @@ def raw_controls(text: str) -> list[str]:
     """The characters of ``text`` a terminal would act on, but for the newlines ending lines."""
     hidden = {"Cc", "Cf", "Cs", "Zl", "Zp"}
     return [c for c in text if c != "\n" and unicodedata.category(c) in hidden]
-
-
-def vartrace(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "vartrace", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=120,
-    )
 
 
 def shown(result: subprocess.CompletedProcess[str]) -> str:
