@@ -112,8 +112,11 @@ def test_mixtral_router_logits_are_stored_once_per_layer() -> None:
     with ModelTracer(model, ["**.router_logits"]) as tracer:
         out = model(_ids(), output_router_logits=True)
     gate = "model.layers.{}.mlp.gate.forward.router_logits"
-    assert sorted(tracer.results) == [gate.format(0), gate.format(1)]  # issue 22 item 15
+    assert tracer.results.stored == [gate.format(0), gate.format(1)]  # issue 22 item 15
     torch.testing.assert_close(tracer.results[gate.format(1)].values[0], out.router_logits[1])
+    # issue 32 item 0: the names the tensor was handed up through read as the gate's records
+    assert tracer.results["forward.router_logits.1"] is tracer.results[gate.format(1)]
+    assert tracer.results.aliases["model.forward.router_logits.1"] == gate.format(1)
 
 
 def test_llama_cache_argument_and_output_field_keep_both() -> None:

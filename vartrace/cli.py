@@ -234,13 +234,15 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     from vartrace.sources import open_source
 
     with _open(args.run) as run, open_source(run) as source:
+        aliases: dict[str, str] = getattr(run, "aliases", {})
         rows = []
         total_records = 0
         total_bytes = 0
         for name in source.names:
             view = source.site(name)
-            nbytes = _site_bytes(run[name])
-            total_records += len(view.iterations)
+            nbytes = None if name in aliases else _site_bytes(run[name])
+            if name not in aliases:
+                total_records += len(view.iterations)
             total_bytes += nbytes or 0
             rows.append(
                 (
@@ -250,15 +252,21 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                     ",".join(_dtypes(view)) or "-",
                     _range_text(view.iterations),
                     _range_text(view.ranks),
-                    "-" if nbytes is None else _human_bytes(nbytes),
+                    "alias" if name in aliases else "-" if nbytes is None else _human_bytes(nbytes),
                 )
             )
         live = " (live: its writer still runs; run again for newer records)" if run.live else ""
-    summary = f"{len(rows)} sites, {total_records} records, {_human_bytes(total_bytes)}"
+    stored = len(rows) - len(aliases)
+    summary = f"{stored} sites, {total_records} records, {_human_bytes(total_bytes)}"
+    if aliases:
+        summary += f"; {len(aliases)} aliases"
     _print(f"{args.run}: {summary}{live}")
     if rows:
         header = ("site", "records", "shape", "dtype", "iterations", "ranks", "bytes")
         _print(*_table(header, rows, right=(1, 6)))
+    if aliases:
+        _print("", "aliases (a value stored once, under the site that held it first):")
+        _print(*(f"  {name} -> {target}" for name, target in aliases.items()))
     return 0
 
 

@@ -78,6 +78,9 @@ def unstacked(pieces: list[Trace]) -> Trace:
 class Results(Mapping[str, Trace]):
     """Site name -> [`Trace`][vartrace.Trace] of everything kept in memory.
 
+    The names include the aliases of `**` patterns (`aliases`): a name that held a
+    tensor another site stored reads as that site's records.
+
     Example:
         ```python
         scores = tracer.results["layers.0.attn.forward.scores"]
@@ -87,23 +90,42 @@ class Results(Mapping[str, Trace]):
 
     def __init__(self) -> None:
         self._pieces: dict[str, list[Trace]] = {}
+        self._aliases: dict[str, str] = {}
 
     def add(self, name: str, trace: Trace) -> None:
-        """Keep the records of one chunk of site `name`."""
+        """Keep the records of one chunk of site `name` (an alias of that name ends)."""
         if len(trace):
+            self._aliases.pop(name, None)
             self._pieces.setdefault(name, []).append(trace)
 
+    def alias(self, name: str, target: str) -> None:
+        """Make `name` read as site `target` (the records stored once, under `target`)."""
+        if name not in self._pieces:
+            self._aliases[name] = target
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Alias -> the site whose records it reads as."""
+        return dict(self._aliases)
+
+    @property
+    def stored(self) -> list[str]:
+        """The names that hold records of their own (every name but the aliases)."""
+        return list(self._pieces)
+
     def __getitem__(self, name: str) -> Trace:
-        pieces = self._pieces[name]
+        pieces = self._pieces.get(self._aliases.get(name, name))
+        if pieces is None:
+            raise KeyError(name)
         if len(pieces) > 1:
             pieces[:] = [join_traces(pieces)]
         return pieces[0]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._pieces)
+        return iter([*self._pieces, *(a for a, t in self._aliases.items() if t in self._pieces)])
 
     def __len__(self) -> int:
-        return len(self._pieces)
+        return len(self._pieces) + sum(t in self._pieces for t in self._aliases.values())
 
     def __repr__(self) -> str:
         return f"<Results sites={len(self)}>"

@@ -31,6 +31,7 @@ from torch._dynamo.eval_frame import _TorchDynamoContext as _DynamoContext
 from torch.nn.modules.module import _global_forward_hooks
 
 from vartrace._warnings import warn
+from vartrace.aliases import Aliases
 from vartrace.engine.code import (
     CALLEE_SEPARATOR,
     MethodInfo,
@@ -429,14 +430,17 @@ class _Claims:
     A tensor handed up through return values (a router's logits, returned by its
     layer, collected in the model's output, in the output of the model around it)
     matches `**.router_logits` at every level: it is stored once, under the site
-    that captured it first (where it was computed), until it changes in place.
+    that captured it first (where it was computed), until it changes in place; the
+    other names read as that site (`aliases`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, aliases: Aliases) -> None:
         self._held: dict[int, tuple[weakref.ref[torch.Tensor], str, int]] = {}
+        self._aliases = aliases
 
     def admit(self, sink: Sink, name: str, leaf: Any, grad: bool) -> None:
-        """Pass `leaf` on to `sink` unless another site holds the same tensor, unchanged."""
+        """Pass `leaf` on to `sink` unless another site holds the same tensor, unchanged
+        (then `name` becomes an alias of that site)."""
         if isinstance(leaf, torch.Tensor):
             try:
                 version = leaf._version
@@ -444,10 +448,17 @@ class _Claims:
                 version = -1
             key = id(leaf)
             held = self._held.get(key)
-            if held is not None and held[0]() is leaf and held[1] != name and held[2] == version:
+            if (
+                held is not None
+                and held[0]() is leaf
+                and held[1] != name
+                and held[2] == version
+                and self._aliases.share(name, held[1])
+            ):
                 return
             ref = weakref.ref(leaf, functools.partial(self._forget, key))
             self._held[key] = (ref, name, version)
+        self._aliases.own(name)
         sink(name, leaf, grad)
 
     def _forget(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
@@ -908,7 +919,13 @@ def _closest(
     return candidates[:5]
 
 
-def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -> list[Target]:
+def resolve(
+    model: nn.Module,
+    patterns: Sequence[str],
+    *,
+    strict: bool = True,
+    aliases: Aliases | None = None,
+) -> list[Target]:
     """Resolve `patterns` into the targets to patch on `model` (already unwrapped).
 
     Raises `ValueError` quoting the pattern when one is malformed or, with
@@ -916,7 +933,9 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
     below a value a method returns from a call (`return self.proj(h)`)
     matches when the callee's result can have it, followed statically; where
     only the run can tell, or with `strict=False`, it is checked at the
-    method's first return instead (a missing key warns then).
+    method's first return instead (a missing key warns then).  The names a `**`
+    pattern matches that hold a tensor another of its sites stored are declared to
+    `aliases` (see `vartrace.aliases`).
     """
     if isinstance(patterns, str):
         patterns = [patterns]
@@ -928,7 +947,8 @@ def resolve(model: nn.Module, patterns: Sequence[str], *, strict: bool = True) -
         found = 0
         errors: list[str] = []
         resolver = _Resolver(modules, pattern, returns, strict)
-        claims = _Claims() if "**" in pattern.segments else None
+        shared = Aliases() if aliases is None else aliases
+        claims = _Claims(shared) if "**" in pattern.segments else None
         for selection in resolver.selections():
             key = (id(selection.module), selection.method.name)
             target = targets.get(key)

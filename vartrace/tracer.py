@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from vartrace import _exit, _forks, _warnings, distributed
+from vartrace.aliases import Aliases
 from vartrace.device import HostRing, OnFull, Stager, StagingStats, detach_from_ring
 from vartrace.engine.frames import set_change_test
 from vartrace.engine.patching import Hook, attach, detach, filter_state
@@ -447,7 +448,8 @@ class ModelTracer:
         self._stager: Stager | None = None
         self._group: Any = None  # the gathers' own process group, with asynchronous staging
         self.gather = gather
-        self._targets = resolve(self.model, paths, strict=strict)
+        self._aliases = Aliases()
+        self._targets = resolve(self.model, paths, strict=strict, aliases=self._aliases)
         _warn_unused_savers(self._all_callbacks())
         self._silence = SilenceWatch(self._targets, mode, self.model)
         self._results = Results()
@@ -609,7 +611,7 @@ class ModelTracer:
                 self._flush(final=True)
             if flush:
                 results = self._results
-                for name in list(results):
+                for name in results.stored:
                     _run_callbacks("post_trace", self.post_trace_callbacks, name, results[name])
         finally:  # after the flush: what warns here never keeps the records from the file
             counter = self._iterations
@@ -1002,8 +1004,10 @@ class ModelTracer:
         """
         with self._lock:
             chunk, self._chunk = self._chunk, {}
-        if not chunk and distributed.world_size() == 1:
+        aliases = self._aliases.taken()
+        if not chunk and not aliases and distributed.world_size() == 1:
             return  # nothing to hand on, and no other rank waits for this gather
+        self._declare(aliases)
         self._retag(chunk)
         pending = dict(chunk)  # the traces not yet in the results
         ring = None if self._stager is None else self._stager.ring
@@ -1028,6 +1032,20 @@ class ModelTracer:
             flush = getattr(callback, "flush", None)
             if flush is not None:
                 flush()
+
+    def _declare(self, aliases: list[tuple[str, str]]) -> None:
+        """Tell the results and the post-gather callbacks that have an `alias` method
+        (the HDF5 saver) which names read as another site, before that site's records.
+
+        With `gather=True` only rank 0 does: it alone receives the gathered records.
+        """
+        if not aliases or (self.gather and distributed.rank() != 0):
+            return
+        told = [getattr(c, "alias", None) for c in self.post_gather_callbacks]
+        sinks = [self._results.alias, *(alias for alias in told if callable(alias))]
+        for name, target in aliases:
+            for sink in sinks:
+                sink(name, target)
 
     def _gathers(
         self, chunk: dict[str, Trace], final: bool
