@@ -5,7 +5,8 @@ The tracer hands each record of an accelerator tensor to a
 and gets it back, in capture order, on the stager's thread.  Behind that door:
 
 * `vartrace.device.staging`: admission (a device clone, no event, no lock),
-  per-step batches, change detection on the device, the copies to the host;
+  per-step batches, change detection (on the device, within `max_device_bytes`
+  of previous records; past it on the host), the copies to the host;
 * `vartrace.device.ring`: the host memory those copies land in, allocated once;
 * `vartrace.device._threads`: the staging thread's own single OpenMP thread.
 """

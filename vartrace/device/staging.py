@@ -19,7 +19,9 @@ thread instead, and costs that thread one clone per record:
 3. **Copy** (one `vartrace-staging-N` thread per tracer): a side stream
    waits for those events, compares each clone with the site's previous one
    on the device (bit for bit, into one flag per record: no host pass over
-   unchanged records), copies the clones into slots of a `HostRing`
+   unchanged records; the previous clones held within `max_device_bytes`, a
+   site past it compared on the host at delivery instead, its host copy with
+   its previous one, bit for bit too), copies the clones into slots of a `HostRing`
    (pinned memory allocated once and reused: no copy-out, no allocation per
    record), and records one event.
 4. **Delivery** (the same thread, in admission order): once that event has
@@ -66,6 +68,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -95,6 +98,9 @@ _CPU = torch.device("cpu")
 _STREAM_API = ("Stream", "Event", "current_stream", "stream")
 _POLL_FIRST, _POLL_MAX = 2e-5, 1e-3  # seconds between event polls: doubling, capped
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_DEVICE_BYTES_CAP = 2 << 30  # the default max_device_bytes: a twentieth of the memory, at most
+_DEVICE_BYTES_UNKNOWN = 1 << 30  # ... this where torch cannot tell the device's memory
+_COMPARE_CHUNK = 1 << 20  # bytes compared at once on the host
 _names = itertools.count(1)
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside autograd's backward
 
@@ -120,6 +126,11 @@ class StagingStats:
         wakeups: times the staging thread woke up (hand-offs seen, event polls).
         host_bytes_peak: the most bytes of host slots in use at once.
         overflows: records that found the host ring full and got memory of their own.
+        device_compare_bytes: bytes of previous records held on the devices now, to compare
+            the next ones with there (at most `max_device_bytes`).
+        device_compare_bytes_peak: the most of those bytes held at once.
+        host_compares: staged records compared on the host, their sites' previous records
+            not fitting in `max_device_bytes` on the device.
     """
 
     admitted: int = 0
@@ -138,6 +149,9 @@ class StagingStats:
     wakeups: int = 0
     host_bytes_peak: int = 0
     overflows: int = 0
+    device_compare_bytes: int = 0
+    device_compare_bytes_peak: int = 0
+    host_compares: int = 0
 
 
 _stream_modules: dict[str, ModuleType | None] = {}
@@ -176,6 +190,32 @@ def stageable(value: Any) -> bool:
     )
 
 
+def _default_device_bytes(device: torch.device) -> int:
+    """`max_device_bytes` by default: a twentieth of `device`'s memory, at most 2 GiB; 1 GiB
+    where torch cannot tell the memory (a device module with no `get_device_properties`)."""
+    try:
+        total = torch.get_device_module(device.type).get_device_properties(device).total_memory
+    except Exception:  # no such query for this device type, or one that fails: a fixed default
+        return _DEVICE_BYTES_UNKNOWN
+    return min(_DEVICE_BYTES_CAP, int(total) // 20)
+
+
+def _bytes(host: torch.Tensor) -> np.ndarray:
+    """A contiguous host tensor's bytes, as a numpy view (views only: no torch CPU kernel)."""
+    return host.view(-1).view(torch.uint8).numpy()
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous host tensors of one dtype and shape hold the same bits, as
+    `memcmp` tells: a chunk at a time, to the first chunk that differs (no temporary larger
+    than a chunk).  -0.0 differs from 0.0, NaNs are equal when their payloads are."""
+    left, right = _bytes(a), _bytes(b)
+    return all(
+        np.array_equal(left[start : start + _COMPARE_CHUNK], right[start : start + _COMPARE_CHUNK])
+        for start in range(0, left.size, _COMPARE_CHUNK)
+    )
+
+
 def _bit_view(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous record as integers of its width: equal views mean equal bits."""
     if tensor.dtype == torch.complex128:
@@ -200,7 +240,17 @@ class _Ready:
 class _Staged:
     """A device clone on its way to the host."""
 
-    __slots__ = ("clone", "host", "iteration", "module", "nbytes", "prev", "site", "stream")
+    __slots__ = (
+        "clone",
+        "host",
+        "iteration",
+        "module",
+        "nbytes",
+        "on_host",
+        "prev",
+        "site",
+        "stream",
+    )
 
     def __init__(
         self, site: str, iteration: int, clone: torch.Tensor, stream: Any, module: ModuleType
@@ -211,6 +261,7 @@ class _Staged:
         self.nbytes = clone.nbytes
         self.host: torch.Tensor | None = None
         self.prev: torch.Tensor | None = None  # what the clone is compared with, kept alive
+        self.on_host = False  # compared at delivery, its host copy with the site's last one
 
 
 class _Batch:
@@ -254,7 +305,15 @@ class Stager:
             device, where the record is the clone itself (then nothing is copied
             to the host at all).
         compare: leave out a staged record equal, bit for bit, to the site's
-            previous one (compared on the device).
+            previous one (compared on the device, or past `max_device_bytes` on the host).
+        max_device_bytes: the most bytes of previous records that change detection holds
+            on the devices, all together.  Sites take them first come, first served; a
+            site whose record does not fit is compared on the host instead (its host
+            copy with its previous host copy, bit for bit: the same records are kept),
+            at the cost of a host pass on the staging thread and of that previous host
+            copy.  `0`: every site is compared on the host.  Default: a twentieth of
+            the memory of the first staged record's device, at most 2 GiB (1 GiB where
+            torch cannot tell the memory).
         host_bytes: the most bytes of host memory the ring of host slots allocates
             (default: twice `max_inflight_bytes`).
         name: the thread's name.
@@ -268,6 +327,7 @@ class Stager:
         on_full: OnFull = "wait",
         device: torch.device = _CPU,
         compare: bool = True,
+        max_device_bytes: int | None = None,
         host_bytes: int | None = None,
         name: str | None = None,
     ) -> None:
@@ -277,8 +337,17 @@ class Stager:
             raise ValueError(
                 f"max_inflight_bytes must be a positive integer, not {max_inflight_bytes!r}"
             )
+        if max_device_bytes is not None and (
+            not isinstance(max_device_bytes, int)
+            or isinstance(max_device_bytes, bool)
+            or max_device_bytes < 0
+        ):
+            raise ValueError(
+                f"max_device_bytes must be None or an integer >= 0, not {max_device_bytes!r}"
+            )
         self.stats = StagingStats()
         self.device = device
+        self.max_device_bytes = max_device_bytes  # the default set at the first staged record
         self.ring = HostRing(2 * max_inflight_bytes if host_bytes is None else host_bytes)
         self._deliver = deliver
         self._bound = max_inflight_bytes
@@ -300,7 +369,12 @@ class Stager:
         self._closing = False
         self._errors: collections.deque[BaseException] = collections.deque()  # not yet raised
         self._streams: dict[torch.device, Any] = {}
-        self._prev: dict[str, torch.Tensor] = {}  # site -> its last clone (staging thread)
+        # Change detection (the staging thread): site -> its last clone on the device; the
+        # sites compared on the host, as `_issue` sees them; site -> its last host copy
+        # kept, as `_finish` sees them (after the earlier batches' deliveries).
+        self._prev: dict[str, torch.Tensor] = {}
+        self._on_host: set[str] = set()
+        self._host_prev: dict[str, torch.Tensor] = {}
         self._warned_wait = False
         self._warned_capture = False
         self._thread = threading.Thread(
@@ -538,6 +612,9 @@ class Stager:
                 while not self._queue and not pending:
                     if self._closing:
                         self._prev.clear()
+                        self._on_host.clear()
+                        self._host_prev.clear()  # their slots go back to the ring
+                        stats.device_compare_bytes = 0
                         return
                     self._cv.wait()
                     stats.wakeups += 1
@@ -581,7 +658,8 @@ class Stager:
         module = side = None
         for index, item in enumerate(batch.items):
             if isinstance(item, _Ready):
-                self._prev.pop(item.site, None)  # compared on the host from now on
+                self._forget_on_device(item.site)  # compared on the host from now on
+                self._on_host.discard(item.site)
                 continue
             clone = item.clone
             assert clone is not None
@@ -592,13 +670,11 @@ class Stager:
                         side.wait_event(event)
             with module.stream(side):
                 if self._compare:
-                    prev = self._prev.get(item.site)
-                    if prev is not None and prev.dtype == clone.dtype and prev.shape == clone.shape:
-                        item.prev = prev
+                    self._place(item, clone)
+                    if item.prev is not None:
                         batch.flags[index] = len(flags)
-                        flags.append(torch.ne(_bit_view(clone), _bit_view(prev)).any())
-                    self._prev[item.site] = clone
-                if to_host:
+                        flags.append(torch.ne(_bit_view(clone), _bit_view(item.prev)).any())
+                if to_host or item.on_host:
                     item.host = self.ring.tensor(clone.shape, clone.dtype)
                     item.host.copy_(clone, non_blocking=True)
         if module is None:
@@ -611,6 +687,61 @@ class Stager:
             batch.done = module.Event(blocking=True)
             batch.done.record(side)
         self.stats.pinned = self.ring.pinned
+
+    def _place(self, item: _Staged, clone: torch.Tensor) -> None:
+        """Decide where `item`'s record is compared, and keep its clone for the next.
+
+        On the device, with the site's last clone (`item.prev`) when that one has the
+        record's dtype and shape; the clone then takes its place.  A site with no such
+        clone keeps this one if it fits in `max_device_bytes` (first come, first served);
+        otherwise the site is compared on the host, at delivery (`item.on_host`), until
+        one of its records is copied at admission.  A record of another dtype or shape
+        than its site's last differs anyway, so a site on the device is placed again
+        then, at no cost to the result.
+        """
+        site = item.site
+        prev = self._prev.get(site)
+        if prev is not None and prev.dtype == clone.dtype and prev.shape == clone.shape:
+            item.prev = prev
+            self._prev[site] = clone  # as many bytes as the one it replaces
+            return
+        if prev is not None:
+            self._forget_on_device(site)
+        if site not in self._on_host:
+            if self.max_device_bytes is None:
+                self.max_device_bytes = _default_device_bytes(clone.device)
+            stats = self.stats
+            held = stats.device_compare_bytes + clone.nbytes
+            if held <= self.max_device_bytes:
+                self._prev[site] = clone
+                stats.device_compare_bytes = held
+                stats.device_compare_bytes_peak = max(stats.device_compare_bytes_peak, held)
+                return
+            self._on_host.add(site)
+        item.on_host = True
+
+    def _forget_on_device(self, site: str) -> None:
+        """Let go of `site`'s last clone, if the device holds one for it."""
+        prev = self._prev.pop(site, None)
+        if prev is not None:
+            self.stats.device_compare_bytes -= prev.nbytes
+
+    def _unchanged_on_host(self, item: _Staged) -> bool:
+        """Whether `item`'s host copy equals, bit for bit, its site's last one compared on
+        the host; if not, it is the site's last from now on."""
+        host = item.host
+        assert host is not None
+        self.stats.host_compares += 1
+        last = self._host_prev.get(item.site)
+        if (
+            last is not None
+            and last.dtype == host.dtype
+            and last.shape == host.shape
+            and _same_bytes(last, host)
+        ):
+            return True
+        self._host_prev[item.site] = host  # its slot stays taken until the site's next
+        return False
 
     def _side(self, device: torch.device, module: ModuleType) -> Any:
         side = self._streams.get(device)
@@ -639,15 +770,22 @@ class Stager:
         stats = self.stats
         changed = batch.slot.numpy().tolist() if batch.slot is not None else []
         deliver = self._deliver
+        to_host = self.device == _CPU
         for index, item in enumerate(batch.items):
             if isinstance(item, _Ready):
+                self._host_prev.pop(item.site, None)  # as `_issue` took it off the host
                 deliver(item.site, item.record, item.iteration, item.host)
                 continue
-            position = batch.flags.get(index)
-            if position is not None and not changed[position]:
-                stats.unchanged += 1
-                continue
-            record = item.host if item.host is not None else item.clone
+            if item.on_host:
+                if self._unchanged_on_host(item):
+                    stats.unchanged += 1
+                    continue
+            else:
+                position = batch.flags.get(index)
+                if position is not None and not changed[position]:
+                    stats.unchanged += 1
+                    continue
+            record = item.host if to_host else item.clone
             assert record is not None
             if record.device != self.device:
                 record = record.to(self.device, non_blocking=True)
