@@ -147,3 +147,54 @@ def test_llama_cache_argument_and_output_field_keep_both() -> None:
 def test_llama_misspelt_names_are_refused_before_step_one(pattern: str, closest: str) -> None:
     with pytest.raises(ValueError, match=rf"'{re.escape(pattern)}' matches no site.*{closest}"):
         ModelTracer(_llama(), [pattern])  # issue 22 item 1, on the real code
+
+
+def _t5() -> torch.nn.Module:
+    config = transformers.T5Config(
+        vocab_size=32,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return _eager(transformers.T5ForConditionalGeneration, config)
+
+
+@pytest.mark.parametrize(
+    ("build", "wanted"),
+    [
+        (_gpt2, "transformer.h.{}.attn.forward.attn_weights"),
+        (_llama, "model.layers.{}.self_attn.forward.attn_weights"),
+        (_bert, "encoder.layer.{}.attention.self.forward.attn_weights"),
+    ],
+    ids=["gpt2", "llama", "bert"],
+)
+def test_the_attention_weights_read_under_the_attention_forward(build, wanted) -> None:  # type: ignore[no-untyped-def]
+    """Issue 32 item 0: `**.attn_weights` stores the weights once (in the eager function)
+    and `run[<attention>.forward.attn_weights]`, the name asked for first, reads them."""
+    model = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(model, ["**.attn_weights"]) as tracer:
+            model(_ids())
+    for layer in (0, 1):
+        alias = tracer.results[wanted.format(layer)]  # KeyError before aliases
+        assert alias.values[0].shape[-2:] == (6, 6)
+        stored = tracer.results.aliases[wanted.format(layer)]
+        assert stored.endswith(">eager_attention_forward.attn_weights")
+        assert alias is tracer.results[stored]
+
+
+def test_t5_attention_weights_and_generate_read_under_every_name() -> None:
+    model = _t5().eval()
+    with ModelTracer(model, ["**.attn_weights"], mode="any") as tracer:
+        model.generate(_ids(), max_new_tokens=3, do_sample=False)
+    aliases = tracer.results.aliases
+    assert aliases, sorted(tracer.results)
+    for alias, target in aliases.items():
+        assert tracer.results[alias] is tracer.results[target]
