@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import subprocess
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -589,6 +592,46 @@ def test_reading_the_results_of_a_tracer_never_started_warns() -> None:
     model(torch.ones(2))
     with pytest.warns(UserWarning, match="was never started, so it recorded nothing"):
         assert len(tracer.results) == 0
+    with pytest.warns(UserWarning, match="never started while the model ran 1 time"):
+        del tracer
+        gc.collect()
+
+
+def test_a_tracer_collected_unstarted_while_the_model_ran_warns() -> None:
+    """Issue 35 item 3: `ModelTracer(...)` without `with` or `start()` says so when it goes."""
+    model = nn.Linear(2, 2)
+    tracer = ModelTracer(model, ["forward"])
+    for _ in range(3):
+        model(torch.ones(2))
+    with pytest.warns(UserWarning, match=r"never started while the model ran 3 time\(s\)"):
+        del tracer
+        gc.collect()
+    assert not model._forward_pre_hooks  # the counting hook went with it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        idle = ModelTracer(model, ["forward"])  # the model never ran: nothing to say
+        del idle
+        gc.collect()
+        warm = ModelTracer(model, ["forward"])
+        model(torch.ones(2))  # a warm-up call before the start is no mistake
+        with warm:
+            model(torch.ones(2))
+        del warm
+        gc.collect()
+    assert not model._forward_pre_hooks
+
+
+def test_a_tracer_never_started_in_a_script_warns_at_exit(tmp_path: Path) -> None:
+    script = tmp_path / "forgot.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\nfrom vartrace import ModelTracer\n"
+        "model = nn.Linear(2, 2)\ntracer = ModelTracer(model, ['forward'])\n"
+        "for _ in range(5):\n    model(torch.ones(2))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "never started while the model ran 5 time(s): nothing was recorded" in done.stderr
 
 
 class _Traceable(nn.Module):

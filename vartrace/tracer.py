@@ -18,6 +18,7 @@ import itertools
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -302,6 +303,29 @@ def _positive(name: str, value: int) -> int:
     return value
 
 
+class _CallsBeforeStart:
+    """Counts the calls of a model whose tracer is not started yet (a forward pre-hook;
+    a class of its own, so that a model saved with it still pickles)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.calls += 1
+
+
+def _never_started(handle: RemovableHandle, counter: _CallsBeforeStart, model: str) -> None:
+    """A tracer is collected (or the interpreter exits) without having started."""
+    handle.remove()
+    if counter.calls:
+        _warnings.warn(
+            f"vartrace: a ModelTracer of {model} was never started while the model ran "
+            f"{counter.calls} time(s): nothing was recorded; use `with ModelTracer(...) as "
+            "tracer:` around the steps, or tracer.start() before them and tracer.stop() after",
+            UserWarning,
+        )
+
+
 class ModelTracer:
     """Record the values a model's code holds, at sites named by wildcard paths.
 
@@ -478,6 +502,14 @@ class ModelTracer:
         self._finished = False
         self._first_seen = False  # the first traced iteration ended
         self._gradients = GradientWatcher(self._store)
+        counter = _CallsBeforeStart()
+        self._unstarted = weakref.finalize(
+            self,
+            _never_started,
+            self.model.register_forward_pre_hook(counter),
+            counter,
+            type(self.model).__name__,
+        )
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -543,6 +575,9 @@ class ModelTracer:
         if self._started:
             raise RuntimeError("this ModelTracer was already started; create a new one")
         self._started = True
+        found = self._unstarted.detach()
+        if found is not None:
+            found[2][0].remove()  # the hook counting calls before the start
         self._rank = distributed.rank()
         world = distributed.world_size()
         if self.staging == "async" and self.gather and world > 1:
