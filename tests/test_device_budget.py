@@ -152,6 +152,16 @@ def test_a_site_that_outgrows_the_budget_moves_to_the_host() -> None:
     assert stats.device_compare_bytes_peak == 256
 
 
+def test_a_site_on_the_host_stays_there_when_its_records_shrink() -> None:
+    """Its previous record is on the host: a small record is compared there too, and the
+    large one after it with the small one, not with the large one before."""
+    large = torch.arange(256.0)  # 1 KiB
+    values = [("x", large), ("x", torch.zeros(64)), ("x", large.clone())]
+    delivered, stager = _stage(values, max_device_bytes=512)
+    assert [iteration for _, iteration, _ in delivered] == [1, 2, 3]
+    assert stager.stats.host_compares == 3 and stager.stats.device_compare_bytes_peak == 0
+
+
 def test_records_that_stay_on_the_device_are_compared_on_the_host_past_the_budget() -> None:
     """With records delivered as device clones, a site over the budget still gets a host
     copy, for the comparison only."""
