@@ -23,10 +23,12 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from vartrace._warnings import warn
+from vartrace.engine.paths import LINE_MARK, parse
 from vartrace.sites import Target
 
 __all__ = ["SilenceWatch"]
@@ -52,9 +54,13 @@ class SilenceWatch:
         """Note a captured leaf (`None` counts apart)."""
         (self._nones if value is None else self._values).add(site)
 
-    def _seen(self, sites: set[str], names: set[str]) -> bool:
+    def _seen(self, sites: set[str], names: set[str], line: int | None) -> bool:
+        """Whether one of `names` is a leaf of one of `sites`; for a pattern naming a
+        `line` (`scores@every:L73`), one bound at that line."""
+        binding = None if line is None else _binding(line)
         return any(
-            name == site or name.startswith((f"{site}.", f"{site}@"))
+            (name == site or name.startswith((f"{site}.", f"{site}@")))
+            and (binding is None or binding.search(name) is not None)
             for name in names
             for site in sites
         )
@@ -95,9 +101,10 @@ class SilenceWatch:
             )
         for text, (sites, targets) in patterns.items():
             missing = {site for t in targets for site in t.missing_keys()}
-            if self._seen(sites, self._values) or sites <= missing:
+            line = parse(text).line
+            if self._seen(sites, self._values, line) or sites <= missing:
                 continue  # recorded, or said at the first return
-            why = self._why(sites, targets, called_ids, replaced)
+            why = self._why(sites, targets, called_ids, replaced, line)
             warn(
                 f"vartrace: pattern {text!r} recorded nothing: {why}",
                 UserWarning,
@@ -137,9 +144,14 @@ class SilenceWatch:
         ]
 
     def _why(
-        self, sites: set[str], targets: list[Target], called_ids: set[int], replaced: list[Target]
+        self,
+        sites: set[str],
+        targets: list[Target],
+        called_ids: set[int],
+        replaced: list[Target],
+        line: int | None,
     ) -> str:
-        if self._seen(sites, self._nones):
+        if self._seen(sites, self._nones, line):
             if any(t.method.code.co_filename.startswith(_FX_FILE) for t in targets):
                 return (
                     "its value was None at every call: torch.fx's generated code frees each "
@@ -170,10 +182,22 @@ class SilenceWatch:
         }
         if functions and not any(functions.values()):
             return f"the function it is in was never called ({', '.join(sorted(functions))})"
+        if line is not None:
+            return (
+                f"line {line} bound no value of it in any call (@every keys a value by the "
+                "line of the statement that bound it or changed it in place); drop "
+                f"{LINE_MARK}{line} to see the lines that do"
+            )
         return (
             "the variable was never bound when its method (or function) returned, or the key "
             "was not in the value (a branch the run did not take)"
         )
+
+
+def _binding(line: int) -> re.Pattern[str]:
+    """What finds the mark of the values bound at `line` in a site name (`@every:L73`, at
+    its end or before the keys of an object split into leaves)."""
+    return re.compile(rf"@every{re.escape(LINE_MARK)}{line}(?:\.|$)")
 
 
 def _described(held: object) -> str:

@@ -41,9 +41,11 @@ from vartrace.engine.code import (
     methods_of,
     returned_calls,
     runs_later,
+    source_lines,
 )
+from vartrace.engine.frames import binding_line
 from vartrace.engine.patching import Probe, Selector, Sink
-from vartrace.engine.paths import Pattern, States, is_glob, parse
+from vartrace.engine.paths import LINE_MARK, Pattern, States, is_glob, parse
 from vartrace.engine.structures import children, register_container, select
 
 __all__ = [
@@ -479,6 +481,28 @@ class _FirstSite(Selector):
 
 
 @dataclass(frozen=True)
+class _Bound(Selector):
+    """A selector of an `@every` pattern: each value goes under its key and the source line
+    that bound it (`scores@every:L73`, see `binding_line`), one series per assignment;
+    with `line` (`@every:L73`), only the values that line binds."""
+
+    line: int | None = None
+
+    def emit(self, value: Any, sink: Sink, seen: set[str] | None) -> None:
+        line = binding_line()
+        if self.line is not None and line != self.line:
+            return
+        mark = f"{LINE_MARK}{line}"
+        super().emit(value, lambda name, leaf, grad: sink(name + mark, leaf, grad), seen)
+
+
+@dataclass(frozen=True)
+class _BoundFirstSite(_FirstSite, _Bound):
+    """A selector of a `**` pattern read `@every`: each tensor stored under one of its
+    per-line names (`_Claims` sees the names with their lines)."""
+
+
+@dataclass(frozen=True)
 class _CalleeRan(Selector):
     """Selects nothing from a called function's return; notes that it returned, so that
     a function never called is told from a variable never bound."""
@@ -722,6 +746,23 @@ def _add(
         kind = _CheckedReturn
     elif claims is not None:
         kind, extra = _FirstSite, {"claims": claims}
+    if pattern.when == "every" and variable is not None:
+        kind = _Bound if claims is None else _BoundFirstSite
+        extra.update(tag="@every", line=pattern.line)
+        if pattern.line is not None:
+            info = callee or target.method
+            lines = source_lines(info.code)
+            if pattern.line not in lines:
+                return (
+                    f"{site}: line {pattern.line} runs no code of {info.name} (lines "
+                    f"{min(lines)}-{max(lines)} of {info.code.co_filename}), so it binds none "
+                    "of its values"
+                )
+    elif pattern.line is not None:
+        return (
+            f"{site} is a return value, read when its method returns, not bound at a line; "
+            f"drop {LINE_MARK}{pattern.line}"
+        )
     # A parameter selection walks from its owner module (named by its path) to the tensor.
     selector = kind(
         variable,
@@ -781,13 +822,14 @@ def _tag_timings(target: Target) -> None:
 
     The variable's default timing (entry for an argument, return for a
     local; return in a called function) keeps the plain key; the other
-    timing's key ends in `@entry`, `@return` or `@every`.  Likewise a
+    timing's key ends in `@entry` or `@return` (an `@every` key always ends
+    in `@every:L<line>`, see `_Bound`).  Likewise a
     key of the return value named like an argument read at entry
     (`forward.cache`, transformers' cache argument and output field) ends in
     `@return`: `forward.cache` is the argument, `forward.cache@return`
     the output's.
     """
-    lists = {"entry": target.entry, "return": target.exit, "every": target.every}
+    lists = {"entry": target.entry, "return": target.exit}
     for timing, selectors in lists.items():
         for i, selector in enumerate(selectors):
             variable = selector.variable
@@ -804,14 +846,6 @@ def _tag_timings(target: Target) -> None:
     )
     if arguments:
         target.returns = [replace(s, renamed=arguments) for s in target.returns]
-    for i, selector in enumerate(target.calls):
-        if selector.pattern.when == "every" and any(
-            other.callee is selector.callee
-            and other.variable == selector.variable
-            and other.pattern.when in (None, "return")
-            for other in target.calls
-        ):
-            target.calls[i] = replace(selector, tag="@every")
 
 
 def _static_sites(

@@ -33,6 +33,7 @@ __all__ = [
     "methods_of",
     "returned_calls",
     "runs_later",
+    "source_lines",
 ]
 
 CALLEE_SEPARATOR = ">"
@@ -397,6 +398,22 @@ def runs_later(code: CodeType) -> str | None:
         if code.co_flags & flag:
             return kind
     return None
+
+
+def source_lines(code: CodeType) -> frozenset[int]:
+    """The source lines that can bind a value in a frame of `code` (`@every:L<line>`).
+
+    The lines its instructions run on, and its first line (`co_firstlineno`,
+    where its arguments are bound); not those of the functions defined in it.
+    Example:
+
+    ```python
+    73 in source_lines(Attention.forward.__code__)   # line 73 runs code of forward
+    ```
+    """
+    lines = {line for _, _, line in code.co_lines() if line is not None}
+    lines.add(code.co_firstlineno)
+    return frozenset(lines)
 
 
 def method_code(function: object) -> CodeType | None:

@@ -31,6 +31,12 @@ recursive calls, are not mistaken for it.
 of a callee's code whose caller is the traced call's frame is read when it
 returns (and on each line for `@every`), once per call, and handed to the
 callee's callbacks at once.
+
+A line event comes before its line runs: the values `@every` finds changed
+there were bound (or changed in place) by the line that ran before it, which
+`binding_line` names while a line callback runs.  The values found at
+return belong to the last line that ran; arguments (and other names bound
+before the first line) to the function's first line (`co_firstlineno`).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ __all__ = [
     "FrameCore",
     "MonitoringCore",
     "SettraceCore",
+    "binding_line",
     "default_core",
     "set_change_test",
 ]
@@ -57,6 +64,7 @@ Snapshot = Callable[[Any], Any]
 Unchanged = Callable[[Any, Any], bool]
 _MISSING = object()
 _MAX_DECORATOR_FRAMES = 8
+_binding = threading.local()
 
 
 def _called_from(frame: FrameType, caller: FrameType | None) -> bool:
@@ -160,12 +168,57 @@ def _changed(
             yield name, value
 
 
+def binding_line() -> int:
+    """The source line that bound the value a line callback of this thread is receiving.
+
+    The line of the statement that ran last in the frame when the change was
+    seen: the one that bound the variable or changed it in place (`scores =
+    ...` or `scores.add_(mask)`); the function's first line for a value it
+    held before its first line ran (an argument).  Only meaningful inside a
+    `LineCallback` (an `@every` value).  Example:
+
+    ```python
+    def on_line(name, value):
+        print(name, "bound at line", binding_line())
+    ```
+    """
+    line: int = _binding.line
+    return line
+
+
+class _Bindings:
+    """What `@every` last sent from one frame: a snapshot per name (see `_changed`),
+    and the line that ran last (where the changes seen next were made)."""
+
+    __slots__ = ("line", "values")
+
+    def __init__(self, code: CodeType) -> None:
+        self.line = code.co_firstlineno  # arguments are bound before the first line
+        self.values: dict[str, Any] = {}
+
+    def send(
+        self,
+        f_locals: Mapping[str, Any],
+        names: tuple[str, ...],
+        on_line: LineCallback,
+        next_line: int | None,
+    ) -> None:
+        """Hand each changed name of `names` to `on_line`, as bound at the last line run;
+        `next_line` is the line about to run (`None` at return)."""
+        for name, value in _changed(self.values, f_locals, names):
+            _binding.line = self.line
+            on_line(name, value)
+        if next_line is not None:
+            self.line = next_line
+
+
 class Callee:
     """A function to watch inside a traced call, and what to do with its frames.
 
     `on_return(variables, return_value)` receives `names` read when a
     call returns; `on_line(name, value)` each new value of a name in
-    `every` (line events), as for the method's own `@every`.
+    `every` (line events), as for the method's own `@every`, with
+    `binding_line()` saying which line of the callee bound it.
     """
 
     __slots__ = ("every", "names", "on_line", "on_return")
@@ -214,34 +267,37 @@ class _Watch:
         self.every = every
         self.on_line = on_line
         self.callees = callees or {}
-        self.callee_last: dict[FrameType, dict[str, Any]] = {}
-        self.last: dict[str, Any] = {}
+        self.callee_last: dict[FrameType, _Bindings] = {}
+        self.last = _Bindings(code)
         self.snapshot: dict[str, Any] | None = None
         self.done = False
 
-    def callee_line(self, frame: FrameType) -> None:
-        """A line of a callee's frame: report the `every` variables that changed."""
+    def callee_line(self, frame: FrameType, line: int | None) -> None:
+        """A line of a callee's frame is about to run (`None`: it returns): report the
+        `every` variables that changed."""
         callee = self.callees[frame.f_code]
         if callee.every:
-            last = self.callee_last.setdefault(frame, {})
-            for name, value in _changed(last, frame.f_locals, callee.every):
-                callee.on_line(name, value)  # type: ignore[misc]
+            last = self.callee_last.get(frame)
+            if last is None:
+                last = self.callee_last[frame] = _Bindings(frame.f_code)
+            last.send(frame.f_locals, callee.every, callee.on_line, line)  # type: ignore[arg-type]
 
     def called(self, frame: FrameType, value: Any) -> None:
         """A callee's frame returned `value`: hand its variables over."""
         callee = self.callees[frame.f_code]
-        self.callee_line(frame)
+        self.callee_line(frame, None)
         self.callee_last.pop(frame, None)
         f_locals = frame.f_locals
         callee.on_return({n: f_locals[n] for n in callee.names if n in f_locals}, value)
 
-    def line(self, frame: FrameType) -> None:
-        for name, value in _changed(self.last, frame.f_locals, self.every):
-            self.on_line(name, value)  # type: ignore[misc]
+    def line(self, frame: FrameType, line: int | None) -> None:
+        """A line of the traced frame is about to run (`None`: it returns): report the
+        `every` variables that changed."""
+        self.last.send(frame.f_locals, self.every, self.on_line, line)  # type: ignore[arg-type]
 
     def returned(self, frame: FrameType) -> None:
         if self.every:
-            self.line(frame)
+            self.line(frame, None)
         f_locals = frame.f_locals
         self.snapshot = {n: f_locals[n] for n in self.names if n in f_locals}
         self.done = True
@@ -361,7 +417,7 @@ class _ChainedTracer:
         if self.previous_local is not None:
             self.previous_local = self.previous_local(frame, event, arg)
         if event == "line":
-            self.watch.line(frame)
+            self.watch.line(frame, frame.f_lineno)
         return self.local_trace
 
     def release(self, returned: bool) -> None:
@@ -404,7 +460,7 @@ class _CalleeTracer:
             return self.trace
         self.unwinding = event == "exception"
         if event == "line":
-            self.watch.callee_line(frame)
+            self.watch.callee_line(frame, frame.f_lineno)
         return self.trace
 
 
@@ -527,11 +583,11 @@ class MonitoringCore(FrameCore):
         watch = self._find(frame)
         if watch is not None:
             if watch.every:
-                watch.line(frame)
+                watch.line(frame, line)
             return
         watch = self._caller_watch(frame)
         if watch is not None and code in watch.callees:
-            watch.callee_line(frame)
+            watch.callee_line(frame, line)
 
     def run(self, code, names, every, on_line, function, args, kwargs, callees=None):  # type: ignore[no-untyped-def]
         # No local may hold this frame (a frame -> locals -> frame cycle outlives the call).

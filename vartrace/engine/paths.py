@@ -7,8 +7,15 @@ segments, optionally followed by a timing suffix:
 ```python
 layers.*.attn.forward.scores
 **.scores@every
+layers.0.attn.forward.scores@every:L73
 head.forward.self.weight@grad
 ```
+
+`@every` keys each value by the source line that bound it: the site
+`layers.0.attn.forward.scores@every:L73` holds the values line 73 gave
+`scores`, and the pattern `...scores@every:L73` records that line's only.
+The line is part of the suffix, after the `@`, so it never reads as a
+segment (`int:1`, the name of an int key, is one).
 
 Matching is incremental: a `Pattern` is a small non-deterministic
 automaton whose state is a frozenset of positions in the segment list.
@@ -29,6 +36,7 @@ from typing import Literal
 
 __all__ = [
     "GLOB_CHARS",
+    "LINE_MARK",
     "WHENS",
     "Pattern",
     "States",
@@ -40,6 +48,8 @@ __all__ = [
 When = Literal["entry", "return", "every", "grad"]
 WHENS: tuple[When, ...] = ("entry", "return", "every", "grad")
 GLOB_CHARS = frozenset("*?[")
+LINE_MARK = ":L"
+"""Joins `@every` and a source line, in a site name and a pattern: `scores@every:L73`."""
 
 States = frozenset[int]
 
@@ -60,12 +70,17 @@ class Pattern:
         (('layers', '*', 'attn', 'forward', 'scores'), 'every')
         >>> p.matches("layers.3.attn.forward.scores".split("."))
         True
+        >>> parse("attn.forward.scores@every:L73").line
+        73
         ```
+
+    `line` is the source line an `@every` pattern keeps the values of, if any.
     """
 
     text: str
     segments: tuple[str, ...]
     when: When | None = None
+    line: int | None = None
     _regexes: tuple[re.Pattern[str] | None, ...] = field(
         default=(), repr=False, compare=False, hash=False
     )
@@ -165,11 +180,18 @@ def parse(text: str) -> Pattern:
     """
     if not isinstance(text, str):
         raise TypeError(f"a pattern must be a str, not {type(text).__name__}: {text!r}")
-    body, at, when = text.partition("@")
+    body, at, suffix = text.partition("@")
+    when, mark, line = suffix.partition(LINE_MARK)
     if at and when not in WHENS:
         raise ValueError(
-            f"pattern {text!r}: unknown timing '@{when}'; use one of "
+            f"pattern {text!r}: unknown timing '@{suffix}'; use one of "
             + ", ".join(f"@{w}" for w in WHENS)
+            + f" (@every{LINE_MARK}<line> for the values one source line binds)"
+        )
+    if mark and (when != "every" or not (line.isascii() and line.isdigit())):
+        raise ValueError(
+            f"pattern {text!r}: '@{suffix}' is no timing; a line follows @every only, as a "
+            f"number: 'scores@every{LINE_MARK}73' records the values line 73 binds"
         )
     if not body:
         raise ValueError(f"pattern {text!r} is empty")
@@ -191,4 +213,10 @@ def parse(text: str) -> Pattern:
     regexes = tuple(
         re.compile(translate(s)) if is_glob(s) and s != "**" else None for s in segments
     )
-    return Pattern(text, segments, when if at else None, regexes)  # type: ignore[arg-type]
+    return Pattern(
+        text,
+        segments,
+        when if at else None,  # type: ignore[arg-type]
+        int(line) if mark else None,
+        regexes,
+    )
