@@ -283,3 +283,22 @@ def test_the_default_budget_on_a_device_torch_cannot_size_is_one_gib() -> None:
 def test_a_budget_that_is_not_a_byte_count_is_refused(bad: Any) -> None:
     with pytest.raises(ValueError, match="max_device_bytes must be None or an integer >= 0"):
         Stager(lambda *args: None, max_device_bytes=bad)
+
+
+def test_the_tracer_passes_its_device_budget_to_staging() -> None:
+    model = _Emitter()
+    values = [torch.arange(4.0), torch.arange(4.0), torch.zeros(4)]
+    kept = {}
+    for budget in (0, None):
+        with ModelTracer(
+            model, ["forward.value"], staging="async", max_device_bytes=budget
+        ) as tracer:
+            for value in values:
+                model(simgpu.to_device(value))
+        stats = tracer.staging_stats
+        assert stats is not None
+        assert stats.host_compares == (len(values) if budget == 0 else 0)
+        kept[budget] = tracer.results["forward.value"].iterations
+    assert kept[0] == kept[None] == [1, 3]
+    with pytest.raises(ValueError, match="max_device_bytes must be None or an integer >= 0"):
+        ModelTracer(model, ["forward.value"], max_device_bytes=-1)

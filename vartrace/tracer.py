@@ -399,6 +399,14 @@ class ModelTracer:
             gathered chunk's records are not kept: each site gets one
             [`Unstored`][vartrace.Unstored] marker saying so.  Default: a tenth of the machine's
             memory, at most 8 GiB.
+        max_device_bytes: with asynchronous staging and change detection, the most
+            device memory held for the comparison: each compared site's previous record
+            stays on its device, first come first served, within this many bytes; a site
+            past it is compared on the host instead (the same records kept, at the cost
+            of a host pass on the staging thread; counted in
+            `staging_stats.host_compares`).  `0` compares every site on the host.
+            Default: a twentieth of the device's memory, at most 2 GiB (1 GiB where
+            torch cannot tell the memory).
     """
 
     def __init__(
@@ -422,6 +430,7 @@ class ModelTracer:
         max_inflight_bytes: int = 1 << 30,
         on_full: OnFull = "wait",
         max_host_bytes: int | None = None,
+        max_device_bytes: int | None = None,
         statistics: bool | Callable[[str, Any, int], Any] = False,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -447,6 +456,15 @@ class ModelTracer:
             if max_host_bytes is None
             else _positive("max_host_bytes", max_host_bytes)
         )
+        if max_device_bytes is not None and (
+            not isinstance(max_device_bytes, int)
+            or isinstance(max_device_bytes, bool)
+            or max_device_bytes < 0
+        ):
+            raise ValueError(
+                f"max_device_bytes must be None or an integer >= 0, not {max_device_bytes!r}"
+            )
+        self.max_device_bytes = max_device_bytes
         self._held = 0  # bytes of the records kept in the results
         self._warned_held: bool | str = False
         self._fullgraph = fullgraph_regions(model)  # seen on the wrapper, before unwrap
@@ -596,6 +614,7 @@ class ModelTracer:
                 on_full=self.on_full,
                 device=self.device,
                 compare=self.change_detection,
+                max_device_bytes=self.max_device_bytes,
                 host_bytes=min(2 * self.max_inflight_bytes, self.max_host_bytes),
             )
         try:
