@@ -436,9 +436,9 @@ class _Claims:
     other names read as that site (`aliases`).
     """
 
-    def __init__(self, aliases: Aliases) -> None:
+    def __init__(self, aliases: Aliases | None = None) -> None:
         self._held: dict[int, tuple[weakref.ref[torch.Tensor], str, int]] = {}
-        self._aliases = aliases
+        self._aliases = Aliases() if aliases is None else aliases
 
     def admit(self, sink: Sink, name: str, leaf: Any, grad: bool) -> None:
         """Pass `leaf` on to `sink` unless another site holds the same tensor, unchanged
@@ -981,8 +981,7 @@ def resolve(
         found = 0
         errors: list[str] = []
         resolver = _Resolver(modules, pattern, returns, strict)
-        shared = Aliases() if aliases is None else aliases
-        claims = _Claims(shared) if "**" in pattern.segments else None
+        claims = _Claims(aliases) if "**" in pattern.segments else None
         for selection in resolver.selections():
             key = (id(selection.module), selection.method.name)
             target = targets.get(key)
