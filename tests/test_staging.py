@@ -11,6 +11,7 @@ check that too, so that a log that saw nothing cannot pass them).
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 import warnings
@@ -369,18 +370,45 @@ class _Stepper(nn.Module):
         return acc
 
 
+def _acc_key(statement: str) -> str:
+    """The `@every` key of `acc` as bound by `statement`, a line of `_Stepper.forward`."""
+    lines, first = inspect.getsourcelines(_Stepper.forward)
+    (found,) = [first + n for n, text in enumerate(lines) if text.strip().startswith(statement)]
+    return f"forward.acc@every:L{found}"
+
+
+def _acc_records(tracer: ModelTracer) -> list[tuple[str, list[float]]]:
+    """(key, value) of each record of `acc`, in capture order across its lines' sites."""
+    records = sorted(
+        (int(order), name, value.tolist())
+        for name, trace in tracer.results.items()
+        for order, value in zip(trace.order, trace.values, strict=True)
+    )
+    return [(name, value) for _, name, value in records]
+
+
 def test_every_sees_rebinding_and_version_bumps_but_not_data_writes_on_a_device() -> None:
+    cloned, added, through_data, rebound = map(
+        _acc_key, ["acc = x.clone()", "acc.add_(1)", "acc.data.mul_(3)", "acc = acc * 2"]
+    )
     model = _Stepper()
     with ModelTracer(model, ["forward.acc@every"], mode="any", staging="async") as tracer:
         model(simgpu.to_device(torch.zeros(2)))
     assert simgpu.LOG.syncs() == []
-    values = [v.tolist() for v in tracer.results["forward.acc"].values]
     # 0 (cloned), 1 (add_), 6 (rebound): the .data write's 3 was never a candidate alone.
-    assert values == [[0.0, 0.0], [1.0, 1.0], [6.0, 6.0]]
+    assert _acc_records(tracer) == [
+        (cloned, [0.0, 0.0]),
+        (added, [1.0, 1.0]),
+        (rebound, [6.0, 6.0]),
+    ]
     with ModelTracer(model, ["forward.acc@every"], mode="any") as tracer:
         model(torch.zeros(2))
-    cpu_values = [v.tolist() for v in tracer.results["forward.acc"].values]
-    assert cpu_values == [[0.0, 0.0], [1.0, 1.0], [3.0, 3.0], [6.0, 6.0]]  # CPU: compared
+    assert _acc_records(tracer) == [  # CPU: compared, the .data write's 3 keyed by its line
+        (cloned, [0.0, 0.0]),
+        (added, [1.0, 1.0]),
+        (through_data, [3.0, 3.0]),
+        (rebound, [6.0, 6.0]),
+    ]
 
 
 def test_records_during_a_graph_capture_are_skipped_with_one_warning() -> None:
