@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 import vartrace
-from tests._models import Attention, TinyTransformer, WithBatchNorm, tokens
+from tests._models import Attention, Block, TinyTransformer, WithBatchNorm, tokens
 from vartrace import DROP, ModelTracer, Trace
 
 
@@ -117,16 +118,33 @@ def test_entry_return_and_every_timings() -> None:
     assert torch.equal(
         tracer.results["forward.x"].values[0], tracer.results["forward.x"].values[-1]
     )
-    every = tracer.results["layers.0.forward.x"]
-    assert len(every.values) == 1, "Block.forward never rebinds x"
+    # Block.forward never rebinds x: its one value is the argument, keyed by the def line.
+    _, def_line = inspect.getsourcelines(Block.forward)
+    every = [name for name in tracer.results if name.startswith("layers.0.forward.x@every")]
+    assert every == [f"layers.0.forward.x@every:L{def_line}"]
+    assert len(tracer.results[every[0]].values) == 1
 
 
 def test_every_records_each_rebinding() -> None:
     model = TinyTransformer()
     with ModelTracer(model, ["forward.x@every"], change_detection=False) as tracer:
         model(tokens(0))
-    # embed*scale, after layers 0 and 1, after shared(shared(x)).
-    assert len(tracer.results["forward.x"].values) == 4
+    lines, first = inspect.getsourcelines(TinyTransformer.forward)
+
+    def key(statement: str) -> str:
+        (found,) = [first + n for n, text in enumerate(lines) if text.strip() == statement]
+        return f"forward.x@every:L{found}"
+
+    # embed*scale, after layers 0 and 1, after shared(shared(x)): in that order.
+    records = sorted(
+        (order, name) for name, trace in tracer.results.items() for order in trace.order
+    )
+    assert [name for _, name in records] == [
+        key("x = self.embed(tokens) * scale"),
+        key("x = layer(x)"),
+        key("x = layer(x)"),
+        key("x = self.shared(self.shared(x))"),
+    ]
 
 
 def test_method_called_several_times_gives_one_record_per_call() -> None:
@@ -655,9 +673,14 @@ def test_a_local_of_fx_generated_code_says_why_it_is_none_and_every_records_it()
     assert "'forward.relu@every'" in str(caught[0].message)
     with ModelTracer(graph, ["forward.relu@every"], mode="any") as tracer:
         graph(x)
-    kept = [v for v in tracer.results["forward.relu"].values if v is not None]
+    generated = graph.code.splitlines()
+    (computed,) = [n for n, text in enumerate(generated, 1) if "relu = torch.relu(" in text]
+    (freed,) = [n for n, text in enumerate(generated, 1) if text.endswith("relu = None")]
+    assert set(tracer.results) == {f"forward.relu@every:L{n}" for n in (computed, freed)}
+    (relu,) = tracer.results[f"forward.relu@every:L{computed}"].values
     with torch.no_grad():
-        assert torch.equal(kept[0], torch.relu(graph.lin(x)))
+        assert torch.equal(relu, torch.relu(graph.lin(x)))
+    assert tracer.results[f"forward.relu@every:L{freed}"].values == [None]  # `relu = None`
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
