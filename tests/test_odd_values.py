@@ -6,6 +6,7 @@ concerns storage, and reads it back with ``vartrace.open``.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import struct
@@ -154,12 +155,29 @@ def test_every_records_values_taken_by_in_place_changes() -> None:
     paths = ["forward.buf@every", "forward.arr@every", "forward.items@every"]
     with ModelTracer(model, paths) as tracer:
         model(torch.ones(2))
-    bufs = [v.tolist() for v in tracer.results["forward.buf"].values]
-    assert bufs == [[0.0, 0.0], [1.0, 0.0], [1.0, 3.0]]
-    arrs = [v.tolist() for v in tracer.results["forward.arr"].values]
-    assert arrs == [[0.0, 0.0], [0.0, 5.0]]
-    assert tracer.results["forward.items.0"].values == [1]
-    assert tracer.results["forward.items.1"].values == [2]
+    lines, first = inspect.getsourcelines(InPlace.forward)
+
+    def line(statement: str) -> int:
+        (found,) = [first + n for n, text in enumerate(lines) if text.strip().startswith(statement)]
+        return found
+
+    records = sorted(
+        (order, name, value.tolist() if hasattr(value, "tolist") else value)
+        for name, trace in tracer.results.items()
+        for order, value in zip(trace.order, trace.values, strict=True)
+    )
+    # Each value under the line that bound or changed it, in the order the lines ran; the
+    # append changed the list, whose leaves are recorded as that line left them.
+    assert [(name, value) for _, name, value in records] == [
+        (f"forward.buf@every:L{line('buf = torch.zeros(2)')}", [0.0, 0.0]),
+        (f"forward.buf@every:L{line('buf.data[0] = 1.0')}", [1.0, 0.0]),
+        (f"forward.arr@every:L{line('arr = np.zeros(2)')}", [0.0, 0.0]),
+        (f"forward.arr@every:L{line('arr[1] = 5.0')}", [0.0, 5.0]),
+        (f"forward.items.0@every:L{line('items = [1]')}", 1),
+        (f"forward.items.0@every:L{line('items.append(2)')}", 1),
+        (f"forward.items.1@every:L{line('items.append(2)')}", 2),
+        (f"forward.buf@every:L{line('buf.data[1] = 3.0')}", [1.0, 3.0]),
+    ]
 
 
 # -- ambiguous leaf names ----------------------------------------------------------------
