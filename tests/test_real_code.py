@@ -7,12 +7,14 @@ library installs here (accelerate), a test runs it too, skipped with a reason wi
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,14 @@ class Echo(nn.Module):
         return held
 
 
+def _every_key(function: Callable[..., Any], name: str, statement: str) -> str:
+    """The `@every` key of `forward.<name>` bound by the line of `function` that starts
+    with `statement` (found in the source it runs, so an edit that moves it moves the key)."""
+    lines, first = inspect.getsourcelines(function)
+    (found,) = [first + n for n, text in enumerate(lines) if text.strip().startswith(statement)]
+    return f"forward.{name}@every:L{found}"
+
+
 def _nested(scale: float, layout: torch.layout) -> torch.Tensor:
     parts = [torch.arange(6.0).view(2, 3) * scale, torch.arange(12.0).view(4, 3) * scale]
     return torch.nested.nested_tensor(parts, layout=layout)
@@ -61,9 +71,11 @@ def test_nested_tensors_are_compared_by_components_and_stored(
         model(first)
         model(_nested(1.0, layout))  # equal components: not recorded again
         model(changed)
+    held = _every_key(Echo.forward, "held", "held = value")
     with vartrace.open(path) as run:
         assert run["forward"].iterations.tolist() == [1, 3]
-        assert run["forward.held"].iterations.tolist() == [1, 3]
+        assert [name for name in run if name.startswith("forward.held")] == [held]
+        assert run[held].iterations.tolist() == [1, 3]
         got = run["forward"].get(iteration=3)
     assert got.is_nested
     for part, expected in zip(got.unbind(), changed.unbind(), strict=True):
@@ -88,10 +100,15 @@ def test_every_on_the_transformer_encoder_fast_path_records_its_nested_output() 
     with torch.no_grad(), ModelTracer(encoder, ["forward.output@every"], mode="eval") as tracer:
         encoder(x, src_key_padding_mask=mask)
         encoder(x, src_key_padding_mask=mask)
-    values = tracer.results["forward.output"].values
-    nested = [value for value in values if value.is_nested]
-    assert len(nested) >= 2  # the fast path ran: the layers' outputs are nested tensors
-    assert nested[0].unbind()[1].shape == (3, 8)  # the padded positions are left out
+    forward = nn.TransformerEncoder.forward
+    (packed,) = tracer.results[_every_key(forward, "output", "output = torch._nested_")].values
+    assert packed.is_nested  # the fast path ran: the input became a nested tensor
+    assert packed.unbind()[1].shape == (3, 8)  # the padded positions are left out
+    layers = tracer.results[_every_key(forward, "output", "output = mod(")]
+    assert layers.iterations == [1, 1, 2, 2]  # each layer's output, two layers a call
+    assert all(value.is_nested for value in layers.values)
+    padded = tracer.results[_every_key(forward, "output", "output = output.to_padded_tensor(")]
+    assert not padded.values[0].is_nested
 
 
 # -- torch.func ------------------------------------------------------------------------------
@@ -151,10 +168,12 @@ def test_every_under_nested_vmaps_puts_the_outer_mapped_dimension_first() -> Non
         torch.func.vmap(torch.func.vmap(model, in_dims=1))(x)  # inner maps x's dimension 2
     with torch.no_grad():
         lin = model.lin(x.transpose(1, 2))  # (2, 5, 2): outer, inner, features
-    values = tracer.results["forward.h"].values
-    assert [v.shape for v in values] == [(2, 5, 2), (2, 5, 2)]
-    assert all(type(v) is torch.Tensor for v in values)
-    assert values[0].equal(lin) and values[1].equal(lin * 2)
+    (linear,) = tracer.results[_every_key(Affine.forward, "h", "h = self.lin(x)")].values
+    (doubled,) = tracer.results[_every_key(Affine.forward, "h", "h = h * 2")].values
+    assert len(tracer.results) == 2
+    assert [v.shape for v in (linear, doubled)] == [(2, 5, 2), (2, 5, 2)]
+    assert type(linear) is torch.Tensor and type(doubled) is torch.Tensor
+    assert linear.equal(lin) and doubled.equal(lin * 2)
 
 
 # -- optimizer wrappers --------------------------------------------------------------------
@@ -543,6 +562,15 @@ def test_records_under_functionalize_and_jacrev_are_the_values_they_stand_for() 
         torch.func.jacrev(model)(x)
     with torch.no_grad():
         lin = model.lin(x)
-    values = tracer.results["forward.h"].values
-    assert all(type(v) is torch.Tensor and v.requires_grad is False for v in values)
-    assert [v.tolist() for v in values] == [lin.tolist(), (lin * 2).tolist()] * 2
+    records = sorted(
+        (order, name, value)
+        for name, trace in tracer.results.items()
+        for order, value in zip(trace.order, trace.values, strict=True)
+    )
+    assert all(type(v) is torch.Tensor and v.requires_grad is False for _, _, v in records)
+    linear = _every_key(Affine.forward, "h", "h = self.lin(x)")
+    doubled = _every_key(Affine.forward, "h", "h = h * 2")
+    assert [(name, v.tolist()) for _, name, v in records] == [
+        (linear, lin.tolist()),
+        (doubled, (lin * 2).tolist()),
+    ] * 2
