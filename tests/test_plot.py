@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import subprocess
@@ -325,18 +326,34 @@ def test_finfo_min_mask_values_are_left_out_of_the_scale_with_a_note(
 
     path = tmp_path / "run.h5"
     _finfo_masked_run(path, getattr(torch, dtype_name), statistics)
+    source, first = inspect.getsourcelines(_finfo_masked_run)
+    computed, masking, softmax = (
+        f"forward.scores@every:L{first + n}"
+        for statement in (
+            "scores = self.proj(",
+            "scores = scores.masked_fill(",
+            "scores = scores.softmax(",
+        )
+        for n, text in enumerate(source)
+        if text.strip().startswith(statement)
+    )
     with vartrace.open(path) as run:
-        assert len(run["forward.scores"]) == 9  # 3 bindings x 3 steps
-    fig = plot_stat(path, "forward.scores", "mean,min,absmax,zeros", tmp_path / "out.png")
+        assert {name: len(run[name]) for name in run} == {computed: 3, masking: 3, softmax: 3}
+    pattern = "forward.scores@every:L*"  # the 3 bindings, 3 steps each
+    fig = plot_stat(path, pattern, "mean,min,absmax,zeros", tmp_path / "out.png")
     assert_png(tmp_path / "out.png")
     with vartrace.open(path) as run:
         frame = run.to_frame(["mean", "min", "absmax", "zeros"])
     floor = float(torch.finfo(getattr(torch, dtype_name)).min)
     masked = (frame["min"] == floor).to_numpy()
     assert masked.sum() == 3  # the masked scores of each step: the records left out
+    assert set(frame["site"][masked]) == {masking}  # those of the masking line
     for ax, stat in zip(fig.axes[:3], ("mean", "min", "absmax"), strict=True):
-        y = np.concatenate([line.get_ydata() for line in ax.get_lines()])
-        assert np.isnan(y).sum() == 3, (stat, y)  # not drawn as points of the curve
+        drawn = {line.get_label(): line.get_ydata() for line in ax.get_lines()}
+        assert list(drawn) == [computed, masking, softmax]  # a curve per binding
+        assert np.isnan(drawn[masking]).all(), (stat, drawn)  # not drawn as points of it
+        y = np.concatenate(list(drawn.values()))
+        assert np.isnan(y).sum() == 3, (stat, y)
         np.testing.assert_allclose(y[~np.isnan(y)], frame[stat].to_numpy()[~masked], rtol=1e-6)
         low, high = ax.get_ylim()
         assert -100 < low < high < 100, (stat, low, high)  # scaled to scores, probabilities
