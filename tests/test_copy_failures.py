@@ -9,6 +9,7 @@ writes it to a real HDF5 file that reads it back as a marker.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,13 +121,22 @@ def test_a_line_by_line_value_whose_copy_fails_is_a_marker() -> None:
     model = EveryStep()
     with _recording(), ModelTracer(model, ["forward.h@every"]) as tracer:
         assert model(torch.ones(2)).equal(torch.full((2,), 2.0))
-    values = tracer.results["forward.h"].values
-    assert [type(value) for value in values][-3:] == [
+    lines, first = inspect.getsourcelines(EveryStep.forward)
+
+    def bound_at(statement: str) -> list[object]:
+        """The records of `h` under the line of `EveryStep.forward` starting `statement`."""
+        (found,) = [first + n for n, text in enumerate(lines) if text.strip().startswith(statement)]
+        return tracer.results[f"forward.h@every:L{found}"].values
+
+    (uncopyable,) = bound_at("h = torch.zeros(4, dtype=torch.uint4)")
+    (expanded,) = bound_at("h = torch.ones(1).expand(")
+    (doubled,) = bound_at("h = x * 2")
+    assert [type(value) for value in (uncopyable, expanded, doubled)] == [
         vartrace.Unstored,
         vartrace.Unstored,
         torch.Tensor,
     ]
-    assert "4 bytes expanded to 512 GiB" in values[-2]
+    assert "4 bytes expanded to 512 GiB" in expanded
 
 
 @QUANTIZE_DEPRECATED
