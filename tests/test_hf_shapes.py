@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from collections.abc import Iterator
@@ -113,7 +114,16 @@ def test_every_value_in_a_called_function_gives_the_pre_softmax_scores(core: Fra
         warnings.simplefilter("error")
         with ModelTracer(model, [name, f"{name}@every"]) as tracer:
             model(tokens(0))
-    scores, probabilities = tracer.results[f"{name}@every"].values
+    lines, first = inspect.getsourcelines(eager_attention_forward)
+    scores_key, softmax_key = (
+        f"{name}@every:L{first + n}"
+        for statement in ("attn_weights = torch.matmul(", "attn_weights = attn_weights.softmax(")
+        for n, text in enumerate(lines)
+        if text.strip().startswith(statement)
+    )
+    assert set(tracer.results) == {name, scores_key, softmax_key}  # a site per binding line
+    (scores,) = tracer.results[scores_key].values
+    (probabilities,) = tracer.results[softmax_key].values
     torch.testing.assert_close(scores.softmax(-1), probabilities)
     torch.testing.assert_close(tracer.results[name].values, [probabilities])
 
