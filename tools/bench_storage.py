@@ -7,7 +7,8 @@ Usage::
     python tools/bench_storage.py overhead --size small   # training step traced into HDF5
     python tools/bench_storage.py pagecache    # what the kernel charges per MiB as a file grows
     python tools/bench_storage.py size         # file bytes against record bytes, compressed too
-    python tools/bench_storage.py sites --sites 1000   # many small sites: saver vs plain h5py
+    python tools/bench_storage.py sites --sites 10000 --steps 8   # many sites: saver vs
+                                                  # plain h5py, then open + list the run
 
 ``throughput`` writes the same records (float32 tensors captured from the GPT
 of ``tools/bench_overhead.py``) through ``H5PYSaverCallback`` in gathers of 8,
@@ -594,9 +595,20 @@ def _sites_saver(path: Path, records: list[Any], sites: int, steps: int, gather:
             saver.flush()
 
 
+def _open_and_list(path: Path) -> float:
+    """Seconds ``vartrace.open(path)`` and its ``names`` take (the run closed after)."""
+    import vartrace
+
+    start = time.perf_counter()
+    with vartrace.open(path) as run:
+        _ = run.names
+        return time.perf_counter() - start
+
+
 def bench_sites(sites: int, steps: int, rounds: int) -> str:
     """``sites`` sites of one 4 KiB float32 record a step, ``steps`` steps gathered every
-    :data:`GATHER`: wall and CPU time of the saver against plain h5py and ``os.write``."""
+    :data:`GATHER`: wall and CPU time of the saver against plain h5py and ``os.write``;
+    then the time to open the saver's file and list its sites (``vartrace.open(path).names``)."""
     import numpy as np
 
     generator = np.random.default_rng(0)
@@ -608,6 +620,7 @@ def bench_sites(sites: int, steps: int, rounds: int) -> str:
     }
     wall: dict[str, list[float]] = {name: [] for name in contenders}
     cpu: dict[str, list[float]] = {name: [] for name in contenders}
+    listing: list[float] = []
     with tempfile.TemporaryDirectory() as folder:
         names = list(contenders)
         for round_ in range(rounds):
@@ -617,22 +630,27 @@ def bench_sites(sites: int, steps: int, rounds: int) -> str:
                 contenders[name](path, records, sites, steps, GATHER)
                 wall[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - used)
+                if name == "vartrace saver":
+                    listing.append(_open_and_list(path))
                 path.unlink()
     count = sites * steps
     lines = [
         f"sites: {sites} sites x 4 KiB float32 records x {steps} steps ({count} records), "
-        f"gather every {GATHER} steps, flush a gather; min / median of {rounds} rounds "
+        f"gather every {GATHER} steps, flush a gather; min / median / max of {rounds} rounds "
         "(contenders rotate)",
-        f"{'contender':<16} {'wall s':>15} {'vs h5py':>13} {'CPU a record':>16}",
+        f"{'contender':<16} {'wall s':>24} {'vs h5py':>21} {'CPU a record':>16}",
     ]
-    base = min(wall["plain h5py"]), statistics.median(wall["plain h5py"])
+    base = [f(wall["plain h5py"]) for f in (min, statistics.median, max)]
     for name in names:
-        best, middle = min(wall[name]), statistics.median(wall[name])
+        spread = [f(wall[name]) for f in (min, statistics.median, max)]
         per = min(cpu[name]) / count * 1e6, statistics.median(cpu[name]) / count * 1e6
         lines.append(
-            f"{name:<16} {best:6.2f} / {middle:6.2f} {best / base[0]:5.2f} / "
-            f"{middle / base[1]:5.2f}x {per[0]:6.0f} / {per[1]:4.0f} µs"
+            f"{name:<16} {' / '.join(f'{t:6.2f}' for t in spread)} "
+            f"{' / '.join(f'{t / b:5.2f}' for t, b in zip(spread, base, strict=True))}x "
+            f"{per[0]:6.0f} / {per[1]:4.0f} µs"
         )
+    opened = " / ".join(f"{f(listing):.3f}" for f in (min, statistics.median, max))
+    lines.append(f"vartrace.open(path).names of the saver's file: {opened} s (min / median / max)")
     return "\n".join(lines)
 
 

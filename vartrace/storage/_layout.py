@@ -6,8 +6,14 @@
                       run_id (one id per run: every shard of a sharded run holds the
                       same when the ranks share a process group, "" when that is unknown),
                       shard (int64 [rank, world size]: only in a shard of a sharded run)
-/committed            int64 (sites,): records of each site as of the last flush;
+/committed            int64 (slots,): records of each site as of the last flush;
                       rows past it were not flushed and are ignored
+/site_index           int64 (slots, 4): per slot, the start and end of its link name in
+                      /site_names, the capture order of its first record, and -1, or for
+                      an alias the slot of its target (the root index; files written
+                      without it are read by walking /vars)
+/site_names           uint8 (bytes,): the slots' escaped link names (UTF-8), one after
+                      another
 /meta/...             run metadata (written once per file)
 /vars/<escaped name>  attrs: name (the true site name), slot (its entry in /committed)
     iterations, ranks, order   int64 (records,)
@@ -20,6 +26,14 @@
     other                      (records,) byte blobs of records that did not fit
                                ``values`` (another dtype or kind); absent until needed
 ```
+
+The root index lets a reader list a run of many sites without opening each
+site's group: the names, their execution order and the aliases are read from two
+datasets.  It is crash-safe as `/committed` is: a slot's row and name bytes are
+written before the flush that precedes its first nonzero count, and never change
+once counted, so a reader trusts the rows of counted slots only (a slot a killed
+writer defined but never counted is ignored, and redefined when a later session
+reuses it).  The TARGET column is -1 for every slot (reserved for aliases).
 
 Files are written with HDF5's SWMR mode on, so a killed writer leaves a
 consistent file; such a file carries "open for writing" flags in its
@@ -40,13 +54,20 @@ from typing import Any
 
 __all__ = [
     "COMMITTED",
+    "FIRST_ORDER",
     "FORMAT_ATTR",
     "FORMAT_VERSION",
     "LIBVER",
+    "NAME_END",
+    "NAME_START",
+    "NO_TARGET",
     "RUN_ID_ATTR",
     "SHARD_ATTR",
     "SIGNATURE",
+    "SITE_INDEX",
+    "SITE_NAMES",
     "TAGS",
+    "TARGET",
     "clear_write_flags",
     "escape",
     "has_write_flags",
@@ -57,6 +78,12 @@ __all__ = [
 ]
 
 COMMITTED = "committed"
+SITE_INDEX = "site_index"
+SITE_NAMES = "site_names"
+#: Columns of /site_index: a slot's link name (start, end in /site_names), the capture
+#: order of its first record, its alias target's slot (-1: none).
+NAME_START, NAME_END, FIRST_ORDER, TARGET = range(4)
+NO_TARGET = -1
 FORMAT_ATTR = "vartrace_format"
 FORMAT_VERSION = 1
 LIBVER = ("v110", "latest")  # the oldest file format that allows SWMR

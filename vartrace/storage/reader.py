@@ -67,10 +67,16 @@ from vartrace.storage._layout import (
     COMMITTED,
     FORMAT_ATTR,
     FORMAT_VERSION,
+    NAME_END,
+    NAME_START,
+    NO_TARGET,
     RUN_ID_ATTR,
     SHARD_ATTR,
     SIGNATURE,
+    SITE_INDEX,
+    SITE_NAMES,
     TAGS,
+    TARGET,
     has_write_flags,
     unescape,
     writer_alive,
@@ -405,31 +411,71 @@ _AHEAD_BLOCKS = 8
 class _Part:
     """One file's datasets of one site.
 
-    Made when a run lists its sites, reading only the site's `slot`
-    attribute; its datasets are opened (and checked) when the site is used.
+    Made when a run lists its sites, from the file's root index (reading nothing of
+    the site) or, in a file without one, from the site's group and its `slot`
+    attribute; its group and datasets are opened (and checked) when the site is used.
     """
 
-    def __init__(self, group: h5py.Group, committed: np.ndarray, ahead: _ReadAhead) -> None:
-        self.group = group
+    def __init__(
+        self,
+        sites: h5py.Group,
+        link: str,
+        slot: int,
+        rows: int,
+        ahead: _ReadAhead,
+        first_order: int | None = None,
+    ) -> None:
+        """The site `/vars/<link>` (`sites` is `/vars`) of slot `slot`, holding `rows`
+        committed records; `first_order` as the root index gives it."""
+        self._sites = sites
+        self._link = link
+        self.slot = slot
+        self.rows = rows
+        self._first_order = first_order
+        self._ahead = ahead
+        self._next_row = -1  # the row after the one read last: a loop reads it next
+        self._ahead_rows = 0  # rows the next block read ahead holds
+
+    @classmethod
+    def walked(
+        cls, sites: h5py.Group, link: str, committed: np.ndarray, ahead: _ReadAhead
+    ) -> _Part:
+        """The site `/vars/<link>` of a file read without its root index: its group is
+        opened for its `slot` attribute."""
+        group = child(sites, link, h5py.Group)
         slot = _int_attr(group, "slot")
         if slot is None:
             raise RunFileError(
                 f"{file_name(group.id)}: {group.name} has no integer 'slot' attribute: a "
                 "damaged file"
             )
-        self.rows = max(0, int(committed[slot])) if 0 <= slot < len(committed) else 0
-        self._ahead = ahead
-        self._next_row = -1  # the row after the one read last: a loop reads it next
-        self._ahead_rows = 0  # rows the next block read ahead holds
+        rows = max(0, int(committed[slot])) if 0 <= slot < len(committed) else 0
+        part = cls(sites, link, slot, rows, ahead)
+        part.__dict__["group"] = group  # (the cached property, already known)
+        return part
+
+    @cached_property
+    def group(self) -> h5py.Group:
+        """The site's group, checked to be the one of its slot."""
+        group = child(self._sites, self._link, h5py.Group)
+        slot = _int_attr(group, "slot")
+        if slot != self.slot:
+            raise RunFileError(
+                f"{file_name(group.id)}: {group.name} has the slot attribute {slot} where "
+                f"/{SITE_INDEX} gives it slot {self.slot}: a damaged file"
+            )
+        return group
 
     def open(self) -> None:
         """Open the site's values and check their attributes (done once, when the site is used)."""
         _ = self.written_dtype
 
-    @cached_property
+    @property
     def first_order(self) -> int:
         """The capture order of the part's first record."""
-        return int(_leading_rows(self.group, "order", 1)[0])
+        if self._first_order is None:
+            self._first_order = int(_leading_rows(self.group, "order", 1)[0])
+        return self._first_order
 
     @cached_property
     def values(self) -> h5py.Dataset | None:
@@ -1147,9 +1193,55 @@ def _expand(path_or_glob: str | os.PathLike[str] | Sequence[str | os.PathLike[st
     return given
 
 
-#: HDF5's error for an object that a running writer made after a SWMR reader opened the
+def _indexed(handle: h5py.File, counts: np.ndarray) -> list[tuple[int, str, int, int]] | None:
+    """(slot, link name, first capture order, alias target slot) of each counted slot of
+    `handle`'s root index (see `_layout`); `None` for a file without a complete one (written
+    by an older vartrace, or appended to by one: its sites are found by walking `/vars`).
+
+    A root index that cannot be what vartrace writes is a `RunFileError`.
+    """
+    links = handle.id.links
+    if not links.exists(SITE_INDEX.encode()) or not links.exists(SITE_NAMES.encode()):
+        return None
+    index = child(handle, SITE_INDEX, h5py.Dataset)
+    names = child(handle, SITE_NAMES, h5py.Dataset)
+    where = f"{file_name(handle.id)}: /{SITE_INDEX}"
+    if index.ndim != 2 or index.shape[1] != 4 or index.dtype.kind not in "iu":
+        raise RunFileError(f"{where} is not a (slots, 4) dataset of integers: a damaged file")
+    if names.ndim != 1 or names.dtype != np.uint8:
+        raise RunFileError(
+            f"{file_name(handle.id)}: /{SITE_NAMES} is not a dataset of bytes: a damaged file"
+        )
+    counted = np.flatnonzero(counts > 0)
+    if len(counted) and counted[-1] >= len(index):
+        return None  # counted slots past the index: an older vartrace appended
+    check_read(index, index.size)
+    rows = np.asarray(index[()], np.int64)[counted]
+    if len(rows) and not rows[:, NAME_END].all():
+        return None  # counted slots the index never named: likewise
+    check_read(names, names.size)
+    data = np.asarray(names[()], np.uint8).tobytes()
+    starts, ends = rows[:, NAME_START], rows[:, NAME_END]
+    bad = (starts < 0) | (starts >= ends) | (ends > len(data))
+    bad |= (rows[:, TARGET] < NO_TARGET) | (rows[:, TARGET] >= len(counts))
+    if bad.any():
+        slot = int(counted[np.flatnonzero(bad)[0]])
+        raise RunFileError(f"{where} holds an impossible row for slot {slot}: a damaged file")
+    found = []
+    for slot, (start, end, first, target) in zip(counted.tolist(), rows.tolist(), strict=True):
+        try:
+            link = data[start:end].decode("utf-8")
+        except UnicodeDecodeError:
+            raise RunFileError(
+                f"{where} names slot {slot} with bytes that are no UTF-8: a damaged file"
+            ) from None
+        found.append((slot, link, first, target))
+    return found
+
+
+#: HDF5's errors for an object that a running writer made after a SWMR reader opened the
 #: file (past the end of the file as the reader saw it): the site is left out until a reopen.
-_BEYOND_VIEW = "address of object past end of allocation"
+_BEYOND_VIEW = re.compile("address of object past end of allocation|actual len exceeds EOA")
 
 
 def _writer_alive(handle: h5py.File) -> bool:
@@ -1249,18 +1341,31 @@ class Run:
             counts = np.asarray(committed[()], np.int64).reshape(-1)
             sites = child(handle, "vars", h5py.Group)
             live = handle.swmr_mode and _writer_alive(handle)
-            for link in sites:
-                try:
-                    part = _Part(child(sites, link, h5py.Group), counts, self._ahead)
-                    if live and part.rows:  # its datasets may lie past this reader's view
+            try:
+                indexed = _indexed(handle, counts)
+            except RunFileError as error:
+                if not (live and _BEYOND_VIEW.search(str(error))):
+                    raise
+                indexed = None  # the writer grew the index after this reader's view of the file
+            if indexed is None:
+                parts = [_Part.walked(sites, link, counts, self._ahead) for link in sites]
+            else:
+                parts = [
+                    _Part(sites, link, slot, int(counts[slot]), self._ahead, first)
+                    for slot, link, first, _ in indexed
+                ]
+            for part in parts:
+                if not part.rows:  # a site a killed writer created but never flushed is left out
+                    continue
+                if live:  # its datasets may lie past this reader's view
+                    try:
                         part.open()
                         _ = part.first_order
-                except RunFileError as error:
-                    if live and _BEYOND_VIEW in str(error):
-                        continue  # the writer made the site after this reader's view of the file
-                    raise
-                if part.rows:  # a site a killed writer created but never flushed is left out
-                    links.setdefault(unescape(link), []).append(part)
+                    except RunFileError as error:
+                        if _BEYOND_VIEW.search(str(error)):
+                            continue  # the writer made the site after this reader's view
+                        raise
+                links.setdefault(unescape(part._link), []).append(part)
         return links
 
     @cached_property

@@ -57,6 +57,10 @@ from vartrace.storage._layout import (
     FORMAT_ATTR,
     FORMAT_VERSION,
     LIBVER,
+    NAME_END,
+    NO_TARGET,
+    SITE_INDEX,
+    SITE_NAMES,
     TAGS,
     clear_write_flags,
     escape,
@@ -98,6 +102,8 @@ _OPEN_SITES = 2048
 # created: an eviction bug that a cache holding the open objects' metadata does not meet.
 _METADATA_CACHE = (64 << 20, 32 << 20, 128 << 20)
 _SLOTS = 4096  # record counts per chunk of /committed
+_INDEX_ROWS = 128  # slots per chunk of /site_index (4 KiB: a small file stays small)
+_NAME_BYTES = 4 << 10  # bytes per chunk of /site_names
 # Chunk cache of each open dataset: small chunks (tags, small records) are written from it
 # at the flush; bigger chunks go straight to the file (a compressed one whole, a partly
 # filled one unfiltered, see _Site._put_records).  A cache keeps up to its size of every open
@@ -632,6 +638,138 @@ def _objects(rows: list[str | bytes]) -> np.ndarray:
     return array
 
 
+def _create_index(handle: h5py.File) -> None:
+    """Create `/site_index` and `/site_names`, empty (`_Index.write_rows` sizes them)."""
+    handle.create_dataset(SITE_INDEX, (0, 4), np.int64, maxshape=(None, 4), chunks=(_INDEX_ROWS, 4))
+    handle.create_dataset(SITE_NAMES, (0,), np.uint8, maxshape=(None,), chunks=(_NAME_BYTES,))
+
+
+def _rounded(count: int, step: int) -> int:
+    """`count` rounded up to a whole number of `step`s."""
+    return -(-count // step) * step
+
+
+def _grown(array: np.ndarray, length: int, step: int) -> np.ndarray:
+    """`array` (rows first) zero-extended to hold `length` rows, at least doubled."""
+    if length <= len(array):
+        return array
+    grown = np.zeros((_rounded(max(length, 2 * len(array)), step), *array.shape[1:]), array.dtype)
+    grown[: len(array)] = array
+    return grown
+
+
+class _Index:
+    """The root index of an open file as this session keeps it (see `_layout`): each
+    slot's record count (`/committed`), its row (`/site_index`: name span, first capture
+    order, alias target) and its link name's bytes (`/site_names`).
+
+    Rows and names are written before the flush that precedes the counts
+    (`write_rows`), counts after it (`write_counts`); both rewrite whole unfiltered
+    chunks in place, so bytes a reader trusts never change, even in a torn write.
+    """
+
+    def __init__(self, handle: h5py.File) -> None:
+        """The index of `handle`, made for a file written without one (by an older
+        vartrace: it is built from `/vars`)."""
+        self.handle = handle
+        stored = np.asarray(handle[COMMITTED][()], np.int64)
+        self.counts = stored.copy()
+        self.held = {COMMITTED: len(stored), SITE_INDEX: 0, SITE_NAMES: 0}  # extents in the file
+        self.slots: dict[str, int] = {}  # link name -> slot, of every group in /vars
+        for link, group in handle["vars"].items():
+            self.slots[link] = int(group.attrs["slot"])
+        # Sites a killed writer created but never committed hold no records; their slots stay
+        # theirs.  The next slot follows them and the last counted one.
+        counted = np.flatnonzero(stored)
+        last = int(counted[-1]) + 1 if len(counted) else 0
+        self.used = max([last, *(slot + 1 for slot in self.slots.values())])
+        self.counts = _grown(self.counts, self.used, _SLOTS)
+        self.dirty: dict[str, set[int]] = {SITE_INDEX: set(), SITE_NAMES: set()}
+        if SITE_INDEX in handle:
+            self.rows = np.asarray(handle[SITE_INDEX][()], np.int64)
+            self.names = bytearray(np.asarray(handle[SITE_NAMES][()], np.uint8).tobytes())
+            self.held[SITE_INDEX], self.held[SITE_NAMES] = len(self.rows), len(self.names)
+            self.end = int(min(len(self.names), max([0, *self.rows[:, NAME_END]])))
+        else:
+            self.rows = np.zeros((0, 4), np.int64)
+            self.names = bytearray()
+            self.end = 0
+            _create_index(handle)
+            for link, slot in self.slots.items():
+                rows = int(self.counts[slot]) if slot < len(self.counts) else 0
+                order = handle["vars"][link]["order"]
+                self.define(slot, link, int(order[0]) if rows and len(order) else 0)
+
+    @staticmethod
+    def create(handle: h5py.File) -> None:
+        """Create the root index of a new file: `/committed` and the empty index."""
+        committed = handle.create_dataset(
+            COMMITTED, (_SLOTS,), np.int64, maxshape=(None,), chunks=(_SLOTS,)
+        )
+        committed.id.write_direct_chunk((0,), np.zeros(_SLOTS, np.int64))
+        _create_index(handle)
+
+    def add(self, link: str) -> int:
+        """A new slot for the site whose group is `/vars/<link>`."""
+        slot = self.used
+        self.used += 1
+        self.counts = _grown(self.counts, self.used, _SLOTS)
+        self.slots[link] = slot
+        return slot
+
+    def count(self, slot: int) -> int:
+        return int(self.counts[slot]) if slot < len(self.counts) else 0
+
+    def set_count(self, slot: int, count: int) -> None:
+        self.counts[slot] = count
+
+    def define(self, slot: int, link: str, first_order: int, target: int = NO_TARGET) -> None:
+        """Write slot `slot`'s row: it is not counted yet, so no reader trusts it."""
+        data = link.encode("utf-8")
+        start, self.end = self.end, self.end + len(data)
+        if len(self.names) < self.end:
+            self.names.extend(bytes(_rounded(self.end, _NAME_BYTES) - len(self.names)))
+        self.names[start : self.end] = data
+        self.dirty[SITE_NAMES].update(range(start // _NAME_BYTES, -(-self.end // _NAME_BYTES)))
+        self.rows = _grown(self.rows, slot + 1, _INDEX_ROWS)
+        self.rows[slot] = (start, self.end, first_order, target)
+        self.dirty[SITE_INDEX].add(slot // _INDEX_ROWS)
+
+    def write_rows(self) -> None:
+        """Write the chunks of rows and names defined since the last call (before a flush)."""
+        for name, data, step in (
+            (SITE_INDEX, self.rows, _INDEX_ROWS),
+            (SITE_NAMES, np.frombuffer(self.names, np.uint8), _NAME_BYTES),
+        ):
+            chunks = self.dirty[name]
+            if not chunks:
+                continue
+            dataset = self.handle[name]
+            if len(data) > self.held[name]:
+                dataset.id.set_extent(data.shape)
+                self.held[name] = len(data)
+            for chunk in sorted(chunks):
+                origin = (chunk * step, *(0 for _ in data.shape[1:]))
+                dataset.id.write_direct_chunk(origin, data[chunk * step : (chunk + 1) * step])
+            chunks.clear()
+
+    def write_counts(self) -> None:
+        """Rewrite `/committed` (after a flush); a grown one is flushed again."""
+        committed = self.handle[COMMITTED]
+        capacity = _rounded(self.used, _SLOTS)
+        grown = capacity > self.held[COMMITTED]
+        if grown:
+            committed.id.set_extent((capacity,))
+        counts = np.zeros(capacity, np.int64)
+        used = min(len(self.counts), capacity)
+        counts[:used] = self.counts[:used]
+        for start in range(0, capacity, _SLOTS):  # whole unfiltered chunks: rewritten in place
+            committed.id.write_direct_chunk((start,), counts[start : start + _SLOTS])
+        if grown:  # a new chunk of counts was allocated: its place in the file must be written too
+            self.handle.flush()
+            self.held[COMMITTED] = capacity
+
+
 _UNUSED: weakref.WeakSet[H5PYSaverCallback] = weakref.WeakSet()
 
 
@@ -742,8 +880,7 @@ class H5PYSaverCallback:
         }
         self._file: h5py.File | None = None
         self._sites: dict[str, _Site] = {}
-        self._committed = np.zeros(0, np.int64)  # records per site slot, as of this session
-        self._capacity = 0  # slots the file's /committed holds
+        self._index: _Index | None = None  # the open file's root index
         self._dirty = False
         self._context = RunContext()
         self._idle = False
@@ -848,12 +985,7 @@ class H5PYSaverCallback:
             handle = self._create(path)
             self._created = True
         handle.attrs.update(writer_host=socket.gethostname(), writer_pid=os.getpid())
-        committed = handle[COMMITTED][()]
-        # Sites a killed writer created but never committed hold no records.
-        slots = [int(group.attrs["slot"]) for group in handle["vars"].values()]
-        self._committed = np.zeros(max([len(committed), *(s + 1 for s in slots)]), np.int64)
-        self._committed[: len(committed)] = committed
-        self._capacity = len(committed)
+        self._index = _Index(handle)
         _size_metadata_cache(handle)
         handle.swmr_mode = True  # from here on, a killed process leaves a consistent file
         self._descriptor = handle.id.get_vfd_handle()
@@ -874,10 +1006,7 @@ class H5PYSaverCallback:
         context = self._context
         handle.attrs.update(run_attrs(path, context.rank, context.world_size, context.sharded))
         handle.create_group("vars")
-        committed = handle.create_dataset(
-            COMMITTED, (_SLOTS,), np.int64, maxshape=(None,), chunks=(_SLOTS,)
-        )
-        committed.id.write_direct_chunk((0,), np.zeros(_SLOTS, np.int64))
+        _Index.create(handle)
         if meta is not None:
             _write_tree(handle.create_group("meta"), meta)
         return handle
@@ -919,21 +1048,11 @@ class H5PYSaverCallback:
         self._worker.submit(write)
 
     def _commit(self) -> None:
-        if self._file is None or not self._dirty:
+        if self._file is None or self._index is None or not self._dirty:
             return
-        committed = self._file[COMMITTED]
-        capacity = -(-len(self._committed) // _SLOTS) * _SLOTS
-        grown = capacity > self._capacity
-        if grown:
-            committed.id.set_extent((capacity,))
+        self._index.write_rows()
         self._file.flush()
-        counts = np.zeros(capacity, np.int64)
-        counts[: len(self._committed)] = self._committed
-        for start in range(0, capacity, _SLOTS):  # whole unfiltered chunks: rewritten in place
-            committed.id.write_direct_chunk((start,), counts[start : start + _SLOTS])
-        if grown:  # a new chunk of counts was allocated: its place in the file must be written too
-            self._file.flush()
-            self._capacity = capacity
+        self._index.write_counts()
         self._dirty = False
 
     def close(self) -> None:
@@ -969,7 +1088,7 @@ class H5PYSaverCallback:
                     self._file.close()
                     self._file = None
                     _forks.unwatch(self)
-                    if self._created and not self._committed.any():
+                    if self._created and (self._index is None or not self._index.counts.any()):
                         self.path.unlink(missing_ok=True)
                         warn(
                             f"vartrace: H5PYSaverCallback received no record, so it removed the "
@@ -1081,21 +1200,25 @@ class H5PYSaverCallback:
 
     def _append(self, name: str, trace: Trace) -> None:
         handle = self._open()
+        index = self._index
+        assert index is not None
         site = self._sites.pop(name, None)
         if site is None:
-            group = handle["vars"].get(escape(name))
-            if group is None:
-                slot = len(self._committed)
-                self._committed = np.append(self._committed, 0)
+            link = escape(name)
+            slot = index.slots.get(link)
+            if slot is None:
+                slot = index.add(link)
                 site = _Site.create(handle["vars"], name, self._options, slot, len(trace))
             else:
-                slot = int(group.attrs["slot"])
-                site = _Site(group, self._options, int(self._committed[slot]))
+                site = _Site(handle["vars"][link], self._options, index.count(slot))
         self._sites[name] = site  # most recently used last
         if len(self._sites) > _OPEN_SITES:
             del self._sites[next(iter(self._sites))]
-        site.append(self._continued(trace))
-        self._committed[site.slot] = site.rows
+        trace = self._continued(trace)
+        if not site.rows:  # its first records (or a killed writer's never committed)
+            index.define(site.slot, escape(name), int(_int64(trace.order)[0]))
+        site.append(trace)
+        index.set_count(site.slot, site.rows)
         self._dirty = True
 
     def _continued(self, trace: Trace) -> Trace:
