@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from vartrace._site_names import missing_site
 from vartrace.trace import Trace
 
 __all__ = ["Results", "join_traces"]
@@ -116,10 +117,14 @@ class Results(Mapping[str, Trace]):
     def __getitem__(self, name: str) -> Trace:
         pieces = self._pieces.get(self._aliases.get(name, name))
         if pieces is None:
-            raise KeyError(name)
+            raise missing_site(name, self, "the tracer's results")
         if len(pieces) > 1:
             pieces[:] = [join_traces(pieces)]
         return pieces[0]
+
+    def __contains__(self, name: object) -> bool:
+        """Whether `name` reads as records (without the close matches a KeyError names)."""
+        return isinstance(name, str) and self._aliases.get(name, name) in self._pieces
 
     def __iter__(self) -> Iterator[str]:
         return iter([*self._pieces, *(a for a, t in self._aliases.items() if t in self._pieces)])
