@@ -77,6 +77,8 @@ class Aliases:
 
     def taken(self) -> list[tuple[str, str]]:
         """The `(alias, target)` pairs declared since the last call, oldest first."""
+        if not self._new:  # the common case, at every gather: nothing new
+            return []
         with self._lock:
             new, self._new = self._new, []
         return [(name, target) for name, target in new if self._targets.get(name) == target]

@@ -126,6 +126,11 @@ class Results(Mapping[str, Trace]):
         """Whether `name` reads as records (without the close matches a KeyError names)."""
         return isinstance(name, str) and self._aliases.get(name, name) in self._pieces
 
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        """`results[name]`, or `default` when there is no such site (no close matches
+        looked for)."""
+        return self[name] if name in self else default
+
     def __iter__(self) -> Iterator[str]:
         return iter([*self._pieces, *(a for a, t in self._aliases.items() if t in self._pieces)])
 

@@ -1061,7 +1061,8 @@ class ModelTracer:
         aliases = self._aliases.taken()
         if not chunk and not aliases and distributed.world_size() == 1:
             return  # nothing to hand on, and no other rank waits for this gather
-        self._declare(aliases)
+        if aliases:
+            self._declare(aliases)
         self._retag(chunk)
         pending = dict(chunk)  # the traces not yet in the results
         ring = None if self._stager is None else self._stager.ring
@@ -1095,7 +1096,7 @@ class ModelTracer:
 
         With `gather=True` only rank 0 does: it alone receives the gathered records.
         """
-        if not aliases or (self.gather and distributed.rank() != 0):
+        if self.gather and distributed.rank() != 0:
             return
         told = [getattr(c, "alias", None) for c in self.post_gather_callbacks]
         sinks = [self._results.alias, *(alias for alias in told if callable(alias))]
