@@ -129,7 +129,7 @@ class Results(Mapping[str, Trace]):
     def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
         """`results[name]`, or `default` when there is no such site (no close matches
         looked for)."""
-        return self[name] if name in self else default
+        return self[name] if name in self else default  # noqa: SIM401 (this is get)
 
     def __iter__(self) -> Iterator[str]:
         return iter([*self._pieces, *(a for a, t in self._aliases.items() if t in self._pieces)])

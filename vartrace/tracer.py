@@ -29,7 +29,14 @@ from torch.utils.hooks import RemovableHandle
 
 from vartrace import _exit, _forks, _memory, _warnings, distributed
 from vartrace.aliases import Aliases
-from vartrace.device import HostRing, OnFull, Stager, StagingStats, detach_from_ring
+from vartrace.device import (
+    HostRing,
+    OnFull,
+    Stager,
+    StagingStats,
+    check_device_bytes,
+    detach_from_ring,
+)
 from vartrace.engine.frames import set_change_test
 from vartrace.engine.patching import Hook, attach, detach, filter_state
 from vartrace.engine.structures import leaves
@@ -456,15 +463,7 @@ class ModelTracer:
             if max_host_bytes is None
             else _positive("max_host_bytes", max_host_bytes)
         )
-        if max_device_bytes is not None and (
-            not isinstance(max_device_bytes, int)
-            or isinstance(max_device_bytes, bool)
-            or max_device_bytes < 0
-        ):
-            raise ValueError(
-                f"max_device_bytes must be None or an integer >= 0, not {max_device_bytes!r}"
-            )
-        self.max_device_bytes = max_device_bytes
+        self.max_device_bytes = check_device_bytes(max_device_bytes)
         self._held = 0  # bytes of the records kept in the results
         self._warned_held: bool | str = False
         self._fullgraph = fullgraph_regions(model)  # seen on the wrapper, before unwrap

@@ -12,6 +12,20 @@ and gets it back, in capture order, on the stager's thread.  Behind that door:
 """
 
 from vartrace.device.ring import HostRing, detach_from_ring
-from vartrace.device.staging import OnFull, Stager, StagingStats, stageable
+from vartrace.device.staging import (
+    OnFull,
+    Stager,
+    StagingStats,
+    check_device_bytes,
+    stageable,
+)
 
-__all__ = ["HostRing", "OnFull", "Stager", "StagingStats", "detach_from_ring", "stageable"]
+__all__ = [
+    "HostRing",
+    "OnFull",
+    "Stager",
+    "StagingStats",
+    "check_device_bytes",
+    "detach_from_ring",
+    "stageable",
+]

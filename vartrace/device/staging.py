@@ -290,6 +290,19 @@ class _Job:
 _SANITIZED = bool(os.environ.get("TORCH_CUDA_SANITIZER"))
 
 
+def check_device_bytes(max_device_bytes: Any) -> int | None:
+    """`max_device_bytes` if it is `None` or a byte count (an int >= 0), else `ValueError`."""
+    if max_device_bytes is not None and (
+        not isinstance(max_device_bytes, int)
+        or isinstance(max_device_bytes, bool)
+        or max_device_bytes < 0
+    ):
+        raise ValueError(
+            f"max_device_bytes must be None or an integer >= 0, not {max_device_bytes!r}"
+        )
+    return max_device_bytes
+
+
 class Stager:
     """Admits records on any thread and delivers them, in order, on a thread of its own.
 
@@ -337,14 +350,7 @@ class Stager:
             raise ValueError(
                 f"max_inflight_bytes must be a positive integer, not {max_inflight_bytes!r}"
             )
-        if max_device_bytes is not None and (
-            not isinstance(max_device_bytes, int)
-            or isinstance(max_device_bytes, bool)
-            or max_device_bytes < 0
-        ):
-            raise ValueError(
-                f"max_device_bytes must be None or an integer >= 0, not {max_device_bytes!r}"
-            )
+        check_device_bytes(max_device_bytes)
         self.stats = StagingStats()
         self.device = device
         self.max_device_bytes = max_device_bytes  # the default set at the first staged record
