@@ -7,7 +7,8 @@
                       same when the ranks share a process group, "" when that is unknown),
                       shard (int64 [rank, world size]: only in a shard of a sharded run)
 /committed            int64 (slots,): records of each site as of the last flush;
-                      rows past it were not flushed and are ignored
+                      rows past it were not flushed and are ignored (an alias: 1 while
+                      it holds, 0 once replaced)
 /site_index           int64 (slots, 4): per slot, the start and end of its link name in
                       /site_names, the capture order of its first record, and -1, or for
                       an alias the slot of its target (the root index; files written
@@ -33,7 +34,14 @@ datasets.  It is crash-safe as `/committed` is: a slot's row and name bytes are
 written before the flush that precedes its first nonzero count, and never change
 once counted, so a reader trusts the rows of counted slots only (a slot a killed
 writer defined but never counted is ignored, and redefined when a later session
-reuses it).  The TARGET column is -1 for every slot (reserved for aliases).
+reuses it).  An alias (a site name that reads as another site's records, stored
+once: `H5PYSaverCallback.alias`) is a slot of its own with no group, counted 1
+while it holds; changing it (another target, or records of its own) takes a new
+slot, and the old slot's count drops to 0 in the same commit.  Should a commit be
+cut between two chunks of `/committed`, a reader prefers a site of its own over
+an alias of the same name, and the later alias over an earlier one; an alias whose
+target is not counted is left out.  Files without aliases hold no alias rows, and
+an older vartrace, which walks `/vars`, reads every site of a file but its aliases.
 
 Files are written with HDF5's SWMR mode on, so a killed writer leaves a
 consistent file; such a file carries "open for writing" flags in its
@@ -110,6 +118,8 @@ def escape(name: str) -> str:
 
 def unescape(link: str) -> str:
     """The site name of an HDF5 link name made by `escape`."""
+    if "%" not in link:  # most names: nothing escaped
+        return link
     if link == "%":
         return ""
     return _ESCAPED.sub(lambda match: chr(int(match.group(1) or match.group(2), 16)), link)

@@ -1239,6 +1239,18 @@ def _indexed(handle: h5py.File, counts: np.ndarray) -> list[tuple[int, str, int,
     return found
 
 
+def _aliases(indexed: list[tuple[int, str, int, int]]) -> dict[str, str]:
+    """Alias name -> target name of a file's counted index rows (`_indexed`): the later
+    slot of a name wins (a commit cut short between two); an alias whose target is no
+    counted site of the file is left out."""
+    sites = {slot: link for slot, link, _, target in indexed if target == NO_TARGET}
+    return {
+        unescape(link): unescape(sites[target])
+        for _, link, _, target in indexed
+        if target != NO_TARGET and target in sites
+    }
+
+
 #: HDF5's errors for an object that a running writer made after a SWMR reader opened the
 #: file (past the end of the file as the reader saw it): the site is left out until a reopen.
 _BEYOND_VIEW = re.compile("address of object past end of allocation|actual len exceeds EOA")
@@ -1332,9 +1344,16 @@ class Run:
         """
         return any(handle.swmr_mode and _writer_alive(handle) for handle in self._files)
 
-    @cached_property
+    @property
     def _links(self) -> dict[str, list[_Part]]:
+        """Site name -> its parts (one a file holding it), aliases left out."""
+        return self._catalogue[0]
+
+    @cached_property
+    def _catalogue(self) -> tuple[dict[str, list[_Part]], dict[str, str]]:
+        """The sites (name -> parts) and the aliases (name -> target name) of the files."""
         links: dict[str, list[_Part]] = {}
+        aliases: dict[str, str] = {}
         for handle in self._files:
             committed = child(handle, COMMITTED, h5py.Dataset)
             check_read(committed, committed.size)
@@ -1352,8 +1371,10 @@ class Run:
             else:
                 parts = [
                     _Part(sites, link, slot, int(counts[slot]), self._ahead, first)
-                    for slot, link, first, _ in indexed
+                    for slot, link, first, target in indexed
+                    if target == NO_TARGET
                 ]
+                aliases = _aliases(indexed) | aliases  # the first file's, where shards differ
             for part in parts:
                 if not part.rows:  # a site a killed writer created but never flushed is left out
                     continue
@@ -1366,7 +1387,23 @@ class Run:
                             continue  # the writer made the site after this reader's view
                         raise
                 links.setdefault(unescape(part._link), []).append(part)
-        return links
+        # A site of its own wins over an alias (a commit cut short between them); an alias
+        # whose target was never committed is left out.
+        kept = {
+            name: target
+            for name, target in aliases.items()
+            if target in links and name not in links
+        }
+        return links, kept
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Alias name -> the name of the site whose records it reads (stored once); empty
+        when the run has none.  See [`H5PYSaverCallback.alias`][vartrace.H5PYSaverCallback.alias].
+
+        Example: `run[alias].values is run[run.aliases[alias]].values`.
+        """
+        return dict(self._catalogue[1])
 
     @cached_property
     def names(self) -> list[str]:
@@ -1375,27 +1412,35 @@ class Run:
         `blocks.2` comes before `blocks.10` when the model ran it first.
         Ties (sites of shards with independent counters) go by name.
         """
-        return sorted(self._links, key=lambda name: (_first_order(self._links[name]), name))
+        links, aliases = self._catalogue
+
+        def key(name: str) -> tuple[int, str]:
+            return _first_order(links[aliases.get(name, name)]), name
+
+        return sorted([*links, *aliases], key=key)
 
     def __getitem__(self, name: str) -> Site:
         site = self._sites.get(name)
         if site is None:
-            parts = self._links.get(name)
+            links, aliases = self._catalogue
+            parts = links.get(aliases.get(name, name))
             if parts is None:
-                close = difflib.get_close_matches(name, self._links, n=5, cutoff=0.5)
+                close = difflib.get_close_matches(name, [*links, *aliases], n=5, cutoff=0.5)
                 hint = f"; close matches: {', '.join(close)}" if close else ""
                 raise KeyError(f"no site {name!r} in {self._describe()}{hint}")
             site = self._sites[name] = Site(name, parts, self.allow_pickle)
         return site
 
     def __contains__(self, name: object) -> bool:
-        return name in self._links
+        links, aliases = self._catalogue
+        return name in links or name in aliases
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
     def __len__(self) -> int:
-        return len(self._links)
+        links, aliases = self._catalogue
+        return len(links) + len(aliases)
 
     @cached_property
     def meta(self) -> dict[str, Any]:

@@ -54,14 +54,17 @@ from vartrace.storage._codec import (
 )
 from vartrace.storage._layout import (
     COMMITTED,
+    FIRST_ORDER,
     FORMAT_ATTR,
     FORMAT_VERSION,
     LIBVER,
     NAME_END,
+    NAME_START,
     NO_TARGET,
     SITE_INDEX,
     SITE_NAMES,
     TAGS,
+    TARGET,
     clear_write_flags,
     escape,
     has_write_flags,
@@ -685,11 +688,16 @@ class _Index:
         self.used = max([last, *(slot + 1 for slot in self.slots.values())])
         self.counts = _grown(self.counts, self.used, _SLOTS)
         self.dirty: dict[str, set[int]] = {SITE_INDEX: set(), SITE_NAMES: set()}
+        self.aliases: dict[str, tuple[int, str]] = {}  # alias -> (its slot, its target's name)
         if SITE_INDEX in handle:
             self.rows = np.asarray(handle[SITE_INDEX][()], np.int64)
             self.names = bytearray(np.asarray(handle[SITE_NAMES][()], np.uint8).tobytes())
             self.held[SITE_INDEX], self.held[SITE_NAMES] = len(self.rows), len(self.names)
             self.end = int(min(len(self.names), max([0, *self.rows[:, NAME_END]])))
+            for slot in counted[counted < len(self.rows)].tolist():  # an append keeps them
+                target = int(self.rows[slot, TARGET])
+                if target != NO_TARGET:
+                    self.aliases[unescape(self.link(slot))] = (slot, unescape(self.link(target)))
         else:
             self.rows = np.zeros((0, 4), np.int64)
             self.names = bytearray()
@@ -709,13 +717,19 @@ class _Index:
         committed.id.write_direct_chunk((0,), np.zeros(_SLOTS, np.int64))
         _create_index(handle)
 
-    def add(self, link: str) -> int:
-        """A new slot for the site whose group is `/vars/<link>`."""
+    def add(self, link: str | None) -> int:
+        """A new slot for the site whose group is `/vars/<link>`, or (`None`) an alias."""
         slot = self.used
         self.used += 1
         self.counts = _grown(self.counts, self.used, _SLOTS)
-        self.slots[link] = slot
+        if link is not None:
+            self.slots[link] = slot
         return slot
+
+    def link(self, slot: int) -> str:
+        """The link name of a defined slot."""
+        start, end = self.rows[slot, NAME_START], self.rows[slot, NAME_END]
+        return self.names[start:end].decode("utf-8")
 
     def count(self, slot: int) -> int:
         return int(self.counts[slot]) if slot < len(self.counts) else 0
@@ -881,6 +895,7 @@ class H5PYSaverCallback:
         self._file: h5py.File | None = None
         self._sites: dict[str, _Site] = {}
         self._index: _Index | None = None  # the open file's root index
+        self._unresolved: dict[str, str] = {}  # alias -> target: a target with no site yet
         self._dirty = False
         self._context = RunContext()
         self._idle = False
@@ -889,7 +904,8 @@ class H5PYSaverCallback:
         self._shift: tuple[int, int] | None = None  # added to (iterations, order) when appending
         self._last: tuple[int, int] | None = None  # the file's largest (iteration, order) at open
         self.background = background
-        self._pending: list[tuple[str, Trace]] = []  # taken over, not yet handed to the thread
+        # Records (and aliases: their target's name) taken over, not yet handed to the thread.
+        self._pending: list[tuple[str, Trace | str]] = []
         self._worker: Worker | None = None
         self._failure: OSError | None = None  # the write failure that ended the file
         # Callers (tracers in several threads) take records and flush one at a time; the
@@ -1032,7 +1048,7 @@ class H5PYSaverCallback:
         if wait and self._worker is not None:
             self._worker.join()
 
-    def _submit(self, batch: list[tuple[str, Trace]]) -> None:
+    def _submit(self, batch: list[tuple[str, Trace | str]]) -> None:
         if self._worker is None:
             self._worker = Worker(f"vartrace-writer {self.path.name}")
             atexit.register(self.close)
@@ -1041,14 +1057,21 @@ class H5PYSaverCallback:
             with self._guard():
                 if self._failure is not None:
                     return  # an earlier gather's write failed: the saver stopped writing
-                for name, trace in batch:
-                    self._append(name, trace)
+                for name, item in batch:
+                    if isinstance(item, str):
+                        self._alias(name, item)
+                    else:
+                        self._append(name, item)
                 self._commit()
 
         self._worker.submit(write)
 
     def _commit(self) -> None:
-        if self._file is None or self._index is None or not self._dirty:
+        if self._file is None or self._index is None:
+            return
+        for name, target in list(self._unresolved.items()):
+            self._alias(name, target)
+        if not self._dirty:
             return
         self._index.write_rows()
         self._file.flush()
@@ -1097,8 +1120,17 @@ class H5PYSaverCallback:
                             "first write)",
                             stacklevel=3,
                         )
+                if self._unresolved:
+                    warn(
+                        f"vartrace: H5PYSaverCallback wrote no alias for "
+                        f"{', '.join(map(repr, self._unresolved))} in {self.path}: their target "
+                        f"site(s) {', '.join(map(repr, dict.fromkeys(self._unresolved.values())))} "
+                        "received no record",
+                        stacklevel=3,
+                    )
             finally:
                 self._sites.clear()
+                self._unresolved.clear()
 
     @property
     def failure(self) -> OSError | None:
@@ -1198,10 +1230,72 @@ class H5PYSaverCallback:
                     self._append(name, trace)
             trace.clear()
 
+    def alias(self, name: str, target: str) -> None:
+        """Make site `name` read as site `target` (the same records, stored once).
+
+        `target` is a site with records in this file, or one that receives them
+        before the next flush; `name` has no records of its own.  `vartrace.open`
+        lists `name` (`run.aliases` maps it to `target`) and `run[name]` reads
+        `target`'s records.  Records that later arrive for `name` itself make it an
+        ordinary site from then on (the earlier ones stay readable under `target`).
+        Like a call, it is ordered with the records (`background=True` included);
+        it takes effect at the next flush.  Example:
+
+        ```python
+        saver.alias("layers.0.attn.forward.attn_weights",
+                    "layers.0.attn.forward>eager_attention_forward.attn_weights")
+        ```
+        """
+        _UNUSED.discard(self)
+        with self._lock, _interrupts_held():
+            if self._failure is not None:  # the saver stopped writing
+                return
+            self._open()
+            if self.background:
+                self._pending.append((name, target))
+            else:
+                with self._guard():
+                    self._alias(name, target)
+
+    def _alias(self, name: str, target: str) -> None:
+        index = self._index
+        assert index is not None
+        target = index.aliases.get(target, (0, target))[1]  # an alias's alias reads its target
+        self._unresolved.pop(name, None)
+        held = index.slots.get(escape(name))
+        if held is not None and index.count(held):
+            warn(
+                f"vartrace: {self.path}: site {name!r} holds records of its own, so it is not "
+                f"made an alias of {target!r}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
+        target_slot = index.slots.get(escape(target))
+        if name == target:
+            return
+        if target_slot is None or not index.count(target_slot):
+            self._unresolved[name] = target  # its records come later in this gather
+            return
+        old = index.aliases.get(name)
+        if old is not None and old[1] == target:
+            return
+        slot = index.add(None)
+        index.define(slot, escape(name), int(index.rows[target_slot, FIRST_ORDER]), target_slot)
+        index.set_count(slot, 1)
+        if old is not None:  # retargeted: the old row gives way in the same commit
+            index.set_count(old[0], 0)
+        index.aliases[name] = (slot, target)
+        self._dirty = True
+
     def _append(self, name: str, trace: Trace) -> None:
         handle = self._open()
         index = self._index
         assert index is not None
+        self._unresolved.pop(name, None)
+        replaced = index.aliases.pop(name, None)
+        if replaced is not None:  # records of its own: an ordinary site from now on
+            index.set_count(replaced[0], 0)
         site = self._sites.pop(name, None)
         if site is None:
             link = escape(name)
