@@ -146,3 +146,22 @@ def test_an_alias_whose_value_parts_ways_stores_its_own_and_says_so() -> None:
     assert tracer.results.aliases == {}
     assert list(tracer.results["forward.h"].iterations) == [2]
     assert list(tracer.results["_post.h"].iterations) == [1, 2]
+
+
+def test_the_command_line_lists_aliases_and_shows_them(tmp_path: Path) -> None:
+    from tests.test_cli import vartrace as run_cli
+
+    model = LlamaLike()
+    path = tmp_path / "run.h5"
+    with ModelTracer(model, ["**.attn_weights"], post_gather_callbacks=[H5PYSaverCallback(path)]):
+        for step in range(2):
+            model(tokens(step))
+    listed = run_cli("ls", path)
+    assert listed.returncode == 0, listed.stderr
+    assert ": 2 sites, 4 records" in listed.stdout and "; 2 aliases" in listed.stdout
+    (row,) = [line.split() for line in listed.stdout.splitlines() if line.endswith(" alias")][:1]
+    assert row[0] == FORWARD.format(0) and row[1] == "2"  # the records it reads as
+    assert f"  {FORWARD.format(0)} -> {EAGER.format(0)}" in listed.stdout
+    shown = run_cli("show", path, FORWARD.format(1), "--iteration", "2")
+    assert shown.returncode == 0, shown.stderr
+    assert FORWARD.format(1) in shown.stdout
