@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from vartrace import _exit, _forks, _memory, _warnings, distributed
+from vartrace import _exit, _forks, _warnings, distributed
 from vartrace.aliases import Aliases
 from vartrace.device import (
     HostRing,
@@ -1066,7 +1066,6 @@ class ModelTracer:
         pending = dict(chunk)  # the traces not yet in the results
         ring = None if self._stager is None else self._stager.ring
         handed = False  # records went through the post-gather callbacks here
-        chunk_bytes, held = sum(map(_held_bytes, chunk.values())), self._held
         try:
             for name, trace in chunk.items():
                 _run_callbacks("pre_gather", self.pre_gather_callbacks, name, trace)
@@ -1087,7 +1086,6 @@ class ModelTracer:
             flush = getattr(callback, "flush", None)
             if flush is not None:
                 flush()
-        _memory.release(chunk_bytes - (self._held - held))  # what no result keeps
 
     def _declare(self, aliases: list[tuple[str, str]]) -> None:
         """Tell the results and the post-gather callbacks that have an `alias` method

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import difflib
 import errno
 import glob
 import math
@@ -40,6 +39,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from vartrace._site_names import missing_site
 from vartrace._warnings import warn
 from vartrace.statistics.named import STATS, SUMMARY_FIELDS, reduce_block
 from vartrace.storage._codec import (
@@ -1425,9 +1425,7 @@ class Run:
             links, aliases = self._catalogue
             parts = links.get(aliases.get(name, name))
             if parts is None:
-                close = difflib.get_close_matches(name, [*links, *aliases], n=5, cutoff=0.5)
-                hint = f"; close matches: {', '.join(close)}" if close else ""
-                raise KeyError(f"no site {name!r} in {self._describe()}{hint}")
+                raise missing_site(name, [*links, *aliases], self._describe())
             site = self._sites[name] = Site(name, parts, self.allow_pickle)
         return site
 

@@ -41,7 +41,7 @@ from typing import Any, Literal
 import h5py
 import numpy as np
 
-from vartrace import _forks
+from vartrace import _forks, _memory
 from vartrace._warnings import release, warn
 from vartrace.storage._codec import (
     IN_OTHER,
@@ -421,25 +421,28 @@ class _Site:
                 _label(self.group, self.tags["iterations"], values, "values")
         self.values = values
 
-    def append(self, trace: Trace) -> None:
-        """Append the records of `trace`."""
+    def append(self, trace: Trace) -> int:
+        """Append the records of `trace`; return the bytes of their arrays."""
         count = len(trace)
         if not count:
-            return
+            return 0
         start, stop = self.rows, self.rows + count
         block = self._block(trace)
         if block is not None:
             self._write_block(block.data, trace.shapes, start, stop)
             kinds = np.full(count, block.kind, np.uint8)
+            nbytes = block.data.nbytes
         else:
             leaves = [self._encode(value) for value in trace.records()]
             kinds = self._write_leaves(leaves, start, stop)
+            nbytes = sum(leaf.data.nbytes for leaf in leaves if isinstance(leaf.data, np.ndarray))
         tags = (trace.iterations, trace.ranks, trace.order)
         for name, data in zip(TAGS, (*(_int64(tag) for tag in tags), kinds), strict=True):
             self.tags[name].id.set_extent((stop,))
             _put(self.tags[name], (start,), data)
         self.rows = stop
         self.labelled = False
+        return nbytes
 
     def _block(self, trace: Trace) -> Leaf | None:
         """The stacked values of `trace` as one leaf, when they go to `values` as they are."""
@@ -897,6 +900,7 @@ class H5PYSaverCallback:
         self._index: _Index | None = None  # the open file's root index
         self._unresolved: dict[str, str] = {}  # alias -> target: a target with no site yet
         self._dirty = False
+        self._unreleased = 0  # bytes of records written since memory was last given back
         self._context = RunContext()
         self._idle = False
         self._closed = False
@@ -1041,6 +1045,7 @@ class H5PYSaverCallback:
             if not self.background:
                 with _interrupts_held(), self._guard():
                     self._commit()
+                self._release()
                 return
             if self._pending:
                 batch, self._pending = self._pending, []
@@ -1063,8 +1068,16 @@ class H5PYSaverCallback:
                     else:
                         self._append(name, item)
                 self._commit()
+            batch.clear()  # the records go now, not when the next batch replaces this one
+            self._release()
 
         self._worker.submit(write)
+
+    def _release(self) -> None:
+        """Give the memory of the records written since the last time back to the system,
+        once they add up to `vartrace._memory.TRIM_ABOVE` (see `vartrace._memory`)."""
+        if _memory.release(self._unreleased):
+            self._unreleased = 0
 
     def _commit(self) -> None:
         if self._file is None or self._index is None:
@@ -1311,7 +1324,7 @@ class H5PYSaverCallback:
         trace = self._continued(trace)
         if not site.rows:  # its first records (or a killed writer's never committed)
             index.define(site.slot, escape(name), int(_int64(trace.order)[0]))
-        site.append(trace)
+        self._unreleased += site.append(trace)
         index.set_count(site.slot, site.rows)
         self._dirty = True
 
