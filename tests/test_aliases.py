@@ -165,3 +165,25 @@ def test_the_command_line_lists_aliases_and_shows_them(tmp_path: Path) -> None:
     shown = run_cli("show", path, FORWARD.format(1), "--iteration", "2")
     assert shown.returncode == 0, shown.stderr
     assert FORWARD.format(1) in shown.stdout
+
+
+def test_compare_compares_an_alias_once_under_the_site_that_stored_it(tmp_path: Path) -> None:
+    paths = [tmp_path / "a.h5", tmp_path / "b.h5"]
+    for path, shift in zip(paths, (0.0, 1.0), strict=True):
+        torch.manual_seed(0)
+        model = LlamaLike()
+        if shift:
+            with torch.no_grad():
+                model.layers[1].self_attn.q_proj.weight.mul_(1 + shift)
+        with ModelTracer(
+            model, ["**.attn_weights"], post_gather_callbacks=[H5PYSaverCallback(path)]
+        ):
+            model(tokens(0))
+    report = vartrace.compare(*paths)
+    compared = {summary.site for summary in report.sites}
+    assert compared == {EAGER.format(0), EAGER.format(1)}  # not the aliases again
+    assert report.first_divergence is not None
+    assert report.first_divergence.site == EAGER.format(1)
+    alone = vartrace.compare(*paths, names=FORWARD.format(1))  # an alias named: compared
+    assert [summary.site for summary in alone.sites] == [FORWARD.format(1)]
+    assert not alone.ok

@@ -38,6 +38,7 @@ from vartrace.comparison.report import (
 from vartrace.sources import (
     BufferPool,
     SiteView,
+    Source,
     Unreadable,
     open_source,
     value_as_array,
@@ -420,6 +421,17 @@ def _select(names: Iterable[str], patterns: Sequence[str] | None) -> list[str]:
     return [n for n in names if any(n == p or fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
+def _stored(a: Source, b: Source, common: list[str]) -> list[str]:
+    """`common` less the aliases that read as the same compared site in both runs: the
+    records are compared once, under the name that stored them."""
+    compared = set(common)
+    return [
+        name
+        for name in common
+        if not (a.aliases.get(name) in compared and a.aliases.get(name) == b.aliases.get(name))
+    ]
+
+
 def compare(
     a: Any,
     b: Any,
@@ -462,7 +474,7 @@ def compare(
         in_a, in_b = set(names_a), set(names_b)
         only_a = [n for n in names_a if n not in in_b]
         only_b = [n for n in names_b if n not in in_a]
-        common = [n for n in names_a if n in in_b]
+        common = _stored(source_a, source_b, [n for n in names_a if n in in_b])
         results = []
         with _progress(progress, len(common), "compare: index", "site") as bar:
             for name in common:

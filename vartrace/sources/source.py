@@ -15,6 +15,9 @@ __all__ = ["Source", "open_source"]
 class Source:
     """A run in any form: its site names and a `SiteView` per site.
 
+    `aliases` maps the names a `**` pattern stored once to the site each reads
+    as (see `vartrace.aliases`).
+
     A source opened from a path closes its file on `close` (or when
     used as a context manager); one wrapping an object the caller opened
     leaves it open.
@@ -33,9 +36,11 @@ class Source:
         view: Callable[[str], SiteView],
         label: str,
         close: Callable[[], None] | None = None,
+        aliases: Mapping[str, str] | None = None,
     ) -> None:
         self.names = list(names)
         self.label = label
+        self.aliases = dict(aliases or {})
         self._view = view
         self._close = close
         self._known = set(self.names)
@@ -72,24 +77,36 @@ def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
         ```
     """
     if isinstance(source, Source):
-        return Source(source.names, source.site, source.label)
+        return Source(source.names, source.site, source.label, aliases=source.aliases)
     if isinstance(source, (str, os.PathLike)):
         from vartrace.storage.reader import open_run
 
         run = open_run(source, allow_pickle=allow_pickle)
         maps = FileMaps()
         return Source(
-            run.names, lambda n: FileSiteView(n, run[n], maps), os.fspath(source), run.close
+            run.names,
+            lambda n: FileSiteView(n, run[n], maps),
+            os.fspath(source),
+            run.close,
+            run.aliases,
         )
     if hasattr(type(source), "names") and hasattr(type(source), "meta"):  # reads neither
         paths = [os.fspath(p) for p in getattr(source, "paths", [])] or ["run"]
         label = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} shards)"
         maps = FileMaps()
-        return Source(source.names, lambda n: FileSiteView(n, source[n], maps), label)
+        return Source(
+            source.names,
+            lambda n: FileSiteView(n, source[n], maps),
+            label,
+            aliases=getattr(source, "aliases", None),
+        )
     results = getattr(source, "results", source)
     if isinstance(results, Mapping):
         label = "tracer results" if results is not source else "results"
-        return Source(list(results), lambda n: MemorySiteView(n, results[n]), label)
+        aliases = getattr(results, "aliases", None)
+        return Source(
+            list(results), lambda n: MemorySiteView(n, results[n]), label, aliases=aliases
+        )
     raise TypeError(
         "expected a path, an open run, a ModelTracer or a mapping of site name -> Trace, "
         f"not {type(source).__name__}"
