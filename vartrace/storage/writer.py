@@ -185,19 +185,122 @@ def _probe(filters: dict[str, Any], compression: Any) -> None:
         raise ValueError(f"compression {compression!r} cannot be used{hint}: {error}") from None
 
 
+class _Made:
+    """Makes the groups, datasets and attributes of sites with HDF5's own calls.
+
+    h5py's `create_group`, `create_dataset` and `attrs[...] = ...` build a new
+    creation property list, datatype and dataspace at each call: most of the cost of
+    a site's creation.  Here the first dataset of each layout (dtype, maximum shape,
+    chunks, fill value, filters) and the first group are made by h5py, and the later
+    ones reuse their creation property lists and datatypes: the same objects, made
+    for a fraction of the time.  Example:
+
+    ```python
+    made = _Made({"compression": "gzip"})
+    values = made.dataset(group, "values", (0, 4), np.dtype(np.float32),
+                          chunks=(16, 4), filtered=True)
+    made.attribute(values, "storage", "array")
+    ```
+    """
+
+    def __init__(self, filters: Mapping[str, Any]) -> None:
+        """`filters`: h5py's keyword arguments of the filters of datasets `filtered`."""
+        self.filters = dict(filters)
+        # layout -> (datatype, creation property list) of the first dataset made with it
+        self.layouts: dict[tuple[Any, ...], tuple[h5py.h5t.TypeID, h5py.h5p.PropDCID]] = {}
+        self.gcpl: h5py.h5p.PropGCID | None = None  # the first group's
+        self.lcpls: dict[int, h5py.h5p.PropLCID] = {}  # character set of a link name -> its list
+        self.scalar = h5py.h5s.create(h5py.h5s.SCALAR)
+        # Attribute types as h5py makes them: (stored type, type of the data written).
+        self.types = {
+            kind: (h5py.h5t.py_create(dtype, logical=True), h5py.h5t.py_create(dtype))
+            for kind, dtype in ((int, np.dtype(np.int64)), (str, _STR))
+        }
+
+    def group(self, parent: h5py.Group, name: str) -> h5py.Group:
+        """Create `parent`'s subgroup `name`, as `parent.create_group(name)` does."""
+        if self.gcpl is None:
+            group = parent.create_group(name)
+            self.gcpl = group.id.get_create_plist()
+            return group
+        link, cset = (
+            (name.encode("ascii"), h5py.h5t.CSET_ASCII)
+            if name.isascii()
+            else (name.encode("utf-8"), h5py.h5t.CSET_UTF8)
+        )  # what h5py does
+        lcpl = self.lcpls.get(cset)
+        if lcpl is None:
+            lcpl = self.lcpls[cset] = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+            lcpl.set_create_intermediate_group(True)
+            lcpl.set_char_encoding(cset)
+        return h5py.Group(h5py.h5g.create(parent.id, link, lcpl=lcpl, gcpl=self.gcpl))
+
+    def dataset(
+        self,
+        group: h5py.Group,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        *,
+        maxshape: tuple[int | None, ...] | None = None,
+        chunks: tuple[int, ...] | None = None,
+        fillvalue: int | None = None,
+        filtered: bool = False,
+    ) -> h5py.Dataset:
+        """Create `group`'s dataset `name` (ASCII) as `group.create_dataset` does, resizable
+        along every axis unless `maxshape` says otherwise; `filtered` with the filters."""
+        maxshape = (None,) * len(shape) if maxshape is None else maxshape
+        # h5py guesses the chunks of a dataset given none from its shape; vlen types differ
+        # in their metadata only
+        layout = (
+            dtype,
+            repr(dtype.metadata),
+            maxshape,
+            chunks or shape,
+            chunks is None,
+            fillvalue,
+            filtered,
+        )
+        made = self.layouts.get(layout)
+        if made is None:
+            filters = self.filters if filtered else {}
+            dataset = group.create_dataset(
+                name, shape, dtype, maxshape=maxshape, chunks=chunks, fillvalue=fillvalue, **filters
+            )
+            self.layouts[layout] = (dataset.id.get_type(), dataset.id.get_create_plist())
+            return dataset
+        datatype, dcpl = made
+        unlimited = tuple(h5py.h5s.UNLIMITED if size is None else size for size in maxshape)
+        space = h5py.h5s.create_simple(shape, unlimited)
+        return h5py.Dataset(h5py.h5d.create(group.id, name.encode(), datatype, space, dcpl=dcpl))
+
+    def attribute(self, target: h5py.HLObject, name: str, value: int | str) -> None:
+        """Give `target` the scalar attribute `name` (a new one), as `target.attrs[name] =
+        value` does: an int64, or a variable-length UTF-8 string."""
+        stored, written = self.types[type(value)]
+        data = np.array(value, np.int64 if isinstance(value, int) else _STR)
+        attribute = h5py.h5a.create(target.id, name.encode(), stored, self.scalar)
+        attribute.write(data, mtype=written)
+
+
 #: What netCDF-4 names a dimension scale that is no variable (h5netcdf reads it so).
-_DIMENSION = "This is a netCDF dimension but not a netCDF variable."
+_DIMENSION = b"This is a netCDF dimension but not a netCDF variable."
 
 
-def _label(group: h5py.Group, iterations: h5py.Dataset, dataset: h5py.Dataset, stem: str) -> None:
+def _label(
+    made: _Made, group: h5py.Group, iterations: h5py.Dataset, dataset: h5py.Dataset, stem: str
+) -> list[h5py.Dataset]:
     """Label `dataset` (`group`'s `stem`) for h5netcdf / xarray: the record axis by the
     site's `iterations` (a dimension scale: a coordinate), the others by dimension-only
-    scales `<stem>_dim<k>` (resized with it)."""
-    dataset.dims[0].attach_scale(iterations)
+    scales `<stem>_dim<k>` (resized with it), which it returns."""
+    h5py.h5ds.attach_scale(dataset.id, iterations.id, 0)
+    scales = []
     for axis, size in enumerate(dataset.shape[1:], 1):
-        scale = group.create_dataset(f"{stem}_dim{axis}", (size,), np.uint8, maxshape=(None,))
-        scale.make_scale(_DIMENSION)
-        dataset.dims[axis].attach_scale(scale)
+        scale = made.dataset(group, f"{stem}_dim{axis}", (size,), np.dtype(np.uint8))
+        h5py.h5ds.set_scale(scale.id, _DIMENSION)
+        h5py.h5ds.attach_scale(dataset.id, scale.id, axis)
+        scales.append(scale)
+    return scales
 
 
 def _site_datasets(group: h5py.Group) -> dict[str, h5py.Dataset]:
@@ -285,15 +388,18 @@ class _Site:
         self,
         group: h5py.Group,
         options: dict[str, Any],
+        made: _Made,
         rows: int,
-        datasets: Mapping[str, h5py.Dataset] | None = None,
+        created: tuple[int, Mapping[str, h5py.Dataset]] | None = None,
     ) -> None:
-        """The site of `group` holding `rows` committed records; `datasets` (name ->
-        dataset) are those just created, else they are looked up."""
+        """The site of `group` holding `rows` committed records, its datasets made by
+        `made`; `created` (slot, name -> dataset) for a site just created, else they are
+        looked up."""
         self.group = group
         self.options = options
-        self.slot = int(group.attrs["slot"])
-        found = dict(datasets) if datasets is not None else _site_datasets(group)
+        self.made = made
+        slot, found = created or (int(group.attrs["slot"]), _site_datasets(group))
+        self.slot = slot
         self.tags = {name: found[name] for name in TAGS}
         self.values: h5py.Dataset | None = found.get("values")
         self.gather_rows = int(self.tags["iterations"].chunks[0])  # see _gather_rows
@@ -316,26 +422,32 @@ class _Site:
 
     @classmethod
     def create(
-        cls, parent: h5py.Group, name: str, options: dict[str, Any], slot: int, records: int
+        cls,
+        parent: h5py.Group,
+        name: str,
+        options: dict[str, Any],
+        made: _Made,
+        slot: int,
+        records: int,
     ) -> _Site:
         """A new site whose first gather holds `records` records (its chunks' size)."""
-        group = parent.create_group(escape(name))
-        group.attrs["slot"] = slot
+        group = made.group(parent, escape(name))
+        made.attribute(group, "slot", slot)
         if _utf8(name):  # for people browsing the file; the reader unescapes the link name
-            group.attrs["name"] = name
+            made.attribute(group, "name", name)
         chunks = (_gather_rows(records),)
         tags = {
-            tag: group.create_dataset(
-                tag, (0,), np.uint8 if tag == "kinds" else np.int64, maxshape=(None,), chunks=chunks
+            tag: made.dataset(
+                group, tag, (0,), np.dtype(np.uint8 if tag == "kinds" else np.int64), chunks=chunks
             )
             for tag in TAGS
         }
         iterations = tags["iterations"]
-        iterations.make_scale()  # the record axis' coordinate (see _label)
+        h5py.h5ds.set_scale(iterations.id, b"")  # the record axis' coordinate (see _label)
         for tag, dataset in tags.items():
             if tag != "iterations":
-                _label(group, iterations, dataset, tag)
-        site = cls(group, options, 0, tags)
+                _label(made, group, iterations, dataset, tag)
+        site = cls(group, options, made, 0, (slot, tags))
         site.labelled = True
         return site
 
@@ -382,43 +494,42 @@ class _Site:
 
     def _create_values(self, leaf: Leaf, records: int) -> None:
         """Create `values` for records like `leaf`, `records` of them in this gather."""
-        rows = self.rows
+        rows, made, group = self.rows, self.made, self.group
+        iterations = self.tags["iterations"]
         if isinstance(leaf.data, np.ndarray):
             shape, ndim = leaf.data.shape, leaf.data.ndim
             self.storage, self.key, self.padded = "array", leaf.key, shape
-            values = self.group.create_dataset(
-                "values",
-                (rows, *shape),
-                leaf.data.dtype,
-                maxshape=(None,) * (ndim + 1),
-                chunks=_chunks(shape, leaf.data.dtype.itemsize, records),
-                **self.options["filters"],
+            self.chunk = _chunks(shape, leaf.data.dtype.itemsize, records)
+            values = made.dataset(
+                group, "values", (rows, *shape), leaf.data.dtype, chunks=self.chunk, filtered=True
             )
-            values.attrs.update(storage="array", key=leaf.key, torch_dtype=leaf.torch_dtype)
+            for attribute, text in (
+                ("storage", "array"),
+                ("key", leaf.key),
+                ("torch_dtype", leaf.torch_dtype),
+            ):
+                made.attribute(values, attribute, text)
             if self.labelled:
-                _label(self.group, self.tags["iterations"], values, "values")
-                self.scales = [self.group[f"values_dim{axis}"] for axis in range(1, ndim + 1)]
-            self.chunk = values.chunks
+                self.scales = _label(made, group, iterations, values, "values")
             if ndim:
-                self.shapes = self.group.create_dataset(
+                self.shapes = made.dataset(
+                    group,
                     "shapes",
                     (rows, ndim),
-                    np.int64,
+                    np.dtype(np.int64),
                     maxshape=(None, ndim),
                     chunks=(self.gather_rows, ndim),
                     fillvalue=-1,
                 )
                 if self.labelled:
-                    _label(self.group, self.tags["iterations"], self.shapes, "shapes")
+                    _label(made, group, iterations, self.shapes, "shapes")
         else:
             self.storage = "str" if leaf.kind == Kind.STR and _utf8(leaf.data) else "blob"
             dtype = _STR if self.storage == "str" else _BLOB
-            values = self.group.create_dataset(
-                "values", (rows,), dtype, maxshape=(None,), chunks=(self.gather_rows,)
-            )
-            values.attrs["storage"] = self.storage
+            values = made.dataset(group, "values", (rows,), dtype, chunks=(self.gather_rows,))
+            made.attribute(values, "storage", self.storage)
             if self.labelled:
-                _label(self.group, self.tags["iterations"], values, "values")
+                _label(made, group, iterations, values, "values")
         self.values = values
 
     def append(self, trace: Trace) -> int:
@@ -479,8 +590,8 @@ class _Site:
             _put(self.shapes, (start, 0), np.array([tuple(shape) for shape in true], np.int64))
 
     def _put_records(self, row: int, data: np.ndarray) -> None:
-        """Write records (records x shape) from `row` on; a record filling exactly one
-        unfiltered chunk goes straight to the file, past HDF5's pipeline.
+        """Write records (records x shape) from `row` on; records filling whole unfiltered
+        chunks go straight to the file, past HDF5's pipeline.
 
         With filters, only whole chunks of rows go through them, each written once; rows
         of a chunk that later gathers still fill are stored unfiltered (see
@@ -489,11 +600,17 @@ class _Site:
         """
         assert self.values is not None and self.chunk is not None
         if not self.options["filters"]:
-            whole = self.chunk == (1, *data.shape[1:]) and data.shape[1:] == self.padded
+            rows = self.chunk[0]
+            whole = (
+                self.chunk[1:] == data.shape[1:] == self.padded
+                and row % rows == 0
+                and len(data) % rows == 0
+            )
             if whole:
-                for offset, record in enumerate(data):
-                    origin = (row + offset,) + (0,) * record.ndim
-                    self.values.id.write_direct_chunk(origin, np.ascontiguousarray(record))
+                for offset in range(0, len(data), rows):
+                    origin = (row + offset,) + (0,) * (data.ndim - 1)
+                    chunk = np.ascontiguousarray(data[offset : offset + rows])
+                    self.values.id.write_direct_chunk(origin, chunk)
             else:
                 _put(self.values, (row,) + (0,) * (data.ndim - 1), data)
             return
@@ -558,8 +675,8 @@ class _Site:
             not fit and leaf.kind != Kind.NONE for leaf, fit in zip(leaves, fits, strict=True)
         ]
         if any(misfits) and self.other is None:
-            self.other = self.group.create_dataset(
-                "other", (start,), _BLOB, maxshape=(None,), chunks=(self.gather_rows,)
+            self.other = self.made.dataset(
+                self.group, "other", (start,), _BLOB, chunks=(self.gather_rows,)
             )
         if self.storage == "array":
             self._extend(
@@ -890,11 +1007,13 @@ class H5PYSaverCallback:
         self.append = append
         self.metadata = metadata
         self._metadata = metadata_options(metadata)  # collect_metadata's options; None: none
+        filters = _filters(compression, compression_opts, shuffle)
         self._options = {
             "float_dtype": dtype_name(float_dtype, "f"),
             "int_dtype": dtype_name(int_dtype, "i"),
-            "filters": _filters(compression, compression_opts, shuffle),
+            "filters": filters,
         }
+        self._made = _Made(filters)  # the file's groups, datasets and attributes
         self._file: h5py.File | None = None
         self._sites: dict[str, _Site] = {}
         self._index: _Index | None = None  # the open file's root index
@@ -1315,9 +1434,11 @@ class H5PYSaverCallback:
             slot = index.slots.get(link)
             if slot is None:
                 slot = index.add(link)
-                site = _Site.create(handle["vars"], name, self._options, slot, len(trace))
+                site = _Site.create(
+                    handle["vars"], name, self._options, self._made, slot, len(trace)
+                )
             else:
-                site = _Site(handle["vars"][link], self._options, index.count(slot))
+                site = _Site(handle["vars"][link], self._options, self._made, index.count(slot))
         self._sites[name] = site  # most recently used last
         if len(self._sites) > _OPEN_SITES:
             del self._sites[next(iter(self._sites))]
