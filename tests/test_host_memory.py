@@ -2,7 +2,7 @@
 
 glibc keeps freed blocks of 10-100 MB in its heap once its mmap threshold rose to
 their size: without `malloc_trim` after a gather, a process writing 30 MiB records
-stays 2-4 chunks larger than before the run.  Run in a fresh process, so that
+stays 2-6 chunks larger than before the run.  Run in a fresh process, so that
 the heap holds only this run's blocks.
 """
 
@@ -61,4 +61,6 @@ def test_the_memory_of_written_chunks_goes_back_to_the_system(tmp_path: Path, mo
         check=True,
     )
     chunks_kept = float(done.stdout.split()[-1])
-    assert chunks_kept < 0.5, f"{chunks_kept:.2f} chunks of 120 MiB still resident after the run"
+    # Without malloc_trim: 2.3-5.7 chunks.  With it, 0.01-0.85 (the last record change
+    # detection keeps, a quarter of a chunk, and what other threads' arenas hold at the time).
+    assert chunks_kept < 1.0, f"{chunks_kept:.2f} chunks of 120 MiB still resident after the run"
