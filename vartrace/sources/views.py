@@ -183,15 +183,11 @@ class FileSiteView(SiteView):
         count = len(self.iterations)
         self._dtype = str(site.dtype)
         values = site.raw_values  # listing needs no compression filter; reads check it
-        kinds = np.asarray(site.kinds).astype(str)
+        kinds = np.asarray(site.kinds).astype(str).tolist()
         blocky = values is not None and _numeric_dtype_name(self._dtype)
-        in_values = (
-            np.asarray(site.in_values) & np.isin(kinds, list(_NUMERIC_KINDS))
-            if blocky
-            else np.zeros(count, dtype=bool)
-        )
+        stored = np.asarray(site.in_values).tolist() if blocky else [False] * count
+        fits = [held and kind in _NUMERIC_KINDS for held, kind in zip(stored, kinds, strict=True)]
         shapes = np.asarray(site.shapes, dtype=np.int64).reshape(count, -1).tolist()
-        fits = in_values.tolist()
         self.shapes = [
             tuple(shape) if fit else None for shape, fit in zip(shapes, fits, strict=True)
         ]

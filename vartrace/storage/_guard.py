@@ -84,8 +84,12 @@ def check_link(group: h5py.Group, link: str) -> None:
     )
 
 
-def check_storage(dsid: h5py.h5d.DatasetID) -> None:
-    """Refuse a dataset whose data lies outside its file (external storage, virtual sources)."""
+def check_storage(dsid: h5py.h5d.DatasetID) -> h5py.h5p.PropDCID:
+    """Refuse a dataset whose data lies outside its file (external storage, virtual sources).
+
+    Returns the dataset's creation property list (its layout, filters), for a caller
+    that needs them too.
+    """
     plist = dsid.get_create_plist()
     layout = plist.get_layout()
     outside: list[str] = []
@@ -101,6 +105,7 @@ def check_storage(dsid: h5py.h5d.DatasetID) -> None:
             f"{file_name(dsid)}: dataset {name} keeps its data in another file ({outside[0]}); "
             "vartrace reads only data stored inside the run file"
         )
+    return plist
 
 
 def open_object(group: h5py.Group, link: str) -> h5py.h5o.ObjectID:

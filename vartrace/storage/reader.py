@@ -31,7 +31,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from stat import S_ISBLK, S_ISCHR, S_ISDIR, S_ISFIFO, S_ISREG, S_ISSOCK
 from typing import Any
@@ -275,7 +275,8 @@ def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
     check_storage(dataset)
     space = dataset.get_space()
     dims = space.get_simple_extent_dims()
-    if len(dims) != (2 if name == "shapes" else 1) or dataset.dtype.kind not in "iu":
+    dtype = dataset.dtype  # (made anew by each use of the attribute)
+    if len(dims) != (2 if name == "shapes" else 1) or dtype.kind not in "iu":
         raise RunFileError(
             f"{file_name(group.id)}: {group.name}/{name} is not a dataset of integers of the "
             "expected rank: a damaged file"
@@ -283,9 +284,9 @@ def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
     if dims[0] < rows:
         raise _too_few(group, name, dims[0], rows)
     shape = (rows, *dims[1:])
-    if math.prod(shape) * dataset.dtype.itemsize > FREE_READ_BYTES:  # the common case: small
+    if math.prod(shape) * dtype.itemsize > FREE_READ_BYTES:  # the common case: small
         check_read(dataset, math.prod(shape))
-    out = np.empty(shape, dataset.dtype)
+    out = np.empty(shape, dtype)
     if not out.size:
         return out
     if shape == dims:
@@ -312,6 +313,31 @@ def _int_attr(group: h5py.Group, name: str) -> int | None:
     return int(out)
 
 
+def _text_attr(dataset: h5py.Dataset, name: str, default: str | None = None) -> str:
+    """The attribute `name` of `dataset` as text; `default` if it is missing (`KeyError`
+    without one).
+
+    The scalar variable-length strings vartrace writes are read through h5py's
+    low-level calls (a site has three); any other attribute as h5py reads it, through
+    `str`.
+    """
+    try:
+        attr = h5py.h5a.open(dataset.id, name.encode())
+    except KeyError:
+        if default is None:
+            raise
+        return default
+    dtype = attr.dtype
+    text = h5py.check_string_dtype(dtype)
+    scalar = attr.get_space().get_simple_extent_type() == h5py.h5s.SCALAR
+    if not scalar or text is None or text.length is not None:
+        return str(dataset.attrs[name])
+    out = np.empty((), dtype)
+    attr.read(out)
+    value = out[()]
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+
+
 #: The kinds of record a ``values`` dataset of each storage holds (others are kept in
 #: ``other``); a blob dataset holds any kind but None.
 _KINDS_HELD = {
@@ -330,6 +356,15 @@ _KINDS_HELD = {
     ),
     "str": frozenset({Kind.STR}),
 }
+
+
+@cache
+def _kind_table(kinds: frozenset[int]) -> np.ndarray:
+    """Whether each kind code is one of `kinds` (a lookup costs less than `np.isin`)."""
+    table = np.zeros(len(KIND_NAMES), bool)
+    table[list(kinds)] = True
+    table.flags.writeable = False
+    return table
 
 
 def _check_statistics(dtype: np.dtype, what: str, where: Any) -> None:
@@ -482,16 +517,26 @@ class _Part:
         """The `values` dataset; uncompressed chunks are read without a chunk cache, so a
         row is read alone rather than its whole chunk (a read of one row anywhere in a long
         site costs what reading its bytes costs)."""
-        if not self.group.id.links.exists(b"values"):
+        group = self.group
+        if not group.id.links.exists(b"values"):
             return None
-        dataset = self._records("values").id  # a hard link to a dataset kept in the file
-        plist = dataset.get_create_plist()
-        if plist.get_layout() == h5py.h5d.CHUNKED and not plist.get_nfilters():
-            # HDF5 keeps a dataset's chunk cache while it is open: open it anew without one.
+        check_link(group, "values")
+        # HDF5 keeps a dataset's chunk cache while it is open: it is opened without one,
+        # and anew with one only when its chunks are compressed.
+        access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+        access.set_chunk_cache(0, 0, 1.0)
+        try:
+            dataset = h5py.h5d.open(group.id, b"values", access)
+        except KeyError:  # not a dataset, or a damaged one: the checked open names which
+            dataset = child(group, "values", h5py.Dataset).id
+        plist = check_storage(dataset)  # its data kept in the file
+        if plist.get_layout() == h5py.h5d.CHUNKED and plist.get_nfilters():
             dataset.close()
-            access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
-            access.set_chunk_cache(0, 0, 1.0)
-            dataset = h5py.h5d.open(self.group.id, b"values", access)
+            dataset = h5py.h5d.open(group.id, b"values")
+        shape = dataset.shape
+        held = shape[0] if shape else 0  # () or None: a scalar or empty one
+        if held < self.rows:
+            raise _too_few(group, "values", held, self.rows)
         # Read-only: h5py keeps its shape and fast reader (the run is read as of its opening).
         return h5py.Dataset(dataset, readonly=True)
 
@@ -502,19 +547,19 @@ class _Part:
     @cached_property
     def storage(self) -> str:
         _ = self.unreadable
-        return "" if self.values is None else str(self.values.attrs["storage"])
+        return "" if self.values is None else _text_attr(self.values, "storage")
 
     @cached_property
     def torch_dtype(self) -> str:
         _ = self.storage
-        return "" if self.values is None else str(self.values.attrs.get("torch_dtype", ""))
+        return "" if self.values is None else _text_attr(self.values, "torch_dtype", "")
 
     @cached_property
     def written_dtype(self) -> np.dtype | None:
         """The dtype the records were written with: h5py reads non-native byte orders as
         native."""
         _ = self.torch_dtype
-        key = "" if self.values is None else str(self.values.attrs.get("key", ""))
+        key = "" if self.values is None else _text_attr(self.values, "key", "")
         return self._written(key) if key and not self.torch_dtype else None
 
     def _written(self, key: str) -> np.dtype:
@@ -569,12 +614,14 @@ class _Part:
         elif self.storage == "array":  # rows of statistics records hold nothing else
             held = frozenset({Kind.STATISTICS})
             _check_statistics(self.values.dtype, self.values.name, self.group.id)
+        allowed = _kind_table(held)
         in_values = (kinds & IN_OTHER == 0) & (kinds != Kind.NONE)
-        misplaced = in_values & ~np.isin(kinds, list(held))
+        code = kinds & 0x7F  # a known kind (checked above), the same as `kinds` if held
+        misplaced = in_values & ((code != kinds) | ~allowed[code])
         if misplaced.any():
             row = int(np.flatnonzero(misplaced)[0])
             raise RunFileError(
-                f"{where} says record {row} is a {KIND_NAMES[kinds[row]]} record (kind "
+                f"{where} says record {row} is a {KIND_NAMES[code[row]]} record (kind "
                 f"{int(kinds[row])}), which {self.values.name} of {self.values.dtype} "
                 "cannot hold: a damaged file"
             )
@@ -583,7 +630,7 @@ class _Part:
     def shapes(self) -> np.ndarray:
         """Each record's true shape: one column per axis of a record in `values`."""
         axes = self.values.ndim - 1 if self.storage == "array" and self.values is not None else 0
-        if "shapes" in self.group:
+        if self.group.id.links.exists(b"shapes"):
             shapes = _leading_rows(self.group, "shapes", self.rows)
         else:  # written only for records of one axis or more
             shapes = np.zeros((self.rows, 0), np.int64)
@@ -909,7 +956,7 @@ class Site:
             if len(parts) > 1
             else np.arange(len(row_of))
         )
-        self._where = [(int(part_of[i]), int(row_of[i])) for i in order]
+        self._where = list(zip(part_of[order].tolist(), row_of[order].tolist(), strict=True))
         self.iterations: np.ndarray = tags["iterations"][order]
         self.ranks: np.ndarray = tags["ranks"][order]
         self.order: np.ndarray = tags["order"][order]
