@@ -6,8 +6,6 @@ the command line run as a real subprocess, a killed writer killed with SIGKILL.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +16,7 @@ import pytest
 import torch
 
 import vartrace
+from tests._killed import kill_when_ready
 from vartrace.storage import H5PYSaverCallback
 from vartrace.storage._layout import NAME_END, SITE_INDEX, TARGET
 from vartrace.trace import RunContext, Trace
@@ -151,16 +150,8 @@ time.sleep(600)
 
 
 def test_a_killed_writer_keeps_only_its_committed_aliases(tmp_path: Path) -> None:
-    path, script = tmp_path / "run.h5", tmp_path / "writer.py"
-    script.write_text(_KILLED)
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert process.stdout is not None and process.stdout.readline() == "unflushed\n"
-    finally:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait(timeout=60)
+    path = tmp_path / "run.h5"
+    kill_when_ready(_KILLED, path)
     with vartrace.open(path) as run:
         assert run.names == ["committed", "t"] and run.aliases == {"committed": "t"}
         assert np.asarray(run["committed"].values).tolist() == [[1.0, 1.0]]

@@ -7,10 +7,6 @@ killed with SIGKILL.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -19,6 +15,7 @@ import pytest
 import torch
 
 import vartrace
+from tests._killed import kill_when_ready
 from vartrace.storage import H5PYSaverCallback
 from vartrace.storage._layout import NAME_END, SITE_INDEX, SITE_NAMES
 from vartrace.storage.reader import RunFileError
@@ -137,16 +134,8 @@ time.sleep(600)
 
 
 def test_a_killed_writer_lists_its_committed_sites_and_an_append_goes_on(tmp_path: Path) -> None:
-    path, script = tmp_path / "run.h5", tmp_path / "writer.py"
-    script.write_text(_KILLED)
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert process.stdout is not None and process.stdout.readline() == "unflushed\n"
-    finally:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait(timeout=60)
+    path = tmp_path / "run.h5"
+    kill_when_ready(_KILLED, path)
     with vartrace.open(path) as run:
         assert run.names == ["b", "a"] and len(run["a"]) == 1
     with H5PYSaverCallback(path, append=True, metadata=False) as saver:
