@@ -277,7 +277,7 @@ def test_show_prints_statistics_records(runs: Any, capsys: Any) -> None:
 
     assert main(["show", str(runs / "stats.h5"), "layers.0.forward"]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0] == "layers.0.forward: 4 records, dtype statistics"
+    assert table[0] == "layers.0.forward: 4 records, dtype statistics of float32, shape (2, 5, 8)"
     assert table[1].split() == ["iteration", "rank", "shape", "mean", "std", "min", "max"]
     assert table[3].split()[2] == "statistics" and len(table) == 7
     assert main(["show", str(runs / "stats.h5"), "layers.0.forward", "-i", "2"]) == 0
@@ -312,7 +312,7 @@ def test_compare_statistics_as_statistics(runs: Any) -> None:
     assert not other.ok and other.first_divergence is not None
     frame = other.to_frame().set_index(["site", "iteration"])
     row = frame.loc[("layers.0.forward", 2)]
-    assert row["status"] == "differs" and row["dtype_a"] == "statistics"
+    assert row["status"] == "differs" and row["dtype_a"] == "statistics of float32"
     assert row["mean_a"] == site_column(runs / "stats.h5", "layers.0.forward", "mean")[1]
     assert row["max_abs_diff"] > 0 and math.isnan(row["cosine"])
     # a statistics run against a run of whole records (same seed): reduced, then equal

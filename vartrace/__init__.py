@@ -70,6 +70,7 @@ _LAZY = {
     "Comparison": "vartrace.comparison",
     "stats": "vartrace.statistics.records",
     "Statistics": "vartrace.statistics.records",
+    "ReducedFrom": "vartrace.reduced",
     "TensorBoardCallback": "vartrace.tensorboard",
 }
 
@@ -79,6 +80,7 @@ __all__ = [
     "Comparison",
     "H5PYSaverCallback",
     "ModelTracer",
+    "ReducedFrom",
     "Results",
     "Run",
     "RunContext",
@@ -102,6 +104,7 @@ __all__ = [
 if TYPE_CHECKING:
     from vartrace.callbacks import reduce_chunk, stack_padded_tensors, stack_tensors
     from vartrace.comparison import Comparison, compare
+    from vartrace.reduced import ReducedFrom
     from vartrace.results import Results
     from vartrace.sites import list_sites, sites_of_type
     from vartrace.statistics.records import Statistics, stats

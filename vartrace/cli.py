@@ -184,7 +184,8 @@ def _shape_text(shape: Sequence[int]) -> str:
 def _shapes_summary(view: Any) -> str:
     shapes = {s for s in view.shapes if s is not None}
     if not shapes:
-        return "-"
+        origin = view.reduced_from  # statistics rows: the shape of what they summarise
+        return "-" if origin is None else origin.shape_text
     if len(shapes) == 1:
         return _shape_text(next(iter(shapes)))
     ndims = {len(s) for s in shapes}
@@ -206,7 +207,7 @@ def _dtypes(view: Any) -> list[str]:
     for row, (dtype, shape) in enumerate(zip(view.dtypes, view.shapes, strict=True)):
         if shape is None and dtype in _NUMERIC_KINDS:
             dtype = value_dtype_name(view.objects(np.asarray([row]))[0])
-        found[dtype] = None
+        found[view.dtype_label(dtype)] = None
     return list(found)
 
 
@@ -375,7 +376,8 @@ def _show_site(view: Any, name: str, args: argparse.Namespace, single: bool) -> 
                     f"site {name!r} has no record on rank {args.rank} ({_where(view)})"
                 )
             return 0
-        _print(f"{name}: {len(rows)} records, dtype {','.join(_dtypes(view))}")
+        origin = "" if view.reduced_from is None else f", shape {view.reduced_from.shape_text}"
+        _print(f"{name}: {len(rows)} records, dtype {','.join(_dtypes(view))}{origin}")
         _print(*_record_table(view, rows, record_stats))
         return 1
     printed = 0

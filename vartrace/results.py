@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vartrace._site_names import missing_site
+from vartrace.reduced import ReducedFrom
 from vartrace.trace import Trace
 
 __all__ = ["Results", "join_traces"]
@@ -92,6 +93,7 @@ class Results(Mapping[str, Trace]):
     def __init__(self) -> None:
         self._pieces: dict[str, list[Trace]] = {}
         self._aliases: dict[str, str] = {}
+        self._reductions: dict[str, ReducedFrom] = {}
 
     def add(self, name: str, trace: Trace) -> None:
         """Keep the records of one chunk of site `name` (an alias of that name ends)."""
@@ -108,6 +110,23 @@ class Results(Mapping[str, Trace]):
     def aliases(self) -> dict[str, str]:
         """Alias -> the site whose records it reads as."""
         return dict(self._aliases)
+
+    def reduced(self, name: str, origin: ReducedFrom) -> None:
+        """Note what a pre-save callback made site `name`'s records from (its values'
+        dtype and shape: `reductions`)."""
+        self._reductions[name] = origin
+
+    @property
+    def reductions(self) -> dict[str, ReducedFrom]:
+        """Site -> the dtype and shape of the values its records were made from, for the
+        sites whose values a pre-save callback replaced (statistics mode's rows).
+
+        Example:
+            ```python
+            tracer.results.reductions["blocks.0.forward"]   # ReducedFrom('bfloat16', (8, -1, 768))
+            ```
+        """
+        return {name: self._reductions[name] for name in self._pieces if name in self._reductions}
 
     @property
     def stored(self) -> list[str]:

@@ -43,6 +43,7 @@ from vartrace.engine.structures import leaves
 from vartrace.gradients import GradientWatcher
 from vartrace.iterations import IterationCounter
 from vartrace.record import DROP, Unstored, subscribe, unsubscribe
+from vartrace.reduced import Reductions
 from vartrace.results import Results, unstacked
 from vartrace.silence import SilenceWatch
 from vartrace.sites import Target, fullgraph_regions, is_compiled, resolve, unwrap
@@ -490,6 +491,7 @@ class ModelTracer:
         self._group: Any = None  # the gathers' own process group, with asynchronous staging
         self.gather = gather
         self._aliases = Aliases()
+        self._reductions = Reductions()
         self._targets = resolve(self.model, paths, strict=strict, aliases=self._aliases)
         _warn_unused_savers(self._all_callbacks())
         self._silence = SilenceWatch(self._targets, mode, self.model)
@@ -887,6 +889,7 @@ class ModelTracer:
             return
         fresh = False  # a new tensor a callback made (a statistics row): nothing to clone
         if not saved and self.pre_save_callbacks:
+            captured = value
             for callback in self.pre_save_callbacks:
                 try:
                     result = callback(site, value, iteration)
@@ -904,6 +907,8 @@ class ModelTracer:
                     for part, piece in split_object(name, leaf, self._split_warned):
                         self._store(part, piece, iteration, saved=True)
                 return
+            if value is not captured and isinstance(captured, (torch.Tensor, np.ndarray)):
+                self._reductions.note(site, captured)
         stager = self._stager
         if stager is not None:
             stager.admit(site, value, iteration, fresh=fresh)
@@ -1057,11 +1062,13 @@ class ModelTracer:
         """
         with self._lock:
             chunk, self._chunk = self._chunk, {}
-        aliases = self._aliases.taken()
-        if not chunk and not aliases and distributed.world_size() == 1:
+        aliases, reductions = self._aliases.taken(), self._reductions.taken()
+        if not chunk and not aliases and not reductions and distributed.world_size() == 1:
             return  # nothing to hand on, and no other rank waits for this gather
         if aliases:
-            self._declare(aliases)
+            self._declare("alias", aliases)
+        if reductions:
+            self._declare("reduced", reductions)
         self._retag(chunk)
         pending = dict(chunk)  # the traces not yet in the results
         ring = None if self._stager is None else self._stager.ring
@@ -1087,19 +1094,22 @@ class ModelTracer:
             if flush is not None:
                 flush()
 
-    def _declare(self, aliases: list[tuple[str, str]]) -> None:
-        """Tell the results and the post-gather callbacks that have an `alias` method
-        (the HDF5 saver) which names read as another site, before that site's records.
+    def _declare(self, method: str, facts: Sequence[tuple[str, Any]]) -> None:
+        """Tell the results and the post-gather callbacks that have the method (the HDF5
+        saver) facts about sites, before the records: `alias(name, target)` for names
+        that read as another site, `reduced(name, ReducedFrom)` for what a pre-save
+        callback replaced.
 
-        With `gather=True` only rank 0 does: it alone receives the gathered records.
+        With `gather=True` only rank 0 does: it alone receives the gathered records
+        (and describes them as it saw them).
         """
         if self.gather and distributed.rank() != 0:
             return
-        told = [getattr(c, "alias", None) for c in self.post_gather_callbacks]
-        sinks = [self._results.alias, *(alias for alias in told if callable(alias))]
-        for name, target in aliases:
+        told = [getattr(c, method, None) for c in self.post_gather_callbacks]
+        sinks = [getattr(self._results, method), *(sink for sink in told if callable(sink))]
+        for name, fact in facts:
             for sink in sinks:
-                sink(name, target)
+                sink(name, fact)
 
     def _gathers(
         self, chunk: dict[str, Trace], final: bool

@@ -138,8 +138,9 @@ class _SiteResult:
         rows_b = np.concatenate([ib, np.full(len(only_a), -1, dtype=np.int64), only_b])
         self.shape_a = [a.shapes[r] if r >= 0 else None for r in rows_a]
         self.shape_b = [b.shapes[r] if r >= 0 else None for r in rows_b]
-        self.dtype_a = [a.dtypes[r] if r >= 0 else "" for r in rows_a]
-        self.dtype_b = [b.dtypes[r] if r >= 0 else "" for r in rows_b]
+        self.dtype_a = [a.dtype_label(a.dtypes[r]) if r >= 0 else "" for r in rows_a]
+        self.dtype_b = [b.dtype_label(b.dtypes[r]) if r >= 0 else "" for r in rows_b]
+        self._labels = (a.dtype_label, b.dtype_label)
         self.floats = {name: nan.copy() for name in FLOAT_COLUMNS}
         self.allclose = np.zeros(n, dtype=bool)
         self.shape_match = np.zeros(n, dtype=bool)
@@ -181,11 +182,13 @@ class _SiteResult:
 
     def _compare_values(self, p: int, x: Any, y: Any) -> None:
         """Compare one pair of values read one by one (non-numeric, or outside a block)."""
-        self.dtype_a[p], self.dtype_b[p] = value_dtype_name(x), value_dtype_name(y)
+        dtype_a, dtype_b = value_dtype_name(x), value_dtype_name(y)
+        label_a, label_b = self._labels
+        self.dtype_a[p], self.dtype_b[p] = label_a(dtype_a), label_b(dtype_b)
         if isinstance(x, Unreadable) or isinstance(y, Unreadable):
             self.status[p] = STATUS_SKIPPED
             return
-        if self.dtype_a[p] == STATISTICS or self.dtype_b[p] == STATISTICS:
+        if STATISTICS in (dtype_a, dtype_b):
             self._compare_statistics(p, x, y)
             return
         array_a, array_b = value_as_array(x), value_as_array(y)

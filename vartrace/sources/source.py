@@ -103,9 +103,13 @@ def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
     results = getattr(source, "results", source)
     if isinstance(results, Mapping):
         label = "tracer results" if results is not source else "results"
-        aliases = getattr(results, "aliases", None)
+        aliases = dict(getattr(results, "aliases", None) or {})
+        reductions = getattr(results, "reductions", {})
         return Source(
-            list(results), lambda n: MemorySiteView(n, results[n]), label, aliases=aliases
+            list(results),
+            lambda n: MemorySiteView(n, results[n], reductions.get(aliases.get(n, n))),
+            label,
+            aliases=aliases,
         )
     raise TypeError(
         "expected a path, an open run, a ModelTracer or a mapping of site name -> Trace, "

@@ -14,6 +14,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from vartrace.reduced import ReducedFrom
 from vartrace.sources.buffers import BufferPool
 from vartrace.sources.chunk_maps import ChunkMap, FileMaps
 from vartrace.statistics.named import (
@@ -60,6 +61,15 @@ class SiteView:
     order: np.ndarray
     shapes: list[tuple[int, ...] | None]
     dtypes: list[str]
+    #: What a pre-save callback made the records from (statistics rows), if it did.
+    reduced_from: ReducedFrom | None = None
+
+    def dtype_label(self, dtype: str) -> str:
+        """`dtype` as shown: statistics rows say what they summarise
+        (`"statistics of bfloat16"`) where the run knows it."""
+        if dtype != STATISTICS or self.reduced_from is None:
+            return dtype
+        return f"{STATISTICS} of {self.reduced_from.dtype}"
 
     def read(
         self, rows: np.ndarray, shape: tuple[int, ...], pool: BufferPool | None = None
@@ -103,8 +113,9 @@ def _crop(block: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 class MemorySiteView(SiteView):
     """A [`Trace`][vartrace.Trace] held in memory (list or stacked values)."""
 
-    def __init__(self, name: str, trace: Trace) -> None:
+    def __init__(self, name: str, trace: Trace, reduced_from: ReducedFrom | None = None) -> None:
         self.name = name
+        self.reduced_from = reduced_from
         self.iterations = _int_array(trace.iterations)
         self.ranks = _int_array(trace.ranks)
         self.order = _int_array(trace.order)
@@ -175,6 +186,7 @@ class FileSiteView(SiteView):
     def __init__(self, name: str, site: Any, maps: FileMaps | None = None) -> None:
         self.name = name
         self._site = site
+        self.reduced_from = site.reduced_from
         self._maps = maps
         self._chunks: ChunkMap | bool | None = False  # False: not looked up yet
         self.iterations = _int_array(site.iterations)

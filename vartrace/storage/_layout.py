@@ -16,7 +16,10 @@
 /site_names           uint8 (bytes,): the slots' escaped link names (UTF-8), one after
                       another
 /meta/...             run metadata (written once per file)
-/vars/<escaped name>  attrs: name (the true site name), slot (its entry in /committed)
+/vars/<escaped name>  attrs: name (the true site name), slot (its entry in /committed);
+                      for records a pre-save callback made (statistics rows):
+                      reduced_dtype (str) and reduced_shape (int64 (ndim,), -1 on
+                      axes whose size differed; absent when the ndim did) of the values
     iterations, ranks, order   int64 (records,)
     kinds                      uint8 (records,): the kind of each record (_codec.Kind)
     values                     records x padded shape (numeric), or (records,) of
@@ -57,8 +60,13 @@ import re
 import socket
 import sys
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from vartrace.reduced import ReducedFrom
 
 __all__ = [
     "COMMITTED",
@@ -69,6 +77,8 @@ __all__ = [
     "NAME_END",
     "NAME_START",
     "NO_TARGET",
+    "REDUCED_DTYPE",
+    "REDUCED_SHAPE",
     "RUN_ID_ATTR",
     "SHARD_ATTR",
     "SIGNATURE",
@@ -79,6 +89,7 @@ __all__ = [
     "clear_write_flags",
     "escape",
     "has_write_flags",
+    "reduced_from",
     "run_attrs",
     "shard_path",
     "unescape",
@@ -96,6 +107,8 @@ FORMAT_ATTR = "vartrace_format"
 FORMAT_VERSION = 1
 LIBVER = ("v110", "latest")  # the oldest file format that allows SWMR
 TAGS = ("iterations", "ranks", "order", "kinds")
+REDUCED_DTYPE = "reduced_dtype"
+REDUCED_SHAPE = "reduced_shape"
 
 _ESCAPED = re.compile(r"%u([0-9A-F]{4})|%([0-9A-F]{2})")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -123,6 +136,27 @@ def unescape(link: str) -> str:
     if link == "%":
         return ""
     return _ESCAPED.sub(lambda match: chr(int(match.group(1) or match.group(2), 16)), link)
+
+
+def reduced_from(attrs: Mapping[str, Any]) -> ReducedFrom | None:
+    """The description of a site's reduced values held in its group's `attrs`, if any.
+
+    Raises `ValueError` naming the attribute that is not what the writer makes.
+    """
+    dtype = attrs.get(REDUCED_DTYPE)
+    if dtype is None:
+        return None
+    if isinstance(dtype, bytes):
+        dtype = dtype.decode("utf-8", "surrogateescape")
+    if not isinstance(dtype, str):
+        raise ValueError(f"attribute {REDUCED_DTYPE} is {dtype!r}, not a string")
+    shape = attrs.get(REDUCED_SHAPE)
+    if shape is None:
+        return ReducedFrom(dtype, None)
+    sizes = np.asarray(shape)
+    if sizes.ndim != 1 or sizes.dtype.kind not in "iu":
+        raise ValueError(f"attribute {REDUCED_SHAPE} is {shape!r}, not a 1-D array of integers")
+    return ReducedFrom(dtype, tuple(int(size) for size in sizes))
 
 
 def shard_path(path: Path, rank: int) -> Path:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
+import functools
 import glob
 import math
 import os
@@ -41,6 +42,7 @@ import numpy as np
 
 from vartrace._site_names import missing_site
 from vartrace._warnings import warn
+from vartrace.reduced import ReducedFrom
 from vartrace.statistics.named import STATS, SUMMARY_FIELDS, reduce_block
 from vartrace.storage._codec import (
     IN_OTHER,
@@ -78,6 +80,7 @@ from vartrace.storage._layout import (
     TAGS,
     TARGET,
     has_write_flags,
+    reduced_from,
     unescape,
     writer_alive,
 )
@@ -511,6 +514,15 @@ class _Part:
         if self._first_order is None:
             self._first_order = int(_leading_rows(self.group, "order", 1)[0])
         return self._first_order
+
+    @cached_property
+    def reduced_from(self) -> ReducedFrom | None:
+        """What a pre-save callback made the part's records from (its group's attributes)."""
+        group = self.group
+        try:
+            return reduced_from(group.attrs)
+        except ValueError as error:
+            raise RunFileError(f"{file_name(group.id)}: {group.name}: {error}") from None
 
     @cached_property
     def values(self) -> h5py.Dataset | None:
@@ -1025,6 +1037,20 @@ class Site:
     def dtype(self) -> str:
         """The dtype name of `values` (e.g. `"bfloat16"`, `"float32"`, `"str"`)."""
         return next((p.dtype for p in self._parts if p.values is not None), "none")
+
+    @property
+    def reduced_from(self) -> ReducedFrom | None:
+        """The dtype and shape of the values a pre-save callback replaced by the records
+        (statistics mode's rows), -1 on axes whose size differed; `None` where the
+        records are the values themselves.
+
+        Example:
+            ```python
+            run["blocks.0.forward"].reduced_from  # ReducedFrom('bfloat16', (8, -1, 768))
+            ```
+        """
+        found = [origin for part in self._parts if (origin := part.reduced_from) is not None]
+        return functools.reduce(ReducedFrom.merged, found) if found else None
 
     def record(self, index: int) -> Any:
         """The value of record `index`: exact shape, dtype and Python type."""

@@ -43,6 +43,7 @@ import numpy as np
 
 from vartrace import _forks, _memory
 from vartrace._warnings import release, warn
+from vartrace.reduced import ReducedFrom
 from vartrace.storage._codec import (
     IN_OTHER,
     Kind,
@@ -61,6 +62,8 @@ from vartrace.storage._layout import (
     NAME_END,
     NAME_START,
     NO_TARGET,
+    REDUCED_DTYPE,
+    REDUCED_SHAPE,
     SITE_INDEX,
     SITE_NAMES,
     TAGS,
@@ -68,6 +71,7 @@ from vartrace.storage._layout import (
     clear_write_flags,
     escape,
     has_write_flags,
+    reduced_from,
     run_attrs,
     shard_path,
     unescape,
@@ -1018,6 +1022,7 @@ class H5PYSaverCallback:
         self._sites: dict[str, _Site] = {}
         self._index: _Index | None = None  # the open file's root index
         self._unresolved: dict[str, str] = {}  # alias -> target: a target with no site yet
+        self._undescribed: dict[str, ReducedFrom] = {}  # `reduced` of a site not yet made
         self._dirty = False
         self._unreleased = 0  # bytes of records written since memory was last given back
         self._context = RunContext()
@@ -1027,8 +1032,9 @@ class H5PYSaverCallback:
         self._shift: tuple[int, int] | None = None  # added to (iterations, order) when appending
         self._last: tuple[int, int] | None = None  # the file's largest (iteration, order) at open
         self.background = background
-        # Records (and aliases: their target's name) taken over, not yet handed to the thread.
-        self._pending: list[tuple[str, Trace | str]] = []
+        # Records (aliases: their target's name; `reduced`) taken over, not yet handed to
+        # the thread.
+        self._pending: list[tuple[str, Trace | str | ReducedFrom]] = []
         self._worker: Worker | None = None
         self._failure: OSError | None = None  # the write failure that ended the file
         # Callers (tracers in several threads) take records and flush one at a time; the
@@ -1172,7 +1178,7 @@ class H5PYSaverCallback:
         if wait and self._worker is not None:
             self._worker.join()
 
-    def _submit(self, batch: list[tuple[str, Trace | str]]) -> None:
+    def _submit(self, batch: list[tuple[str, Trace | str | ReducedFrom]]) -> None:
         if self._worker is None:
             self._worker = Worker(f"vartrace-writer {self.path.name}")
             atexit.register(self.close)
@@ -1184,6 +1190,8 @@ class H5PYSaverCallback:
                 for name, item in batch:
                     if isinstance(item, str):
                         self._alias(name, item)
+                    elif isinstance(item, ReducedFrom):
+                        self._reduced(name, item)
                     else:
                         self._append(name, item)
                 self._commit()
@@ -1263,6 +1271,7 @@ class H5PYSaverCallback:
             finally:
                 self._sites.clear()
                 self._unresolved.clear()
+                self._undescribed.clear()  # sites that received no record: nothing to describe
 
     @property
     def failure(self) -> OSError | None:
@@ -1420,6 +1429,43 @@ class H5PYSaverCallback:
         index.aliases[name] = (slot, target)
         self._dirty = True
 
+    def reduced(self, name: str, origin: ReducedFrom) -> None:
+        """Note what a pre-save callback made site `name`'s records from: the dtype and
+        shape of its values (the tracer calls it for statistics mode's rows).
+
+        Stored as the site's attributes `reduced_dtype` and `reduced_shape` (-1 on the
+        axes whose size differed; absent when the number of axes differed), read back
+        as `run[name].reduced_from`.  A description only widens: one noted in an
+        earlier session of an appended file is merged with this one.  Like a call, it
+        is ordered with the records.  Example:
+
+        ```python
+        saver.reduced("blocks.0.forward", ReducedFrom("bfloat16", (8, -1, 768)))
+        ```
+        """
+        _UNUSED.discard(self)
+        with self._lock, _interrupts_held():
+            if self._failure is not None:  # the saver stopped writing
+                return
+            self._open()
+            if self.background:
+                self._pending.append((name, origin))
+            else:
+                with self._guard():
+                    self._reduced(name, origin)
+
+    def _reduced(self, name: str, origin: ReducedFrom) -> None:
+        index = self._index
+        assert index is not None
+        site = self._sites.get(name)
+        slot = index.slots.get(escape(name))
+        if site is None and (slot is None or not index.count(slot)):
+            self._undescribed[name] = origin  # described when its records come
+            return
+        group = site.group if site is not None else self._open()["vars"][escape(name)]
+        _describe(group, origin)
+        self._dirty = True
+
     def _append(self, name: str, trace: Trace) -> None:
         handle = self._open()
         index = self._index
@@ -1447,6 +1493,9 @@ class H5PYSaverCallback:
             index.define(site.slot, escape(name), int(_int64(trace.order)[0]))
         self._unreleased += site.append(trace)
         index.set_count(site.slot, site.rows)
+        origin = self._undescribed.pop(name, None)
+        if origin is not None:
+            _describe(site.group, origin)
         self._dirty = True
 
     def _continued(self, trace: Trace) -> Trace:
@@ -1574,6 +1623,21 @@ def _claimed_size(handle: h5py.File) -> int:
         return int(handle.id.get_filesize())
     except Exception:
         return 0
+
+
+def _describe(group: h5py.Group, origin: ReducedFrom) -> None:
+    """Give a site's `group` the attributes of `origin`, merged with those it holds."""
+    held = reduced_from(group.attrs)
+    if held is not None:
+        origin = held.merged(origin)
+        if origin == held:
+            return
+    group.attrs.modify(REDUCED_DTYPE, origin.dtype)
+    if origin.shape is None:
+        if REDUCED_SHAPE in group.attrs:
+            del group.attrs[REDUCED_SHAPE]
+    else:
+        group.attrs.modify(REDUCED_SHAPE, np.asarray(origin.shape, np.int64))
 
 
 def _pad_to(path: Path, size: int) -> None:
