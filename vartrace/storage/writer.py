@@ -1188,12 +1188,7 @@ class H5PYSaverCallback:
                 if self._failure is not None:
                     return  # an earlier gather's write failed: the saver stopped writing
                 for name, item in batch:
-                    if isinstance(item, str):
-                        self._alias(name, item)
-                    elif isinstance(item, ReducedFrom):
-                        self._reduced(name, item)
-                    else:
-                        self._append(name, item)
+                    self._apply(name, item)
                 self._commit()
             batch.clear()  # the records go now, not when the next batch replaces this one
             self._release()
@@ -1387,16 +1382,30 @@ class H5PYSaverCallback:
                     "layers.0.attn.forward>eager_attention_forward.attn_weights")
         ```
         """
+        self._take(name, target)
+
+    def _take(self, name: str, fact: str | ReducedFrom) -> None:
+        """Write a fact about site `name` (an alias's target, `reduced`), or with
+        `background=True` queue it, ordered with the records."""
         _UNUSED.discard(self)
         with self._lock, _interrupts_held():
             if self._failure is not None:  # the saver stopped writing
                 return
             self._open()
             if self.background:
-                self._pending.append((name, target))
+                self._pending.append((name, fact))
             else:
                 with self._guard():
-                    self._alias(name, target)
+                    self._apply(name, fact)
+
+    def _apply(self, name: str, item: Trace | str | ReducedFrom) -> None:
+        """Write one taken item of site `name`: records, an alias's target, `reduced`."""
+        if isinstance(item, str):
+            self._alias(name, item)
+        elif isinstance(item, ReducedFrom):
+            self._reduced(name, item)
+        else:
+            self._append(name, item)
 
     def _alias(self, name: str, target: str) -> None:
         index = self._index
@@ -1443,16 +1452,7 @@ class H5PYSaverCallback:
         saver.reduced("blocks.0.forward", ReducedFrom("bfloat16", (8, -1, 768)))
         ```
         """
-        _UNUSED.discard(self)
-        with self._lock, _interrupts_held():
-            if self._failure is not None:  # the saver stopped writing
-                return
-            self._open()
-            if self.background:
-                self._pending.append((name, origin))
-            else:
-                with self._guard():
-                    self._reduced(name, origin)
+        self._take(name, origin)
 
     def _reduced(self, name: str, origin: ReducedFrom) -> None:
         index = self._index
