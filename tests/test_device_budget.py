@@ -25,6 +25,10 @@ from vartrace.device import Stager, staging
 
 KIB = 1024
 Delivered = list[tuple[str, int, bytes]]
+#: The warning of the first site compared on the host: one test checks it, the others
+#: (budgets of 0 and a few bytes) expect it.
+_PAST_BUDGET = "compared on the host instead"
+pytestmark = pytest.mark.filterwarnings(f"ignore:.*{_PAST_BUDGET}:UserWarning")
 
 
 def _bits(value: torch.Tensor) -> bytes:
@@ -106,6 +110,19 @@ def test_a_site_larger_than_the_budget_is_compared_on_the_host() -> None:
     assert stats.host_compares == 2 * 6  # every record of "large" and "small2"
     assert stats.unchanged == 4 * 3 and len(delivered) == 4 * 3
     assert [i for site, i, _ in delivered if site == "large"] == [2, 10, 18]
+
+
+@pytest.mark.filterwarnings("error")
+def test_the_first_site_past_the_budget_warns_once_with_the_fix() -> None:
+    values = _steps({"small": torch.zeros(8), "a": torch.zeros(64), "b": torch.ones(64)}, steps=3)
+    with pytest.warns(UserWarning, match=_PAST_BUDGET) as caught:
+        delivered, stager = _stage(values, max_device_bytes=64)
+    assert delivered == _expected(values)
+    (warning,) = caught  # "a" and then "b" are past the budget: one warning
+    message = str(warning.message)
+    assert "site 'a' (256 bytes a record)" in message and "max_device_bytes=64" in message
+    assert "ModelTracer(max_device_bytes=...)" in message
+    assert stager.stats.host_compares == 2 * 3
 
 
 def test_unchanged_records_compared_on_the_host_are_left_out() -> None:

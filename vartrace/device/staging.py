@@ -723,6 +723,18 @@ class Stager:
                 stats.device_compare_bytes = held
                 stats.device_compare_bytes_peak = max(stats.device_compare_bytes_peak, held)
                 return
+            if not self._on_host:
+                warn(
+                    f"vartrace: change detection holds {stats.device_compare_bytes} bytes of "
+                    f"previous records on the device, and site {site!r} ({clone.nbytes} bytes "
+                    f"a record) would pass max_device_bytes={self.max_device_bytes}: it, and "
+                    "any other site past the budget, is compared on the host instead, a byte "
+                    "comparison of each of its records on the staging thread (the records "
+                    "kept are the same; staging_stats.host_compares counts them); "
+                    "ModelTracer(max_device_bytes=...) raises the budget",
+                    UserWarning,
+                    stacklevel=2,
+                )
             self._on_host.add(site)
         item.on_host = True
 
