@@ -1,4 +1,4 @@
-"""Giving the memory of large written records back to the system (glibc's `malloc_trim`).
+"""Host memory of large records under glibc: blocks of their own, and freed pages given back.
 
 glibc's allocator serves a block above its mmap threshold with `mmap` and returns
 it at `free`, but the threshold rises to the size of each such block freed (up to
@@ -8,8 +8,20 @@ chunk's records beside the model's own tensors.  The process then grows by most
 of a chunk a gather.  After a gather that freed many bytes, `malloc_trim(0)`
 hands the free pages back; elsewhere (musl, macOS, Windows) nothing is done.
 
+The heap also makes the peak grow while a chunk fills.  torch allocates with
+`posix_memalign`, which asks glibc for a block a little larger than the tensor
+and hands the rest to the next small allocations: the hole a freed tensor leaves
+never fits the next tensor of its size.  Once a step keeps anything (a record and
+its tensor object) while its own 30 MiB output is alive, every step's output lands
+on fresh pages, and the process peaks near twice the chunk, though the untraced
+step reuses one block in place.  So the first record of `MAP_FROM` bytes or more
+(`map_large_blocks`) fixes glibc's mmap threshold at `MAP_FROM` for the rest of
+the process: such blocks (records, and the step's own tensors that large) get a
+mapping of their own, unmapped when freed, as glibc does anyway above 32 MiB.
+
 Example:
     ```python
+    map_large_blocks()          # a record of 30 MiB is about to be copied
     release(freed=chunk_bytes)  # after the chunk's records were written and dropped
     ```
 """
@@ -18,13 +30,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["TRIM_ABOVE", "release"]
+import numpy as np
+
+__all__ = ["MAP_FROM", "TRIM_ABOVE", "held_bytes", "map_large_blocks", "release"]
 
 #: A gather that freed at least this many bytes gives the free pages back.
 TRIM_ABOVE = 64 << 20
+#: Blocks of at least this many bytes get mappings of their own once a record is as large.
+MAP_FROM = 8 << 20
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
 
 
 @functools.cache
@@ -41,6 +60,23 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return trim
 
 
+@functools.cache
+def map_large_blocks() -> bool:
+    """Make glibc serve every block of `MAP_FROM` bytes or more with a mapping of its own.
+
+    Called before copying a record that large; the first call sets glibc's mmap
+    threshold (for the rest of the process), later ones cost a cache lookup.
+    Returns whether it did: on glibc, unless the user chose a threshold of their own
+    (`MALLOC_MMAP_THRESHOLD_` in the environment, read by glibc at start).
+    """
+    if _malloc_trim() is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, MAP_FROM))
+
+
 def release(freed: int) -> bool:
     """Give free heap pages back to the system after `freed` bytes of records went.
 
@@ -53,3 +89,27 @@ def release(freed: int) -> bool:
         return False
     trim(0)
     return True
+
+
+def held_bytes(values: Any) -> int:
+    """The bytes of the records `values` holds (a list of records, or one stacked tensor
+    or array): dense tensors and arrays; sparse and nested tensors, and other values,
+    count 0."""
+    torch = sys.modules.get("torch")
+    if isinstance(values, np.ndarray) or (torch is not None and isinstance(values, torch.Tensor)):
+        return _dense_bytes(values)
+    return sum(_dense_bytes(value) for value in values)
+
+
+def _dense_bytes(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    torch = sys.modules.get("torch")
+    if (
+        torch is not None
+        and isinstance(value, torch.Tensor)
+        and value.layout is torch.strided
+        and not value.is_nested
+    ):
+        return int(value.nbytes)
+    return 0

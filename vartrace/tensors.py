@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from vartrace._memory import MAP_FROM, map_large_blocks
 from vartrace._warnings import warn
 from vartrace.engine.structures import children
 from vartrace.record import Unstored
@@ -219,6 +220,8 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     """
     if isinstance(value, torch.Tensor):
         detached = value.detach()
+        if detached.nbytes >= MAP_FROM:
+            map_large_blocks()  # no glibc heap holes from records this large: see vartrace._memory
         try:
             refused = refused_copy(detached, site)
             if refused is not None:

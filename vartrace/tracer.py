@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from vartrace import _exit, _forks, _warnings, distributed
+from vartrace._memory import held_bytes
 from vartrace.aliases import Aliases
 from vartrace.device import (
     HostRing,
@@ -282,23 +283,6 @@ def _default_host_bytes() -> int:
     except (ValueError, OSError, AttributeError):
         return 8 << 30
     return min(8 << 30, memory // 10)
-
-
-def _held_bytes(trace: Trace) -> int:
-    """The bytes of the values a trace holds: dense tensors and arrays (sparse and nested
-    tensors, and other values, count 0)."""
-    values = trace.values
-    if isinstance(values, (torch.Tensor, np.ndarray)):
-        return _dense_bytes(values)
-    return sum(_dense_bytes(value) for value in values)
-
-
-def _dense_bytes(value: Any) -> int:
-    if isinstance(value, np.ndarray):
-        return int(value.nbytes)
-    if isinstance(value, torch.Tensor) and value.layout is torch.strided and not value.is_nested:
-        return int(value.nbytes)
-    return 0
 
 
 def _size(nbytes: int) -> str:
@@ -966,7 +950,7 @@ class ModelTracer:
     def _kept(self, name: str, trace: Trace, ring: HostRing | None) -> Trace:
         """`trace` as `results` keeps it: out of the staging slots (which go back to
         the ring), or, past `max_host_bytes` of results, one marker saying so."""
-        held = _held_bytes(trace)
+        held = held_bytes(trace.values)
         if not held:
             return trace
         bound = self.max_host_bytes

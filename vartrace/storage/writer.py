@@ -22,6 +22,7 @@ while it is being written.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import difflib
 import errno
@@ -42,6 +43,7 @@ import h5py
 import numpy as np
 
 from vartrace import _forks, _memory
+from vartrace._memory import held_bytes
 from vartrace._warnings import release, warn
 from vartrace.reduced import ReducedFrom
 from vartrace.storage._codec import (
@@ -119,6 +121,10 @@ _NAME_BYTES = 4 << 10  # bytes per chunk of /site_names
 _CACHE_BYTES = 64 << 10
 _CACHE_SLOTS = 17
 _STACK_BELOW = 1 << 20  # smaller equally shaped records are written together, up to this many bytes
+# With background=True, a gather of records is handed to the writer thread at once while
+# the thread holds less than this many bytes of earlier gathers' records, or none: a larger
+# gather waits for the previous one, so the process holds at most two (see flush).
+_BACKGROUND_BYTES = 64 << 20
 _WRITTEN = frozenset((*TAGS, "values", "shapes", "other"))  # datasets a gather writes
 _BLOB = h5py.vlen_dtype(np.uint8)
 _STR = h5py.string_dtype("utf-8")
@@ -1036,6 +1042,11 @@ class H5PYSaverCallback:
         # the thread.
         self._pending: list[tuple[str, Trace | str | ReducedFrom]] = []
         self._worker: Worker | None = None
+        # Bytes of the records handed to the thread and not yet written; the thread notifies
+        # as they go, and sets `_stopped` when a job raised (later jobs are skipped).
+        self._handed = 0
+        self._written = threading.Condition(threading.Lock())
+        self._stopped = False
         self._failure: OSError | None = None  # the write failure that ended the file
         # Callers (tracers in several threads) take records and flush one at a time; the
         # writer thread never takes it, so a caller waiting for the thread cannot block it.
@@ -1179,21 +1190,58 @@ class H5PYSaverCallback:
             self._worker.join()
 
     def _submit(self, batch: list[tuple[str, Trace | str | ReducedFrom]]) -> None:
+        """Hand `batch` to the writer thread, once the thread holds few enough bytes.
+
+        The thread lets go of each site's records (of large records, each record) as
+        soon as they are written.  A gather of `_BACKGROUND_BYTES` or more waits until
+        the previous gathers are written: the process then holds the gather being
+        written and the one the tracer fills, not a third one queued.
+        """
         if self._worker is None:
             self._worker = Worker(f"vartrace-writer {self.path.name}")
             atexit.register(self.close)
+        jobs = collections.deque(batch)
+        batch.clear()
+        sizes = collections.deque(
+            held_bytes(item.values) if isinstance(item, Trace) else 0 for _, item in jobs
+        )
+        nbytes = sum(sizes)
+        with self._written:
+            while self._handed and self._handed + nbytes > max(nbytes, _BACKGROUND_BYTES):
+                if self._stopped:
+                    break  # a job raised: submit raises its error
+                self._written.wait()
+            self._handed += nbytes
 
         def write() -> None:
-            with self._guard():
-                if self._failure is not None:
-                    return  # an earlier gather's write failed: the saver stopped writing
-                for name, item in batch:
-                    self._apply(name, item)
-                self._commit()
-            batch.clear()  # the records go now, not when the next batch replaces this one
+            try:
+                with self._guard():
+                    if self._failure is not None:
+                        return  # an earlier gather's write failed: the saver stopped writing
+                    while jobs:
+                        name, item = jobs.popleft()
+                        self._apply(name, item)
+                        del item  # the records go now, not when the job ends
+                        self._written_out(sizes.popleft())
+                    self._commit()
+            except BaseException:
+                with self._written:
+                    self._stopped = True
+                    self._written.notify_all()
+                raise
+            finally:
+                self._written_out(sum(sizes))
+                jobs.clear()
             self._release()
 
         self._worker.submit(write)
+
+    def _written_out(self, nbytes: int) -> None:
+        """The writer thread let go of `nbytes` of the records handed to it."""
+        if nbytes:
+            with self._written:
+                self._handed -= nbytes
+                self._written.notify_all()
 
     def _release(self) -> None:
         """Give the memory of the records written since the last time back to the system,
@@ -1491,7 +1539,9 @@ class H5PYSaverCallback:
         trace = self._continued(trace)
         if not site.rows:  # its first records (or a killed writer's never committed)
             index.define(site.slot, escape(name), int(_int64(trace.order)[0]))
-        self._unreleased += site.append(trace)
+        for piece in _one_by_one(trace):
+            self._unreleased += site.append(piece)
+            del piece  # written: freed before the next record is taken
         index.set_count(site.slot, site.rows)
         origin = self._undescribed.pop(name, None)
         if origin is not None:
@@ -1544,6 +1594,28 @@ class H5PYSaverCallback:
         if self._worker is not None:
             self._worker.join()
         return _Datasets(self._file)
+
+
+def _one_by_one(trace: Trace) -> Iterator[Trace]:
+    """`trace` as it is, or, when it holds a list of records of `vartrace._memory.MAP_FROM`
+    bytes or more, its records one at a time, each taken out of `trace.values` as it is
+    handed on: a record written is freed (its pages unmapped) while the next is written."""
+    values = trace.values
+    if (
+        not isinstance(values, list)
+        or len(values) < 2
+        or trace.shapes is not None
+        or held_bytes(values[:1]) < _memory.MAP_FROM
+    ):
+        yield trace
+        return
+    iterations, ranks, order = (_int64(tag) for tag in (trace.iterations, trace.ranks, trace.order))
+    for row in range(len(values)):
+        rows = slice(row, row + 1)
+        piece = Trace([values[row]], iterations[rows], ranks[rows], order[rows])
+        values[row] = None
+        yield piece
+        del piece
 
 
 class _Datasets(Mapping[str, h5py.Dataset]):
