@@ -8,6 +8,7 @@ the heap holds only this run's blocks.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -64,3 +65,20 @@ def test_the_memory_of_written_chunks_goes_back_to_the_system(tmp_path: Path, mo
     # Without malloc_trim: 2.3-5.7 chunks.  With it, 0.01-0.85 (the last record change
     # detection keeps, a quarter of a chunk, and what other threads' arenas hold at the time).
     assert chunks_kept < 1.0, f"{chunks_kept:.2f} chunks of 120 MiB still resident after the run"
+
+
+@pytest.mark.parametrize(
+    ("environment", "expected"), [({}, "True"), ({"MALLOC_MMAP_THRESHOLD_": "1"}, "False")]
+)
+def test_a_users_own_mmap_threshold_is_left_alone(
+    environment: dict[str, str], expected: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "from vartrace import _memory; print(_memory.map_large_blocks())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={**os.environ, **environment},
+    )
+    assert done.stdout.split() == [expected]
