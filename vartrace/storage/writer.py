@@ -854,7 +854,8 @@ class _Index:
         self.counts = stored.copy()
         self.held = {COMMITTED: len(stored), SITE_INDEX: 0, SITE_NAMES: 0}  # extents in the file
         self.slots: dict[str, int] = {}  # link name -> slot, of every group in /vars
-        for link, group in handle["vars"].items():
+        self.vars: h5py.Group = handle["vars"]  # the sites' groups (opened once: 0.1 ms)
+        for link, group in self.vars.items():
             self.slots[link] = int(group.attrs["slot"])
         # Sites a killed writer created but never committed hold no records; their slots stay
         # theirs.  The next slot follows them and the last counted one.
@@ -880,7 +881,7 @@ class _Index:
             _create_index(handle)
             for link, slot in self.slots.items():
                 rows = int(self.counts[slot]) if slot < len(self.counts) else 0
-                order = handle["vars"][link]["order"]
+                order = self.vars[link]["order"]
                 self.define(slot, link, int(order[0]) if rows and len(order) else 0)
 
     @staticmethod
@@ -1478,7 +1479,7 @@ class H5PYSaverCallback:
         self._dirty = True
 
     def _append(self, name: str, trace: Trace) -> None:
-        handle = self._open()
+        self._open()
         index = self._index
         assert index is not None
         self._unresolved.pop(name, None)
@@ -1491,11 +1492,9 @@ class H5PYSaverCallback:
             slot = index.slots.get(link)
             if slot is None:
                 slot = index.add(link)
-                site = _Site.create(
-                    handle["vars"], name, self._options, self._made, slot, len(trace)
-                )
+                site = _Site.create(index.vars, name, self._options, self._made, slot, len(trace))
             else:
-                site = _Site(handle["vars"][link], self._options, self._made, index.count(slot))
+                site = _Site(index.vars[link], self._options, self._made, index.count(slot))
         self._sites[name] = site  # most recently used last
         if len(self._sites) > _OPEN_SITES:
             del self._sites[next(iter(self._sites))]
