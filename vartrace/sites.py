@@ -568,6 +568,12 @@ def _segment(method: MethodInfo, callee: MethodInfo | None) -> str:
     return method.name if callee is None else f"{method.name}{CALLEE_SEPARATOR}{callee.name}"
 
 
+def _named_states(pattern: Pattern, states: States) -> States:
+    """The states of `states` that stand on a segment other than `**`."""
+    segments = pattern.segments
+    return frozenset(i for i in states if i < len(segments) and segments[i] != "**")
+
+
 class _Resolver:
     """Matches one pattern against the static sites of a model."""
 
@@ -648,7 +654,9 @@ class _Resolver:
             return
         named = segment in p.literal_next(states)
         # A name that is a variable of the method means the variable, not a key of the result.
-        keys = p.literal_next(after)
+        # Only the names after the method's own segment count: those a `**` before it could
+        # also reach (`attn1` in `**.attn1.forward.hidden_states`) are not keys it names.
+        keys = p.literal_next(p.step(_named_states(p, states), segment))
         if not named or (keys and keys <= set(info.variables)) or self._typo(info, after):
             return
         # The keys of a returned call's result: followed statically where it can be.
