@@ -27,6 +27,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from torch import nn
+
 from vartrace._warnings import warn
 from vartrace.engine.paths import LINE_MARK, parse
 from vartrace.sites import Target
@@ -101,10 +103,12 @@ class SilenceWatch:
             )
         for text, (sites, targets) in patterns.items():
             missing = {site for t in targets for site in t.missing_keys()}
-            line = parse(text).line
+            pattern = parse(text)
+            line = pattern.line
             if self._seen(sites, self._values, line) or sites <= missing:
                 continue  # recorded, or said at the first return
-            why = self._why(sites, targets, called_ids, replaced, line)
+            suffix = f"@{pattern.when}" if pattern.when else ""
+            why = self._why(sites, targets, called_ids, replaced, line, suffix)
             warn(
                 f"vartrace: pattern {text!r} recorded nothing: {why}",
                 UserWarning,
@@ -150,6 +154,7 @@ class SilenceWatch:
         called_ids: set[int],
         replaced: list[Target],
         line: int | None,
+        suffix: str,
     ) -> str:
         if self._seen(sites, self._nones, line):
             if any(t.method.code.co_filename.startswith(_FX_FILE) for t in targets):
@@ -173,7 +178,7 @@ class SilenceWatch:
             )
         if not any(id(t) in called_ids for t in targets):
             methods = ", ".join(sorted({f"{t.path or '<root>'}.{t.method.name}" for t in targets}))
-            return f"its method was never called ({methods})"
+            return f"its method was never called ({methods})" + self._parameter_hint(sites, suffix)
         functions = {
             name: ran.ran[0]
             for target in targets
@@ -191,6 +196,22 @@ class SilenceWatch:
         return (
             "the variable was never bound when its method (or function) returned, or the key "
             "was not in the value (a branch the run did not take)"
+        )
+
+    def _parameter_hint(self, sites: set[str], suffix: str) -> str:
+        """For parameters of modules never called, how to reach them from the root's
+        `forward` (code may use a module's weight without calling it); `suffix` is the
+        pattern's timing (`@grad`)."""
+        if not isinstance(self._root, nn.Module):
+            return ""
+        parameters = dict(self._root.named_parameters())
+        used = sorted(site for site in sites if site in parameters)
+        if not used:
+            return ""
+        return (
+            f": a parameter is read when its module's forward is entered; where the code uses "
+            f"{used[0]} without calling its module (TRL's fused LM head reads lm_head.weight), "
+            f"name it through the model's forward instead: 'forward.self.{used[0]}{suffix}'"
         )
 
 
