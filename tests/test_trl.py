@@ -77,6 +77,16 @@ def test_a_parameter_of_a_module_the_fused_head_never_calls_names_the_way_to_it(
     ), said
 
 
+def test_a_local_of_the_fused_forward_names_the_function_that_replaced_forward() -> None:
+    model = _fused_llama()
+    message = (
+        r"'forward\.hidden_states' recorded nothing: <root>\.forward is the function "
+        r"add_fused_lm_head\.<locals>\._fused_forward \(.*trl.*\), set on the module before"
+    )
+    with pytest.warns(UserWarning, match=message), ModelTracer(model, ["forward.hidden_states"]):
+        model(input_ids=_ids(), labels=_ids(), fused_lm_head=True)
+
+
 def test_sft_trainer_run_is_recorded_into_a_file(tmp_path: Path) -> None:
     texts = [" ".join(f"w{(7 * i + j) % 29}" for j in range(5 + i)) for i in range(4)]
     config = trl.SFTConfig(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from types import CodeType
 from typing import Any
 
 from torch import nn
@@ -187,6 +188,20 @@ class SilenceWatch:
         }
         if functions and not any(functions.values()):
             return f"the function it is in was never called ({', '.join(sorted(functions))})"
+        for t in targets:
+            code = _other_code(self._held[id(t)], t)
+            if code is None:
+                continue
+            name = getattr(code, "co_qualname", code.co_name)
+            return (
+                f"{t.path or '<root>'}.{t.method.name} is the function {name} "
+                f"({code.co_filename}:{code.co_firstlineno}), set on the module before the "
+                "tracer started (TRL's fused LM head): vartrace reads the variables of the "
+                f"class's {type(t.module).__name__}.{t.method.name}, which that function may "
+                f"call on some paths only; record what it returns "
+                f"('{_join(t.path, t.method.name)}' and its keys) or the sites of the modules "
+                "it calls"
+            )
         if line is not None:
             return (
                 f"line {line} bound no value of it in any call (@every keys a value by the "
@@ -219,6 +234,17 @@ def _binding(line: int) -> re.Pattern[str]:
     """What finds the mark of the values bound at `line` in a site name (`@every:L73`, at
     its end or before the keys of an object split into leaves)."""
     return re.compile(rf"@every{re.escape(LINE_MARK)}{line}(?:\.|$)")
+
+
+def _other_code(held: object, target: Target) -> CodeType | None:
+    """The code of `held`, what the module held under the target's method name before the
+    tracer patched it, where it is not the code of the method vartrace reads."""
+    code = getattr(getattr(held, "__func__", held), "__code__", None)
+    return code if isinstance(code, CodeType) and code is not target.method.code else None
+
+
+def _join(*parts: str) -> str:
+    return ".".join(part for part in parts if part)
 
 
 def _described(held: object) -> str:
