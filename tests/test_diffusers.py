@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import vartrace
+from tests._models import TinyTransformer, tokens
 from vartrace import H5PYSaverCallback, ModelTracer
 from vartrace.statistics.fields import SUMMARY_FIELDS
 
@@ -65,6 +66,22 @@ def test_star_star_naming_a_method_argument_does_not_check_keys_of_its_return() 
         "1.attn1.forward.hidden_states",
     ]
     torch.testing.assert_close(tracer.results["0.attn1.forward.hidden_states"].values[0], x)
+
+
+def test_what_only_a_wildcard_reached_records_no_gradient_quietly() -> None:
+    # diffusers' UNet under `**@grad`: helpers returning None, an int, a bool warned.
+    model = TinyTransformer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(model, ["**@grad"]) as tracer:
+            model(tokens(0)).logits.sum().backward()
+    assert "forward.logits@grad" in tracer.results
+    torch.testing.assert_close(tracer.results["head.weight@grad"].values[0], model.head.weight.grad)
+    # Named, the int in the output's extras still warns.
+    message = r"no gradient is recorded for forward\.extras\.pair\.second@grad: it holds a int"
+    named = ["**@grad", "forward.extras.pair.second@grad"]
+    with pytest.warns(UserWarning, match=message), ModelTracer(model, named):
+        model(tokens(0))
 
 
 # -- diffusers ---------------------------------------------------------------------------------

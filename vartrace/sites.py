@@ -56,6 +56,7 @@ __all__ = [
     "resolve",
     "sites_of_type",
     "unwrap",
+    "wildcard_grad_sites",
 ]
 
 _WRAPPER_NAMES = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
@@ -959,6 +960,20 @@ def _closest(
         if below:
             return below[:5]
     return candidates[:5]
+
+
+def wildcard_grad_sites(targets: Sequence[Target]) -> frozenset[str]:
+    """The sites of `targets` that only `@grad` patterns ending in a wildcard reached
+    (`**@grad`, `layers.*.forward.*@grad`): the user named none of them, so one that cannot
+    receive a gradient (a helper returning an int, a buffer) is skipped quietly."""
+    wild: set[str] = set()
+    named: set[str] = set()
+    for target in targets:
+        for text, sites in target.origins.items():
+            pattern = parse(text)
+            if pattern.when == "grad":
+                (wild if is_glob(pattern.segments[-1]) else named).update(sites)
+    return frozenset(wild - named)
 
 
 def resolve(
