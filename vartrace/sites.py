@@ -427,6 +427,14 @@ def _check_keys(selector: Selector, value: Any) -> bool:
     return True
 
 
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter (-1 for an inference tensor, which keeps none)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
+
+
 class _Claims:
     """Which site first captured each tensor, for the selectors of one `**` pattern.
 
@@ -444,25 +452,35 @@ class _Claims:
     def admit(self, sink: Sink, name: str, leaf: Any, grad: bool) -> None:
         """Pass `leaf` on to `sink` unless another site holds the same tensor, unchanged
         (then `name` becomes an alias of that site)."""
-        if isinstance(leaf, torch.Tensor):
-            try:
-                version = leaf._version
-            except RuntimeError:  # an inference tensor keeps no version counter
-                version = -1
-            key = id(leaf)
-            held = self._held.get(key)
-            if (
-                held is not None
-                and held[0]() is leaf
-                and held[1] != name
-                and held[2] == version
-                and self._aliases.share(name, held[1])
-            ):
-                return
-            ref = weakref.ref(leaf, functools.partial(self._forget, key))
-            self._held[key] = (ref, name, version)
-        self._aliases.own(name)
+        holder = self._holder(name, leaf)
+        if holder is not None and self._aliases.share(name, holder):
+            return
+        self.stored(name, leaf)
         sink(name, leaf, grad)
+
+    def stored(self, name: str, leaf: Any) -> None:
+        """Note that `name` stores `leaf` (also when another pattern's selector, listed
+        before, stored it): the pattern's other names holding it become its aliases."""
+        if isinstance(leaf, torch.Tensor):
+            key = id(leaf)
+            ref = weakref.ref(leaf, functools.partial(self._forget, key))
+            self._held[key] = (ref, name, _version(leaf))
+        self._aliases.own(name)
+
+    def sent_again(self, name: str, leaf: Any) -> None:
+        """`name` holds `leaf` once more in one call: unless it reads as an alias, the
+        selector of another pattern, listed before, stored it."""
+        if name not in self._aliases:
+            self.stored(name, leaf)
+
+    def _holder(self, name: str, leaf: Any) -> str | None:
+        """The other site that stored `leaf` (a tensor), unchanged since, if any."""
+        if not isinstance(leaf, torch.Tensor):
+            return None
+        held = self._held.get(id(leaf))
+        if held is None or held[0]() is not leaf or held[1] == name:
+            return None
+        return held[1] if held[2] == _version(leaf) else None
 
     def _forget(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
         held = self._held.get(key)
@@ -478,7 +496,15 @@ class _FirstSite(Selector):
     claims: _Claims = field(default_factory=_Claims, compare=False, repr=False)
 
     def emit(self, value: Any, sink: Sink, seen: set[str] | None) -> None:
-        super().emit(value, functools.partial(self.claims.admit, sink), seen)
+        def admit(name: str, leaf: Any, grad: bool) -> None:
+            if seen is not None:
+                if name in seen:  # sent before in this call: an alias, or stored
+                    self.claims.sent_again(name, leaf)
+                    return
+                seen.add(name)
+            self.claims.admit(sink, name, leaf, grad)
+
+        super().emit(value, admit, None)
 
 
 @dataclass(frozen=True)
