@@ -20,7 +20,8 @@ pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing`:FutureWarning")
+# transformers 5 renames gradient checkpointing, which TRL's trainers still call by its old names.
+pytestmark = pytest.mark.filterwarnings("ignore:`(is_)?gradient_checkpointing:FutureWarning")
 
 _WEIGHTS = "model.layers.{}.self_attn.forward>eager_attention_forward.attn_weights"
 
@@ -126,3 +127,44 @@ def test_sft_trainer_run_is_recorded_into_a_file(tmp_path: Path) -> None:
             )
             probabilities = torch.as_tensor(weights.get(iteration=1))
             torch.testing.assert_close(probabilities.sum(-1), torch.ones(probabilities.shape[:-1]))
+
+
+def test_dpo_trainer_log_probs_give_the_logged_chosen_and_rejected_log_probs(
+    tmp_path: Path,
+) -> None:
+    prompts = [f"w{i} w{i + 1}" for i in range(4)]
+    data = datasets.Dataset.from_dict(
+        {
+            "prompt": prompts,
+            "chosen": [f" w{i + 2} w{i + 3}" for i in range(4)],
+            "rejected": [f" w{i + 5}" for i in range(4)],
+        }
+    )
+    config = trl.DPOConfig(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    ids = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+    trainer = trl.DPOTrainer(
+        model=tiny_llama(**ids),
+        ref_model=tiny_llama(**ids),
+        args=config,
+        train_dataset=data,
+        processing_class=word_tokenizer(),
+    )
+    with ModelTracer(trainer.model, ["forward"]) as tracer:
+        trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "logps/chosen" in entry]
+    log_probs = tracer.results["forward.log_probs"]
+    assert list(log_probs.iterations) == [1, 2]
+    # One forward a step on [chosen, rejected]: a row's log-probability is its sum.
+    for entry, value in zip(logged, log_probs.values, strict=True):
+        chosen, rejected = value.sum(1).chunk(2)
+        assert entry["logps/chosen"] == pytest.approx(chosen.mean().item(), rel=1e-5)
+        assert entry["logps/rejected"] == pytest.approx(rejected.mean().item(), rel=1e-5)
