@@ -601,6 +601,14 @@ def _named_states(pattern: Pattern, states: States) -> States:
     return frozenset(i for i in states if i < len(segments) and segments[i] != "**")
 
 
+def _replaced_on(module: nn.Module, method: MethodInfo) -> bool:
+    """Whether `module` holds, under the method's name, a function of other code than the
+    class's method (set on the instance: `model.forward = MethodType(f, model)`)."""
+    held = vars(module).get(method.name)
+    code = getattr(getattr(held, "__func__", held), "__code__", None)
+    return isinstance(code, types.CodeType) and code is not method.code
+
+
 class _Resolver:
     """Matches one pattern against the static sites of a model."""
 
@@ -687,7 +695,12 @@ class _Resolver:
         if not named or (keys and keys <= set(info.variables)) or self._typo(info, after):
             return
         # The keys of a returned call's result: followed statically where it can be.
-        returned = self.returns.of_method(module if callee is None else None, info)
+        # A method the program replaced on the module (TRL's fused LM head sets
+        # `model.forward`) returns what its own function returns: only the run can tell.
+        replaced = callee is None and _replaced_on(module, method)
+        returned = (
+            None if replaced else self.returns.of_method(module if callee is None else None, info)
+        )
         if returned is not None and self._names_key(returned, after):
             yield _Selection(path, module, method, callee, None, after)
         elif returned is None or not self.strict:
