@@ -33,3 +33,21 @@ def tiny_llama(**config: object) -> torch.nn.Module:
     llama_config._attn_implementation = "eager"
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(llama_config).train()
+
+
+def word_tokenizer(vocab_size: int = 32) -> object:
+    """A ``PreTrainedTokenizerFast`` built in memory (no hub): ``<pad>`` 0, ``<eos>`` 1,
+    ``<bos>`` 2, then the words ``w0``, ``w1``, ... split on whitespace.
+
+    Needs transformers and tokenizers: import-skip them in the calling test.
+    """
+    import tokenizers
+    import transformers
+
+    words = ["<pad>", "<eos>", "<bos>", *(f"w{i}" for i in range(vocab_size - 3))]
+    model = tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>")
+    tokenizer = tokenizers.Tokenizer(model)
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+    )

@@ -67,6 +67,18 @@ def test_eager_attention_weights_read_under_the_attention_forward_too() -> None:
     assert set(frame["site"]) == set(results)
 
 
+def test_a_site_another_pattern_stored_first_still_claims_its_tensor() -> None:
+    # Found tracing TRL's SFTTrainer: the function's site named alone before `**` stored
+    # the weights twice, once more under the attention's forward.
+    model = LlamaLike()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ModelTracer(model, [EAGER.format("*"), "**.attn_weights"]) as tracer:
+            model(tokens(0))
+    assert tracer.results.stored == [EAGER.format(0), EAGER.format(1)]
+    assert tracer.results.aliases == {FORWARD.format(i): EAGER.format(i) for i in range(2)}
+
+
 def test_a_local_handed_to_a_helper_reads_where_it_was_computed() -> None:
     model = TwoBlocks()
     x = torch.randn(2, 4, 8)

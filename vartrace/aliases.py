@@ -86,6 +86,10 @@ class Aliases:
     def __len__(self) -> int:
         return len(self._targets)
 
+    def __contains__(self, name: object) -> bool:
+        """Whether `name` reads as another site now."""
+        return name in self._targets
+
     def items(self) -> list[tuple[str, str]]:
         """Every alias and its target now."""
         return list(self._targets.items())

@@ -134,8 +134,9 @@ class GradientWatcher:
         ```
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, quiet: frozenset[str] = frozenset()) -> None:
         self._store = store
+        self._quiet = quiet  # sites (and the keys below them) that never warn
         self._lock = threading.RLock()
         self._handles: dict[int, RemovableHandle] = {}
         self._prune_at = _MIN_PRUNE
@@ -155,7 +156,8 @@ class GradientWatcher:
         `iteration` is the iteration of the forward that produced `value`.
         A value that cannot receive a gradient (not a tensor, a tensor that
         does not require grad, a parameter used under `torch.no_grad()`)
-        records nothing and warns once per site; with grad mode off (an
+        records nothing and warns once per site (not for the `quiet` sites given
+        at construction, nor the keys below them); with grad mode off (an
         evaluation under `torch.no_grad()`) only at `close`, and only if
         the site never received a gradient hook (`mode="any"` runs that also train).
         Inside the forward of a reentrant activation checkpoint, a value without a
@@ -346,6 +348,8 @@ class GradientWatcher:
     # -- warnings -------------------------------------------------------------------------------
 
     def _warn(self, site: str, reason: str) -> None:
+        if _below(site, self._quiet):
+            return
         if torch.is_grad_enabled():
             self._say(site, reason)
         else:  # decided at close: a training step may still record it
@@ -356,3 +360,14 @@ class GradientWatcher:
             return
         self._warned.add(site)
         warn(f"vartrace: no gradient is recorded for {site}: {reason}", UserWarning, stacklevel=3)
+
+
+def _below(site: str, sites: frozenset[str]) -> bool:
+    """Whether `site` (`model.rotary_emb.forward.0@grad`) is one of `sites` or a key below
+    one (`model.rotary_emb.forward`)."""
+    name = site.partition("@")[0]
+    while name:
+        if name in sites:
+            return True
+        name = name.rpartition(".")[0]
+    return False

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from types import CodeType
 from typing import Any
+
+from torch import nn
 
 from vartrace._warnings import warn
 from vartrace.engine.paths import LINE_MARK, parse
@@ -101,10 +104,12 @@ class SilenceWatch:
             )
         for text, (sites, targets) in patterns.items():
             missing = {site for t in targets for site in t.missing_keys()}
-            line = parse(text).line
+            pattern = parse(text)
+            line = pattern.line
             if self._seen(sites, self._values, line) or sites <= missing:
                 continue  # recorded, or said at the first return
-            why = self._why(sites, targets, called_ids, replaced, line)
+            suffix = f"@{pattern.when}" if pattern.when else ""
+            why = self._why(sites, targets, called_ids, replaced, line, suffix)
             warn(
                 f"vartrace: pattern {text!r} recorded nothing: {why}",
                 UserWarning,
@@ -150,6 +155,7 @@ class SilenceWatch:
         called_ids: set[int],
         replaced: list[Target],
         line: int | None,
+        suffix: str,
     ) -> str:
         if self._seen(sites, self._nones, line):
             if any(t.method.code.co_filename.startswith(_FX_FILE) for t in targets):
@@ -173,7 +179,7 @@ class SilenceWatch:
             )
         if not any(id(t) in called_ids for t in targets):
             methods = ", ".join(sorted({f"{t.path or '<root>'}.{t.method.name}" for t in targets}))
-            return f"its method was never called ({methods})"
+            return f"its method was never called ({methods})" + self._parameter_hint(sites, suffix)
         functions = {
             name: ran.ran[0]
             for target in targets
@@ -182,6 +188,20 @@ class SilenceWatch:
         }
         if functions and not any(functions.values()):
             return f"the function it is in was never called ({', '.join(sorted(functions))})"
+        for t in targets:
+            code = _other_code(self._held[id(t)], t)
+            if code is None:
+                continue
+            name = getattr(code, "co_qualname", code.co_name)
+            return (
+                f"{t.path or '<root>'}.{t.method.name} is the function {name} "
+                f"({code.co_filename}:{code.co_firstlineno}), set on the module before the "
+                "tracer started (TRL's fused LM head): vartrace reads the variables of the "
+                f"class's {type(t.module).__name__}.{t.method.name}, which that function may "
+                f"call on some paths only; record what it returns "
+                f"('{_join(t.path, t.method.name)}' and its keys) or the sites of the modules "
+                "it calls"
+            )
         if line is not None:
             return (
                 f"line {line} bound no value of it in any call (@every keys a value by the "
@@ -193,11 +213,38 @@ class SilenceWatch:
             "was not in the value (a branch the run did not take)"
         )
 
+    def _parameter_hint(self, sites: set[str], suffix: str) -> str:
+        """For parameters of modules never called, how to reach them from the root's
+        `forward` (code may use a module's weight without calling it); `suffix` is the
+        pattern's timing (`@grad`)."""
+        if not isinstance(self._root, nn.Module):
+            return ""
+        parameters = dict(self._root.named_parameters())
+        used = sorted(site for site in sites if site in parameters)
+        if not used:
+            return ""
+        return (
+            f": a parameter is read when its module's forward is entered; where the code uses "
+            f"{used[0]} without calling its module (TRL's fused LM head reads lm_head.weight), "
+            f"name it through the model's forward instead: 'forward.self.{used[0]}{suffix}'"
+        )
+
 
 def _binding(line: int) -> re.Pattern[str]:
     """What finds the mark of the values bound at `line` in a site name (`@every:L73`, at
     its end or before the keys of an object split into leaves)."""
     return re.compile(rf"@every{re.escape(LINE_MARK)}{line}(?:\.|$)")
+
+
+def _other_code(held: object, target: Target) -> CodeType | None:
+    """The code of `held`, what the module held under the target's method name before the
+    tracer patched it, where it is not the code of the method vartrace reads."""
+    code = getattr(getattr(held, "__func__", held), "__code__", None)
+    return code if isinstance(code, CodeType) and code is not target.method.code else None
+
+
+def _join(*parts: str) -> str:
+    return ".".join(part for part in parts if part)
 
 
 def _described(held: object) -> str:

@@ -56,6 +56,7 @@ __all__ = [
     "resolve",
     "sites_of_type",
     "unwrap",
+    "wildcard_grad_sites",
 ]
 
 _WRAPPER_NAMES = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
@@ -426,6 +427,14 @@ def _check_keys(selector: Selector, value: Any) -> bool:
     return True
 
 
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter (-1 for an inference tensor, which keeps none)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
+
+
 class _Claims:
     """Which site first captured each tensor, for the selectors of one `**` pattern.
 
@@ -443,25 +452,35 @@ class _Claims:
     def admit(self, sink: Sink, name: str, leaf: Any, grad: bool) -> None:
         """Pass `leaf` on to `sink` unless another site holds the same tensor, unchanged
         (then `name` becomes an alias of that site)."""
-        if isinstance(leaf, torch.Tensor):
-            try:
-                version = leaf._version
-            except RuntimeError:  # an inference tensor keeps no version counter
-                version = -1
-            key = id(leaf)
-            held = self._held.get(key)
-            if (
-                held is not None
-                and held[0]() is leaf
-                and held[1] != name
-                and held[2] == version
-                and self._aliases.share(name, held[1])
-            ):
-                return
-            ref = weakref.ref(leaf, functools.partial(self._forget, key))
-            self._held[key] = (ref, name, version)
-        self._aliases.own(name)
+        holder = self._holder(name, leaf)
+        if holder is not None and self._aliases.share(name, holder):
+            return
+        self.stored(name, leaf)
         sink(name, leaf, grad)
+
+    def stored(self, name: str, leaf: Any) -> None:
+        """Note that `name` stores `leaf` (also when another pattern's selector, listed
+        before, stored it): the pattern's other names holding it become its aliases."""
+        if isinstance(leaf, torch.Tensor):
+            key = id(leaf)
+            ref = weakref.ref(leaf, functools.partial(self._forget, key))
+            self._held[key] = (ref, name, _version(leaf))
+        self._aliases.own(name)
+
+    def sent_again(self, name: str, leaf: Any) -> None:
+        """`name` holds `leaf` once more in one call: unless it reads as an alias, the
+        selector of another pattern, listed before, stored it."""
+        if name not in self._aliases:
+            self.stored(name, leaf)
+
+    def _holder(self, name: str, leaf: Any) -> str | None:
+        """The other site that stored `leaf` (a tensor), unchanged since, if any."""
+        if not isinstance(leaf, torch.Tensor):
+            return None
+        held = self._held.get(id(leaf))
+        if held is None or held[0]() is not leaf or held[1] == name:
+            return None
+        return held[1] if held[2] == _version(leaf) else None
 
     def _forget(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
         held = self._held.get(key)
@@ -477,7 +496,15 @@ class _FirstSite(Selector):
     claims: _Claims = field(default_factory=_Claims, compare=False, repr=False)
 
     def emit(self, value: Any, sink: Sink, seen: set[str] | None) -> None:
-        super().emit(value, functools.partial(self.claims.admit, sink), seen)
+        def admit(name: str, leaf: Any, grad: bool) -> None:
+            if seen is not None:
+                if name in seen:  # sent before in this call: an alias, or stored
+                    self.claims.sent_again(name, leaf)
+                    return
+                seen.add(name)
+            self.claims.admit(sink, name, leaf, grad)
+
+        super().emit(value, admit, None)
 
 
 @dataclass(frozen=True)
@@ -568,6 +595,20 @@ def _segment(method: MethodInfo, callee: MethodInfo | None) -> str:
     return method.name if callee is None else f"{method.name}{CALLEE_SEPARATOR}{callee.name}"
 
 
+def _named_states(pattern: Pattern, states: States) -> States:
+    """The states of `states` that stand on a segment other than `**`."""
+    segments = pattern.segments
+    return frozenset(i for i in states if i < len(segments) and segments[i] != "**")
+
+
+def _replaced_on(module: nn.Module, method: MethodInfo) -> bool:
+    """Whether `module` holds, under the method's name, a function of other code than the
+    class's method (set on the instance: `model.forward = MethodType(f, model)`)."""
+    held = vars(module).get(method.name)
+    code = getattr(getattr(held, "__func__", held), "__code__", None)
+    return isinstance(code, types.CodeType) and code is not method.code
+
+
 class _Resolver:
     """Matches one pattern against the static sites of a model."""
 
@@ -648,11 +689,18 @@ class _Resolver:
             return
         named = segment in p.literal_next(states)
         # A name that is a variable of the method means the variable, not a key of the result.
-        keys = p.literal_next(after)
+        # Only the names after the method's own segment count: those a `**` before it could
+        # also reach (`attn1` in `**.attn1.forward.hidden_states`) are not keys it names.
+        keys = p.literal_next(p.step(_named_states(p, states), segment))
         if not named or (keys and keys <= set(info.variables)) or self._typo(info, after):
             return
         # The keys of a returned call's result: followed statically where it can be.
-        returned = self.returns.of_method(module if callee is None else None, info)
+        # A method the program replaced on the module (TRL's fused LM head sets
+        # `model.forward`) returns what its own function returns: only the run can tell.
+        replaced = callee is None and _replaced_on(module, method)
+        returned = (
+            None if replaced else self.returns.of_method(module if callee is None else None, info)
+        )
         if returned is not None and self._names_key(returned, after):
             yield _Selection(path, module, method, callee, None, after)
         elif returned is None or not self.strict:
@@ -951,6 +999,20 @@ def _closest(
         if below:
             return below[:5]
     return candidates[:5]
+
+
+def wildcard_grad_sites(targets: Sequence[Target]) -> frozenset[str]:
+    """The sites of `targets` that only `@grad` patterns ending in a wildcard reached
+    (`**@grad`, `layers.*.forward.*@grad`): the user named none of them, so one that cannot
+    receive a gradient (a helper returning an int, a buffer) is skipped quietly."""
+    wild: set[str] = set()
+    named: set[str] = set()
+    for target in targets:
+        for text, sites in target.origins.items():
+            pattern = parse(text)
+            if pattern.when == "grad":
+                (wild if is_glob(pattern.segments[-1]) else named).update(sites)
+    return frozenset(wild - named)
 
 
 def resolve(

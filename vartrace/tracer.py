@@ -47,7 +47,14 @@ from vartrace.record import DROP, Unstored, subscribe, unsubscribe
 from vartrace.reduced import Reductions
 from vartrace.results import Results, unstacked
 from vartrace.silence import SilenceWatch
-from vartrace.sites import Target, fullgraph_regions, is_compiled, resolve, unwrap
+from vartrace.sites import (
+    Target,
+    fullgraph_regions,
+    is_compiled,
+    resolve,
+    unwrap,
+    wildcard_grad_sites,
+)
 from vartrace.statistics.records import stats
 from vartrace.tensors import (
     copy_leaf,
@@ -504,7 +511,7 @@ class ModelTracer:
         self._started = False
         self._finished = False
         self._first_seen = False  # the first traced iteration ended
-        self._gradients = GradientWatcher(self._store)
+        self._gradients = GradientWatcher(self._store, wildcard_grad_sites(self._targets))
         counter = _CallsBeforeStart()
         self._unstarted = weakref.finalize(
             self,
