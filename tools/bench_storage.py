@@ -273,7 +273,13 @@ def bench_size(compressions: list[str]) -> str:
         for label, shapes in RAGGED_RUNS.items():
             records = [{"site": _activation(shape, seed)} for seed, shape in enumerate(shapes)]
             data = sum(4 * int(np.prod(shape)) for shape in shapes)
-            lines.append(row(label, data, sizes(_writing(path, records, 1))))
+            files = sizes(_writing(path, records, 1))
+            lines.append(row(label, data, files))
+            # The fixed cost of a file and its site: one 4-byte record of the same rank.
+            single = [{"site": np.zeros((1,) * len(shapes[0]), np.float32)}]
+            fixed = sizes(_writing(path, single, 1))
+            above = [file - base for file, base in zip(files, fixed, strict=True)]
+            lines.append(row("  the same, above a file of one 4-byte record", data, above))
         counts: list[int] = []
         added: list[float] = []
         whole: list[float] = []
