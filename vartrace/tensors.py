@@ -220,7 +220,11 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     """
     if isinstance(value, torch.Tensor):
         detached = value.detach()
-        if detached.nbytes >= MAP_FROM:
+        if (  # nbytes is refused for sparse and nested tensors
+            detached.layout is torch.strided
+            and not detached.is_nested
+            and detached.nbytes >= MAP_FROM
+        ):
             map_large_blocks()  # no glibc heap holes from records this large: see vartrace._memory
         try:
             refused = refused_copy(detached, site)
