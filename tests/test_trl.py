@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,18 +89,23 @@ def test_a_local_of_the_fused_forward_names_the_function_that_replaced_forward()
         model(input_ids=_ids(), labels=_ids(), fused_lm_head=True)
 
 
+def _two_steps(tmp_path: Path) -> dict[str, Any]:
+    """A trainer configuration of two logged steps of two examples on the CPU, saving nothing."""
+    return {
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": 2,
+        "per_device_train_batch_size": 2,
+        "logging_steps": 1,
+        "report_to": "none",
+        "use_cpu": True,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+    }
+
+
 def test_sft_trainer_run_is_recorded_into_a_file(tmp_path: Path) -> None:
     texts = [" ".join(f"w{(7 * i + j) % 29}" for j in range(5 + i)) for i in range(4)]
-    config = trl.SFTConfig(
-        output_dir=str(tmp_path / "out"),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    config = trl.SFTConfig(**_two_steps(tmp_path))
     model = tiny_llama(pad_token_id=0, eos_token_id=1, bos_token_id=2)
     trainer = trl.SFTTrainer(
         model=model,
@@ -140,16 +146,7 @@ def test_dpo_trainer_log_probs_give_the_logged_chosen_and_rejected_log_probs(
             "rejected": [f" w{i + 5}" for i in range(4)],
         }
     )
-    config = trl.DPOConfig(
-        output_dir=str(tmp_path / "out"),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    config = trl.DPOConfig(**_two_steps(tmp_path))
     ids = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
     trainer = trl.DPOTrainer(
         model=tiny_llama(**ids),
