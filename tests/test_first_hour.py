@@ -71,7 +71,9 @@ def test_ls_lists_a_blosc_file_without_hdf5plugin(tmp_path: Path) -> None:
     pytest.importorskip("hdf5plugin", reason="writing a Blosc file needs hdf5plugin")
     path = tmp_path / "run.h5"
     with H5PYSaverCallback(path, compression="blosc", metadata=False) as saver:
-        saver("layer.forward", Trace([torch.ones(3, 5), torch.zeros(3, 5)], [1, 2], [0, 0], [0, 1]))
+        # 32 KiB records fill their chunks: they are compressed
+        records = [torch.ones(64, 128), torch.zeros(64, 128)]
+        saver("layer.forward", Trace(records, [1, 2], [0, 0], [0, 1]))
     script = f"""
         import sys
         sys.modules["hdf5plugin"] = None  # as if it were not installed
@@ -81,7 +83,7 @@ def test_ls_lists_a_blosc_file_without_hdf5plugin(tmp_path: Path) -> None:
     listed = _python(script.format(command="ls", rest=[]))
     assert listed.returncode == 0, listed.stderr
     row = next(line for line in listed.stdout.splitlines() if line.startswith("layer.forward"))
-    assert row.split()[1:5] == ["2", "(3,", "5)", "float32"]
+    assert row.split()[1:5] == ["2", "(64,", "128)", "float32"]
     shown = _python(script.format(command="show", rest=["layer.forward", "-i", "1"]))
     assert shown.returncode == 2
     assert "blosc" in shown.stderr and "torch-vartrace[compress]" in shown.stderr

@@ -23,8 +23,9 @@ from vartrace.trace import Trace
 
 
 def _run(path: Path, compression: str | None = None) -> Path:
-    """A run of one site `w`: four float32 records of shape (3, 5)."""
-    records = [torch.full((3, 5), float(i)) for i in range(4)]
+    """A run of one site `w`: four float32 records of shape (64, 64), which fill a chunk (so
+    that, compressed, their chunk goes through the filter)."""
+    records = [torch.full((64, 64), float(i)) for i in range(4)]
     with H5PYSaverCallback(path, metadata=False, compression=compression) as saver:
         saver("w", Trace(records, [1, 2, 3, 4], [0] * 4, [0, 1, 2, 3]))
     return path
@@ -70,7 +71,7 @@ def test_indexed_site_reads_its_records(tmp_path: Path) -> None:
         site = run["w"]
         assert site.dtype == "float32"
         assert site.kinds.tolist() == ["tensor"] * 4
-        np.testing.assert_array_equal(site.record(2), np.full((3, 5), 2.0, np.float32))
+        np.testing.assert_array_equal(site.record(2), np.full((64, 64), 2.0, np.float32))
 
 
 def test_kind_code_beyond_a_byte_is_refused(tmp_path: Path) -> None:

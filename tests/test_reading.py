@@ -99,7 +99,7 @@ def test_reading_a_blosc_file_without_hdf5plugin_names_the_plugin(tmp_path: Path
     pytest.importorskip("hdf5plugin")
     path = tmp_path / "run.h5"
     with H5PYSaverCallback(path, compression="blosc", metadata=False) as saver:
-        model = nn.Linear(4, 4)
+        model = nn.Linear(4, 4096)  # a 32 KiB record fills its chunk: it is compressed
         with ModelTracer(model, ["forward"], post_gather_callbacks=[saver]):
             model(torch.randn(2, 4))
     script = textwrap.dedent(

@@ -469,6 +469,10 @@ class _Site:
         self.other = None if "other" not in found else h5py.Dataset(found["other"])
         self.rows = rows  # committed records; rows past them (a killed writer's) are rewritten
         self.chunk = None if self.values is None else self.values.chunks
+        # whether `values` passes its chunks through the saver's filters (see _create_values)
+        self.filtered = (
+            self.values is not None and self.values.id.get_create_plist().get_nfilters() > 0
+        )
         self.padded: tuple[int, ...] = () if self.values is None else self.values.shape[1:]
         # the labels of the record's axes (none in files made before them), resized with values
         labels = (found.get(f"values_dim{axis}") for axis in range(1, len(self.padded) + 1))
@@ -562,8 +566,17 @@ class _Site:
             shape, ndim = leaf.data.shape, leaf.data.ndim
             self.storage, self.key, self.padded = "array", leaf.key, shape
             self.chunk = _chunks(shape, leaf.data.dtype.itemsize, records)
+            # Only a chunk that one gather fills goes through the filters (see _put_records):
+            # where the first gather fills none, the chunks are filled over several gathers and
+            # stored unfiltered, and a filter would only add its message to the header.
+            self.filtered = bool(self.options["filters"]) and records >= self.chunk[0]
             values = made.dataset(
-                group, "values", (rows, *shape), leaf.data.dtype, chunks=self.chunk, filtered=True
+                group,
+                "values",
+                (rows, *shape),
+                leaf.data.dtype,
+                chunks=self.chunk,
+                filtered=self.filtered,
             )
             for attribute, text in (
                 ("storage", "array"),
@@ -664,7 +677,7 @@ class _Site:
         in SWMR mode never reuses the old space.
         """
         assert self.values is not None and self.chunk is not None
-        if not self.options["filters"]:
+        if not self.filtered:
             rows = self.chunk[0]
             whole = (
                 self.chunk[1:] == data.shape[1:] == self.padded
