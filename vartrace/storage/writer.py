@@ -1050,9 +1050,11 @@ class H5PYSaverCallback:
         background: write on a thread of the saver's own.  Each call only takes the
             records over; `flush` (once per gather) hands the gather to the
             thread and returns, so the training step does not wait for the disk.  It
-            waits only when the previous gather is still being written (at most two
-            gathers are held).  A process killed meanwhile loses the gathers not yet
-            written, besides what the tracer buffered; what was written stays readable.
+            waits only when the thread's earlier gathers and this one add up to more
+            than 64 MiB: a large gather waits for the previous one (at most two large
+            gathers are held, each record let go once written).  A process killed
+            meanwhile loses the gathers not yet written, besides what the tracer
+            buffered; what was written stays readable.
             Worth it where writes block on a slow disk or network file system (h5py
             releases the GIL while HDF5 writes); where writing costs CPU and the cores
             are busy training, it gains nothing.  An error of the thread is raised by the next
