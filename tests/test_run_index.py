@@ -17,7 +17,7 @@ import torch
 import vartrace
 from tests._killed import kill_when_ready
 from vartrace.storage import H5PYSaverCallback
-from vartrace.storage._layout import NAME_END, SITE_INDEX, SITE_NAMES
+from vartrace.storage._layout import LAST_TAGS, NAME_END, SITE_INDEX, SITE_NAMES
 from vartrace.storage.reader import RunFileError
 from vartrace.trace import Trace
 
@@ -144,3 +144,44 @@ def test_a_killed_writer_lists_its_committed_sites_and_an_append_goes_on(tmp_pat
     with vartrace.open(path) as run:
         assert run.names == ["b", "a", "new.1", "c"]
         assert run["new.1"].order.tolist() == [2] and len(run["a"]) == 1
+
+
+# -- the file's largest tags: an append reads them from the root ----------------------------
+
+
+def _appended_iterations(path: Path) -> list[int]:
+    """Append records tagged iterations 1 and 2 again (a restarted tracer) to site ``a``; the
+    iterations the file then holds for it."""
+    with (
+        pytest.warns(UserWarning, match="already holds iterations up to"),
+        H5PYSaverCallback(path, append=True, metadata=False) as saver,
+    ):
+        saver("a", Trace([torch.zeros(2), torch.ones(2)], [1, 2], [0, 0], [0, 1]))
+    with vartrace.open(path) as run:
+        return run["a"].iterations.tolist()
+
+
+def test_the_root_keeps_the_largest_tags_with_the_count_they_go_with(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    _write(path, {"a": [0, 2], "b": [1, 5]})
+    with h5py.File(path, "r") as handle:
+        assert handle.attrs[LAST_TAGS].tolist() == [6, 5, 4]  # iteration 6, order 5, 4 records
+    assert _appended_iterations(path) == [1, 3, 7, 8]
+    with h5py.File(path, "r") as handle:
+        assert handle.attrs[LAST_TAGS].tolist() == [8, 7, 6]
+
+
+@pytest.mark.parametrize("state", ["absent", "stale"])
+def test_largest_tags_absent_or_behind_the_counts_are_read_from_the_sites(
+    tmp_path: Path, state: str
+) -> None:
+    # An older vartrace writes no last_tags, and may have appended to a file that has them:
+    # their count is then not /committed's, and trusting them would number records again.
+    path = tmp_path / "run.h5"
+    _write(path, {"a": [0, 2], "b": [1, 5]})
+    with h5py.File(path, "r+") as handle:
+        if state == "absent":
+            del handle.attrs[LAST_TAGS]
+        else:
+            handle.attrs[LAST_TAGS] = np.array([2, 1, 3], np.int64)
+    assert _appended_iterations(path) == [1, 3, 7, 8]

@@ -5,7 +5,11 @@
 /                     attrs: vartrace_format, vartrace_version, writer_host, writer_pid,
                       run_id (one id per run: every shard of a sharded run holds the
                       same when the ranks share a process group, "" when that is unknown),
-                      shard (int64 [rank, world size]: only in a shard of a sharded run)
+                      shard (int64 [rank, world size]: only in a shard of a sharded run),
+                      last_tags (int64 [largest iteration, largest capture order,
+                      sum of /committed] as of the last flush, so that appending needs
+                      no walk of the sites; absent in older files, and not trusted when
+                      its sum is not /committed's: then the sites' tags are read)
 /committed            int64 (slots,): records of each site as of the last flush;
                       rows past it were not flushed and are ignored (an alias: 1 while
                       it holds, 0 once replaced)
@@ -73,6 +77,7 @@ __all__ = [
     "FIRST_ORDER",
     "FORMAT_ATTR",
     "FORMAT_VERSION",
+    "LAST_TAGS",
     "LIBVER",
     "NAME_END",
     "NAME_START",
@@ -107,6 +112,7 @@ FORMAT_ATTR = "vartrace_format"
 FORMAT_VERSION = 1
 LIBVER = ("v110", "latest")  # the oldest file format that allows SWMR
 TAGS = ("iterations", "ranks", "order", "kinds")
+LAST_TAGS = "last_tags"
 REDUCED_DTYPE = "reduced_dtype"
 REDUCED_SHAPE = "reduced_shape"
 

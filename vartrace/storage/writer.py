@@ -61,6 +61,7 @@ from vartrace.storage._layout import (
     FIRST_ORDER,
     FORMAT_ATTR,
     FORMAT_VERSION,
+    LAST_TAGS,
     LIBVER,
     NAME_END,
     NAME_START,
@@ -1108,6 +1109,7 @@ class H5PYSaverCallback:
         self._created = False  # this saver created the file (and removes it if it stays empty)
         self._shift: tuple[int, int] | None = None  # added to (iterations, order) when appending
         self._last: tuple[int, int] | None = None  # the file's largest (iteration, order) at open
+        self._newest: tuple[int, int] | None = None  # ... and of the records written since
         self.background = background
         # Records (aliases: their target's name; `reduced`) taken over, not yet handed to
         # the thread.
@@ -1207,7 +1209,7 @@ class H5PYSaverCallback:
             handle = h5py.File(
                 path, "r+", libver=LIBVER, rdcc_nbytes=_CACHE_BYTES, rdcc_nslots=_CACHE_SLOTS
             )
-            self._last = _last_tags(handle)
+            self._last = self._newest = _last_tags(handle)
         else:
             handle = self._create(path)
             self._created = True
@@ -1328,6 +1330,9 @@ class H5PYSaverCallback:
         if not self._dirty:
             return
         self._index.write_rows()
+        if self._newest is not None:  # with the sum of the counts it goes with (see _last_tags)
+            last = np.array([*self._newest, int(self._index.counts.sum())], np.int64)
+            self._file.attrs.modify(LAST_TAGS, last)
         self._file.flush()
         self._index.write_counts()
         self._dirty = False
@@ -1608,6 +1613,10 @@ class H5PYSaverCallback:
         if len(self._sites) > _OPEN_SITES:
             del self._sites[next(iter(self._sites))]
         trace = self._continued(trace)
+        newest = (int(_int64(trace.iterations).max()), int(_int64(trace.order).max()))
+        if self._newest is not None:
+            newest = (max(newest[0], self._newest[0]), max(newest[1], self._newest[1]))
+        self._newest = newest
         if not site.rows:  # its first records (or a killed writer's never committed)
             index.define(site.slot, escape(name), int(_int64(trace.order)[0]))
         for piece in _one_by_one(trace):
@@ -1821,8 +1830,16 @@ def _discard_writes(handle: h5py.File) -> None:
 
 
 def _last_tags(handle: h5py.File) -> tuple[int, int] | None:
-    """The largest committed iteration and capture order of an open file; `None` if empty."""
+    """The largest committed iteration and capture order of an open file; `None` if empty.
+
+    Read from the root's `last_tags` where its sum of record counts is `/committed`'s
+    (written before the counts, it is ahead of them after a killed flush; a writer
+    without it may have appended since), else from every site's tags.
+    """
     committed = handle[COMMITTED][()]
+    held = np.asarray(handle.attrs.get(LAST_TAGS, ()))
+    if held.shape == (3,) and held.dtype.kind == "i" and int(held[2]) == int(committed.sum()):
+        return (int(held[0]), int(held[1])) if held[2] else None
     found: list[tuple[int, int]] = []
     for group in handle["vars"].values():
         slot = int(group.attrs["slot"])
