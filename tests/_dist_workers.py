@@ -586,6 +586,71 @@ def _uneven_absent(rank: int, world: int, out: Path) -> dict[str, Any]:
     return found
 
 
+class Sharded(nn.Module):
+    """Values that differ by rank, as under tensor parallelism: each rank's shard of `x`
+    has another width, and rank 1 alone binds `z` and hands `t` down to helpers."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 3.0
+        t = x * 2.0
+        if self.rank == 1:
+            z = x.double()
+            self.helper(t)
+            return y.sum() + z.sum()
+        return y.sum() + t.sum()
+
+    def helper(self, t: torch.Tensor) -> torch.Tensor:
+        return self.inner(t)
+
+    def inner(self, t: torch.Tensor) -> torch.Tensor:
+        return t + 1.0
+
+
+def _facts_of_every_rank(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Statistics of `forward.y` (a shard of another width on each rank) and
+    `forward.z` (rank 1 only), `**.t` aliased on rank 1 only: three steps gathered
+    every 2, into memory, then into a file on rank 0, with the warnings each rank saw."""
+    import warnings
+
+    import vartrace
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    model = Sharded(rank)
+    found: dict[str, Any] = {}
+    for saver in (None, H5PYSaverCallback(out / "facts.h5", metadata=False)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with ModelTracer(
+                model,
+                ["forward.y", "forward.z", "**.t"],
+                gathering_interval=2,
+                pre_save_callbacks=[vartrace.stats(sites=["forward.y", "forward.z"])],
+                post_gather_callbacks=[] if saver is None else [saver],
+            ) as tracer:
+                for step in range(1, 4):
+                    model(torch.full((2, 4 + 2 * rank), float(step)))
+        if saver is None:
+            reductions = tracer.results.reductions
+            found["reductions"] = {k: (v.dtype, v.shape) for k, v in reductions.items()}
+            found["aliases"] = tracer.results.aliases
+        else:
+            saver.close()
+        found[f"warnings{saver is not None:d}"] = [
+            str(w.message) for w in seen if "another rank" in str(w.message)
+        ]
+    if rank == 0:
+        with vartrace.open(out / "facts.h5") as run:
+            found["file"] = {
+                name: (run[name].reduced_from, sorted(set(run[name].ranks.tolist())))
+                for name in run.names
+            }
+    return found
+
+
 SCENARIOS: dict[str, Callable[[int, int, Path], Any]] = {
     "gather_direct": _gather_direct,
     "rank1_raises_and_exits": _rank1_raises_and_exits,
@@ -595,6 +660,7 @@ SCENARIOS: dict[str, Callable[[int, int, Path], Any]] = {
     "staged_gathers": _staged_gathers,
     "uneven_eval": _uneven_eval,
     "uneven_absent": _uneven_absent,
+    "facts_of_every_rank": _facts_of_every_rank,
 }
 
 UNSYNCED = {"uneven_absent"}  # scenarios that end with the group broken: no closing barrier

@@ -481,3 +481,25 @@ def test_a_rank_that_never_reaches_the_final_gather_is_waited_for_within_the_tim
     assert "rank 0 hands on its own last 2 records alone" in absent
     [kept] = [m for m in rank1["warnings"] if "rank(s) [0] did not come" in m]
     assert "this rank's last 2 records stay in tracer.results on rank 1" in kept
+
+
+def test_rank_zero_describes_what_every_rank_reduced_and_aliased(tmp_path: Path) -> None:
+    """With gather=True rank 0 writes every rank's records, so it must describe them as
+    every rank saw them: a statistics site whose shard has another width on each rank
+    reads as `(2, -1)`, one only rank 1 reduced is described at all, a name that is an
+    alias on rank 1 only reads back, and a name that is an alias on rank 1 but held
+    records of its own on rank 0 says where rank 1's are."""
+    results = _run_ok("facts_of_every_rank", 2, tmp_path)
+    zero = results[0]
+    assert zero["reductions"] == {
+        "forward.y": ("float32", (2, -1)),
+        "forward.z": ("float64", (2, 6)),
+    }
+    assert zero["aliases"] == {"inner.t": "helper.t"}  # the argument is captured first
+    for said in (zero["warnings0"], zero["warnings1"]):
+        assert len(said) == 1 and "forward.t held the same tensor as helper.t" in said[0]
+    file = zero["file"]
+    assert file["forward.y"][0] == ("float32", (2, -1)) and file["forward.y"][1] == [0, 1]
+    assert file["forward.z"][0] == ("float64", (2, 6)) and file["forward.z"][1] == [1]
+    assert file["inner.t"] == (None, [1])  # reads as helper.t: rank 1's records
+    assert file["forward.t"] == (None, [0])  # rank 0's own; rank 1's under helper.t

@@ -59,6 +59,19 @@ class Aliases:
             self._new.append((name, target))
         return True
 
+    def adopt(self, name: str, target: str) -> bool:
+        """Whether `name`, an alias of `target` on another rank, can be one here too.
+
+        True when it already is, or `name` stored nothing here: it becomes one, and the
+        caller declares it (it is not handed out by `taken()`).  False when `name`
+        stored records of its own here, or reads as another site.
+        """
+        with self._lock:
+            if name in self._owners or self._targets.get(name, target) != target:
+                return False
+            self._targets[name] = target
+        return True
+
     def own(self, name: str) -> None:
         """Note that `name` stores a record itself (an alias becomes an ordinary site)."""
         if name in self._owners:

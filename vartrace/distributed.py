@@ -8,8 +8,9 @@ with one rank) this is a local hand-over.
 How a gather travels
 --------------------
 Each rank other than 0 packs its chunk: a small pickled header (site names,
-record counts, dtypes, shapes, where each record's bytes are, and the
-non-tensor leaves: Python scalars, strings, bytes, `None`, opaque objects)
+record counts, dtypes, shapes, where each record's bytes are, the
+non-tensor leaves: Python scalars, strings, bytes, `None`, opaque objects,
+and the facts about sites the tracer sends along: aliases, reductions)
 followed, in one flat `uint8` buffer, by the `iterations` / `ranks` /
 `order` tags and the bytes of small tensor and numeric numpy records.
 Records of 256 KiB or more are not copied into that buffer: they travel as
@@ -25,7 +26,7 @@ subclasses) travel pickled, as opaque objects.  The exchange:
    failed to pack its chunk, and which ranks are done (see below);
 2. one batch of point-to-point operations (`batch_isend_irecv`): each rank
    sends its packed buffer, at its exact size, to rank 0 (a rank with an
-   empty chunk sends nothing);
+   empty chunk and no facts sends nothing);
 3. a second batch: the large records, whose sizes rank 0 read from the
    buffers.
 
@@ -117,6 +118,9 @@ from vartrace.trace import Trace
 
 __all__ = ["final_gathers", "gather_chunk", "new_host_group", "rank", "world_size"]
 
+#: What a rank knows about a site beside its records: `(kind, site, fact)`.
+Fact = tuple[str, str, Any]
+
 _ALIGN = 64
 _ROUND_BYTES = 1 << 30
 _DIRECT_BYTES = 1 << 18
@@ -183,7 +187,9 @@ def _timeout() -> timedelta | None:
     return timeout if isinstance(timeout, timedelta) else None
 
 
-def gather_chunk(chunk: dict[str, Trace], group: Any = None) -> dict[str, Trace] | None:
+def gather_chunk(
+    chunk: dict[str, Trace], group: Any = None, *, facts: list[Fact] | None = None
+) -> dict[str, Trace] | None:
     """Gather every rank's chunk to rank 0.
 
     Must be called on every rank of `group` (a group of every rank; `None`
@@ -193,6 +199,12 @@ def gather_chunk(chunk: dict[str, Trace], group: Any = None) -> dict[str, Trace]
     of all ranks, rank 0's first) on rank 0 and `None` on the other ranks.
     Without an initialised process group, or with a single rank, `chunk` is
     returned unchanged.
+
+    `facts`: what this rank knows about its sites beside the records, as
+    `(kind, site, fact)` triples of picklable objects (the tracer sends its
+    aliases and the descriptions of reduced values).  They travel with the
+    chunk (a rank with facts but no records sends them alone); on rank 0 the
+    list is extended in place with every other rank's, in rank order.
 
     Example:
         ```python
@@ -207,11 +219,11 @@ def gather_chunk(chunk: dict[str, Trace], group: Any = None) -> dict[str, Trace]
     """
     if not _active() or dist.get_world_size() == 1:
         return chunk
-    return _gather(chunk, group, final=False)[0]
+    return _gather(chunk, group, final=False, facts=facts)[0]
 
 
 def final_gathers(
-    chunk: dict[str, Trace], group: Any = None
+    chunk: dict[str, Trace], group: Any = None, *, facts: list[Fact] | None = None
 ) -> Iterator[tuple[dict[str, Trace], bool]]:
     """A rank's last gathers: its `chunk`, then empty ones until every rank has sent its last.
 
@@ -233,7 +245,8 @@ def final_gathers(
     sent is yielded back, on rank 0 as gathered (its own records, for the
     file), on the other ranks with `False` (records to keep where they
     are).  Without an initialised process group, or with a single rank, it
-    yields `(chunk, True)` once.
+    yields `(chunk, True)` once.  `facts` travel with `chunk` as with
+    `gather_chunk`: on rank 0 the list grows after each gather that brought some.
 
     Example:
         ```python
@@ -253,13 +266,15 @@ def final_gathers(
     own = chunk
     while running:
         try:
-            merged, done = _gather(own, group, final=True)
+            merged, done = _gather(own, group, final=True, facts=facts)
         except _Unmet as unmet:
             _warn_unmet(me, running, own, unmet.__cause__)
             if own:
                 yield own, me == 0
             return
         own = {}
+        if me:
+            facts = None  # sent with the chunk; rank 0's list gathers the others'
         yield ({}, False) if merged is None else (merged, True)
         running = [r for r, finished in enumerate(done) if not finished]
 
@@ -294,12 +309,13 @@ def _warn_unmet(
 
 
 def _gather(
-    chunk: dict[str, Trace], group: Any, *, final: bool
+    chunk: dict[str, Trace], group: Any, *, final: bool, facts: list[Fact] | None
 ) -> tuple[dict[str, Trace] | None, list[bool]]:
     """One gather: the merged chunk (`None` except on rank 0) and which ranks are done.
 
     `final`: this rank is done (it sends its last chunk or nothing).  A rank
-    other than 0 with an empty chunk sends nothing.  If the first exchange
+    other than 0 with an empty chunk and no `facts` sends nothing; on rank 0,
+    `facts` is extended with the others'.  If the first exchange
     fails in a final gather, raises `_Unmet` (the cause is the error).
     """
     me = dist.get_rank()
@@ -312,8 +328,8 @@ def _gather(
     try:
         if me == 0:
             own = _parts_of_chunk(chunk)
-        elif chunk:
-            packed = _pack(chunk)
+        elif chunk or facts:
+            packed = _pack(chunk, facts or [])
     except Exception as exc:
         error = exc
     length = packed.nbytes if packed is not None else 0
@@ -352,6 +368,9 @@ def _gather(
             failure = failure or (sender, exc)
     targets = [decoders[r].targets if r in decoders else [] for r in range(size)]
     _receive_all(targets, device, group)
+    if failure is None and facts is not None:
+        for sender in sorted(decoders):
+            facts.extend(decoders[sender].facts)
     if failure is not None:
         sender, error = failure
         raise RuntimeError(
@@ -474,7 +493,7 @@ def _tags_tensor(trace: Trace) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _pack(chunk: dict[str, Trace]) -> _Packed:
+def _pack(chunk: dict[str, Trace], facts: list[Fact]) -> _Packed:
     layout = _Layout()
     sites = []
     for name, trace in chunk.items():
@@ -489,7 +508,7 @@ def _pack(chunk: dict[str, Trace]) -> _Packed:
         else:
             payload = [_encode_record(value, layout) for value in values]
         sites.append((name, stacked is not None, len(trace), tag_offset, payload))
-    header = pickle.dumps(sites, protocol=pickle.HIGHEST_PROTOCOL)
+    header = pickle.dumps((sites, facts), protocol=pickle.HIGHEST_PROTOCOL)
     data_start = _align(8 * (2 + len(layout.direct)) + len(header))
     return _Packed(header, data_start, layout.pieces, layout.direct, data_start + layout.size)
 
@@ -590,6 +609,7 @@ class _Decoder:
         self.header = buffer[16 + 8 * count : 16 + 8 * count + header_len]
         self.data = buffer[_align(16 + 8 * count + header_len) :]
         self.direct: dict[int, torch.Tensor] = {}
+        self.facts: list[Fact] = []
 
     @property
     def targets(self) -> list[torch.Tensor]:
@@ -621,7 +641,7 @@ class _Decoder:
 
     def parts(self) -> dict[str, _Part]:
         parts = {}
-        entries = pickle.loads(self.header.numpy().tobytes())
+        entries, self.facts = pickle.loads(self.header.numpy().tobytes())
         for name, stacked, count, tag_offset, payload in entries:
             raw = self.data[tag_offset : tag_offset + 3 * count * 8]
             tags = raw.view(torch.int64).reshape(3, count).clone()

@@ -92,12 +92,25 @@ class Reductions:
         with self._lock:
             self._last[site] = (dtype, shape)
             described = ReducedFrom(_dtype_name(dtype), tuple(int(size) for size in shape))
-            known = self._described.get(site)
-            if known is not None:
-                described = known.merged(described)
-            if described != known:
-                self._described[site] = described
+            if self._widen(site, described):
                 self._changed[site] = None
+
+    def adopt(self, site: str, described: ReducedFrom) -> ReducedFrom | None:
+        """Widen `site`'s description by another rank's; the result if it changed.
+
+        The caller declares what it returns: it is not handed out by `taken()`.
+        """
+        with self._lock:
+            return self._described[site] if self._widen(site, described) else None
+
+    def _widen(self, site: str, described: ReducedFrom) -> bool:
+        known = self._described.get(site)
+        if known is not None:
+            described = known.merged(described)
+        if described == known:
+            return False
+        self._described[site] = described
+        return True
 
     def taken(self) -> list[tuple[str, ReducedFrom]]:
         """The sites whose description is new or changed since the last call, with it."""

@@ -1053,13 +1053,14 @@ class ModelTracer:
         """
         with self._lock:
             chunk, self._chunk = self._chunk, {}
-        aliases, reductions = self._aliases.taken(), self._reductions.taken()
-        if not chunk and not aliases and not reductions and distributed.world_size() == 1:
+        facts: list[distributed.Fact] = [
+            *(("alias", name, target) for name, target in self._aliases.taken()),
+            *(("reduced", name, origin) for name, origin in self._reductions.taken()),
+        ]
+        if not chunk and not facts and distributed.world_size() == 1:
             return  # nothing to hand on, and no other rank waits for this gather
-        if aliases:
-            self._declare("alias", aliases)
-        if reductions:
-            self._declare("reduced", reductions)
+        self._declare(facts)
+        known = len(facts)  # the facts declared; a gather appends the other ranks'
         self._retag(chunk)
         pending = dict(chunk)  # the traces not yet in the results
         ring = None if self._stager is None else self._stager.ring
@@ -1067,7 +1068,9 @@ class ModelTracer:
         try:
             for name, trace in chunk.items():
                 _run_callbacks("pre_gather", self.pre_gather_callbacks, name, trace)
-            for gathered, merged in self._gathers(chunk, final):
+            for gathered, merged in self._gathers(chunk, final, facts):
+                self._declare(self._adopted(facts[known:]))
+                known = len(facts)
                 pending = dict(gathered)
                 handed = handed or merged
                 for name, trace in gathered.items():
@@ -1085,27 +1088,55 @@ class ModelTracer:
             if flush is not None:
                 flush()
 
-    def _declare(self, method: str, facts: Sequence[tuple[str, Any]]) -> None:
+    def _declare(self, facts: Sequence[distributed.Fact]) -> None:
         """Tell the results and the post-gather callbacks that have the method (the HDF5
         saver) facts about sites, before the records: `alias(name, target)` for names
         that read as another site, `reduced(name, ReducedFrom)` for what a pre-save
         callback replaced.
 
-        With `gather=True` only rank 0 does: it alone receives the gathered records
-        (and describes them as it saw them).
+        With `gather=True` only rank 0 does: it alone receives the gathered records,
+        and the other ranks' facts with them (`_adopted`).
         """
-        if self.gather and distributed.rank() != 0:
+        if not facts or (self.gather and distributed.rank() != 0):
             return
-        told = [getattr(c, method, None) for c in self.post_gather_callbacks]
-        sinks = [getattr(self._results, method), *(sink for sink in told if callable(sink))]
-        for name, fact in facts:
-            for sink in sinks:
+        for method, name, fact in facts:
+            told = [getattr(c, method, None) for c in self.post_gather_callbacks]
+            for sink in [getattr(self._results, method), *(s for s in told if callable(s))]:
                 sink(name, fact)
 
+    def _adopted(self, facts: Sequence[distributed.Fact]) -> list[distributed.Fact]:
+        """Other ranks' facts merged into this rank's; those that changed what it declared.
+
+        A site reduced on several ranks is described by every rank's values (the dtypes
+        of all, -1 on the axes whose size differed: tensor-parallel shards).  A name
+        that is an alias on another rank becomes one here unless it stored records of
+        its own here: then reading it gives this rank's records, and a warning says
+        where the other rank's are.
+        """
+        adopted: list[distributed.Fact] = []
+        for method, name, fact in facts:
+            if method == "reduced":
+                widened = self._reductions.adopt(name, fact)
+                if widened is not None:
+                    adopted.append((method, name, widened))
+                continue
+            known = name in self._aliases
+            if not self._aliases.adopt(name, fact):
+                _warnings.warn(
+                    f"vartrace: on another rank, {name} held the same tensor as {fact}: "
+                    f"its records of that rank are stored under {fact}, while here it "
+                    f"stored records of its own (reading {name} gives only those)",
+                    UserWarning,
+                )
+            elif not known:
+                adopted.append((method, name, fact))
+        return adopted
+
     def _gathers(
-        self, chunk: dict[str, Trace], final: bool
+        self, chunk: dict[str, Trace], final: bool, facts: list[distributed.Fact]
     ) -> Iterable[tuple[dict[str, Trace], bool]]:
-        """What this rank holds of `chunk`'s gathers: `(records, merged)` pairs.
+        """What this rank holds of `chunk`'s gathers: `(records, merged)` pairs (`facts`
+        travel with `chunk`; on rank 0 they grow by the other ranks').
 
         `merged` records go through the post-gather callbacks (rank 0's gathered chunk,
         or a rank's own chunk without gathering); the others are empty on ranks other than
@@ -1115,6 +1146,6 @@ class ModelTracer:
         if not self.gather:
             return [(chunk, True)]
         if final:
-            return distributed.final_gathers(chunk, self._group)
-        gathered = distributed.gather_chunk(chunk, self._group)
+            return distributed.final_gathers(chunk, self._group, facts=facts)
+        gathered = distributed.gather_chunk(chunk, self._group, facts=facts)
         return [] if gathered is None else [(gathered, True)]
