@@ -57,7 +57,10 @@ class _Big(nn.Module):
 def _trace(path: Path, *, background: bool) -> None:
     model, x = _Big(), torch.arange(float(5 << 20)) / (5 << 20)  # 20 MiB records
     saver = H5PYSaverCallback(path, background=background, metadata=False, compression="gzip")
-    with saver, ModelTracer(model, ["forward"], gathering_interval=2, post_gather_callbacks=[saver]):
+    with (
+        saver,
+        ModelTracer(model, ["forward"], gathering_interval=2, post_gather_callbacks=[saver]),
+    ):
         for _ in range(7):
             x.add_(1.0)
             model(x)

@@ -1055,9 +1055,10 @@ class H5PYSaverCallback:
             and those the tracer gathers add up to at most the largest gather (or
             64 MiB if more), each record let go once written: a step whose record
             would pass that waits until the thread has written enough of the
-            previous gathers (`make_room`), and so does a `flush` called without a
-            tracer.  So host memory stays near one gather, as in the foreground,
-            and a step waits only when the thread falls behind.  A process killed
+            previous gathers (`make_room`; with the tracer's `staging="sync"`, a
+            model on the CPU), and so does a `flush` otherwise.  So host memory
+            stays near one gather, as in the foreground, and a step waits only
+            when the thread falls behind.  A process killed
             meanwhile loses the gathers not yet written, besides what the tracer
             buffered; what was written stays readable.
             Worth it where writes block on a slow disk or network file system (h5py
