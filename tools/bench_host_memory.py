@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from vartrace import H5PYSaverCallback, ModelTracer
 
-mode, path, record, every, steps, change = sys.argv[1:]
+mode, path, record, every, steps, change, compression = sys.argv[1:]
 record, every, steps = int(record), int(every), int(steps)
 
 def status(key):
@@ -58,7 +58,9 @@ if mode == "untraced":
         x.add_(1e-3)
         model(x)
 else:
-    saver = H5PYSaverCallback(path, background=mode == "background", metadata=False)
+    saver = H5PYSaverCallback(
+        path, background=mode == "background", metadata=False, compression=compression or None
+    )
     with ModelTracer(
         model, ["forward"], gathering_interval=every, post_gather_callbacks=[saver],
         change_detection=change == "1",
@@ -71,8 +73,16 @@ print(status("VmHWM:") - before)
 """
 
 
-def peak_above_start(mode: str, record: int, every: int, steps: int, change_detection: bool) -> int:
-    """Bytes of one fresh process's peak resident size above its size before the steps."""
+def peak_above_start(
+    mode: str,
+    record: int,
+    every: int,
+    steps: int,
+    change_detection: bool,
+    compression: str = "",
+) -> int:
+    """Bytes of one fresh process's peak resident size above its size before the steps
+    (`compression`: the saver's, e.g. `"gzip"`, a writer slower than the step; `""`: none)."""
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as folder:
         done = subprocess.run(
@@ -86,6 +96,7 @@ def peak_above_start(mode: str, record: int, every: int, steps: int, change_dete
                 str(every),
                 str(steps),
                 "1" if change_detection else "0",
+                compression,
             ],
             capture_output=True,
             text=True,

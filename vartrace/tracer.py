@@ -501,6 +501,8 @@ class ModelTracer:
             end=self._end_iteration,
         )
         self._chunk: dict[str, Trace] = {}
+        self._chunk_bytes = 0  # of the chunk's records, counted while `_room` is not empty
+        self._room: list[Callable[[int], None]] = []  # background savers' make_room (start)
         self._last: dict[str, Any] = {}
         self._split_warned: set[type] = set()
         self._transformed_warned: set[str] = set()  # sites recorded under torch.func.vmap
@@ -599,6 +601,11 @@ class ModelTracer:
             on_start = getattr(callback, "on_start", None)
             if on_start is not None:
                 on_start(context)
+        self._room = [  # savers writing on a thread of their own: records wait for them
+            callback.make_room
+            for callback in self.post_gather_callbacks
+            if getattr(callback, "background", False) is True and hasattr(callback, "make_room")
+        ]
         if self.staging == "async":
             self._stager = Stager(
                 self._keep,
@@ -904,6 +911,7 @@ class ModelTracer:
         if stager is not None:
             stager.admit(site, value, iteration, fresh=fresh)
             return
+        nbytes = self._make_room(value) if self._room else 0
         record = copy_leaf(value, self.device, site)
         if self.change_detection:
             last = self._last.get(site, _MISSING)
@@ -912,10 +920,20 @@ class ModelTracer:
             self._last[site] = record
         with self._lock:
             self._order += 1
+            self._chunk_bytes += nbytes
             trace = self._chunk.get(site)
             if trace is None:
                 trace = self._chunk[site] = Trace()
             trace.append(record, iteration, self._rank, self._order)
+
+    def _make_room(self, value: Any) -> int:
+        """Wait until a saver writing on a thread of its own has room for a copy of
+        `value` beside the chunk (`H5PYSaverCallback.make_room`: the step waits while
+        the thread falls behind); return the copy's bytes."""
+        nbytes = held_bytes([value])
+        for make_room in self._room:
+            make_room(self._chunk_bytes + nbytes)
+        return nbytes
 
     def _keep(self, site: str, record: Any, iteration: int, host: Any) -> None:
         """Append a staged `record` to the chunk, unless `host` (a host copy of a value
@@ -953,6 +971,8 @@ class ModelTracer:
             for name in dict.fromkeys([*traces, *later]):
                 pieces = [t for t in (traces.get(name), later.get(name)) if t is not None]
                 self._chunk[name] = unstacked(pieces)
+            if self._room:
+                self._chunk_bytes = sum(held_bytes(t.values) for t in self._chunk.values())
 
     def _kept(self, name: str, trace: Trace, ring: HostRing | None) -> Trace:
         """`trace` as `results` keeps it: out of the staging slots (which go back to
@@ -1053,6 +1073,7 @@ class ModelTracer:
         """
         with self._lock:
             chunk, self._chunk = self._chunk, {}
+            self._chunk_bytes = 0
         facts: list[distributed.Fact] = [
             *(("alias", name, target) for name, target in self._aliases.taken()),
             *(("reduced", name, origin) for name, origin in self._reductions.taken()),

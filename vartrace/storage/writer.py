@@ -124,9 +124,9 @@ _NAME_BYTES = 4 << 10  # bytes per chunk of /site_names
 _CACHE_BYTES = 64 << 10
 _CACHE_SLOTS = 17
 _STACK_BELOW = 1 << 20  # smaller equally shaped records are written together, up to this many bytes
-# With background=True, a gather of records is handed to the writer thread at once while
-# the thread holds less than this many bytes of earlier gathers' records, or none: a larger
-# gather waits for the previous one, so the process holds at most two (see flush).
+# With background=True, the records the writer thread holds and those the tracer gathers
+# add up to at most the largest gather handed to the thread, or this many bytes if more
+# (see make_room): a tracer's record, or a gather, waits for the thread until they fit.
 _BACKGROUND_BYTES = 64 << 20
 _WRITTEN = frozenset((*TAGS, "values", "shapes", "other"))  # datasets a gather writes
 _BLOB = h5py.vlen_dtype(np.uint8)
@@ -1050,10 +1050,15 @@ class H5PYSaverCallback:
             the uncommitted git diff (see `vartrace.storage.collect_metadata`).
         background: write on a thread of the saver's own.  Each call only takes the
             records over; `flush` (once per gather) hands the gather to the
-            thread and returns, so the training step does not wait for the disk.  It
-            waits only when the thread's earlier gathers and this one add up to more
-            than 64 MiB: a large gather waits for the previous one (at most two large
-            gathers are held, each record let go once written).  A process killed
+            thread and returns, so the training step does not wait for the disk
+            while the thread keeps up.  The records the thread has not written yet
+            and those the tracer gathers add up to at most the largest gather (or
+            64 MiB if more), each record let go once written: a step whose record
+            would pass that waits until the thread has written enough of the
+            previous gathers (`make_room`; with the tracer's `staging="sync"`, a
+            model on the CPU), and so does a `flush` otherwise.  So host memory
+            stays near one gather, as in the foreground, and a step waits only
+            when the thread falls behind.  A process killed
             meanwhile loses the gathers not yet written, besides what the tracer
             buffered; what was written stays readable.
             Worth it where writes block on a slow disk or network file system (h5py
@@ -1118,6 +1123,7 @@ class H5PYSaverCallback:
         # Bytes of the records handed to the thread and not yet written; the thread notifies
         # as they go, and sets `_stopped` when a job raised (later jobs are skipped).
         self._handed = 0
+        self._largest = 0  # bytes of the largest gather handed to the thread
         self._written = threading.Condition(threading.Lock())
         self._stopped = False
         self._failure: OSError | None = None  # the write failure that ended the file
@@ -1167,6 +1173,8 @@ class H5PYSaverCallback:
         self._sites = {}
         self._pending = []
         self._worker = None
+        self._handed = 0  # the thread writing them stayed in the parent
+        self._written = threading.Condition(threading.Lock())
         self._closed = True
 
     def _open(self) -> h5py.File:
@@ -1262,13 +1270,37 @@ class H5PYSaverCallback:
         if wait and self._worker is not None:
             self._worker.join()
 
+    def make_room(self, nbytes: int) -> None:
+        """With `background=True`, wait until `nbytes` of records fit beside those the
+        writer thread has not written yet (the tracer calls it before it copies a record,
+        with the bytes of its chunk and of the record).
+
+        They fit when they add up to at most the largest gather handed to the thread
+        (or `_BACKGROUND_BYTES` if more), or when the thread holds none: a tracer
+        whose records are as large as a gather waits until the thread has written as
+        many of the previous gather's.  It returns at once in the foreground, when
+        the thread holds nothing or once a job of the thread failed (the next `flush`
+        raises its error).
+        """
+        if not self.background or not self._handed:
+            return
+        with self._written:
+            self._wait_for_room(nbytes)
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Wait until the thread holds no records, or `nbytes` more fit beside its
+        records (see `make_room`), or a job failed; called holding `_written`."""
+        bound = max(self._largest, _BACKGROUND_BYTES)
+        while self._handed and self._handed + nbytes > bound and not self._stopped:
+            self._written.wait()
+
     def _submit(self, batch: list[tuple[str, Trace | str | ReducedFrom]]) -> None:
-        """Hand `batch` to the writer thread, once the thread holds few enough bytes.
+        """Hand `batch` to the writer thread, once it fits beside the records the thread
+        has not written yet (see `make_room`).
 
         The thread lets go of each site's records (of large records, each record) as
-        soon as they are written.  A gather of `_BACKGROUND_BYTES` or more waits until
-        the previous gathers are written: the process then holds the gather being
-        written and the one the tracer fills, not a third one queued.
+        soon as they are written, and counts them out then.  A tracer that made room
+        for its records finds room here; a caller that did not waits here instead.
         """
         if self._worker is None:
             self._worker = Worker(f"vartrace-writer {self.path.name}")
@@ -1280,10 +1312,8 @@ class H5PYSaverCallback:
         )
         nbytes = sum(sizes)
         with self._written:
-            while self._handed and self._handed + nbytes > max(nbytes, _BACKGROUND_BYTES):
-                if self._stopped:
-                    break  # a job raised: submit raises its error
-                self._written.wait()
+            self._largest = max(self._largest, nbytes)
+            self._wait_for_room(nbytes)  # a job raised: the worker's submit raises its error
             self._handed += nbytes
 
         def write() -> None:
@@ -1293,8 +1323,14 @@ class H5PYSaverCallback:
                         return  # an earlier gather's write failed: the saver stopped writing
                     while jobs:
                         name, item = jobs.popleft()
-                        self._apply(name, item)
-                        del item  # the records go now, not when the job ends
+                        held = 0  # bytes of the piece written last, freed by taking the next
+                        for piece in _one_by_one(item) if isinstance(item, Trace) else (item,):
+                            sizes[0] -= held
+                            self._written_out(held)  # room for the tracer's next record
+                            held = held_bytes(piece.values) if isinstance(piece, Trace) else 0
+                            self._apply(name, piece)
+                            del piece  # the record goes now, not when the job ends
+                        del item
                         self._written_out(sizes.popleft())
                     self._commit()
             except BaseException:
