@@ -5,7 +5,9 @@ b*b and a*b in float64 from exact products of the inputs (giving mean, std,
 var and cosine similarity), the largest absolute and relative difference,
 and whether `|a - b| <= atol + rtol * |b|` holds elementwise, NaN equal to
 NaN at the same place.  Rows are reduced in groups, and long records in
-column slices, through per-thread scratch buffers.
+column slices, through per-thread scratch buffers; a group whose bits are
+equal on both sides (a run against its own copy, every record before two
+runs diverge) is compared with one equality pass and summed on one side.
 
 Entry points for the engine: `numeric_stats` (two stacks -> the
 report's statistics columns), and for blocks cut in pieces
