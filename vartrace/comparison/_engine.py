@@ -68,10 +68,11 @@ def _occurrence(iterations: np.ndarray, ranks: np.ndarray, order: np.ndarray) ->
     return occ
 
 
-def _match(a: SiteView, b: SiteView) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Pair records by (iteration, rank, occurrence): (ia, ib, only_a, only_b) row indices."""
-    occ_a = _occurrence(a.iterations, a.ranks, a.order)
-    occ_b = _occurrence(b.iterations, b.ranks, b.order)
+def _match(
+    a: SiteView, b: SiteView, occ_a: np.ndarray, occ_b: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pair records by (iteration, rank, occurrence `occ_a` / `occ_b`): (ia, ib, only_a,
+    only_b) row indices."""
     keys_a = np.stack([a.iterations, a.ranks, occ_a], axis=1)
     keys_b = np.stack([b.iterations, b.ranks, occ_b], axis=1)
     if np.array_equal(keys_a, keys_b):  # the usual case: both runs recorded the same steps
@@ -118,7 +119,9 @@ class _SiteResult:
     def __init__(self, name: str, a: SiteView, b: SiteView, atol: float, rtol: float) -> None:
         self.name = name
         self.atol, self.rtol = atol, rtol
-        ia, ib, only_a, only_b = _match(a, b)
+        occ_a = _occurrence(a.iterations, a.ranks, a.order)
+        occ_b = _occurrence(b.iterations, b.ranks, b.order)
+        ia, ib, only_a, only_b = _match(a, b, occ_a, occ_b)
         n_pairs = len(ia)
         self.n_pairs = n_pairs
         n = n_pairs + len(only_a) + len(only_b)
@@ -127,8 +130,6 @@ class _SiteResult:
             [a.iterations[ia], a.iterations[only_a], b.iterations[only_b]]
         )
         self.rank = np.concatenate([a.ranks[ia], a.ranks[only_a], b.ranks[only_b]])
-        occ_a = _occurrence(a.iterations, a.ranks, a.order)
-        occ_b = _occurrence(b.iterations, b.ranks, b.order)
         self.occurrence = np.concatenate([occ_a[ia], occ_a[only_a], occ_b[only_b]])
         missing = np.full(len(only_b), -1, dtype=np.int64)
         self.order_a = np.concatenate([a.order[ia], a.order[only_a], missing])

@@ -5,7 +5,9 @@ b*b and a*b in float64 from exact products of the inputs (giving mean, std,
 var and cosine similarity), the largest absolute and relative difference,
 and whether `|a - b| <= atol + rtol * |b|` holds elementwise, NaN equal to
 NaN at the same place.  Rows are reduced in groups, and long records in
-column slices, through per-thread scratch buffers.
+column slices, through per-thread scratch buffers; a group whose bits are
+equal on both sides (a run against its own copy, every record before two
+runs diverge) is compared with one equality pass and summed on one side.
 
 Entry points for the engine: `numeric_stats` (two stacks -> the
 report's statistics columns), and for blocks cut in pieces
@@ -61,6 +63,7 @@ class _Scratch:
         self.diff = np.empty((rows, m), dtype)
         self.other = np.empty((rows, m), dtype)
         self.rel = np.empty((rows, m), dtype)
+        self.equal = np.empty((rows, m), bool)
 
 
 _THREAD_SCRATCH = threading.local()
@@ -243,21 +246,29 @@ def finish(m: int, partial: Partial) -> dict[str, np.ndarray]:
     return out
 
 
+def _same_bits(a: np.ndarray, b: np.ndarray, scratch: _Scratch) -> bool:
+    """Whether `a` and `b` (of one dtype) hold the same bits: equal values, NaN where NaN."""
+    unsigned = np.dtype(f"u{a.dtype.itemsize}")
+    rows, m = a.shape
+    equal = np.equal(a.view(unsigned), b.view(unsigned), out=scratch.equal[:rows, :m])
+    return bool(equal.all())
+
+
 def _real_partial(
     a: np.ndarray, b: np.ndarray, atol: float, rtol: float, scratch: _Scratch
 ) -> Partial:
     """Row contributions of real columns `a`, `b` of shape (k, width), float32 or float64."""
     rows, m = a.shape
-    diff = np.subtract(a, b, out=scratch.diff[:rows, :m])
-    np.abs(diff, out=diff)
-    max_abs = diff.max(axis=1)
     finite = np.full((2, rows), float(m))
-    if not np.any(max_abs):  # identical rows (a NaN makes max_abs NaN, which is truthy)
+    if _same_bits(a, b, scratch):  # no arithmetic on the differences: they are all zero
         zeros = np.zeros(rows)
         same = Partial(
             _power_sums(a, b, scratch, same=True), zeros, zeros, np.ones(rows, bool), finite
         )
         return _finite_sums(a, b, same)
+    diff = np.subtract(a, b, out=scratch.diff[:rows, :m])
+    np.abs(diff, out=diff)
+    max_abs = diff.max(axis=1)
     sums = _power_sums(a, b, scratch)
     absb = np.abs(b, out=scratch.other[:rows, :m])
     rel = np.divide(diff, absb, out=scratch.rel[:rows, :m])  # 0/0 -> NaN, which fmax skips
