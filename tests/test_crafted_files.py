@@ -40,8 +40,10 @@ XARRAY = importlib.util.find_spec("xarray") is not None
 
 
 def _base(path: Path) -> None:
-    """A small genuine run: a float site, a str site, and a little metadata."""
+    """A small genuine run of format version 1 (the layout the cases below change by hand):
+    a float site, a str site, and a little metadata."""
     with H5PYSaverCallback(path, metadata=False) as saver:
+        saver._format = 1
         saver("w", Trace([torch.arange(4.0) + i for i in range(3)], [1, 2, 3], [0] * 3, [0, 1, 2]))
         saver("note", Trace(["a", "b"], [1, 2], [0, 0], [3, 4]))
     with h5py.File(path, "r+") as handle:

@@ -89,6 +89,7 @@ __all__ = [
     "SIGNATURE",
     "SITE_INDEX",
     "SITE_NAMES",
+    "TAGGED",
     "TAGS",
     "TARGET",
     "clear_write_flags",
@@ -109,9 +110,11 @@ SITE_NAMES = "site_names"
 NAME_START, NAME_END, FIRST_ORDER, TARGET = range(4)
 NO_TARGET = -1
 FORMAT_ATTR = "vartrace_format"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 LIBVER = ("v110", "latest")  # the oldest file format that allows SWMR
+#: A record's tags: one dataset each in a version-1 file, the columns of TAGGED in version 2.
 TAGS = ("iterations", "ranks", "order", "kinds")
+TAGGED = "tags"
 LAST_TAGS = "last_tags"
 REDUCED_DTYPE = "reduced_dtype"
 REDUCED_SHAPE = "reduced_shape"
