@@ -1367,7 +1367,10 @@ def _aliases(indexed: list[tuple[int, str, int, int]]) -> dict[str, str]:
 
 #: HDF5's errors for an object that a running writer made after a SWMR reader opened the
 #: file (past the end of the file as the reader saw it): the site is left out until a reopen.
-_BEYOND_VIEW = re.compile("address of object past end of allocation|actual len exceeds EOA")
+_BEYOND_VIEW = re.compile(
+    "address of object past end of allocation|actual len exceeds EOA"
+    "|len not positive after adjustment for EOA"  # (an object header starting at the end)
+)
 
 
 def _writer_alive(handle: h5py.File) -> bool:
