@@ -643,7 +643,8 @@ class _Part:
         """Refuse kind codes vartrace never writes: unknown ones, a None said to be kept in
         `other`, and kinds the `values` dataset cannot hold (a statistics record in a
         dataset of plain numbers, a number in one of statistics rows, ...)."""
-        where = f"{file_name(self.group.id)}: {self.group.name}/kinds"
+        column = f"{TAGGED} (column kinds)" if self.tagged else "kinds"
+        where = f"{file_name(self.group.id)}: {self.group.name}/{column}"
         unknown = (kinds & 0x7F) >= len(KIND_NAMES)
         if unknown.any():
             raise RunFileError(
