@@ -660,6 +660,9 @@ class _Site:
             rows = np.where(held[:, np.newaxis], np.asarray(self.padded, np.int64), -1)
             self.shapes.extend(self.rows)
             self.shapes.put(0, rows)
+            # on disk now: a writer killed before this gather's flush leaves the committed
+            # records' shapes, not the fill value, in a dataset its cache may have written
+            self.shapes.id.flush()
 
     def append(self, trace: Trace) -> int:
         """Append the records of `trace`; return the bytes of their arrays."""
