@@ -95,9 +95,13 @@ def test_an_append_keeps_the_files_version(tmp_path: Path, version: int) -> None
     first = _contents(path)
     with pytest.warns(UserWarning, match="already holds iterations up to 4"):
         _write(path, append=True)  # a saver that would create version 2
+    with H5PYSaverCallback(path, metadata=False, append=True) as saver:
+        saver("late", Trace([np.ones(2, np.float32)], [9], [0], [100]))  # a site made anew
     assert _version(path) == version
     with h5py.File(path, "r") as handle:
-        assert ("tags" in handle["vars/uniform"]) == (version == 2)
+        for name in ("uniform", "late"):
+            assert ("tags" in handle["vars"][name]) == (version == 2)
+            assert ("iterations" in handle["vars"][name]) == (version == 1)
     after = _contents(path)
     for name, records in first.items():
         assert after[name][: len(records)] == records and len(after[name]) == 2 * len(records)
