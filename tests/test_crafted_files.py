@@ -39,9 +39,11 @@ GIB = 1 << 30
 XARRAY = importlib.util.find_spec("xarray") is not None
 
 
-def _base(path: Path) -> None:
-    """A small genuine run: a float site, a str site, and a little metadata."""
+def _base(path: Path, version: int = 1) -> None:
+    """A small genuine run of format `version` (1: the layout most cases below change by
+    hand): a float site, a str site, and a little metadata."""
     with H5PYSaverCallback(path, metadata=False) as saver:
+        saver._format = version
         saver("w", Trace([torch.arange(4.0) + i for i in range(3)], [1, 2, 3], [0] * 3, [0, 1, 2]))
         saver("note", Trace(["a", "b"], [1, 2], [0, 0], [3, 4]))
     with h5py.File(path, "r+") as handle:
@@ -271,6 +273,57 @@ def _str_records_in_numbers(handle: h5py.File, root: Path) -> str:
     return "/vars/note/values"
 
 
+def _v2_tags_declared_8_gib(handle: h5py.File, root: Path) -> str:
+    group = handle["vars/w"]
+    group["tags"].resize((GIB, 4))
+    group["values"].resize((GIB, *group["values"].shape[1:]))  # a row for each, declared too
+    handle["committed"][int(group.attrs["slot"])] = GIB
+    return "/vars/w/tags"
+
+
+def _v2_tags_of_three_columns(handle: h5py.File, root: Path) -> str:
+    group = handle["vars/w"]
+    tags = group["tags"][:, :3]
+    del group["tags"]
+    group["tags"] = tags
+    return "/vars/w/tags"
+
+
+def _v2_tags_of_one_axis(handle: h5py.File, root: Path) -> str:
+    group = handle["vars/w"]
+    tags = group["tags"][:, 0]
+    del group["tags"]
+    group["tags"] = tags
+    return "/vars/w/tags"
+
+
+def _v2_kind_not_a_byte(handle: h5py.File, root: Path) -> str:
+    """A record of site w whose kind is its own plus 256: as a byte (version 1 stores
+    kinds as bytes) the record's kind again."""
+    handle["vars/w/tags"][0, 3] += 256
+    return "/vars/w/tags"
+
+
+def _v2_unknown_kind(handle: h5py.File, root: Path) -> str:
+    handle["vars/w/tags"][0, 3] = 126
+    return "/vars/w/tags"
+
+
+def _v2_tags_too_few_rows(handle: h5py.File, root: Path) -> str:
+    handle["vars/w/tags"].resize((1, 4))
+    return "/vars/w/tags"
+
+
+#: Cases of format version 2's own datasets, crafted from a version-2 base.
+V2_CASES: dict[str, Callable[[h5py.File, Path], str]] = {
+    "v2 tags declared 8 GiB": _v2_tags_declared_8_gib,
+    "v2 tags of three columns": _v2_tags_of_three_columns,
+    "v2 tags of one axis": _v2_tags_of_one_axis,
+    "v2 kind not a byte": _v2_kind_not_a_byte,
+    "v2 unknown kind": _v2_unknown_kind,
+    "v2 tags with too few rows": _v2_tags_too_few_rows,
+}
+
 CASES: dict[str, Callable[[h5py.File, Path], str]] = {
     "meta external storage": _meta_external_storage,
     "values external storage": _values_external_storage,
@@ -297,6 +350,7 @@ CASES: dict[str, Callable[[h5py.File, Path], str]] = {
     "unknown storage": _unknown_storage,
     "key naming no dtype": _key_names_no_dtype,
     "str records in numbers": _str_records_in_numbers,
+    **V2_CASES,
 }
 
 
@@ -304,7 +358,7 @@ def _craft(root: Path, name: str) -> tuple[Path, str]:
     """The crafted file of case ``name`` and the dataset or link it names in its error."""
     (root / "netrc").write_text(SECRET + "\n")
     path = root / "crafted.h5"
-    _base(path)
+    _base(path, 2 if name in V2_CASES else 1)
     with h5py.File(path, "r+") as handle:
         where = CASES[name](handle, root)
     return path, where
@@ -437,10 +491,11 @@ def test_tensorboard_refuses_or_ignores_a_crafted_file(tmp_path: Path, case: str
     )
 
 
-def test_a_genuine_file_reads_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_genuine_file_reads_exactly(tmp_path: Path, version: int) -> None:
     """The checks refuse nothing vartrace writes: the base of every crafted case reads back."""
     path = tmp_path / "run.h5"
-    _base(path)
+    _base(path, version)
     with vartrace.open(path) as run:
         assert run.names == ["w", "note"]
         assert run.meta == {"command": ["train.py", "--lr", "0.1"], "git": {"commit": "0123abcd"}}

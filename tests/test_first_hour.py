@@ -146,7 +146,7 @@ def test_chunks_follow_the_record_size_and_the_gather(tmp_path: Path) -> None:
     _write(long, {"loss": ()}, steps=3000, gather=1000)
     with h5py.File(long, "r") as handle:
         site = handle["vars"]["loss"]
-        assert site["iterations"].chunks[0] >= 1000  # a chunk holds a whole gather's tags
+        assert site["tags"].chunks[0] >= 1000  # a chunk holds a whole gather's tags
         assert site["values"].chunks[0] >= 1000
     with vartrace.open(long) as run:
         assert run["loss"].get(2999) == 2999.0

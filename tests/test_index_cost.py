@@ -22,11 +22,12 @@ from vartrace.storage.reader import RunFileError
 from vartrace.trace import Trace
 
 
-def _run(path: Path, compression: str | None = None) -> Path:
+def _run(path: Path, compression: str | None = None, version: int = 2) -> Path:
     """A run of one site `w`: four float32 records of shape (64, 64), which fill a chunk (so
-    that, compressed, their chunk goes through the filter)."""
+    that, compressed, their chunk goes through the filter), in a file of format `version`."""
     records = [torch.full((64, 64), float(i)) for i in range(4)]
     with H5PYSaverCallback(path, metadata=False, compression=compression) as saver:
+        saver._format = version
         saver("w", Trace(records, [1, 2, 3, 4], [0] * 4, [0, 1, 2, 3]))
     return path
 
@@ -58,7 +59,7 @@ def test_indexing_a_site_opens_each_dataset_once(
         site = run["w"]
         assert len(site) == 4
     assert chunked
-    expected = {b"w", b"values", b"iterations", b"ranks", b"order", b"kinds"}
+    expected = {b"w", b"values", b"tags"}
     assert set(opened) == expected
     # Compressed values are opened again with a chunk cache (rows share a compressed chunk).
     again = {b"values": 2} if compression else {}
@@ -77,7 +78,7 @@ def test_indexed_site_reads_its_records(tmp_path: Path) -> None:
 def test_kind_code_beyond_a_byte_is_refused(tmp_path: Path) -> None:
     """A kinds dataset of wider integers than vartrace writes, one code past 127 whose low
     bits name a kind `values` holds: refused as a damaged file, naming the record."""
-    path = _run(tmp_path / "run.h5")
+    path = _run(tmp_path / "run.h5", version=1)
     with h5py.File(path, "r+") as handle:
         group = handle["vars/w"]
         kinds = group["kinds"][()].astype(np.int64)

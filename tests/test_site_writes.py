@@ -9,16 +9,20 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import pytest
 
 import vartrace
 from vartrace import H5PYSaverCallback, Trace
-from vartrace.storage.writer import _shrink_metadata_cache
+from vartrace.storage._layout import FORMAT_VERSION
+from vartrace.storage.writer import _CLOSING_CACHE, _shrink_metadata_cache
 
 
-def _write(path: Path, sites: int, gathers: int) -> None:
+def _write(path: Path, sites: int, gathers: int, version: int = FORMAT_VERSION) -> None:
     """`sites` sites of 2-D float32 records (tags, values, shapes, an axis label each),
-    `gathers` gathers of 3 records, the second with a wider record (its label grows)."""
+    `gathers` gathers of 3 records, the second with a wider record (its label grows), in a
+    file of format `version`."""
     with H5PYSaverCallback(path, metadata=False) as saver:
+        saver._format = version
         for gather in range(gathers):
             for site in range(sites):
                 trace = Trace()
@@ -70,9 +74,10 @@ def test_a_sites_appends_write_its_tags_and_shapes_without_put(tmp_path: Path) -
     assert _per_site(tmp_path / "run.h5", "writer.py", "_put") == 1 + 1 + 3
 
 
-def test_tags_shapes_and_grown_labels_read_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_tags_shapes_and_grown_labels_read_back(tmp_path: Path, version: int) -> None:
     path = tmp_path / "run.h5"
-    _write(path, sites=3, gathers=3)
+    _write(path, sites=3, gathers=3, version=version)
     with vartrace.open(path) as run:
         site = run["site1"]
         assert len(site) == 9
@@ -83,11 +88,17 @@ def test_tags_shapes_and_grown_labels_read_back(tmp_path: Path) -> None:
                 site.record(index), np.full((2, width), order, np.float32)
             )
     with h5py.File(path, "r", swmr=True) as handle:
+        assert handle.attrs["vartrace_format"] == version
         group = handle["vars/site1"]
         assert group["values_dim2"].shape == (5,)
-        assert group["iterations"][:].tolist() == list(range(9))
-        assert group["order"][:].tolist() == [index * 3 + 1 for index in range(9)]
-        assert group["kinds"][:].tolist() == [group["kinds"][0]] * 9
+        if version == 1:
+            iterations, order, kinds = (group[name][:] for name in ("iterations", "order", "kinds"))
+        else:
+            assert group["tags"].shape == (9, 4)
+            iterations, _, order, kinds = group["tags"][:].T
+        assert iterations.tolist() == list(range(9))
+        assert order.tolist() == [index * 3 + 1 for index in range(9)]
+        assert kinds.tolist() == [kinds[0]] * 9
         assert group["shapes"][:].tolist() == [[2, 4 + (index // 3 == 1)] for index in range(9)]
 
 
@@ -102,9 +113,9 @@ def test_a_closing_file_evicts_its_metadata_before_hdf5_empties_the_cache(tmp_pa
     handle = saver._file
     assert handle is not None
     saver._sites.clear()
-    held = handle.id.get_mdc_size()[3]  # entries
+    held = handle.id.get_mdc_size()[2]  # bytes of its entries
     _shrink_metadata_cache(handle)
-    assert handle.id.get_mdc_size()[3] < held / 4, held
+    assert handle.id.get_mdc_size()[2] <= _CLOSING_CACHE < held / 4, held
     saver.close()
     with vartrace.open(path) as run:
         assert len(run.names) == 1000

@@ -202,7 +202,7 @@ def test_recover_clears_the_flags_so_plain_h5py_opens_a_killed_writers_file(
     assert recover(path) is True
     assert recover(path) is False
     with h5py.File(path, "r") as handle:
-        assert handle["vars/forward.x/iterations"].shape[0] >= flushed
+        assert handle["vars/forward.x/values"].shape[0] >= flushed
     _check_records(path, flushed)
 
 
@@ -371,7 +371,7 @@ def test_ctrl_c_inside_the_foreground_write_reaches_the_loop_every_time(
         assert handle["vars"]
 
 
-@pytest.mark.parametrize("target", ["/", "vars", "vars/x", "vars/x/shapes", "vars/x/values"])
+@pytest.mark.parametrize("target", ["/", "vars", "vars/x", "vars/x/tags", "vars/x/values"])
 def test_a_damaged_header_in_a_killed_writers_file_is_an_error_in_time(
     tmp_path: Path, target: str
 ) -> None:

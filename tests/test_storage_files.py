@@ -116,7 +116,9 @@ def test_not_a_vartrace_file_and_newer_versions_raise_value_errors_naming_the_pa
     _write(newer, [1])
     with h5py.File(newer, "r+") as handle:
         handle.attrs[FORMAT_ATTR] = FORMAT_VERSION + 1
-    with pytest.raises(ValueError, match=r"newer\.h5 has vartrace format version 2, newer"):
+    with pytest.raises(
+        ValueError, match=rf"newer\.h5 has vartrace format version {FORMAT_VERSION + 1}, newer"
+    ):
         open_run(newer)
     with pytest.raises(FileNotFoundError):
         open_run(tmp_path / "missing.h5")

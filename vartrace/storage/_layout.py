@@ -24,16 +24,29 @@
                       for records a pre-save callback made (statistics rows):
                       reduced_dtype (str) and reduced_shape (int64 (ndim,), -1 on
                       axes whose size differed; absent when the ndim did) of the values
-    iterations, ranks, order   int64 (records,)
-    kinds                      uint8 (records,): the kind of each record (_codec.Kind)
+    tags                       int64 (records, 4): per record, its iteration, rank,
+                               capture order and kind (_codec.Kind) (version 2)
+    iterations, ranks, order   int64 (records,)  } version 1, instead of ``tags``
+    kinds                      uint8 (records,)  }
     values                     records x padded shape (numeric), or (records,) of
                                UTF-8 strings, or (records,) of byte blobs
     shapes                     int64 (records, ndim): true shape of each record
                                (-1 where the record is not in ``values``); absent
-                               when records are 0-d
+                               when records are 0-d, and in version 2 until a record
+                               in ``values`` is not of its row shape (absent: every
+                               record in ``values`` has the row shape, the others -1)
     other                      (records,) byte blobs of records that did not fit
                                ``values`` (another dtype or kind); absent until needed
 ```
+
+Version 2 (`FORMAT_VERSION`) differs from version 1 in the per-site datasets only: one
+`tags` dataset for the four per-record tags, and `shapes` written lazily, so a site of
+uniform records holds two datasets written a gather, not six.  Its record axis is
+labelled by a dimension-only scale `records` (never grown; netCDF tools size it by the
+datasets using it), where version 1 labels it by `iterations`.  A file never mixes
+layouts: appending to a version-1 file writes version 1.  A reader of a file being
+written sees a record's tags and values together: both are written before the flush
+that precedes its count in `/committed`.
 
 The root index lets a reader list a run of many sites without opening each
 site's group: the names, their execution order and the aliases are read from two
@@ -89,6 +102,7 @@ __all__ = [
     "SIGNATURE",
     "SITE_INDEX",
     "SITE_NAMES",
+    "TAGGED",
     "TAGS",
     "TARGET",
     "clear_write_flags",
@@ -109,9 +123,11 @@ SITE_NAMES = "site_names"
 NAME_START, NAME_END, FIRST_ORDER, TARGET = range(4)
 NO_TARGET = -1
 FORMAT_ATTR = "vartrace_format"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 LIBVER = ("v110", "latest")  # the oldest file format that allows SWMR
+#: A record's tags: one dataset each in a version-1 file, the columns of TAGGED in version 2.
 TAGS = ("iterations", "ranks", "order", "kinds")
+TAGGED = "tags"
 LAST_TAGS = "last_tags"
 REDUCED_DTYPE = "reduced_dtype"
 REDUCED_SHAPE = "reduced_shape"

@@ -77,6 +77,7 @@ from vartrace.storage._layout import (
     SIGNATURE,
     SITE_INDEX,
     SITE_NAMES,
+    TAGGED,
     TAGS,
     TARGET,
     has_write_flags,
@@ -279,7 +280,7 @@ def _leading_rows(group: h5py.Group, name: str, rows: int) -> np.ndarray:
     space = dataset.get_space()
     dims = space.get_simple_extent_dims()
     dtype = dataset.dtype  # (made anew by each use of the attribute)
-    if len(dims) != (2 if name == "shapes" else 1) or dtype.kind not in "iu":
+    if len(dims) != (2 if name in ("shapes", TAGGED) else 1) or dtype.kind not in "iu":
         raise RunFileError(
             f"{file_name(group.id)}: {group.name}/{name} is not a dataset of integers of the "
             "expected rank: a damaged file"
@@ -462,10 +463,14 @@ class _Part:
         rows: int,
         ahead: _ReadAhead,
         first_order: int | None = None,
+        *,
+        tagged: bool,
     ) -> None:
         """The site `/vars/<link>` (`sites` is `/vars`) of slot `slot`, holding `rows`
-        committed records; `first_order` as the root index gives it."""
+        committed records; `first_order` as the root index gives it; `tagged`: laid out
+        as format version 2 says (one `tags` dataset, `shapes` only where needed)."""
         self._sites = sites
+        self.tagged = tagged
         self._link = link
         self.slot = slot
         self.rows = rows
@@ -476,7 +481,13 @@ class _Part:
 
     @classmethod
     def walked(
-        cls, sites: h5py.Group, link: str, committed: np.ndarray, ahead: _ReadAhead
+        cls,
+        sites: h5py.Group,
+        link: str,
+        committed: np.ndarray,
+        ahead: _ReadAhead,
+        *,
+        tagged: bool,
     ) -> _Part:
         """The site `/vars/<link>` of a file read without its root index: its group is
         opened for its `slot` attribute."""
@@ -488,7 +499,7 @@ class _Part:
                 "damaged file"
             )
         rows = max(0, int(committed[slot])) if 0 <= slot < len(committed) else 0
-        part = cls(sites, link, slot, rows, ahead)
+        part = cls(sites, link, slot, rows, ahead, tagged=tagged)
         part.__dict__["group"] = group  # (the cached property, already known)
         return part
 
@@ -512,7 +523,10 @@ class _Part:
     def first_order(self) -> int:
         """The capture order of the part's first record."""
         if self._first_order is None:
-            self._first_order = int(_leading_rows(self.group, "order", 1)[0])
+            if self.tagged:
+                self._first_order = int(self._tag_table(1)[0, TAGS.index("order")])
+            else:
+                self._first_order = int(_leading_rows(self.group, "order", 1)[0])
         return self._first_order
 
     @cached_property
@@ -598,15 +612,39 @@ class _Part:
 
     @cached_property
     def tags(self) -> dict[str, np.ndarray]:
-        tags = {name: _leading_rows(self.group, name, self.rows) for name in TAGS}
+        """The records' iterations, ranks, capture orders (int64) and kinds (uint8)."""
+        if not self.tagged:
+            tags = {name: _leading_rows(self.group, name, self.rows) for name in TAGS}
+        else:
+            table = self._tag_table(self.rows)
+            tags = {name: np.ascontiguousarray(table[:, n]) for n, name in enumerate(TAGS)}
+            kinds = tags["kinds"]
+            outside = np.flatnonzero((kinds < 0) | (kinds > np.iinfo(np.uint8).max))
+            if len(outside):
+                raise RunFileError(
+                    f"{file_name(self.group.id)}: {self.group.name}/{TAGGED} gives record "
+                    f"{outside[0]} the kind {int(kinds[outside[0]])}, not a byte: a damaged file"
+                )
+            tags["kinds"] = kinds.astype(np.uint8)
         self._check_kinds(tags["kinds"])
         return tags
+
+    def _tag_table(self, rows: int) -> np.ndarray:
+        """The first `rows` rows of a version-2 site's `tags`: a column a tag (`TAGS`)."""
+        table = _leading_rows(self.group, TAGGED, rows)
+        if table.shape[1] != len(TAGS):
+            raise RunFileError(
+                f"{file_name(self.group.id)}: {self.group.name}/{TAGGED} has {table.shape[1]} "
+                f"columns where it holds {len(TAGS)} ({', '.join(TAGS)}): a damaged file"
+            )
+        return table
 
     def _check_kinds(self, kinds: np.ndarray) -> None:
         """Refuse kind codes vartrace never writes: unknown ones, a None said to be kept in
         `other`, and kinds the `values` dataset cannot hold (a statistics record in a
         dataset of plain numbers, a number in one of statistics rows, ...)."""
-        where = f"{file_name(self.group.id)}: {self.group.name}/kinds"
+        column = f"{TAGGED} (column kinds)" if self.tagged else "kinds"
+        where = f"{file_name(self.group.id)}: {self.group.name}/{column}"
         unknown = (kinds & 0x7F) >= len(KIND_NAMES)
         if unknown.any():
             raise RunFileError(
@@ -644,6 +682,10 @@ class _Part:
         axes = self.values.ndim - 1 if self.storage == "array" and self.values is not None else 0
         if self.group.id.links.exists(b"shapes"):
             shapes = _leading_rows(self.group, "shapes", self.rows)
+        elif self.tagged and axes:  # version 2: every record in `values` has its row shape
+            kinds = self.tags["kinds"]
+            held = (kinds & IN_OTHER == 0) & (kinds != Kind.NONE)
+            return np.where(held[:, np.newaxis], np.asarray(self.padded, np.int64), -1)
         else:  # written only for records of one axis or more
             shapes = np.zeros((self.rows, 0), np.int64)
         if shapes.shape[1] != axes:
@@ -1326,7 +1368,10 @@ def _aliases(indexed: list[tuple[int, str, int, int]]) -> dict[str, str]:
 
 #: HDF5's errors for an object that a running writer made after a SWMR reader opened the
 #: file (past the end of the file as the reader saw it): the site is left out until a reopen.
-_BEYOND_VIEW = re.compile("address of object past end of allocation|actual len exceeds EOA")
+_BEYOND_VIEW = re.compile(
+    "address of object past end of allocation|actual len exceeds EOA"
+    "|len not positive after adjustment for EOA"  # (an object header starting at the end)
+)
 
 
 def _writer_alive(handle: h5py.File) -> bool:
@@ -1432,6 +1477,7 @@ class Run:
             check_read(committed, committed.size)
             counts = np.asarray(committed[()], np.int64).reshape(-1)
             sites = child(handle, "vars", h5py.Group)
+            tagged = int(handle.attrs[FORMAT_ATTR]) >= 2  # (checked by open_file)
             live = handle.swmr_mode and _writer_alive(handle)
             try:
                 indexed = _indexed(handle, counts)
@@ -1440,10 +1486,12 @@ class Run:
                     raise
                 indexed = None  # the writer grew the index after this reader's view of the file
             if indexed is None:
-                parts = [_Part.walked(sites, link, counts, self._ahead) for link in sites]
+                parts = [
+                    _Part.walked(sites, link, counts, self._ahead, tagged=tagged) for link in sites
+                ]
             else:
                 parts = [
-                    _Part(sites, link, slot, int(counts[slot]), self._ahead, first)
+                    _Part(sites, link, slot, int(counts[slot]), self._ahead, first, tagged=tagged)
                     for slot, link, first, target in indexed
                     if target == NO_TARGET
                 ]

@@ -70,6 +70,7 @@ from vartrace.storage._layout import (
     REDUCED_SHAPE,
     SITE_INDEX,
     SITE_NAMES,
+    TAGGED,
     TAGS,
     TARGET,
     clear_write_flags,
@@ -128,7 +129,7 @@ _STACK_BELOW = 1 << 20  # smaller equally shaped records are written together, u
 # add up to at most the largest gather handed to the thread, or this many bytes if more
 # (see make_room): a tracer's record, or a gather, waits for the thread until they fit.
 _BACKGROUND_BYTES = 64 << 20
-_WRITTEN = frozenset((*TAGS, "values", "shapes", "other"))  # datasets a gather writes
+_WRITTEN = frozenset((*TAGS, TAGGED, "values", "shapes", "other"))  # datasets a gather writes
 _BLOB = h5py.vlen_dtype(np.uint8)
 _STR = h5py.string_dtype("utf-8")
 
@@ -303,19 +304,21 @@ class _Made:
 
 #: What netCDF-4 names a dimension scale that is no variable (h5netcdf reads it so).
 _DIMENSION = b"This is a netCDF dimension but not a netCDF variable."
+#: A version-2 site's dimension-only scale of the record axis.
+_RECORDS = "records"
 
 
 def _label(
     made: _Made,
     group: h5py.Group,
-    iterations: h5py.h5d.DatasetID,
+    records: h5py.h5d.DatasetID,
     dataset: h5py.h5d.DatasetID,
     stem: str,
 ) -> list[h5py.h5d.DatasetID]:
     """Label `dataset` (`group`'s `stem`) for h5netcdf / xarray: the record axis by the
-    site's `iterations` (a dimension scale: a coordinate), the others by dimension-only
-    scales `<stem>_dim<k>` (resized with it), which it returns."""
-    h5py.h5ds.attach_scale(dataset, iterations, 0)
+    site's scale `records` (`iterations`, a coordinate, in a version-1 file), the others
+    by dimension-only scales `<stem>_dim<k>` (resized with it), which it returns."""
+    h5py.h5ds.attach_scale(dataset, records, 0)
     scales = []
     for axis, size in enumerate(dataset.shape[1:], 1):
         scale = made.dataset(group, f"{stem}_dim{axis}", (size,), np.dtype(np.uint8))
@@ -420,6 +423,13 @@ class _Rows:
         self.space.select_hyperslab((row, *(0 for _ in self.tail)), data.shape)
         self.id.write(_memory_space(data.shape), self.space, data, mtype=_memory_type(data.dtype))
 
+    def read(self, rows: int) -> np.ndarray:
+        """The first `rows` rows (within the extent)."""
+        out = np.empty((rows, *self.tail), self.id.dtype)
+        self.space.select_hyperslab((0, *(0 for _ in self.tail)), out.shape)
+        self.id.read(_memory_space(out.shape), self.space, out, mtype=_memory_type(out.dtype))
+        return out
+
 
 def _int64(tags: Any) -> np.ndarray:
     return np.asarray(tags, dtype=np.int64).reshape(-1)
@@ -463,9 +473,10 @@ class _Site:
         self.made = made
         slot, found = created or (int(group.attrs["slot"]), _site_datasets(group))
         self.slot = slot
-        self.tags = {name: _Rows(found[name]) for name in TAGS}
+        # a version-2 file's one `tags` dataset, else one dataset a tag (see _layout)
+        self.tags = [_Rows(found[name]) for name in ((TAGGED,) if TAGGED in found else TAGS)]
         self.values = None if "values" not in found else h5py.Dataset(found["values"])
-        self.gather_rows = self.tags["iterations"].id.get_create_plist().get_chunk()[0]
+        self.gather_rows = self.tags[0].id.get_create_plist().get_chunk()[0]
         self.shapes = None if "shapes" not in found else _Rows(found["shapes"])
         self.other = None if "other" not in found else h5py.Dataset(found["other"])
         self.rows = rows  # committed records; rows past them (a killed writer's) are rewritten
@@ -482,10 +493,10 @@ class _Site:
         self.key = "" if self.values is None else str(self.values.attrs.get("key", ""))
         self.warned = False  # about a record that could not be stored
         self.spread: dict[tuple[int, ...], bool] = {}  # record shape -> _spread's answer
-        # Scales are attached only in the gather that creates the site: HDF5 cannot change
-        # a scale's back references once SWMR readers may have seen it.  A site of a file
-        # made before scales has none.
-        self.labelled = False
+        # The record axis' scale, only in the gather that creates the site (datasets made
+        # later are not labelled): HDF5 cannot change a scale's back references once SWMR
+        # readers may have seen it.  A site of a file made before scales has none.
+        self.records: h5py.h5d.DatasetID | None = None
 
     @classmethod
     def create(
@@ -497,25 +508,45 @@ class _Site:
         slot: int,
         records: int,
     ) -> _Site:
-        """A new site whose first gather holds `records` records (its chunks' size)."""
+        """A new site whose first gather holds `records` records (its chunks' size), laid
+        out as `options["format"]` says."""
         group = made.group(parent, escape(name))
         made.attribute(group.id, "slot", slot)
         if _utf8(name):  # for people browsing the file; the reader unescapes the link name
             made.attribute(group.id, "name", name)
-        chunks = (_gather_rows(records),)
-        tags = {
-            tag: made.dataset(
-                group, tag, (0,), np.dtype(np.uint8 if tag == "kinds" else np.int64), chunks=chunks
-            )
-            for tag in TAGS
-        }
-        iterations = tags["iterations"]
-        h5py.h5ds.set_scale(iterations, b"")  # the record axis' coordinate (see _label)
+        rows = _gather_rows(records)
+        if options["format"] >= 2:
+            width = len(TAGS)
+            tags = {
+                TAGGED: made.dataset(
+                    group,
+                    TAGGED,
+                    (0, width),
+                    np.dtype(np.int64),
+                    maxshape=(None, width),
+                    chunks=(rows, width),
+                )
+            }
+            scale = made.dataset(group, _RECORDS, (0,), np.dtype(np.uint8), chunks=(1,))
+            h5py.h5ds.set_scale(scale, _DIMENSION)  # never grown: h5netcdf sizes it by its users
+        else:
+            tags = {
+                tag: made.dataset(
+                    group,
+                    tag,
+                    (0,),
+                    np.dtype(np.uint8 if tag == "kinds" else np.int64),
+                    chunks=(rows,),
+                )
+                for tag in TAGS
+            }
+            scale = tags["iterations"]
+            h5py.h5ds.set_scale(scale, b"")  # the record axis' coordinate (see _label)
         for tag, dataset in tags.items():
             if tag != "iterations":
-                _label(made, group, iterations, dataset, tag)
+                _label(made, group, scale, dataset, tag)
         site = cls(group, options, made, 0, (slot, tags))
-        site.labelled = True
+        site.records = scale
         return site
 
     def _encode(self, value: Any) -> Leaf:
@@ -561,8 +592,7 @@ class _Site:
 
     def _create_values(self, leaf: Leaf, records: int) -> None:
         """Create `values` for records like `leaf`, `records` of them in this gather."""
-        rows, made, group = self.rows, self.made, self.group
-        iterations = self.tags["iterations"].id
+        rows, made, group, scale = self.rows, self.made, self.group, self.records
         if isinstance(leaf.data, np.ndarray):
             shape, ndim = leaf.data.shape, leaf.data.ndim
             self.storage, self.key, self.padded = "array", leaf.key, shape
@@ -585,31 +615,54 @@ class _Site:
                 ("torch_dtype", leaf.torch_dtype),
             ):
                 made.attribute(values, attribute, text)
-            if self.labelled:
-                self.scales = [
-                    _Rows(scale) for scale in _label(made, group, iterations, values, "values")
-                ]
-            if ndim:
-                shapes = made.dataset(
-                    group,
-                    "shapes",
-                    (rows, ndim),
-                    np.dtype(np.int64),
-                    maxshape=(None, ndim),
-                    chunks=(self.gather_rows, ndim),
-                    fillvalue=-1,
-                )
-                if self.labelled:
-                    _label(made, group, iterations, shapes, "shapes")
-                self.shapes = _Rows(shapes)
+            if scale is not None:
+                self.scales = [_Rows(dim) for dim in _label(made, group, scale, values, "values")]
+            if ndim and len(self.tags) > 1:  # version 1: always; 2: once a record needs it
+                self._create_shapes(ndim)
         else:
             self.storage = "str" if leaf.kind == Kind.STR and _utf8(leaf.data) else "blob"
             dtype = _STR if self.storage == "str" else _BLOB
             values = made.dataset(group, "values", (rows,), dtype, chunks=(self.gather_rows,))
             made.attribute(values, "storage", self.storage)
-            if self.labelled:
-                _label(made, group, iterations, values, "values")
+            if scale is not None:
+                _label(made, group, scale, values, "values")
         self.values = h5py.Dataset(values)
+
+    def _create_shapes(self, ndim: int) -> None:
+        """Create `shapes` for records of `ndim` axes, its rows of records written so far
+        unset (-1)."""
+        shapes = self.made.dataset(
+            self.group,
+            "shapes",
+            (self.rows, ndim),
+            np.dtype(np.int64),
+            maxshape=(None, ndim),
+            chunks=(self.gather_rows, ndim),
+            fillvalue=-1,
+        )
+        if self.records is not None:
+            _label(self.made, self.group, self.records, shapes, "shapes")
+        self.shapes = _Rows(shapes)
+
+    def _shapes_needed(self, shapes: Sequence[tuple[int, ...]]) -> None:
+        """In a version-2 file, create `shapes` once a record is not of `values`' row shape
+        (before this gather's growth: `shapes`, those of this gather's records in
+        `values`), and give it the records written so far, all of the old row shape."""
+        if self.shapes is not None or len(self.tags) > 1 or not self.padded:
+            return
+        if all(shape == self.padded for shape in shapes):
+            return
+        self._create_shapes(len(self.padded))
+        if self.rows:
+            assert self.shapes is not None
+            kinds = self.tags[0].read(self.rows)[:, TAGS.index("kinds")]
+            held = (kinds & IN_OTHER == 0) & (kinds != Kind.NONE)
+            rows = np.where(held[:, np.newaxis], np.asarray(self.padded, np.int64), -1)
+            self.shapes.extend(self.rows)
+            self.shapes.put(0, rows)
+            # on disk now: a writer killed before this gather's flush leaves the committed
+            # records' shapes, not the fill value, in a dataset its cache may have written
+            self.shapes.id.flush()
 
     def append(self, trace: Trace) -> int:
         """Append the records of `trace`; return the bytes of their arrays."""
@@ -626,12 +679,17 @@ class _Site:
             leaves = [self._encode(value) for value in trace.records()]
             kinds = self._write_leaves(leaves, start, stop)
             nbytes = sum(leaf.data.nbytes for leaf in leaves if isinstance(leaf.data, np.ndarray))
-        tags = (trace.iterations, trace.ranks, trace.order)
-        for name, data in zip(TAGS, (*(_int64(tag) for tag in tags), kinds), strict=True):
-            self.tags[name].extend(stop)
-            self.tags[name].put(start, data)
+        columns = [_int64(tag) for tag in (trace.iterations, trace.ranks, trace.order)]
+        if len(self.tags) == 1:
+            tags = self.tags[0]
+            tags.extend(stop)
+            tags.put(start, np.stack([*columns, kinds.astype(np.int64)], axis=1))
+        else:
+            for rows, data in zip(self.tags, (*columns, kinds), strict=True):
+                rows.extend(stop)
+                rows.put(start, data)
         self.rows = stop
-        self.labelled = False
+        self.records = None
         return nbytes
 
     def _block(self, trace: Trace) -> Leaf | None:
@@ -649,6 +707,7 @@ class _Site:
     def _extend(self, stop: int, shapes: Sequence[tuple[int, ...]] = ()) -> None:
         """Give every per-record dataset `stop` rows, growing `values` to fit `shapes`."""
         assert self.values is not None
+        self._shapes_needed(shapes)
         if shapes:
             self.padded = tuple(max(sizes) for sizes in zip(self.padded, *shapes, strict=True))
         self.values.id.set_extent((stop, *self.padded))
@@ -662,10 +721,11 @@ class _Site:
 
     def _write_block(self, data: np.ndarray, shapes: Any, start: int, stop: int) -> None:
         record_shape = data.shape[1:]
+        true = [record_shape] * (stop - start) if shapes is None else shapes
+        self._shapes_needed([tuple(shape) for shape in true])  # padded records: not their rows'
         self._extend(stop, [record_shape])
         self._put_records(start, data)
         if self.shapes is not None:
-            true = [record_shape] * (stop - start) if shapes is None else shapes
             self.shapes.put(start, np.array([tuple(shape) for shape in true], np.int64))
 
     def _put_records(self, row: int, data: np.ndarray) -> None:
@@ -905,7 +965,12 @@ class _Index:
             _create_index(handle)
             for link, slot in self.slots.items():
                 rows = int(self.counts[slot]) if slot < len(self.counts) else 0
-                order = self.vars[link]["order"]
+                group = self.vars[link]
+                order = (
+                    group[TAGGED][:1, TAGS.index("order")]
+                    if TAGGED in group
+                    else group["order"][:1]
+                )
                 self.define(slot, link, int(order[0]) if rows and len(order) else 0)
 
     @staticmethod
@@ -1099,7 +1164,11 @@ class H5PYSaverCallback:
             "float_dtype": dtype_name(float_dtype, "f"),
             "int_dtype": dtype_name(int_dtype, "i"),
             "filters": filters,
+            "format": FORMAT_VERSION,  # the layout of the open file's sites (see _open)
         }
+        #: The format version of a file this saver creates: tests set 1 to write a file of
+        #: the first layout (private; an appended file keeps its own).
+        self._format = FORMAT_VERSION
         self._made = _Made(filters)  # the file's groups, datasets and attributes
         self._file: h5py.File | None = None
         self._sites: dict[str, _Site] = {}
@@ -1221,6 +1290,7 @@ class H5PYSaverCallback:
         else:
             handle = self._create(path)
             self._created = True
+        self._options["format"] = int(handle.attrs[FORMAT_ATTR])  # a file never mixes layouts
         handle.attrs.update(writer_host=socket.gethostname(), writer_pid=os.getpid())
         self._index = _Index(handle)
         _size_metadata_cache(handle)
@@ -1238,7 +1308,7 @@ class H5PYSaverCallback:
         handle = h5py.File(
             path, "x", libver=LIBVER, rdcc_nbytes=_CACHE_BYTES, rdcc_nslots=_CACHE_SLOTS
         )
-        handle.attrs[FORMAT_ATTR] = FORMAT_VERSION
+        handle.attrs[FORMAT_ATTR] = self._format
         handle.attrs["vartrace_version"] = _vartrace_version()
         context = self._context
         handle.attrs.update(run_attrs(path, context.rank, context.world_size, context.sharded))
@@ -1880,10 +1950,14 @@ def _last_tags(handle: h5py.File) -> tuple[int, int] | None:
     for group in handle["vars"].values():
         slot = int(group.attrs["slot"])
         rows = int(committed[slot]) if slot < len(committed) else 0
-        if rows:
-            found.append(
-                (int(np.max(group["iterations"][:rows])), int(np.max(group["order"][:rows])))
-            )
+        if not rows:
+            continue
+        if TAGGED in group:
+            tags = group[TAGGED][:rows]
+            iterations, order = tags[:, TAGS.index("iterations")], tags[:, TAGS.index("order")]
+        else:
+            iterations, order = group["iterations"][:rows], group["order"][:rows]
+        found.append((int(np.max(iterations)), int(np.max(order))))
     if not found:
         return None
     return max(i for i, _ in found), max(o for _, o in found)
