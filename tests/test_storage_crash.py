@@ -282,6 +282,7 @@ from vartrace import H5PYSaverCallback, ModelTracer
 
 AT, WHERE = 4, sys.argv[2]
 WRITER = os.path.join("vartrace", "storage", "writer.py")
+signal.signal(signal.SIGINT, signal.default_int_handler)  # also under a parent ignoring it
 landed = []
 
 

@@ -116,6 +116,9 @@ def _landed(error: BaseException) -> str:
 
 def _child(path: Path, fd: int, log: Path, sites: int) -> None:
     """Train until interrupted; write ``interrupted <where>`` or ``finished`` to ``fd``."""
+    # Python's Ctrl-C handler, as in a terminal, also when this tool was started with SIGINT
+    # ignored (a shell's background job): Python then installs none, and nothing is held.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     errors = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(errors, 2)
     model = _Multiples(sites)
