@@ -10,11 +10,26 @@ file named by $VARTRACE_TEST_PEAK when it exits, however it exits.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 
 def peak_rss_kib() -> int:
     """This process's peak resident memory since its exec, in KiB (``VmHWM``)."""
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+def host_memory_bench() -> ModuleType:
+    """``tools/bench_host_memory.py`` as a module (its ``peak_above_start`` runs a fresh
+    process and measures it)."""
+    path = Path(__file__).resolve().parent.parent / "tools" / "bench_host_memory.py"
+    spec = importlib.util.spec_from_file_location("bench_host_memory", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _run_vartrace() -> None:

@@ -9,9 +9,7 @@ writing a record takes several steps; the file then holds what the foreground wr
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -19,18 +17,10 @@ import torch
 from torch import nn
 
 import vartrace
+from tests._peak import host_memory_bench
 from vartrace import H5PYSaverCallback, ModelTracer, _memory
 
 _RECORD, _EVERY, _STEPS = 30 << 20, 4, 8  # the second gather fills while the first is written
-
-
-def _bench() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "tools" / "bench_host_memory.py"
-    spec = importlib.util.spec_from_file_location("bench_host_memory", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.skipif(
@@ -40,7 +30,7 @@ def _bench() -> ModuleType:
 def test_a_background_writer_slower_than_the_step_holds_about_one_gather() -> None:
     # Measured 1.40 chunks in each of three processes of 12 steps; 2.40 when the next gather
     # filled while the previous one was written (two chunks and the step's own output).
-    bench = _bench()
+    bench = host_memory_bench()
     peaks = [
         bench.peak_above_start("background", _RECORD, _EVERY, _STEPS, False, "gzip")
         for _ in range(2)

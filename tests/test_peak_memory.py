@@ -9,12 +9,11 @@ The test bounds the traced peak above the untraced one, in chunks.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from tests._peak import host_memory_bench
 from vartrace import _memory
 
 pytestmark = pytest.mark.skipif(
@@ -25,19 +24,10 @@ pytestmark = pytest.mark.skipif(
 _RECORD, _EVERY, _STEPS = 30 << 20, 4, 12
 
 
-def _bench() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "tools" / "bench_host_memory.py"
-    spec = importlib.util.spec_from_file_location("bench_host_memory", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def untraced_peak() -> int:
     """The untraced step's peak above its start, in bytes (a fresh process)."""
-    return _bench().peak_above_start("untraced", _RECORD, _EVERY, _STEPS, False)
+    return host_memory_bench().peak_above_start("untraced", _RECORD, _EVERY, _STEPS, False)
 
 
 @pytest.mark.parametrize(
@@ -59,7 +49,7 @@ def test_peak_host_memory_of_large_records_stays_near_the_chunk(
 ) -> None:
     # The least of three processes: one of them may keep one more record alive a while
     # (+0.25 chunk: 1.52 in one foreground process of five, before and after the fix).
-    bench = _bench()
+    bench = host_memory_bench()
     peaks = [bench.peak_above_start(mode, _RECORD, _EVERY, _STEPS, False) for _ in range(3)]
     chunks = [(peak - untraced_peak) / (_EVERY * _RECORD) for peak in peaks]
     assert min(chunks) < bound, f"{mode}: peaks {chunks} chunks of 120 MiB above the untraced step"
