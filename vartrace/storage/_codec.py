@@ -44,6 +44,8 @@ __all__ = [
     "encode",
     "from_array",
     "from_blob",
+    "in_values",
+    "row_shapes",
     "to_blob",
     "unstored",
 ]
@@ -72,6 +74,19 @@ class Kind:
 
 IN_OTHER = 0x80
 """Flag or-ed into a stored kind code: the record lives in the `other` dataset."""
+
+
+def in_values(kinds: np.ndarray) -> np.ndarray:
+    """Which records of stored kind codes `kinds` are rows of a site's `values` dataset:
+    not None, not kept in `other`."""
+    return ((kinds & IN_OTHER) == 0) & (kinds != Kind.NONE)
+
+
+def row_shapes(kinds: np.ndarray, row_shape: tuple[int, ...]) -> np.ndarray:
+    """The true shapes of records that all have `values`' `row_shape` (a version-2 site
+    without `shapes`): that shape where a record is in `values`, -1 elsewhere."""
+    return np.where(in_values(kinds)[:, np.newaxis], np.asarray(row_shape, np.int64), -1)
+
 
 KIND_NAMES = (
     "none",

@@ -51,7 +51,9 @@ from vartrace.storage._codec import (
     PickleNotAllowedError,
     from_array,
     from_blob,
+    in_values,
     raw_dtype,
+    row_shapes,
 )
 from vartrace.storage._guard import (
     FREE_READ_BYTES,
@@ -665,9 +667,9 @@ class _Part:
             held = frozenset({Kind.STATISTICS})
             _check_statistics(self.values.dtype, self.values.name, self.group.id)
         allowed = _kind_table(held)
-        in_values = (kinds & IN_OTHER == 0) & (kinds != Kind.NONE)
+        held_here = in_values(kinds)
         code = kinds & 0x7F  # a known kind (checked above), the same as `kinds` if held
-        misplaced = in_values & ((code != kinds) | ~allowed[code])
+        misplaced = held_here & ((code != kinds) | ~allowed[code])
         if misplaced.any():
             row = int(np.flatnonzero(misplaced)[0])
             raise RunFileError(
@@ -683,9 +685,7 @@ class _Part:
         if self.group.id.links.exists(b"shapes"):
             shapes = _leading_rows(self.group, "shapes", self.rows)
         elif self.tagged and axes:  # version 2: every record in `values` has its row shape
-            kinds = self.tags["kinds"]
-            held = (kinds & IN_OTHER == 0) & (kinds != Kind.NONE)
-            return np.where(held[:, np.newaxis], np.asarray(self.padded, np.int64), -1)
+            return row_shapes(self.tags["kinds"], self.padded)
         else:  # written only for records of one axis or more
             shapes = np.zeros((self.rows, 0), np.int64)
         if shapes.shape[1] != axes:
@@ -832,13 +832,13 @@ class _Part:
             self.check(name)
             record_bytes = self.itemsize * math.prod(self.padded)
             step = max(1, _READ_BLOCK // max(1, record_bytes))
-            in_values = np.flatnonzero((kinds & IN_OTHER == 0) & (kinds != Kind.NONE))
-            self._check_shapes(in_values)
+            held = np.flatnonzero(in_values(kinds))
+            self._check_shapes(held)
             for begin in range(0, len(kinds), step):
                 stop = min(begin + step, len(kinds))  # rows past the committed ones: unflushed
                 check_read(self.values, (stop - begin) * record_bytes // self.itemsize)
                 block = self.values[begin:stop]
-                taken = in_values[(in_values >= begin) & (in_values < stop)]
+                taken = held[(held >= begin) & (held < stop)]
                 if callable(stat):
                     self._describe_each(stat, block, begin, taken, rows, name)
                 else:
@@ -1073,7 +1073,7 @@ class Site:
         False for None records and for records that did not fit `values`
         (another dtype or kind than the site's first), which `record` reads.
         """
-        return ((self._kinds & IN_OTHER) == 0) & (self._kinds != Kind.NONE)
+        return in_values(self._kinds)
 
     @property
     def dtype(self) -> str:

@@ -53,6 +53,7 @@ from vartrace.storage._codec import (
     Leaf,
     dtype_name,
     encode,
+    row_shapes,
     to_blob,
     unstored,
 )
@@ -656,10 +657,8 @@ class _Site:
         if self.rows:
             assert self.shapes is not None
             kinds = self.tags[0].read(self.rows)[:, TAGS.index("kinds")]
-            held = (kinds & IN_OTHER == 0) & (kinds != Kind.NONE)
-            rows = np.where(held[:, np.newaxis], np.asarray(self.padded, np.int64), -1)
             self.shapes.extend(self.rows)
-            self.shapes.put(0, rows)
+            self.shapes.put(0, row_shapes(kinds, self.padded))
             # on disk now: a writer killed before this gather's flush leaves the committed
             # records' shapes, not the fill value, in a dataset its cache may have written
             self.shapes.id.flush()
