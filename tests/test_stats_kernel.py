@@ -317,6 +317,49 @@ def test_the_triton_kernels_compile_for_an_h100_without_one() -> None:
     assert done.returncode == 0 and done.stdout.strip() == "compiled", done.stderr[-3000:]
 
 
+GLOBALS = """
+from vartrace.statistics import _triton
+
+for kernel in (_triton._partials, _triton._finish):
+    kernel.cache_key  # finds the globals the kernel reads, as its first launch does
+    for (name, _), (value, space) in kernel.used_global_vals.items():
+        assert not space.get(name) != value, (kernel.fn.__name__, name, value)
+print("unchanged")
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_the_triton_kernels_read_only_globals_that_equal_themselves() -> None:
+    """Every launch on a GPU checks that the globals a kernel read at its compile are
+    still equal (``!=``): a NaN constant fails that check, and did, on an H200, at the
+    first statistics record.  The interpreter does not check; this runs the same
+    comparison, in a process without ``TRITON_INTERPRET``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", GLOBALS], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "unchanged", done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(IN_INTERPRETER, reason="the interpreter runs the kernels on the CPU")
+def test_kernels_that_cannot_launch_give_way_to_eager_ops_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Triton that fails at a launch (here: a CPU tensor, no GPU driver to launch on)
+    must not break the step it watches: the eager ops take over, saying so once."""
+    monkeypatch.setattr(kernels, "_triton", None)  # imported afresh, as in a new process
+    x, y = torch.randn(1000), torch.randn(10)
+    with pytest.warns(RuntimeWarning, match="Triton's kernels failed") as caught:
+        first = kernels._cuda_summary(x, 3.0)
+        second = kernels._cuda_summary(y)
+    assert len(caught) == 1
+    assert kernels._triton is False
+    assert first[0] == 3.0
+    assert_matches(as_statistics(first[1:]), expected(x))
+    assert_matches(as_statistics(second), expected(y))
+
+
 def test_the_cuda_kernel_falls_back_to_eager_for_dtypes_triton_does_not_load() -> None:
     """uint32 (no Triton pointer type here) takes the eager formulation."""
     x = torch.tensor([1, 0, 7], dtype=torch.uint32)

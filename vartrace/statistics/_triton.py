@@ -32,8 +32,9 @@ _SPANS = 1024  # most programs of the first launch; longer tensors give each mor
 _TILE = 1024  # partials merged per iteration of the finishing program
 _FIELDS = 10  # per span: n, sum, M2, mean - shift, min, max, nan, posinf, neginf, zeros
 
+# A kernel's globals must equal themselves: each launch checks they did not change since
+# the compile (`!=`), so a NaN global fails every launch on a GPU.  NaN is made in-kernel.
 _INF: tl.constexpr = tl.constexpr(float("inf"))
-_NAN: tl.constexpr = tl.constexpr(float("nan"))
 
 #: Dtypes loaded as they are (upcast in registers); 1-byte floats are decoded by a table.
 DTYPES = frozenset(
@@ -158,6 +159,7 @@ def _finish(part_ptr, out_ptr, spans, size, header, TILE: tl.constexpr, FIRST: t
         neginf += tl.sum(tl.load(at + 8, mask=kept, other=0.0), 0)
         zeros += tl.sum(tl.load(at + 9, mask=kept, other=0.0), 0)
     has = n > 0
+    missing = tl.full([], _INF, tl.float64) - _INF  # NaN: min, max and absmax of no values
     mean = s / n
     var = q / n
     if FIRST:
@@ -166,9 +168,9 @@ def _finish(part_ptr, out_ptr, spans, size, header, TILE: tl.constexpr, FIRST: t
     tl.store(out_ptr, size.to(tl.float64))
     tl.store(out_ptr + 1, mean)
     tl.store(out_ptr + 2, tl.sqrt(var))
-    tl.store(out_ptr + 3, tl.where(has, low, _NAN))
-    tl.store(out_ptr + 4, tl.where(has, high, _NAN))
-    tl.store(out_ptr + 5, tl.where(has, tl.maximum(-low, high), _NAN))
+    tl.store(out_ptr + 3, tl.where(has, low, missing))
+    tl.store(out_ptr + 4, tl.where(has, high, missing))
+    tl.store(out_ptr + 5, tl.where(has, tl.maximum(-low, high), missing))
     tl.store(out_ptr + 6, tl.where(has, tl.sqrt(n * (var + mean * mean)), 0.0))
     tl.store(out_ptr + 7, nan)
     tl.store(out_ptr + 8, posinf)

@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from vartrace._warnings import warn
+
 __all__ = [
     "BLOCK",
     "Decoder",
@@ -255,7 +257,16 @@ def _cuda_summary(x: Any, header: float | None = None) -> Any:
     if x.is_complex():
         x = x.abs()
     if _triton and (x.dtype in _triton.DTYPES or (x.is_floating_point() and x.element_size() == 1)):
-        return _triton.summary(x, header)
+        try:
+            return _triton.summary(x, header)
+        except Exception as error:  # a Triton that cannot compile or launch here
+            _triton = False
+            warn(
+                f"vartrace: statistics on {x.device}: Triton's kernels failed "
+                f"({type(error).__name__}: {error}); from now on statistics are computed in "
+                "eager torch ops (the same fields, about 40 small kernels a record)",
+                RuntimeWarning,
+            )
     return eager_summary(x, header)
 
 
