@@ -614,7 +614,7 @@ class ModelTracer:
                 device=self.device,
                 compare=self.change_detection,
                 max_device_bytes=self.max_device_bytes,
-                host_bytes=min(2 * self.max_inflight_bytes, self.max_host_bytes),
+                host_bytes=self.max_host_bytes,  # the chunk waits in the slots until its gather
             )
         try:
             self._attach()
