@@ -11,6 +11,7 @@ CI sees a regression the GPU would show.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from collections import Counter
@@ -339,3 +340,20 @@ def test_the_records_of_a_gathering_interval_wait_for_their_gather_in_the_ring(
     saver.close()
     with vartrace.open(tmp_path / "run.h5") as run:
         assert list(run["blocks.3.forward"].iterations) == list(range(1, 17))
+
+
+def test_records_kept_in_the_results_stay_in_their_slots() -> None:
+    """With no saver, the records of each gather stay in the ring's slots: copying them
+    out (into memory faulted in page by page) cost about 0.9 s a gather of 2.4 GB on an
+    H200.  The slots go back to the ring with the results."""
+    steps = 4
+    with ModelTracer(_model(), ["blocks.*"], gathering_interval=2) as tracer:
+        _train(tracer, _inputs(steps))
+    ring = tracer._stager.ring
+    kept = [v for trace in tracer.results.values() for v in trace.values]
+    assert len(kept) == steps * BLOCKS
+    assert ring.used == sum(v.nbytes for v in kept) == steps * BLOCKS * ROWS * COLUMNS * 4
+    assert tracer.staging_stats.overflows == 0
+    del kept, tracer
+    gc.collect()
+    assert ring.used == 0

@@ -31,12 +31,10 @@ from vartrace import _exit, _forks, _warnings, distributed
 from vartrace._memory import held_bytes
 from vartrace.aliases import Aliases
 from vartrace.device import (
-    HostRing,
     OnFull,
     Stager,
     StagingStats,
     check_device_bytes,
-    detach_from_ring,
 )
 from vartrace.engine.frames import set_change_test
 from vartrace.engine.patching import Hook, attach, detach, filter_state
@@ -974,9 +972,11 @@ class ModelTracer:
             if self._room:
                 self._chunk_bytes = sum(held_bytes(t.values) for t in self._chunk.values())
 
-    def _kept(self, name: str, trace: Trace, ring: HostRing | None) -> Trace:
-        """`trace` as `results` keeps it: out of the staging slots (which go back to
-        the ring), or, past `max_host_bytes` of results, one marker saying so."""
+    def _kept(self, trace: Trace) -> Trace:
+        """`trace` as `results` keeps it, or, past `max_host_bytes` of results, one marker
+        saying so.  Records staged from an accelerator stay in their slots of the ring (no
+        copy: the ring is bounded by `max_host_bytes` too); a slot goes back to the ring
+        when the last view of its record dies."""
         held = held_bytes(trace.values)
         if not held:
             return trace
@@ -992,8 +992,6 @@ class ModelTracer:
         self._held += held
         if self._held > bound // 2:
             self._warn_held(self._held, dropping=False)
-        if ring is not None and isinstance(trace.values, list):
-            trace.values = [detach_from_ring(ring, value) for value in trace.values]
         return trace
 
     def _warn_held(self, total: int, *, dropping: bool) -> None:
@@ -1084,7 +1082,6 @@ class ModelTracer:
         known = len(facts)  # the facts declared; a gather appends the other ranks'
         self._retag(chunk)
         pending = dict(chunk)  # the traces not yet in the results
-        ring = None if self._stager is None else self._stager.ring
         handed = False  # records went through the post-gather callbacks here
         try:
             for name, trace in chunk.items():
@@ -1097,7 +1094,7 @@ class ModelTracer:
                 for name, trace in gathered.items():
                     if merged:  # else this rank's own records that no gather took: kept
                         _run_callbacks("post_gather", self.post_gather_callbacks, name, trace)
-                    self._results.add(name, self._kept(name, trace, ring))
+                    self._results.add(name, self._kept(trace))
                     del pending[name]
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C in a callback: the records stay
             self._put_back(pending)

@@ -11,7 +11,7 @@ and gets it back, in capture order, on the stager's thread.  Behind that door:
 * `vartrace.device._threads`: the staging thread's own single OpenMP thread.
 """
 
-from vartrace.device.ring import HostRing, detach_from_ring
+from vartrace.device.ring import HostRing
 from vartrace.device.staging import (
     OnFull,
     Stager,
@@ -26,6 +26,5 @@ __all__ = [
     "Stager",
     "StagingStats",
     "check_device_bytes",
-    "detach_from_ring",
     "stageable",
 ]

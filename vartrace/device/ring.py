@@ -5,9 +5,9 @@ can pin, ordinary memory where it cannot: the stand-in device of the tests
 runs the same code).  A record's host copy is a *slot*, a byte range of a
 segment, handed out as a zero-copy tensor view.  The slot returns to the ring
 when the last tensor (or numpy array) viewing it dies, whoever holds it: the
-saver writing it, a background writer, a user's callback.  So no record is
-copied out of the ring to be kept, and no record's memory is freed while
-something still reads it.
+saver writing it, a background writer, a user's callback, the tracer's
+`results`.  So no record is copied out of the ring to be kept, and no record's
+memory is freed while something still reads it.
 
 Segments come in on demand, up to `capacity` bytes; a record that finds no
 room gets ordinary memory of its own (counted as an overflow), so the staging
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["HostRing", "detach_from_ring"]
+__all__ = ["HostRing"]
 
 _ALIGN = 256  # bytes: every slot starts at a multiple of this
 _SEGMENT = 256 << 20  # bytes of one segment, unless the capacity is smaller
@@ -125,13 +125,6 @@ class HostRing:
         weakref.finalize(window, self._give, segment, start, size)
         return torch.from_numpy(window).view(dtype).view(shape)
 
-    def owns(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor`'s memory lies in one of the ring's segments."""
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu:
-            return False
-        address = tensor.untyped_storage().data_ptr()
-        return any(s.base <= address < s.end for s in self._segments)
-
     def _take(self, size: int) -> tuple[_Segment, int] | None:
         for segment in self._segments:
             start = segment.take(size)
@@ -162,38 +155,6 @@ class HostRing:
         with self._lock:
             segment.give(start, size)
             self.used -= size
-
-
-def detach_from_ring(ring: HostRing | None, value: Any) -> Any:
-    """`value`, or a copy of it in memory of its own if it views `ring` (records kept in
-    memory for good must not hold the ring's slots).  The copy is numpy's: one thread, no
-    torch CPU kernel."""
-    if ring is None or not ring.owns(value):
-        return value
-    dtype = value.dtype
-    raw = value.view(_BITS[value.element_size()]) if dtype in _NOT_NUMPY else value
-    copy = torch.from_numpy(np.array(raw.numpy(), copy=True))
-    return copy.view(dtype) if raw is not value else copy
-
-
-# Dtypes numpy has no type for: copied through an integer view of the same width.
-_NOT_NUMPY = frozenset(
-    getattr(torch, name)
-    for name in (
-        "bfloat16",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-        "complex32",
-        "uint16",
-        "uint32",
-        "uint64",
-    )
-    if hasattr(torch, name)
-)
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _numel(shape: Any) -> int:
