@@ -1,0 +1,137 @@
+"""Every step's time, one tracer per contender: where the first gathering interval and the
+steady state part (a CUDA GPU, about 40 s on an H200).
+
+Usage::
+
+    python tools/gpu_steps.py                  # the GPT-2-small-size step of gpu_check.py
+    python tools/gpu_steps.py --smoke-cpu      # the control flow, tiny CPU model
+
+`tools/gpu_check.py` judges the bars over a few steps of a fresh tracer per round, so a
+tracer's one-time costs (its ring of pinned host memory grows during the first gathering
+interval) weigh on its means.  This prints each step's wall time, so the first interval
+and the steps after it can be told apart: per contender, two rounds (the order reversed in
+the second) of 4 warm-up steps and 16 timed ones, a gather every 8 steps, each step timed to
+a device sync; then the median over all timed steps, and over the steps after the first
+gathering interval (``steady``), as ratios to the untraced step's median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import gpu_check
+
+from vartrace import ModelTracer
+
+WARM, STEPS, INTERVAL = 4, 16, 8
+
+
+def contenders(trainer: gpu_check.Trainer, device: torch.device) -> dict[str, Callable[[], Any]]:
+    """Context managers, by name: the untraced step, the floor, and vartrace's variants."""
+
+    def tracer(paths: list[str], *, kept: bool = False, **options: Any) -> ModelTracer:
+        emptied = [] if kept else [lambda name, trace: trace.clear()]
+        return ModelTracer(
+            trainer.model,
+            paths,
+            staging=options.pop("staging", "async"),
+            post_gather_callbacks=emptied,
+            gathering_interval=INTERVAL,
+            **options,
+        )
+
+    blocks, tiny = ["blocks.*"], ["blocks.*.ln1.weight"]
+    return {
+        "untraced": contextlib.nullcontext,
+        "hooks: device clone": lambda: gpu_check.block_hooks(trainer.model, False, None),
+        "async 12 blocks": lambda: tracer(blocks),
+        "async 12 blocks, ring of 2 GiB": lambda: tracer(blocks, max_host_bytes=2 << 30),
+        "async 12 blocks kept in results": lambda: tracer(blocks, kept=True),
+        "async 12 blocks, no change detection": lambda: tracer(blocks, change_detection=False),
+        "async 12 blocks, device=cuda": lambda: tracer(blocks, device=str(device)),
+        "async 12 tiny": lambda: tracer(tiny),
+        "sync 12 tiny": lambda: tracer(tiny, staging="sync"),
+        "async statistics, 12 blocks": lambda: tracer(blocks, statistics=True),
+        "async statistics, 12 blocks + @grad": lambda: tracer(
+            [*blocks, "blocks.*@grad"], statistics=True
+        ),
+    }
+
+
+def timed_steps(
+    trainer: gpu_check.Trainer, make: Callable[[], Any], sync: Callable[[], None]
+) -> list[float]:
+    """The wall time of each timed step, in ms, under a fresh context from `make`."""
+    times = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with make():
+            for _ in range(WARM):
+                trainer.step()
+            sync()
+            for _ in range(STEPS):
+                start = time.perf_counter()
+                trainer.step()
+                sync()
+                times.append(1e3 * (time.perf_counter() - start))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke-cpu", action="store_true", help="a tiny model on the CPU")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke_cpu
+    if not cuda and not args.smoke_cpu:
+        sys.exit("gpu_steps.py needs a CUDA GPU (or --smoke-cpu)")
+    device = torch.device("cuda" if cuda else "cpu")
+    size = gpu_check.Size() if cuda else gpu_check.Size(2, 32, 2, 16, 2, 64)
+    trainer = gpu_check.Trainer(size, device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3):
+        trainer.step()
+    sync()
+    table = contenders(trainer, device)
+    if not cuda:
+        del table["async 12 blocks, device=cuda"]
+    runs: dict[str, list[list[float]]] = {name: [] for name in table}
+    for round_ in range(2):
+        for name in list(table) if round_ == 0 else list(table)[::-1]:
+            try:
+                runs[name].append(timed_steps(trainer, table[name], sync))
+            except Exception as error:  # a contender that fails is a row of its own
+                print(f"{name}: {type(error).__name__}: {error}"[:400], flush=True)
+    base = statistics.median(t for steps in runs["untraced"] for t in steps)
+    where = torch.cuda.get_device_name() if cuda else "cpu (--smoke-cpu)"
+    print(f"\n{where}; torch {torch.__version__}; per contender: every timed step, ms")
+    for name, rounds in runs.items():
+        for steps in rounds:
+            print(f"  {name:38s} " + " ".join(f"{t:.0f}" for t in steps))
+    print(f"\n{'contender':38s} {'median':>8s} {'ratio':>7s} {'steady':>7s} {'mean':>8s}")
+    for name, rounds in runs.items():
+        if not rounds:
+            continue
+        every = [t for steps in rounds for t in steps]
+        steady = [t for steps in rounds for t in steps[INTERVAL - WARM :]]
+        print(
+            f"{name:38s} {statistics.median(every):6.1f}ms "
+            f"{statistics.median(every) / base:6.3f}x {statistics.median(steady) / base:6.3f}x "
+            f"{statistics.fmean(every):6.1f}ms"
+        )
+
+
+if __name__ == "__main__":
+    main()
