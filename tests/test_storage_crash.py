@@ -73,6 +73,8 @@ with ModelTracer(
         if step >= 7:
             vartrace.record("late", step)  # a site that appears after SWMR mode is on
         x = torch.full((2 + step % 3, 8), float(step))  # ragged: the batch size varies
+        # uniform for 6 steps, then ragged: its shapes dataset is made under SWMR
+        vartrace.record("grows", torch.full((2 if step < 7 else 2 + step % 3, 4), float(step)))
         model(x).backward()
         opt.step()
         opt.zero_grad()
@@ -81,6 +83,10 @@ with ModelTracer(
 
 def _expected_x(iteration: int) -> torch.Tensor:
     return torch.full((2 + iteration % 3, 8), float(iteration))
+
+
+def _expected_grows(iteration: int) -> torch.Tensor:
+    return torch.full((2 if iteration < 7 else 2 + iteration % 3, 4), float(iteration))
 
 
 def _train_and_kill(
@@ -151,6 +157,12 @@ def _check_records(path: Path, flushed: int) -> int:
         assert run["lin.forward"].values.shape[0] == len(run["lin.forward"])
         if flushed >= 8:
             assert run["late"].record(0) == 7
+        grows = run["grows"]
+        # recorded before the step's forward: under the iteration before
+        assert grows.iterations.tolist() == list(range(len(grows)))
+        assert len(grows) >= flushed
+        for index in range(len(grows)):
+            assert torch.equal(grows.record(index), _expected_grows(index + 1))
         return count
 
 
