@@ -26,8 +26,10 @@ _RECORD, _EVERY, _STEPS = 30 << 20, 4, 12
 
 @pytest.fixture(scope="module")
 def untraced_peak() -> int:
-    """The untraced step's peak above its start, in bytes (a fresh process)."""
-    return host_memory_bench().peak_above_start("untraced", _RECORD, _EVERY, _STEPS, False)
+    """The untraced step's peak above its start, in bytes: the least of three fresh
+    processes (measured 0.00 chunk, and 0.50 in one process of six: two more outputs)."""
+    bench = host_memory_bench()
+    return min(bench.peak_above_start("untraced", _RECORD, _EVERY, _STEPS, False) for _ in range(3))
 
 
 @pytest.mark.parametrize(
@@ -37,11 +39,12 @@ def untraced_peak() -> int:
         # step keeps in a block of the heap); 1.77-2.08 over three processes when the
         # step's outputs piled up in glibc's heap.
         ("foreground", 1.4),
-        # Measured 1.40-1.65 on a busy 2-core machine since a record waits for the writer
-        # thread (1.27 with MALLOC_ARENA_MAX=1: the rest is the thread's own malloc arena);
-        # 1.7-2.0 while the next gather filled beside the one written, 2.8-5.1 with a third
-        # chunk queued and the written records held until their whole gather was written.
-        ("background", 2.0),
+        # Measured 1.27-1.28 (three processes, twice) since the writer thread writes records
+        # cut in chunks from their own memory; 1.40-1.65 while HDF5 copied each chunk into a
+        # 7.5 MiB buffer of its own, two of which the thread's malloc arena kept; 1.7-2.0
+        # while the next gather filled beside the one written, 2.8-5.1 with a third chunk
+        # queued and the written records held until their whole gather was written.
+        ("background", 1.35),
     ],
 )
 def test_peak_host_memory_of_large_records_stays_near_the_chunk(

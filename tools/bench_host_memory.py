@@ -4,6 +4,7 @@ Usage::
 
     python tools/bench_host_memory.py                  # 30 MiB records, chunks of 4, 3 runs
     python tools/bench_host_memory.py --runs 5 --change-detection
+    python tools/bench_host_memory.py --compression gzip    # a writer slower than the step
 
 A model returns one fresh ``--record-mib`` float32 tensor a step (``x * 1.0001``);
 the tracer records it and gathers every ``--every`` steps into
@@ -107,20 +108,29 @@ def peak_above_start(
     return int(done.stdout.split()[-1])
 
 
-def bench(record_mib: int, every: int, steps: int, runs: int, change_detection: bool) -> str:
-    """The table: each mode's peak in chunks, min / median / max over `runs` processes."""
+def bench(
+    record_mib: int,
+    every: int,
+    steps: int,
+    runs: int,
+    change_detection: bool,
+    compression: str = "",
+) -> str:
+    """The table: each mode's peak in chunks, min / median / max over `runs` processes
+    (`compression`: the saver's, `""`: none)."""
     record = record_mib << 20
     chunk = every * record
     peaks: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(runs):  # modes interleaved: the machine's state hits them alike
         for mode in MODES:
             peaks[mode].append(
-                peak_above_start(mode, record, every, steps, change_detection) / chunk
+                peak_above_start(mode, record, every, steps, change_detection, compression) / chunk
             )
     floor = statistics.median(peaks["untraced"])
     lines = [
         f"{record_mib} MiB records, {every} a gather (chunk {every * record_mib} MiB), "
-        f"{steps} steps, change_detection={change_detection}, {runs} fresh processes a mode",
+        f"{steps} steps, change_detection={change_detection}, "
+        f"compression={compression or None}, {runs} fresh processes a mode",
         "| mode | peak above start, chunks (min / median / max) | above untraced median |",
         "|---|---:|---:|",
     ]
@@ -140,8 +150,18 @@ def main() -> None:
     parser.add_argument(
         "--change-detection", action="store_true", help="the tracer's default; off here"
     )
+    parser.add_argument("--compression", default="", help="the saver's, e.g. gzip; none by default")
     args = parser.parse_args()
-    print(bench(args.record_mib, args.every, args.steps, args.runs, args.change_detection))
+    print(
+        bench(
+            args.record_mib,
+            args.every,
+            args.steps,
+            args.runs,
+            args.change_detection,
+            args.compression,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -739,16 +739,19 @@ class _Site:
         assert self.values is not None and self.chunk is not None
         if not self.filtered:
             rows = self.chunk[0]
+            # chunks within the cache's size, many to a record padded past the first
+            # record's shape, go faster in one H5Dwrite than in a call each
             whole = (
-                self.chunk[1:] == data.shape[1:] == self.padded
+                data.shape[1:] == self.padded
                 and row % rows == 0
                 and len(data) % rows == 0
+                and (
+                    self.chunk[1:] == self.padded
+                    or data.itemsize * math.prod(self.chunk) > _CACHE_BYTES
+                )
             )
             if whole:
-                for offset in range(0, len(data), rows):
-                    origin = (row + offset,) + (0,) * (data.ndim - 1)
-                    chunk = np.ascontiguousarray(data[offset : offset + rows])
-                    self.values.id.write_direct_chunk(origin, chunk)
+                self._put_chunks(row, data)
             else:
                 _put(self.values, (row,) + (0,) * (data.ndim - 1), data)
             return
@@ -763,6 +766,32 @@ class _Site:
             else:
                 self._put_unfiltered(first, part)
             first = end
+
+    def _put_chunks(self, row: int, data: np.ndarray) -> None:
+        """Write unfiltered records that fill whole rows of chunks (`row` and their count
+        multiples of the chunk's rows, their shape the padded one) chunk by chunk: each
+        whole chunk from the records' own memory (copied only where the chunk is not one
+        piece of it), the chunks cut by a record's edge through `H5Dwrite`.
+
+        Through `H5Dwrite`, HDF5 copies each new chunk larger than the chunk cache into a
+        buffer of the chunk's size, allocated and freed per chunk: on the writer thread
+        of `background=True`, from a glibc arena of that thread's own, which kept two of
+        them beside the records (15 MiB for 30 MiB records in chunks of 7.5 MiB).
+        """
+        assert self.values is not None and self.chunk is not None
+        spans = [range(0, size, step) for size, step in zip(data.shape, self.chunk, strict=True)]
+        for corner in itertools.product(*spans):
+            part = data[
+                tuple(
+                    slice(start, start + step)
+                    for start, step in zip(corner, self.chunk, strict=True)
+                )
+            ]
+            origin = (row + corner[0], *corner[1:])
+            if part.shape == self.chunk:
+                self.values.id.write_direct_chunk(origin, np.ascontiguousarray(part))
+            else:
+                _put(self.values, origin, part)
 
     def _put_unfiltered(self, row: int, data: np.ndarray) -> None:
         """Write records into the chunks of one chunk row that they fill only in part,
