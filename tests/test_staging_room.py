@@ -59,8 +59,8 @@ def test_a_background_saver_behind_the_records_holds_the_host_memory_within_its_
     tmp_path: Path,
 ) -> None:
     # The chunk and the records queued to the writer: one gather; the records in flight
-    # beside them; the ring a third of a gather larger.  Before, the chunk filled beside
-    # the gather being written: 136 MiB wanted, 73 of 128 records overflowed.
+    # beside them; the ring 96 MiB.  Before, the next chunk filled beside the gather being
+    # written (up to 136 MiB wanted): 33 of the 128 records overflowed, in three runs.
     held = max(_GATHER, 64 << 20) + _INFLIGHT
     saver = H5PYSaverCallback(
         tmp_path / "run.h5", metadata=False, background=True, compression="gzip"
