@@ -35,7 +35,9 @@ _STEPS = 2 * _EVERY  # the second gather fills while the first is written
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _trace(saver: H5PYSaverCallback, **limits: int) -> ModelTracer:
+def _trace(
+    saver: H5PYSaverCallback, *, max_inflight_bytes: int = 1 << 30, max_host_bytes: int = 1 << 30
+) -> ModelTracer:
     """`_STEPS` steps of 4 records of 1 MiB, gathered every `_EVERY` steps into `saver`."""
     model = _model()  # seeds torch's generator: the inputs too are the same in each run
     inputs = _inputs(4)
@@ -47,7 +49,8 @@ def _trace(saver: H5PYSaverCallback, **limits: int) -> ModelTracer:
             post_gather_callbacks=[saver],
             gathering_interval=_EVERY,
             staging="async",
-            **limits,
+            max_inflight_bytes=max_inflight_bytes,
+            max_host_bytes=max_host_bytes,
         ) as tracer,
     ):
         for step in range(_STEPS):
@@ -68,6 +71,7 @@ def test_a_background_saver_behind_the_records_holds_the_host_memory_within_its_
     with pytest.warns(RuntimeWarning, match="waited"):
         tracer = _trace(saver, max_inflight_bytes=_INFLIGHT, max_host_bytes=96 << 20)
     stats = tracer.staging_stats
+    assert stats is not None
     assert stats.overflows == 0, stats
     assert stats.host_bytes_peak <= held + (1 << 20), stats  # and the changed-flags' slots
     assert stats.writer_wait_seconds > 0 and stats.waits > 0, stats
