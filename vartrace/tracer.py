@@ -18,6 +18,7 @@ import itertools
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
@@ -940,6 +941,10 @@ class ModelTracer:
 
         The stager's thread alone calls it, in capture order, and alone touches the
         chunk, the order numbers and the last records while staging is on: no lock.
+        A record to keep first waits for a saver writing on a thread of its own to
+        have room for it beside the chunk (`_make_room`): the staging thread, not the
+        step, waits for the writer, and the step waits only once records in flight
+        reach `max_inflight_bytes` behind it.
         """
         stats = self._stager.stats  # type: ignore[union-attr]
         if self.change_detection:
@@ -951,6 +956,10 @@ class ModelTracer:
                     stats.unchanged += 1
                     return
                 self._last[site] = host
+        if self._room:
+            started = time.perf_counter()
+            self._chunk_bytes += self._make_room(record)
+            stats.writer_wait_seconds += time.perf_counter() - started
         stats.kept += 1
         self._order += 1
         trace = self._chunk.get(site)

@@ -42,7 +42,9 @@ bytes at admission: when a record would exceed the bound the capturing thread
 waits for earlier records to land (`on_full="wait"`, counted, warned once),
 or the record is dropped (`on_full="drop"`, counted per site) and a
 [`Unstored`][vartrace.Unstored] marker takes its place, so that "the last record
-at or before step k" is never silently stale.
+at or before step k" is never silently stale.  `deliver` may block (the tracer's
+does while a background saver's writer falls behind): delivery pauses, records in
+flight pile up to the bound, and only then does the capturing thread wait or drop.
 
 A stream that is capturing a CUDA graph skips the record with one warning: a
 replay of the graph runs no Python, so there would be nothing to record.
@@ -131,6 +133,8 @@ class StagingStats:
         device_compare_bytes_peak: the most of those bytes held at once.
         host_compares: staged records compared on the host, their sites' previous records
             not fitting in `max_device_bytes` on the device.
+        writer_wait_seconds: the time the staging thread waited, before delivering records,
+            for a background saver's writer to make room for them (`make_room`).
     """
 
     admitted: int = 0
@@ -152,6 +156,7 @@ class StagingStats:
     device_compare_bytes: int = 0
     device_compare_bytes_peak: int = 0
     host_compares: int = 0
+    writer_wait_seconds: float = 0.0
 
 
 _stream_modules: dict[str, ModuleType | None] = {}

@@ -1151,7 +1151,10 @@ class H5PYSaverCallback:
             previous gathers (`make_room`; with the tracer's `staging="sync"`, a
             model on the CPU), and so does a `flush` otherwise.  So host memory
             stays near one gather, as in the foreground, and a step waits only
-            when the thread falls behind.  A process killed
+            when the thread falls behind.  With `staging="async"` (a model on an
+            accelerator) the staging thread waits in `make_room` instead, before it
+            keeps each record; the step waits (or drops, `on_full="drop"`) only once
+            records in flight reach `max_inflight_bytes` behind it.  A process killed
             meanwhile loses the gathers not yet written, besides what the tracer
             buffered; what was written stays readable.
             Worth it where writes block on a slow disk or network file system (h5py
