@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import vartrace
+from tests._env import run_script
 from vartrace import H5PYSaverCallback, ModelTracer, stack_padded_tensors, stack_tensors
 from vartrace.trace import Trace
 
@@ -156,15 +157,7 @@ def _fill(
 ) -> tuple[str, str]:
     """Run the filling script; its stdout and stderr."""
     flags = ["1" if background else "0", "1" if at_exit else "0"]
-    done = subprocess.run(
-        [sys.executable, "-W", warnings, "-c", _FILL, str(path), str(limit), *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        check=False,
-    )
-    assert done.returncode == 0, f"exit status {done.returncode}\n{done.stdout}\n{done.stderr}"
+    done = run_script(_FILL, str(path), str(limit), *flags, flags=["-W", warnings])
     assert done.stdout.endswith("closed\n"), done.stdout
     return done.stdout, done.stderr
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import numpy as np
 import pytest
 
 import vartrace
+from tests._env import run_script
 from tests.test_staging_costs import BLOCKS, COLUMNS, ROWS, _inputs, _model, _train
 from vartrace import H5PYSaverCallback, ModelTracer
 
@@ -32,7 +31,6 @@ _EVERY = 16  # steps a gather: 64 MiB, the background saver's least bound
 _GATHER = _EVERY * BLOCKS * _RECORD
 _INFLIGHT = 8 << 20
 _STEPS = 2 * _EVERY  # the second gather fills while the first is written
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _trace(
@@ -122,15 +120,7 @@ def test_a_staging_thread_waiting_for_the_writer_goes_on_when_the_disk_is_full(
 ) -> None:
     """The writer fails on the file-size limit while the staging thread waits for it to
     make room: the wait ends, the saver drops the later records, the tracer stops."""
-    done = subprocess.run(
-        [sys.executable, "-c", _FULL_DISK, str(tmp_path / "run.h5")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        check=False,
-    )
-    assert done.returncode == 0, f"exit status {done.returncode}\n{done.stdout}\n{done.stderr}"
+    done = run_script(_FULL_DISK, str(tmp_path / "run.h5"))
     assert done.stdout.splitlines()[-1] == f"failure {errno.EFBIG} kept 192 waited True", (
         done.stdout
     )
