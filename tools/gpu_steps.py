@@ -4,6 +4,7 @@ steady state part (a CUDA GPU, about 40 s on an H200).
 Usage::
 
     python tools/gpu_steps.py                  # the GPT-2-small-size step of gpu_check.py
+    python tools/gpu_steps.py --sync stream    # each step timed to its own stream's sync
     python tools/gpu_steps.py --smoke-cpu      # the control flow, tiny CPU model
 
 `tools/gpu_check.py` judges the bars over a few steps of a fresh tracer per round, so a
@@ -13,6 +14,12 @@ and the steps after it can be told apart: per contender, two rounds (the order r
 the second) of 4 warm-up steps and 16 timed ones, a gather every 8 steps, each step timed to
 a device sync; then the median over all timed steps, and over the steps after the first
 gathering interval (``steady``), as ratios to the untraced step's median.
+
+A device sync (the default, as in `gpu_check.py`) also waits for the staging thread's
+copies on its side stream, so a staging thread that falls behind shows as step time
+although the training thread never waited for it.  ``--sync stream`` waits only for the
+training stream, as ``loss.item()`` does in a training loop: the step then pays for
+staging only where it waits at admission (records in flight past ``max_inflight_bytes``).
 """
 
 from __future__ import annotations
@@ -90,9 +97,17 @@ def timed_steps(
     return times
 
 
+def _stream_sync() -> None:
+    """Wait for the training stream alone, as a `.item()` in the loop would."""
+    torch.cuda.current_stream().synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke-cpu", action="store_true", help="a tiny model on the CPU")
+    parser.add_argument(
+        "--sync", choices=["device", "stream"], default="device", help="what a step waits for"
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke_cpu
     if not cuda and not args.smoke_cpu:
@@ -100,7 +115,9 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     size = gpu_check.Size() if cuda else gpu_check.Size(2, 32, 2, 16, 2, 64)
     trainer = gpu_check.Trainer(size, device)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync: Callable[[], None] = lambda: None  # noqa: E731
+    if cuda:
+        sync = torch.cuda.synchronize if args.sync == "device" else _stream_sync
     for _ in range(3):
         trainer.step()
     sync()
@@ -116,7 +133,8 @@ def main() -> None:
                 print(f"{name}: {type(error).__name__}: {error}"[:400], flush=True)
     base = statistics.median(t for steps in runs["untraced"] for t in steps)
     where = torch.cuda.get_device_name() if cuda else "cpu (--smoke-cpu)"
-    print(f"\n{where}; torch {torch.__version__}; per contender: every timed step, ms")
+    print(f"\n{where}; torch {torch.__version__}; steps timed to a {args.sync} sync")
+    print("per contender: every timed step, ms")
     for name, rounds in runs.items():
         for steps in rounds:
             print(f"  {name:38s} " + " ".join(f"{t:.0f}" for t in steps))
