@@ -357,3 +357,30 @@ def test_records_kept_in_the_results_stay_in_their_slots() -> None:
     del kept, tracer
     gc.collect()
     assert ring.used == 0
+
+
+def test_a_ring_too_small_for_a_gathering_interval_warns_once_with_the_ways_out(
+    tmp_path: Path,
+) -> None:
+    """A gather every 8 steps of 4 MiB does not fit a ring of 8 MiB: the records past it
+    get memory of their own (on a GPU: pageable, copied while the staging thread waits),
+    and the first one says so, once; every record still reaches the file."""
+    saver = H5PYSaverCallback(tmp_path / "run.h5", metadata=False)
+    with (
+        pytest.warns(RuntimeWarning) as caught,
+        ModelTracer(
+            _model(),
+            ["blocks.*"],
+            post_gather_callbacks=[saver],
+            gathering_interval=8,
+            max_inflight_bytes=4 << 20,
+            max_host_bytes=8 << 20,
+        ) as tracer,
+    ):
+        _train(tracer, _inputs(16))
+    saver.close()
+    full = [w for w in caught if "ring of host memory for records is full" in str(w.message)]
+    assert len(full) == 1 and "raise max_host_bytes" in str(full[0].message)
+    assert tracer.staging_stats.overflows > 1
+    with vartrace.open(tmp_path / "run.h5") as run:
+        assert list(run["blocks.3.forward"].iterations) == list(range(1, 17))

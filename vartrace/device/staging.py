@@ -388,6 +388,7 @@ class Stager:
         self._host_prev: dict[str, torch.Tensor] = {}
         self._warned_wait = False
         self._warned_capture = False
+        self._warned_overflow = False
         self._thread = threading.Thread(
             target=self._run, name=name or f"vartrace-staging-{next(_names)}", daemon=True
         )
@@ -601,6 +602,19 @@ class Stager:
                 RuntimeWarning,
             )
 
+    def _warn_overflow(self, site: str) -> None:
+        self._warned_overflow = True
+        warn(
+            f"vartrace: the ring of host memory for records is full ({self.ring.capacity} "
+            f"bytes, the tracer's max_host_bytes): {site!r}, and any later record that finds "
+            "no slot, gets memory of its own, which a GPU copies into at the pageable rate "
+            "while the staging thread waits (counted in tracer.staging_stats.overflows).  "
+            "The records of a gathering interval stay in the ring until the gather, and with "
+            "no saver until the results go: raise max_host_bytes, gather more often, or "
+            "record less",
+            RuntimeWarning,
+        )
+
     def _skip_capturing(self, site: str) -> None:
         self.stats.skipped_capturing += 1
         if not self._warned_capture:
@@ -687,6 +701,8 @@ class Stager:
                         flags.append(torch.ne(_bit_view(clone), _bit_view(item.prev)).any())
                 if to_host or item.on_host:
                     item.host = self.ring.tensor(clone.shape, clone.dtype)
+                    if self.ring.overflows and not self._warned_overflow:
+                        self._warn_overflow(item.site)
                     item.host.copy_(clone, non_blocking=True)
         if module is None:
             return  # values copied at admission only
