@@ -36,9 +36,10 @@ def untraced_peak() -> int:
     ("mode", "bound"),
     [
         # Measured 1.27 chunks (the chunk and the step's own output, which the untraced
-        # step keeps in a block of the heap); 1.77-2.08 over three processes when the
-        # step's outputs piled up in glibc's heap.
-        ("foreground", 1.4),
+        # step keeps in a block of the heap), and 1.52 (one more record alive) in all three
+        # processes once, with two test suites running beside them; 1.77-2.08 over three
+        # processes when the step's outputs piled up in glibc's heap.
+        ("foreground", 1.6),
         # Measured 1.27-1.28 (three processes, twice) since the writer thread writes records
         # cut in chunks from their own memory; 1.40-1.65 while HDF5 copied each chunk into a
         # 7.5 MiB buffer of its own, two of which the thread's malloc arena kept; 1.7-2.0
