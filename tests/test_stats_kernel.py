@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tracemalloc
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -381,3 +382,32 @@ def test_the_benchmark_prints_op_counts_times_and_the_step_ratio() -> None:
         eager, fused, clone = (int(cell.split()[0]) for cell in row.split("|")[1:4])
         assert eager > 30 and fused <= 8 and clone == 1, row  # fused: views for numpy
     assert "vartrace.stats()" in done.stdout and "1.000x" in done.stdout
+
+
+class _ShortOfMemory:
+    """Stands for Triton's kernels on a device whose memory is full (no GPU here to fill)."""
+
+    DTYPES = (torch.float32,)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def summary(self, x: torch.Tensor, header: float | None = None) -> torch.Tensor:
+        self.calls += 1
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+
+def test_a_device_short_of_memory_takes_eager_ops_for_that_record_and_keeps_triton(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Out of memory is the device's state, not a broken Triton: no warning that Triton
+    failed, and the next record tries the kernels again."""
+    short = _ShortOfMemory()
+    monkeypatch.setattr(kernels, "_triton", short)
+    x = torch.randn(1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = kernels._cuda_summary(x)
+        kernels._cuda_summary(x)
+    assert kernels._triton is short and short.calls == 2
+    assert_matches(as_statistics(first), expected(x))

@@ -257,8 +257,12 @@ def _cuda_summary(x: Any, header: float | None = None) -> Any:
     if x.is_complex():
         x = x.abs()
     if _triton and (x.dtype in _triton.DTYPES or (x.is_floating_point() and x.element_size() == 1)):
+        import torch
+
         try:
             return _triton.summary(x, header)
+        except torch.OutOfMemoryError:
+            pass  # the device is short of memory, not Triton broken: eager ops, this time
         except Exception as error:  # a Triton that cannot compile or launch here
             _triton = False
             warn(
