@@ -93,3 +93,60 @@ def test_identical_runs_in_files_read_in_place(tmp_path) -> None:
     late = compare(tmp_path / "a.h5", tmp_path / "c.h5", atol=0, rtol=0)
     assert late.first_divergence.iteration == 6
     assert late.to_frame()["allclose"].tolist() == [True] * 5 + [False]
+
+
+def _save(path, values: np.ndarray, first: int = 1, **options) -> None:
+    saver = H5PYSaverCallback(path, **options)
+    count = len(values)
+    saver(
+        "layers.0.out",
+        Trace(
+            torch.from_numpy(values.copy()),
+            torch.arange(first, first + count),
+            torch.zeros(count, dtype=torch.long),
+            torch.arange(first, first + count),
+        ),
+    )
+    saver.close()
+
+
+def test_chunks_of_new_and_continued_files_start_at_cache_line_offsets(tmp_path) -> None:
+    """A memory map of a run then gives numpy aligned arrays, which it reduces in place."""
+    import h5py
+
+    from vartrace.sources.chunk_maps import FileMaps
+
+    rng = np.random.default_rng(4)
+    path = tmp_path / "run.h5"
+    _save(path, rng.standard_normal((5, 3, 1000)).astype(np.float32))  # 12 KB records
+    _save(path, rng.standard_normal((7, 3, 1000)).astype(np.float32), first=6, append=True)
+    with h5py.File(path, "r") as f:
+        values = f["vars/layers.0.out/values"]
+        chunks = range(values.id.get_num_chunks())
+        offsets = [values.id.get_chunk_info(index).byte_offset for index in chunks]
+        assert len(offsets) >= 2 and all(offset % 64 == 0 for offset in offsets), offsets
+        views = FileMaps().chunk_map(values).groups(np.arange(12))
+        assert views and all(view.flags.aligned for _, view in views)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_unaligned_records_give_the_numbers_of_aligned_ones(dtype: type) -> None:
+    """Files written before chunks were aligned: their records lie at odd offsets."""
+    from vartrace.comparison._stats import numeric_stats
+
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((9, 3000)).astype(dtype)
+    b = a.copy()
+    b[4:, ::7] += 1e-3  # identical rows, then differing ones
+    b[6, 3] = np.nan
+    unaligned = []
+    for x in (a, b):
+        raw = bytearray(x.nbytes + 1)
+        view = np.frombuffer(raw, dtype, x.size, offset=1).reshape(x.shape)
+        view[...] = x
+        assert not view.flags.aligned
+        unaligned.append(view)
+    expected = numeric_stats(a, b, 1e-6, 1e-5)
+    got = numeric_stats(*unaligned, 1e-6, 1e-5)
+    for name, column in expected.items():
+        np.testing.assert_array_equal(got[name], column, err_msg=name)

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAP_FROM", "TRIM_ABOVE", "held_bytes", "map_large_blocks", "release"]
+__all__ = ["MAP_FROM", "TRIM_ABOVE", "held_bytes", "map_large_blocks", "memcmp", "release"]
 
 #: A gather that freed at least this many bytes gives the free pages back.
 TRIM_ABOVE = 64 << 20
@@ -58,6 +58,23 @@ def _malloc_trim() -> Callable[[int], int] | None:
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
     return trim
+
+
+def _libc_memcmp() -> Callable[[int, int, int], int] | None:
+    """The C library's `memcmp`, where ctypes can reach it (not on Windows)."""
+    try:
+        function = ctypes.CDLL(None).memcmp
+    except (OSError, TypeError, AttributeError):
+        return None
+    function.restype = ctypes.c_int
+    function.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    return function  # type: ignore[no-any-return]
+
+
+#: `memcmp(address_a, address_b, nbytes)` of the C library (0: the bytes are equal), or
+#: `None` where there is none to call.  It stops at the first differing byte, and ctypes
+#: releases the GIL around it.
+memcmp = _libc_memcmp()
 
 
 @functools.cache

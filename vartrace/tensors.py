@@ -18,7 +18,6 @@ scalars and Python floats alike.
 from __future__ import annotations
 
 import copy
-import ctypes
 import struct
 import weakref
 from collections.abc import Callable, Iterator
@@ -28,7 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from vartrace._memory import MAP_FROM, map_large_blocks
+from vartrace._memory import MAP_FROM, map_large_blocks, memcmp
 from vartrace._warnings import warn
 from vartrace.engine.structures import children
 from vartrace.record import Unstored
@@ -327,20 +326,6 @@ def _size_text(nbytes: int) -> str:
     return f"{amount:.1f}".removesuffix(".0") + f" {unit}"
 
 
-def _libc_memcmp() -> Callable[[int, int, int], int] | None:
-    """The C library's `memcmp`, where ctypes can reach it (not on Windows)."""
-    try:
-        memcmp = ctypes.CDLL(None).memcmp
-    except (OSError, TypeError, AttributeError):
-        return None
-    memcmp.restype = ctypes.c_int
-    memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-    return memcmp  # type: ignore[no-any-return]
-
-
-_memcmp = _libc_memcmp()
-
-
 # Dtypes whose equal values may differ in bytes, or equal bytes differ in value: a complex
 # tensor may carry a lazy conjugation, a quantized one its scale.
 _NOT_BYTEWISE = frozenset(
@@ -388,7 +373,7 @@ def same(a: Any, b: Any) -> bool:
             # fewest tensor attribute reads first: each costs about a microsecond in a step.
             a.is_cpu
             and b.is_cpu
-            and _memcmp is not None
+            and memcmp is not None
             and dtype not in _NOT_BYTEWISE
             and a.layout is torch.strided
             and b.layout is torch.strided
@@ -396,7 +381,7 @@ def same(a: Any, b: Any) -> bool:
             and b.is_contiguous()
         ):
             size = a.nbytes
-            return size == 0 or _memcmp(a.data_ptr(), b.data_ptr(), size) == 0
+            return size == 0 or memcmp(a.data_ptr(), b.data_ptr(), size) == 0
         device = a.device
         if device != b.device:
             return False
