@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import csv
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -621,3 +624,21 @@ def test_a_dtype_mismatch_is_said_in_the_table_and_the_frame(tmp_path) -> None:
     assert [(s.dtypes, s.dtype_match) for s in same.sites] == [("float32", True)] * 2
     assert "with different dtypes" not in str(same)
     assert same.to_frame()["dtype_match"].tolist() == [True] * 4
+
+
+def test_the_benchmark_prints_its_ratios_and_finds_the_perturbed_sites(tmp_path) -> None:
+    tool = Path(__file__).resolve().parent.parent / "tools" / "bench_compare.py"
+    argv = ["--sites", "5", "--iterations", "4", "--record-kib", "16", "--repeat", "1"]
+    done = subprocess.run(
+        [sys.executable, str(tool), *argv, "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "ratio compare / read:" in done.stdout
+    # every fifth site is perturbed from the middle iteration on: site 0, iteration 3
+    assert "first_divergence=Divergence(site='layers.0.block.forward.hidden', iteration=3" in (
+        done.stdout
+    )
+    assert "differing sites=1" in done.stdout

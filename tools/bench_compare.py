@@ -11,17 +11,29 @@ and CPU time), their ratios, and the min-median-max of the paired ratios
 The bar: compare takes under 1.5x the plain read (wall).  The CPU ratio
 tells what the wall ratio would be on a machine with no core to spare.
 
+``--instructions`` counts instead of timing (for an A/B of the engine on a busy
+machine; about three minutes): a process under ``valgrind --tool=callgrind`` compares the
+two runs once, another three times, and the difference, halved, is the instructions of one
+compare (the imports and the first call's warm-up cancel out), within half a percent run
+after run (the engine's two threads interleave differently).  Memory stalls, which the
+count does not see, are what the wall-clock ratio adds; the plain read is not counted, as
+valgrind swaps the C library's ``memcpy``, most of the read, for its own.
+
 Usage::
 
     python tools/bench_compare.py                 # the bar's configuration
     python tools/bench_compare.py --sites 10 --iterations 8 --repeat 3   # quick
+    python tools/bench_compare.py --instructions  # callgrind, 10 sites x 16 iterations
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -89,6 +101,31 @@ def time_compare(paths: tuple[Path, Path]) -> tuple[float, float, object]:
     return time.perf_counter() - start, time.process_time() - cpu, report
 
 
+def count_instructions(paths: tuple[Path, Path], repeat: int, out: Path) -> int:
+    """Instructions (callgrind's Ir) of a fresh process that compares ``paths`` ``repeat``
+    times."""
+    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable]
+    command += [__file__, "--_child", str(repeat), *map(str, paths)]
+    # BLAS's own threads would add their spinning, which varies from run to run.
+    environment = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    subprocess.run(command, check=True, capture_output=True, text=True, env=environment)
+    totals = [line for line in out.read_text().splitlines() if line.startswith("totals:")]
+    return int(totals[0].split()[1])
+
+
+def bench_instructions(paths: tuple[Path, Path], directory: Path) -> None:
+    """Print the instructions of one compare of both runs."""
+    if not shutil.which("valgrind"):
+        sys.exit("--instructions needs valgrind")
+    once, thrice = (count_instructions(paths, n, directory / f"callgrind.{n}") for n in (1, 3))
+    print(f"compare: {(thrice - once) / 2 / 1e6:.1f} M instructions (callgrind Ir, one call)")
+
+
+def _child(repeat: int, paths: tuple[Path, Path]) -> None:
+    for _ in range(repeat):
+        compare(*paths, atol=1e-6, rtol=1e-5)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sites", type=int, default=50)
@@ -97,7 +134,23 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=8, help="records per gather (writes)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: temp)")
+    parser.add_argument(
+        "--instructions", action="store_true", help="count instructions (callgrind) instead"
+    )
+    parser.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args._child:
+        repeat, a, b = args._child
+        _child(int(repeat), (Path(a), Path(b)))
+        return
+    if args.instructions:
+        sites = 10 if args.sites == parser.get_default("sites") else args.sites
+        iterations = 16 if args.iterations == parser.get_default("iterations") else args.iterations
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            paths = write_runs(Path(tmp), sites, iterations, args.record_kib, args.chunk)
+            print(f"2 runs of {sites} sites x {iterations} iterations x {args.record_kib} KiB")
+            bench_instructions(paths, Path(tmp))
+        return
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         t0 = time.perf_counter()
         paths = write_runs(Path(tmp), args.sites, args.iterations, args.record_kib, args.chunk)
