@@ -174,3 +174,70 @@ def test_under_warnings_as_errors_the_steps_run_and_the_warning_comes_at_exit() 
     for site in _uncopyable_sites("strict"):
         assert list(tracer.results[site].iterations) == [1, 2, 3]
         _check_marker(site, tracer.results[site].values[0])
+
+
+# -- records the built-in statistics reducer cannot reduce -----------------------------------
+
+
+class Packs(nn.Module):
+    """Holds a packed sub-byte tensor (torch can neither copy nor reduce one) beside x."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = torch.zeros(4, dtype=getattr(torch, SUB_BYTE[0]))  # noqa: F841 (recorded)
+        return x * 2
+
+
+@pytest.mark.skipif(not SUB_BYTE, reason="this torch has no sub-byte dtypes")
+def test_a_record_vartrace_stats_cannot_reduce_becomes_a_marker_in_the_file(tmp_path) -> None:
+    """The built-in reducer never raises (a user's callback would, as a CallbackError)."""
+    model = Packs()
+    sites = ["forward.packed", "forward.x"]
+    with (
+        pytest.warns(RuntimeWarning, match=r"site 'forward\.packed': cannot reduce a torch\."),
+        H5PYSaverCallback(tmp_path / "run.h5", metadata=False) as saver,
+        ModelTracer(
+            model,
+            sites,
+            pre_save_callbacks=[vartrace.stats()],
+            post_gather_callbacks=[saver],
+            change_detection=False,
+        ),
+    ):
+        for step in range(2):
+            model(torch.full((3,), float(step)))
+    with vartrace.open(tmp_path / "run.h5") as run:
+        marker = run["forward.packed"].get(iteration=2)
+        assert isinstance(marker, vartrace.Unstored)
+        assert marker.startswith(f"torch.{SUB_BYTE[0]} tensor of shape (4,): cannot reduce it")
+        assert "vartrace.stats()" in marker
+        assert run["forward.x"].get(iteration=2)["mean"] == 1.0
+
+
+class Nibbles(nn.Module):
+    """Packs under another site name: a site warns once per process."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        nibbles = torch.zeros(4, dtype=getattr(torch, SUB_BYTE[0]))  # noqa: F841 (recorded)
+        return x * 2
+
+
+@pytest.mark.warnings_as_errors
+@pytest.mark.skipif(not SUB_BYTE, reason="this torch has no sub-byte dtypes")
+def test_under_warnings_as_errors_a_record_stats_cannot_reduce_breaks_no_step() -> None:
+    model = Nibbles()
+    steps = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tracer = ModelTracer(
+            model,
+            ["forward.nibbles"],
+            pre_save_callbacks=[vartrace.stats()],
+            change_detection=False,
+        )
+        with pytest.raises(RuntimeWarning, match=r"cannot reduce a torch\."), tracer:
+            for step in range(3):
+                model(torch.full((3,), float(step)))
+                steps += 1
+    assert steps == 3
+    values = tracer.results["forward.nibbles"].values
+    assert len(values) == 3 and all(isinstance(v, vartrace.Unstored) for v in values)

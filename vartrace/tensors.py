@@ -46,7 +46,7 @@ _IMMUTABLE: frozenset[type] = frozenset(
     {int, float, bool, complex, str, bytes, type(None), type(Ellipsis)}
 )
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_uncopyable_warned: set[str] = set()  # the sites whose value could not be copied
+_uncopyable_warned: set[str] = set()  # the sites whose value could not be copied (or reduced)
 _MAX_EXPANDED_BYTES = 1 << 30
 # Compared with ``==``: reading ``device.type`` builds a str, about a microsecond a record.
 _CPU = torch.device("cpu")
@@ -263,14 +263,21 @@ def failed_copy(tensor: torch.Tensor, site: str, error: BaseException) -> Unstor
     return _uncopyable(site, _tensor_text(tensor), _first_line(error))
 
 
-def _uncopyable(site: str, what: str, why: str) -> Unstored:
-    """The marker recorded for `what` at `site` that cannot be copied because of `why`;
-    warns the first time a site gives one."""
-    marker = Unstored(f"{what}: cannot copy it ({why})")
+def failed_reduction(value: Any, site: str, reducer: str, error: BaseException) -> Unstored:
+    """The marker (warned once per site) for `value` that vartrace's own pre-save
+    `reducer` (`"vartrace.stats()"`) could not reduce: it raised `error`."""
+    what = _tensor_text(value) if isinstance(value, torch.Tensor) else type(value).__qualname__
+    return _uncopyable(site, what, f"{reducer}: {_first_line(error)}", verb="reduce")
+
+
+def _uncopyable(site: str, what: str, why: str, verb: str = "copy") -> Unstored:
+    """The marker recorded for `what` at `site` that cannot be copied (or reduced:
+    `verb`) because of `why`; warns the first time a site gives one."""
+    marker = Unstored(f"{what}: cannot {verb} it ({why})")
     if site not in _uncopyable_warned:
         _uncopyable_warned.add(site)
         warn(
-            f"vartrace: site {site!r}: cannot copy a {what} ({why}); "
+            f"vartrace: site {site!r}: cannot {verb} a {what} ({why}); "
             f"recording the marker {marker!r} instead of the live value",
             RuntimeWarning,
             stacklevel=3,

@@ -330,8 +330,19 @@ class StatsReducer:
         )
 
     def __call__(self, name: str, value: Any, iteration: int) -> Any:
+        """`value`'s statistics record.  A built-in callback never breaks the step: a value
+        it cannot reduce (a dtype torch cannot read, a device out of memory) becomes a
+        marker, with a warning the first time its site gives one."""
         if self.sites is not None and not any(fnmatch.fnmatchcase(name, p) for p in self.sites):
             return value
+        try:
+            return self._reduce(value)
+        except Exception as error:
+            from vartrace.tensors import failed_reduction  # (torch is there: a tensor raised)
+
+            return failed_reduction(value, name, "vartrace.stats()", error)
+
+    def _reduce(self, value: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(value, torch.Tensor):
             if value.layout is not torch.strided or value.is_meta or value.is_quantized:
