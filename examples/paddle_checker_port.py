@@ -28,7 +28,7 @@ from torch import nn
 
 import vartrace
 from vartrace import compare
-from vartrace.tracer import ModelTracer
+from vartrace.tracing.tracer import ModelTracer
 
 COLUMNS = (
     "layer",

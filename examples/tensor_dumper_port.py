@@ -27,7 +27,7 @@ import vartrace
 from vartrace import compare
 from vartrace.cli import main as vartrace_cli
 from vartrace.storage.writer import H5PYSaverCallback
-from vartrace.tracer import ModelTracer
+from vartrace.tracing.tracer import ModelTracer
 
 
 def train(path: Path, lr: float, steps: int = 12) -> None:

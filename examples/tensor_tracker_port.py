@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import vartrace
-from vartrace.sources import results_frame
-from vartrace.tracer import ModelTracer
+from vartrace.analysis.sources import results_frame
+from vartrace.tracing.tracer import ModelTracer
 
 
 class Model(nn.Module):

@@ -26,9 +26,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import vartrace
-from vartrace.callbacks import reduce_chunk, stack_padded_tensors
 from vartrace.storage.writer import H5PYSaverCallback
-from vartrace.tracer import ModelTracer
+from vartrace.tracing.callbacks import reduce_chunk, stack_padded_tensors
+from vartrace.tracing.tracer import ModelTracer
 
 BATCH, FEATURES, CLASSES, EPOCHS = 8, 10, 3, 2
 

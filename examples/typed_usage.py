@@ -20,7 +20,7 @@ from torch import nn
 
 import vartrace
 from vartrace import H5PYSaverCallback, ModelTracer, Run, Site, Trace
-from vartrace.tracer import GatherCallback
+from vartrace.tracing.tracer import GatherCallback
 
 
 def halve(name: str, value: torch.Tensor, iteration: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vartrace import distributed
+from vartrace.distributed import gathers as distributed
 from vartrace.trace import Trace
 
 

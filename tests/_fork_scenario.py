@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from vartrace.storage import H5PYSaverCallback
-from vartrace.tracer import ModelTracer
+from vartrace.tracing.tracer import ModelTracer
 
 
 class Net(nn.Module):

@@ -314,8 +314,8 @@ def read_everything(path: Path) -> None:
     itself under ``compare``.
     """
     import vartrace
+    from vartrace.analysis.sources import open_source, record_stats
     from vartrace.cli import main as cli_main
-    from vartrace.sources import open_source, record_stats
 
     with vartrace.open(path) as run:
         _ = (run.names, run.meta, run.live)

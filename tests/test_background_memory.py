@@ -21,7 +21,8 @@ from torch import nn
 
 import vartrace
 from tests._peak import host_memory_bench
-from vartrace import H5PYSaverCallback, ModelTracer, _memory
+from vartrace import H5PYSaverCallback, ModelTracer
+from vartrace._support import memory as _memory
 from vartrace.trace import Trace
 
 _RECORD, _EVERY, _STEPS = 30 << 20, 4, 8  # the second gather fills while the first is written

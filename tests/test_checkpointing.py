@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tests._hf import tiny_llama
-from vartrace.tracer import ModelTracer
+from vartrace.tracing.tracer import ModelTracer
 
 SITES = [
     "blocks.*@grad",  # module outputs

@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from vartrace.callbacks import stack_padded_tensors
 from vartrace.storage.writer import H5PYSaverCallback
 from vartrace.trace import RunContext
-from vartrace.tracer import ModelTracer
+from vartrace.tracing.callbacks import stack_padded_tensors
+from vartrace.tracing.tracer import ModelTracer
 
 
 def vartrace(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

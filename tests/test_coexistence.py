@@ -25,7 +25,7 @@ import vartrace
 from tests._env import child_env
 from tests._models import TinyTransformer, tokens
 from vartrace.storage import H5PYSaverCallback
-from vartrace.tracer import ModelTracer
+from vartrace.tracing.tracer import ModelTracer
 
 
 class Net(nn.Module):
@@ -229,7 +229,7 @@ _COVERED_SCRIPT = """
 import json
 import torch
 from torch import nn
-from vartrace.tracer import ModelTracer
+from vartrace.tracing.tracer import ModelTracer
 
 class Net(nn.Module):
     def __init__(self):

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from vartrace.comparison import Comparison, Divergence, compare
-from vartrace.sources import results_frame
+from vartrace.analysis.comparison import Comparison, Divergence, compare
+from vartrace.analysis.sources import results_frame
 from vartrace.trace import Trace
 
 SITES = ("embed", "layers.0.out", "layers.1.out", "loss")
@@ -280,7 +280,7 @@ def test_tracers_and_float64_reference() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     reference = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
     reference.load_state_dict(model.state_dict())
-    from vartrace.tracer import ModelTracer
+    from vartrace.tracing.tracer import ModelTracer
 
     x = torch.randn(5, 4)
     with ModelTracer(model, ["*", "forward"]) as fp32:
@@ -468,7 +468,7 @@ def test_results_frame_matches_run_to_frame(tmp_path) -> None:
 
 
 def test_record_stats_from_a_file(tmp_path) -> None:
-    from vartrace.sources import open_source, record_stats
+    from vartrace.analysis.sources import open_source, record_stats
 
     results = make_results()
     write_run(tmp_path / "a.h5", results)
@@ -483,7 +483,7 @@ def test_record_stats_from_a_file(tmp_path) -> None:
 
 def test_zero_copy_views_and_hdf5_reads_agree(tmp_path) -> None:
     """Records viewed in place through a memory map give exactly what HDF5 reads give."""
-    from vartrace.sources import BufferPool, open_source
+    from vartrace.analysis.sources import BufferPool, open_source
     from vartrace.storage.writer import H5PYSaverCallback
 
     generator = torch.Generator().manual_seed(5)
@@ -530,7 +530,7 @@ def test_zero_copy_views_and_hdf5_reads_agree(tmp_path) -> None:
 
 
 def test_buffer_pool_reuses_memory() -> None:
-    from vartrace.sources import BufferPool
+    from vartrace.analysis.sources import BufferPool
 
     pool = BufferPool()
     first = pool.take((4, 8), np.dtype(np.float32))
@@ -548,7 +548,7 @@ def test_buffer_pool_reuses_memory() -> None:
 
 def test_blocks_reduced_on_threads_fill_their_own_rows(monkeypatch) -> None:
     """Many small blocks per site, finishing in any order, give the one-thread report."""
-    from vartrace.comparison import _engine as compare_module
+    from vartrace.analysis.comparison import _engine as compare_module
 
     monkeypatch.setattr(compare_module, "_READ_BYTES", 4 * 6 * 8 * 2)  # two records a block
     perturb = {(name, it): 1e-3 * it for name in SITES[1:3] for it in (2, 5, 7)}
@@ -568,7 +568,9 @@ def test_blocks_reduced_on_threads_fill_their_own_rows(monkeypatch) -> None:
 
 def test_vartrace_compare_stays_the_function_after_submodule_imports() -> None:
     import vartrace
-    import vartrace.comparison.report  # importing the subpackage must not shadow the function
+
+    # importing the subpackage must not shadow the function
+    import vartrace.analysis.comparison.report
 
     assert callable(vartrace.compare)
     assert vartrace.compare is compare and vartrace.Comparison is Comparison
@@ -587,7 +589,7 @@ class _Block(nn.Module):
 def _record_run(path, dtype: torch.dtype) -> None:
     """The same model and inputs, traced in ``dtype``, saved to ``path``."""
     from vartrace.storage.writer import H5PYSaverCallback
-    from vartrace.tracer import ModelTracer
+    from vartrace.tracing.tracer import ModelTracer
 
     torch.manual_seed(0)
     model = _Block().to(dtype)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from vartrace.comparison import compare
+from vartrace.analysis.comparison import compare
 from vartrace.storage.writer import H5PYSaverCallback
 from vartrace.trace import Trace
 
@@ -114,7 +114,7 @@ def test_chunks_of_new_and_continued_files_start_at_cache_line_offsets(tmp_path)
     """A memory map of a run then gives numpy aligned arrays, which it reduces in place."""
     import h5py
 
-    from vartrace.sources.chunk_maps import FileMaps
+    from vartrace.analysis.sources.chunk_maps import FileMaps
 
     rng = np.random.default_rng(4)
     path = tmp_path / "run.h5"
@@ -132,7 +132,7 @@ def test_chunks_of_new_and_continued_files_start_at_cache_line_offsets(tmp_path)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_unaligned_records_give_the_numbers_of_aligned_ones(dtype: type) -> None:
     """Files written before chunks were aligned: their records lie at odd offsets."""
-    from vartrace.comparison._stats import numeric_stats
+    from vartrace.analysis.comparison._stats import numeric_stats
 
     rng = np.random.default_rng(5)
     a = rng.standard_normal((9, 3000)).astype(dtype)

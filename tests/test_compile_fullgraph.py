@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from vartrace.tracer import ModelTracer
+from vartrace.tracing.tracer import ModelTracer
 
 # Said whenever a compiled model is traced; not what these tests are about.
 pytestmark = pytest.mark.filterwarnings("ignore:vartrace. the model is compiled")

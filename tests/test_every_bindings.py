@@ -150,7 +150,7 @@ def test_patterns_that_recorded_nothing_are_still_told_and_the_others_are_not() 
 
 def test_a_file_keys_by_binding_in_to_frame_plot_show_and_compare(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from vartrace.plot import plot_stat
+    from vartrace.analysis.plot import plot_stat
 
     path = tmp_path / "run.h5"
     _traced(["forward.scores@every"], path)

@@ -20,9 +20,9 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
-from vartrace.gradients import _ParameterWatch
 from vartrace.trace import Trace
-from vartrace.tracer import ModelTracer
+from vartrace.tracing.gradients import _ParameterWatch
+from vartrace.tracing.tracer import ModelTracer
 
 VOCAB, SEQ, BATCH = 32, 6, 2
 SCORES = "layers.*.attn.forward.scores@grad"

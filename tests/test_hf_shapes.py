@@ -28,7 +28,7 @@ from tests._models import WithBatchNorm
 from vartrace import ModelTracer
 from vartrace.engine import patching
 from vartrace.engine.frames import FrameCore, MonitoringCore, SettraceCore
-from vartrace.sites import resolve
+from vartrace.tracing.sites import resolve
 
 CORES = [SettraceCore] + ([MonitoringCore] if hasattr(sys, "monitoring") else [])
 

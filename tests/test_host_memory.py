@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vartrace import _memory
+from vartrace._support import memory as _memory
 
 pytestmark = pytest.mark.skipif(
     _memory._malloc_trim() is None, reason="the C library has no malloc_trim (not glibc)"
@@ -74,7 +74,11 @@ def test_a_users_own_mmap_threshold_is_left_alone(
     environment: dict[str, str], expected: str
 ) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", "from vartrace import _memory; print(_memory.map_large_blocks())"],
+        [
+            sys.executable,
+            "-c",
+            "from vartrace._support import memory as _memory; print(_memory.map_large_blocks())",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -21,7 +21,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def _graph(package: str) -> dict[str, set[str]]:
-    folder = PACKAGE / package
+    folder = PACKAGE.joinpath(*package.split("."))
     modules = {
         f"vartrace.{package}.{p.stem}": p for p in folder.glob("*.py") if p.stem != "__init__"
     }
@@ -29,13 +29,15 @@ def _graph(package: str) -> dict[str, set[str]]:
 
 
 def test_sources_is_a_package_of_one_concept_per_module_without_cycles() -> None:
-    graph = _graph("sources")
+    graph = _graph("analysis.sources")
     assert set(graph) == {
-        f"vartrace.sources.{name}"
+        f"vartrace.analysis.sources.{name}"
         for name in ("frames", "buffers", "chunk_maps", "views", "source")
     }
     order = list(graphlib.TopologicalSorter(graph).static_order())  # raises on a cycle
-    assert order.index("vartrace.sources.views") < order.index("vartrace.sources.source")
+    assert order.index("vartrace.analysis.sources.views") < order.index(
+        "vartrace.analysis.sources.source"
+    )
 
 
 def test_statistics_is_one_package_the_analysis_side_imports_never_the_reverse() -> None:
@@ -53,16 +55,24 @@ def test_statistics_is_one_package_the_analysis_side_imports_never_the_reverse()
         for imported in _imports(path)
         if not imported.startswith("vartrace.statistics")
     }
-    assert not {m for m in outside if m.startswith(("vartrace.sources", "vartrace.storage"))}
-    assert not {m for m in outside if m.startswith(("vartrace.comparison", "vartrace.plot"))}
+    assert not {
+        m for m in outside if m.startswith(("vartrace.analysis.sources", "vartrace.storage"))
+    }
+    assert not {
+        m
+        for m in outside
+        if m.startswith(("vartrace.analysis.comparison", "vartrace.analysis.plot"))
+    }
     users = [
-        p for p in (PACKAGE / "sources").glob("*.py") if "vartrace.statistics.named" in _imports(p)
+        p for p in (PACKAGE / "analysis" / "sources").glob("*.py") if "vartrace.statistics.named" in _imports(p)
     ]
     assert users, "the read side computes its named statistics from vartrace.statistics"
 
 
 def test_comparison_modules_import_one_way() -> None:
-    graph = _graph("comparison")
+    graph = _graph("analysis.comparison")
     list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a circle
-    assert "vartrace.comparison._engine" not in graph["vartrace.comparison.report"]
-    assert "vartrace.comparison.report" in graph["vartrace.comparison._engine"]
+    assert (
+        "vartrace.analysis.comparison._engine" not in graph["vartrace.analysis.comparison.report"]
+    )
+    assert "vartrace.analysis.comparison.report" in graph["vartrace.analysis.comparison._engine"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests._peak import host_memory_bench
-from vartrace import _memory
+from vartrace._support import memory as _memory
 
 pytestmark = pytest.mark.skipif(
     _memory._malloc_trim() is None or not Path("/proc/self/clear_refs").exists(),

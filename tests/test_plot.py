@@ -1,4 +1,4 @@
-"""vartrace.plot: statistic curves and similarity heat maps written as real PNG files."""
+"""vartrace.analysis.plot: statistic curves and similarity heat maps written as real PNG files."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from vartrace.plot import plot_similarity, plot_stat
+from vartrace.analysis.plot import plot_similarity, plot_stat
 from vartrace.trace import Trace
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

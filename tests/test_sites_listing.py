@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import vartrace
-from vartrace.sites import resolve
+from vartrace.tracing.sites import resolve
 
 
 class Block(nn.Linear):

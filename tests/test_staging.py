@@ -37,7 +37,7 @@ SCENARIOS: dict[str, list[str]] = {
     "values": ["layers.*", "layers.*.attn._scores", "embed.weight", "head.weight", "forward"],
     "grad": ["layers.*.attn._scores@grad", "layers.*@grad", "head.weight@grad"],
     "every": ["forward.x@every"],  # x is rebound once per layer
-    "record": ["head"],  # and the loss, by vartrace.record
+    "record": ["head"],  # and the loss, by vartrace.tracing.manual
 }
 
 

@@ -287,8 +287,8 @@ def test_show_prints_statistics_records(runs: Any, capsys: Any) -> None:
 
 
 def test_plot_stat_of_statistics_sites(runs: Any, capsys: Any) -> None:
+    from vartrace.analysis.plot import plot_stat
     from vartrace.cli import main
-    from vartrace.plot import plot_stat
 
     fig = plot_stat(runs / "stats.h5", ["layers.*.forward", "head.forward"], "absmax,nan,q0.5")
     absmax, nan, median = fig.axes[:3]
@@ -354,7 +354,7 @@ def test_recipe_every_module_output_and_grad_of_a_12_layer_model(tmp_path: Any) 
     import gc
     import tracemalloc
 
-    from vartrace.plot import plot_stat
+    from vartrace.analysis.plot import plot_stat
 
     torch.manual_seed(0)
     model = _Deep()

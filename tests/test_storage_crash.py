@@ -38,7 +38,7 @@ import torch
 from torch import nn
 import vartrace
 from vartrace.storage import H5PYSaverCallback
-from vartrace.tracer import ModelTracer
+from vartrace.tracing.tracer import ModelTracer
 
 class Net(nn.Module):
     def __init__(self):

@@ -16,10 +16,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vartrace.callbacks import stack_padded_tensors, stack_tensors
 from vartrace.storage import H5PYSaverCallback, PickleNotAllowedError, open_run
 from vartrace.storage._layout import escape, unescape
 from vartrace.trace import Trace
+from vartrace.tracing.callbacks import stack_padded_tensors, stack_tensors
 
 TORCH_DTYPES = [
     torch.float16,

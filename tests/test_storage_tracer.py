@@ -12,9 +12,9 @@ import torch
 
 import vartrace
 from tests._models import TinyTransformer, tokens
-from vartrace.callbacks import stack_padded_tensors
 from vartrace.storage import H5PYSaverCallback
-from vartrace.tracer import ModelTracer
+from vartrace.tracing.callbacks import stack_padded_tensors
+from vartrace.tracing.tracer import ModelTracer
 
 PATHS = [
     "forward.tokens",

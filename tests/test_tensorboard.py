@@ -146,7 +146,9 @@ def test_ranks_get_their_own_tags_and_odd_records_are_skipped(tmp_path: Path) ->
         saver("out", Trace([np.array([1.0, 2.0]), np.array([4.0])], [1, 1], [0, 1], [3, 4]))
         saver("note", Trace(["warm-up"], [1], [0], [5]))
     logdir = tmp_path / "board"
-    written = vartrace.tensorboard.export_run(path, logdir, stats=["mean"], histograms=False)
+    written = vartrace.analysis.tensorboard.export_run(
+        path, logdir, stats=["mean"], histograms=False
+    )
     assert written == 5
     events = _events(logdir)
     assert set(events.Tags()["scalars"]) == {
@@ -193,7 +195,7 @@ def test_a_scalar_record_is_one_chart_of_its_value(tmp_path: Path) -> None:
         site = run["forward.loss"]
         losses = {int(i): float(site.record(n)) for n, i in enumerate(site.iterations)}
     assert sorted(losses) == [1, 2, 3]
-    assert vartrace.tensorboard.export_run(path, tmp_path / "exported") == 6
+    assert vartrace.analysis.tensorboard.export_run(path, tmp_path / "exported") == 6
     for events in (_events(logdir), _events(tmp_path / "exported")):
         assert set(events.Tags()["scalars"]) == {"forward.loss", "forward.number"}
         assert events.Tags()["histograms"] == []

@@ -42,7 +42,7 @@ import sys
 import torch
 from torch import nn
 from vartrace.storage.writer import H5PYSaverCallback
-from vartrace.tracer import ModelTracer
+from vartrace.tracing.tracer import ModelTracer
 
 KEYS = {keys!r}
 

@@ -14,7 +14,7 @@ import torch
 
 import vartrace
 from vartrace import ModelTracer
-from vartrace.sites import resolve
+from vartrace.tracing.sites import resolve
 
 transformers = pytest.importorskip("transformers")
 

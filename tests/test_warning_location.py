@@ -1,6 +1,6 @@
 """vartrace's warnings name the user's line, not vartrace's (or torch's) file.
 
-On Python 3.12+ ``vartrace._warnings.warn`` uses ``skip_file_prefixes``; before, a
+On Python 3.12+ ``vartrace._support.warnings.warn`` uses ``skip_file_prefixes``; before, a
 ``stacklevel`` computed by walking the stack.  The tests hold on both.
 """
 
@@ -14,7 +14,7 @@ from torch import nn
 
 import vartrace
 from vartrace import ModelTracer
-from vartrace._warnings import warn
+from vartrace._support.warnings import warn
 
 THIS_FILE = str(Path(__file__).resolve())
 PACKAGE = str(Path(vartrace.__file__).resolve().parent)

@@ -52,7 +52,7 @@ def bench_overhead(size: str, rounds: int, block: int) -> str:
     """Median step time untraced and with ``@grad`` tracing, as a table of ratios."""
     import torch
 
-    from vartrace.tracer import ModelTracer
+    from vartrace.tracing.tracer import ModelTracer
 
     model, step = training_step(size)
 
@@ -95,7 +95,7 @@ def bench_overhead(size: str, rounds: int, block: int) -> str:
 
 def _peak_rss_child(size: str, steps: int, traced: bool) -> None:
     """Train ``steps`` steps in this process and print the peak RSS in KiB."""
-    from vartrace.tracer import ModelTracer
+    from vartrace.tracing.tracer import ModelTracer
 
     model, step = training_step(size)
     tracing = (

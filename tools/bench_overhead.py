@@ -581,7 +581,7 @@ def engine_only(model: object, paths: list[str], read: bool) -> Iterator[None]:
     import torch
 
     from vartrace.engine import Hook, Probe, attach, detach
-    from vartrace.sites import resolve
+    from vartrace.tracing.sites import resolve
 
     def discard(site: str, value: object, grad: bool) -> None:
         pass
@@ -616,7 +616,7 @@ def minimal_tracer(model: Any, which: str, patch: bool) -> Iterator[None]:
     import torch
     import wrapt
 
-    from vartrace.tensors import same
+    from vartrace.tracing.tensors import same
 
     reads = FLOOR_READS[which]
     sites: dict[int, tuple[tuple[str, str], ...]] = {}

@@ -356,7 +356,7 @@ _MEMORY_CHILD = """
 import contextlib, resource, sys, torch
 sys.path.insert(0, {tools!r})
 from bench_overhead import build_model, TRACED_PATHS
-from vartrace.tracer import ModelTracer
+from vartrace.tracing.tracer import ModelTracer
 contender = {contender!r}
 if "h5py" in contender:
     from vartrace.storage import H5PYSaverCallback
@@ -461,7 +461,7 @@ def bench_overhead(size: str, rounds: int, block: int, compressions: list[str]) 
 
     from vartrace import stats
     from vartrace.storage import H5PYSaverCallback
-    from vartrace.tracer import ModelTracer
+    from vartrace.tracing.tracer import ModelTracer
 
     model, tokens = build_model(size)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -24,8 +24,9 @@ import importlib.metadata
 import re
 from typing import TYPE_CHECKING, Any
 
-from vartrace.record import DROP, Unstored, record
+from vartrace.markers import DROP, Unstored
 from vartrace.trace import RunContext, Trace
+from vartrace.tracing.manual import record
 
 _OLDEST_TORCH = (2, 10)
 """The oldest torch release vartrace is tested on (`.ci/run` runs a job on it)."""
@@ -54,24 +55,24 @@ _refuse_older_torch()
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ModelTracer": "vartrace.tracer",
-    "CallbackError": "vartrace.tracer",
-    "Results": "vartrace.results",
-    "list_sites": "vartrace.sites",
-    "sites_of_type": "vartrace.sites",
-    "stack_tensors": "vartrace.callbacks",
-    "stack_padded_tensors": "vartrace.callbacks",
-    "reduce_chunk": "vartrace.callbacks",
+    "ModelTracer": "vartrace.tracing.tracer",
+    "CallbackError": "vartrace.tracing.tracer",
+    "Results": "vartrace.tracing.results",
+    "list_sites": "vartrace.tracing.sites",
+    "sites_of_type": "vartrace.tracing.sites",
+    "stack_tensors": "vartrace.tracing.callbacks",
+    "stack_padded_tensors": "vartrace.tracing.callbacks",
+    "reduce_chunk": "vartrace.tracing.callbacks",
     "H5PYSaverCallback": "vartrace.storage.writer",
     "open": "vartrace.storage.reader:open_run",
     "Run": "vartrace.storage.reader",
     "Site": "vartrace.storage.reader",
-    "compare": "vartrace.comparison",
-    "Comparison": "vartrace.comparison",
+    "compare": "vartrace.analysis.comparison",
+    "Comparison": "vartrace.analysis.comparison",
     "stats": "vartrace.statistics.records",
     "Statistics": "vartrace.statistics.records",
     "ReducedFrom": "vartrace.reduced",
-    "TensorBoardCallback": "vartrace.tensorboard",
+    "TensorBoardCallback": "vartrace.analysis.tensorboard",
 }
 
 __all__ = [
@@ -102,17 +103,17 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from vartrace.callbacks import reduce_chunk, stack_padded_tensors, stack_tensors
-    from vartrace.comparison import Comparison, compare
+    from vartrace.analysis.comparison import Comparison, compare
+    from vartrace.analysis.tensorboard import TensorBoardCallback
     from vartrace.reduced import ReducedFrom
-    from vartrace.results import Results
-    from vartrace.sites import list_sites, sites_of_type
     from vartrace.statistics.records import Statistics, stats
     from vartrace.storage.reader import Run, Site
     from vartrace.storage.reader import open_run as open
     from vartrace.storage.writer import H5PYSaverCallback
-    from vartrace.tensorboard import TensorBoardCallback
-    from vartrace.tracer import CallbackError, ModelTracer
+    from vartrace.tracing.callbacks import reduce_chunk, stack_padded_tensors, stack_tensors
+    from vartrace.tracing.results import Results
+    from vartrace.tracing.sites import list_sites, sites_of_type
+    from vartrace.tracing.tracer import CallbackError, ModelTracer
 
 
 def __getattr__(name: str) -> Any:

@@ -17,17 +17,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from vartrace.errors import TraceLengthError
+
 if TYPE_CHECKING:  # annotations only: this module imports neither at run time
     import numpy as np
     import torch
 
-from vartrace._warnings import warn
+from vartrace._support.warnings import warn
 
 __all__ = ["RunContext", "Trace", "TraceLengthError", "report_during"]
-
-
-class TraceLengthError(ValueError):
-    """A callback left `values`, `iterations`, `ranks` and `order` unequal in length."""
 
 
 #: Per-record tags: a list of ints, or a 1-D integer tensor / array once stacked.

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterator, Mapping
 from types import CodeType, FrameType, FunctionType
 from typing import Any
 
-from vartrace._warnings import warn
+from vartrace._support.warnings import warn
 
 __all__ = [
     "Callee",

@@ -36,7 +36,7 @@ from typing import Any
 
 import wrapt
 
-from vartrace._warnings import warn
+from vartrace._support.warnings import warn
 from vartrace.engine.frames import Callee, FrameCore, default_core
 from vartrace.engine.paths import Pattern, States
 from vartrace.engine.structures import children, leaf_types, select

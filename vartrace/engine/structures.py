@@ -36,9 +36,9 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from vartrace._markers import Unstored
-from vartrace._warnings import warn
+from vartrace._support.warnings import warn
 from vartrace.engine.paths import Pattern, States
+from vartrace.markers import Unstored
 
 __all__ = ["Unstored", "children", "leaf_types", "leaves", "register_container", "select"]
 

@@ -7,7 +7,7 @@
 - `named`: the named statistics (`mean`, `absmax`, ...) that readers, plots and comparisons
   compute over recorded values, statistics records included.
 
-The analysis side (`vartrace.sources`, the reader, `compare`, `plot`) imports this package;
+The analysis side (`vartrace.analysis.sources`, the reader, `compare`, `plot`) imports this package;
 nothing here imports them.
 
 Example:

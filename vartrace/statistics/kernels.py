@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from vartrace._warnings import warn
+from vartrace._support.warnings import warn
 
 __all__ = [
     "BLOCK",

@@ -338,7 +338,9 @@ class StatsReducer:
         try:
             return self._reduce(value)
         except Exception as error:
-            from vartrace.tensors import failed_reduction  # (torch is there: a tensor raised)
+            from vartrace.tracing.tensors import (
+                failed_reduction,  # (torch is there: a tensor raised)
+            )
 
             return failed_reduction(value, name, "vartrace.stats()", error)
 

@@ -17,7 +17,7 @@ that make plain `h5py.File` refuse such a file.  The layout is described in
 converted where they are read or written.
 """
 
-from vartrace.record import Unstored
+from vartrace.markers import Unstored
 from vartrace.storage._codec import PickleNotAllowedError
 from vartrace.storage._worker import WorkerError
 from vartrace.storage.metadata import collect_metadata

@@ -31,7 +31,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vartrace.record import Unstored
+from vartrace.errors import PickleNotAllowedError
+from vartrace.markers import Unstored
 
 __all__ = [
     "IN_OTHER",
@@ -112,10 +113,6 @@ STATISTICS = "statistics"
 _PY_SCALARS = {int: Kind.INT, float: Kind.FLOAT, bool: Kind.BOOL, complex: Kind.COMPLEX}
 _PY_TYPES = {Kind.INT: int, Kind.FLOAT: float, Kind.BOOL: bool, Kind.COMPLEX: complex}
 _INT64 = np.iinfo(np.int64)
-
-
-class PickleNotAllowedError(ValueError):
-    """A record holds a pickled object and the run was opened without `allow_pickle=True`."""
 
 
 def unstored(value: Any, error: Exception) -> Leaf:

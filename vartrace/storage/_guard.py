@@ -23,6 +23,8 @@ from typing import Any
 import h5py
 import numpy as np
 
+from vartrace.errors import RunFileError
+
 __all__ = [
     "FREE_READ_BYTES",
     "RunFileError",
@@ -35,18 +37,6 @@ __all__ = [
     "open_object",
     "size_text",
 ]
-
-
-class RunFileError(ValueError):
-    """A run file that vartrace refuses to read, or one holding less than it declares.
-
-    Raised, naming the dataset or link, for data kept outside the file (external
-    storage, external links, virtual datasets mapping other files), for links and
-    structures vartrace never writes, and for reads that a dataset declares larger
-    than what the file holds of it (a damaged or crafted file): reading never
-    allocates more than `FREE_READ_BYTES` or what the file holds (compressed
-    data: at most `MAX_COMPRESSION` times the file's size).
-    """
 
 
 #: Reads up to this size are allowed whatever a dataset holds; larger ones only when the

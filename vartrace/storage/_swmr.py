@@ -18,7 +18,7 @@ from pathlib import Path
 
 import h5py
 
-from vartrace._warnings import warn
+from vartrace._support.warnings import warn
 
 #: Read attempts per piece of metadata: up to 2**READ_ATTEMPTS ns (about 1 s) spent on
 #: one a live writer is rewriting, which takes it microseconds.

@@ -20,13 +20,11 @@ import queue
 import threading
 from collections.abc import Callable
 
+from vartrace.errors import WorkerError
+
 __all__ = ["Worker", "WorkerError"]
 
 _STOP = object()
-
-
-class WorkerError(RuntimeError):
-    """A background job failed; the original exception is the `__cause__`."""
 
 
 class Worker:

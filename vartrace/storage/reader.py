@@ -40,8 +40,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from vartrace._site_names import missing_site
-from vartrace._warnings import warn
+from vartrace._support.text import missing_site
+from vartrace._support.warnings import warn
 from vartrace.reduced import ReducedFrom
 from vartrace.statistics.named import STATS, SUMMARY_FIELDS, reduce_block
 from vartrace.storage._codec import (
@@ -1578,7 +1578,7 @@ class Run:
 
         Columns: site, iteration, rank, order, shape, dtype and the statistic
         (named after `stat`).  `stat` is a name of
-        `vartrace.sources.STATS` (`mean`, `std`, `var`, `min`, `max`,
+        `vartrace.analysis.sources.STATS` (`mean`, `std`, `var`, `min`, `max`,
         `absmax`, `norm` over the finite values; `nan`, `posinf`, `neginf`,
         `zeros`, `count`: float64, NaN for non-numeric records), a field of
         statistics records (`q0.5`; records of [`vartrace.stats`][vartrace.stats] give their

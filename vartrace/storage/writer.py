@@ -43,9 +43,10 @@ from typing import Any, Literal
 import h5py
 import numpy as np
 
-from vartrace import _forks, _memory
-from vartrace._memory import held_bytes
-from vartrace._warnings import release, warn
+from vartrace._support import forks as _forks
+from vartrace._support import memory as _memory
+from vartrace._support.memory import held_bytes
+from vartrace._support.warnings import release, warn
 from vartrace.reduced import ReducedFrom
 from vartrace.storage._codec import (
     IN_OTHER,
@@ -1461,7 +1462,7 @@ class H5PYSaverCallback:
 
     def _release(self) -> None:
         """Give the memory of the records written since the last time back to the system,
-        once they add up to `vartrace._memory.TRIM_ABOVE` (see `vartrace._memory`)."""
+        once they add up to `TRIM_ABOVE` (see `vartrace._support.memory`)."""
         if _memory.release(self._unreleased):
             self._unreleased = 0
 
@@ -1488,7 +1489,7 @@ class H5PYSaverCallback:
         whatever happens.  A write that fails (a full disk) raises nothing: it
         was warned about once and is kept in `failure`.  Then the warnings
         that a `-W error` filter turned into errors during the run are emitted
-        again (see `vartrace._warnings`).
+        again (see `vartrace._support.warnings`).
         """
         with self._lock, _interrupts_held():
             self._close()
@@ -1820,7 +1821,7 @@ class H5PYSaverCallback:
 
 
 def _one_by_one(trace: Trace) -> Iterator[Trace]:
-    """`trace` as it is, or, when it holds a list of records of `vartrace._memory.MAP_FROM`
+    """`trace` as it is, or, when it holds a list of records of `vartrace._support.memory.MAP_FROM`
     bytes or more, its records one at a time, each taken out of `trace.values` as it is
     handed on: a record written is freed (its pages unmapped) while the next is written."""
     values = trace.values

@@ -74,11 +74,11 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from vartrace._warnings import warn
-from vartrace.device._threads import one_openmp_thread
-from vartrace.device.ring import HostRing
-from vartrace.record import Unstored
-from vartrace.tensors import copy_leaf, failed_copy, refused_copy
+from vartrace._support.warnings import warn
+from vartrace.markers import Unstored
+from vartrace.staging._threads import one_openmp_thread
+from vartrace.staging.ring import HostRing
+from vartrace.tracing.tensors import copy_leaf, failed_copy, refused_copy
 
 __all__ = ["FLUSH_BYTES", "FLUSH_RECORDS", "OnFull", "Stager", "StagingStats", "stageable"]
 

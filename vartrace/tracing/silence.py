@@ -30,9 +30,9 @@ from typing import Any
 
 from torch import nn
 
-from vartrace._warnings import warn
+from vartrace._support.warnings import warn
 from vartrace.engine.paths import LINE_MARK, parse
-from vartrace.sites import Target
+from vartrace.tracing.sites import Target
 
 __all__ = ["SilenceWatch"]
 

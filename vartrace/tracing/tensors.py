@@ -27,10 +27,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from vartrace._memory import MAP_FROM, map_large_blocks, memcmp
-from vartrace._warnings import warn
+from vartrace._support.memory import MAP_FROM, map_large_blocks, memcmp
+from vartrace._support.warnings import warn
 from vartrace.engine.structures import children
-from vartrace.record import Unstored
+from vartrace.markers import Unstored
 
 __all__ = [
     "copy_leaf",
@@ -224,7 +224,7 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
             and not detached.is_nested
             and detached.nbytes >= MAP_FROM
         ):
-            map_large_blocks()  # no glibc heap holes from records this large: see vartrace._memory
+            map_large_blocks()  # no glibc heap holes from records this large: see _support.memory
         try:
             refused = refused_copy(detached, site)
             if refused is not None:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vartrace._memory import memcmp
+from vartrace._support.memory import memcmp
 
 #: Elements reduced per group of rows: enough rows to amortise the per-call
 #: cost of numpy on small records, few enough that the group and its float64

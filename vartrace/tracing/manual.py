@@ -14,22 +14,9 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
-from vartrace._markers import Unstored
-
-__all__ = ["DROP", "Unstored", "record"]
-
-
-class _Drop:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "vartrace.DROP"
-
-
-DROP: Final = _Drop()
-"""Return this from a pre-save callback to drop the record."""
+__all__ = ["record", "subscribe", "unsubscribe"]
 
 
 _sinks: list[Callable[[str, Any], None]] = []

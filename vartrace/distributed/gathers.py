@@ -112,9 +112,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vartrace._warnings import warn
-from vartrace.results import join_traces
+from vartrace._support.warnings import warn
 from vartrace.trace import Trace
+from vartrace.tracing.results import join_traces
 
 __all__ = ["final_gathers", "gather_chunk", "new_host_group", "rank", "world_size"]
 
@@ -139,7 +139,7 @@ def rank() -> int:
 
     Example:
         ```python
-        if vartrace.distributed.rank() == 0:
+        if vartrace.distributed.gathers.rank() == 0:
             print("writing the file")
         ```
     """
@@ -151,7 +151,7 @@ def world_size() -> int:
 
     Example:
         ```python
-        shards = [f"run.rank{r}.h5" for r in range(vartrace.distributed.world_size())]
+        shards = [f"run.rank{r}.h5" for r in range(vartrace.distributed.gathers.world_size())]
         ```
     """
     return dist.get_world_size() if _active() else 1

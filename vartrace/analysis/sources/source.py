@@ -6,8 +6,8 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from vartrace.sources.chunk_maps import FileMaps
-from vartrace.sources.views import FileSiteView, MemorySiteView, SiteView
+from vartrace.analysis.sources.chunk_maps import FileMaps
+from vartrace.analysis.sources.views import FileSiteView, MemorySiteView, SiteView
 
 __all__ = ["Source", "open_source"]
 
@@ -16,7 +16,7 @@ class Source:
     """A run in any form: its site names and a `SiteView` per site.
 
     `aliases` maps the names a `**` pattern stored once to the site each reads
-    as (see `vartrace.aliases`).
+    as (see `vartrace.tracing.aliases`).
 
     A source opened from a path closes its file on `close` (or when
     used as a context manager); one wrapping an object the caller opened

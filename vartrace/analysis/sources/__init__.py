@@ -5,7 +5,7 @@ glob of shards, or an open [`Run`][vartrace.Run]), a
 [`ModelTracer`][vartrace.ModelTracer], or `tracer.results` (any mapping of
 site name -> [`Trace`][vartrace.Trace]).  `open_source` wraps each
 in a `Source` whose sites are `SiteView` objects with numpy
-tags and block reads, which `vartrace.comparison` and `vartrace.plot`
+tags and block reads, which `vartrace.analysis.comparison` and `vartrace.analysis.plot`
 build on.  One concept per module, data flowing one way:
 
 - `statistics`: named statistics and numeric views of values;
@@ -22,11 +22,11 @@ Example:
     ```
 """
 
-from vartrace.sources.buffers import BufferPool
-from vartrace.sources.chunk_maps import FileMaps
-from vartrace.sources.frames import results_frame
-from vartrace.sources.source import Source, open_source
-from vartrace.sources.views import SiteView, Unreadable, numeric_groups, record_stats
+from vartrace.analysis.sources.buffers import BufferPool
+from vartrace.analysis.sources.chunk_maps import FileMaps
+from vartrace.analysis.sources.frames import results_frame
+from vartrace.analysis.sources.source import Source, open_source
+from vartrace.analysis.sources.views import SiteView, Unreadable, numeric_groups, record_stats
 from vartrace.statistics.named import STATS, stat_function, value_as_array, value_dtype_name
 
 __all__ = [

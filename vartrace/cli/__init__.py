@@ -114,7 +114,7 @@ def _table(
 ) -> list[str]:
     """The lines of an aligned table; cells are made printable first, so escaped names
     (`\\x1b`) keep the columns aligned."""
-    from vartrace.comparison.report import table
+    from vartrace.analysis.comparison.report import table
 
     return table(header, [[_printable(cell) for cell in row] for row in rows], right)
 
@@ -201,7 +201,7 @@ def _dtypes(view: Any) -> list[str]:
     Numeric records kept outside the site's `values` dataset (another dtype
     than the first record's) are read to name theirs.
     """
-    from vartrace.sources import value_dtype_name
+    from vartrace.analysis.sources import value_dtype_name
 
     found: dict[str, None] = {}
     for row, (dtype, shape) in enumerate(zip(view.dtypes, view.shapes, strict=True)):
@@ -232,7 +232,7 @@ def _site_bytes(site: Any) -> int | None:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from vartrace.sources import open_source
+    from vartrace.analysis.sources import open_source
 
     with _open(args.run) as run, open_source(run) as source:
         aliases: dict[str, str] = getattr(run, "aliases", {})
@@ -273,7 +273,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 def _format_value(value: Any, dtype: str) -> list[str]:
     """Lines showing one record: the full value when small, a summary when big."""
-    from vartrace.sources import Unreadable, value_as_array
+    from vartrace.analysis.sources import Unreadable, value_as_array
 
     if isinstance(value, Unreadable):
         return ["  a pickled object: pass --allow-pickle to read it (it runs code from the file)"]
@@ -303,7 +303,7 @@ def _format_value(value: Any, dtype: str) -> list[str]:
 
 #: The statistics of ``show``'s record table and value summaries.
 _TABLE_STATS = ("mean", "std", "min", "max")
-#: How ``show`` labels the statistics of :data:`vartrace.sources.STATS` it prints.
+#: How ``show`` labels the statistics of :data:`vartrace.analysis.sources.STATS` it prints.
 _FINITE_LABEL = "over finite values"
 #: Counts of the values the statistics leave out, with their labels.
 _NONFINITE = (("nan", "NaN"), ("posinf", "+inf"), ("neginf", "-inf"))
@@ -323,7 +323,7 @@ def _value_text(value: Any) -> str:
 
 
 def _stats_text(array: np.ndarray) -> str:
-    """The one definition of every view (vartrace.sources.STATS): statistics over the finite
+    """The one definition of every view (`analysis.sources.STATS`): statistics over the finite
     values, then the counts of NaN, +inf and -inf when there are any."""
     from vartrace.statistics.named import STATS, reduce_block
 
@@ -346,7 +346,7 @@ def _statistics_lines(value: Any) -> list[str]:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from vartrace.sources import open_source
+    from vartrace.analysis.sources import open_source
 
     with _open(args.run, args.allow_pickle) as run, open_source(run) as source:
         names = _matching(run, args.run, args.sites)
@@ -365,7 +365,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def _show_site(view: Any, name: str, args: argparse.Namespace, single: bool) -> int:
     """Print one site (a table of its records, or its value as of an iteration); 1 if printed."""
-    from vartrace.sources import record_stats
+    from vartrace.analysis.sources import record_stats
 
     ranks = sorted(set(view.ranks.tolist())) if args.rank is None else [args.rank]
     if args.iteration is None:
@@ -576,7 +576,7 @@ def _cmd_sites(args: argparse.Namespace) -> int:
         raise _UserError(f"{args.factory}() failed: {_message(exc)}") from exc
     from torch import nn
 
-    from vartrace.sites import list_sites
+    from vartrace.tracing.sites import list_sites
 
     if not isinstance(model, nn.Module):
         raise _UserError(f"{args.factory}() returned {type(model).__name__}, not a torch.nn.Module")
@@ -588,7 +588,7 @@ def _cmd_sites(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from vartrace.comparison import compare
+    from vartrace.analysis.comparison import compare
 
     run_a = _open(args.a, args.allow_pickle)
     try:
@@ -619,7 +619,7 @@ def _is_run_path(text: str) -> bool:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from vartrace.plot import plot_similarity, plot_stat
+    from vartrace.analysis.plot import plot_similarity, plot_stat
 
     first, rest = args.inputs[0], args.inputs[1:]
     if not rest:
@@ -635,7 +635,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         if similarity:
             other = _open(rest[0], args.allow_pickle)
             try:
-                from vartrace.comparison import compare
+                from vartrace.analysis.comparison import compare
 
                 report = compare(
                     run,
@@ -664,7 +664,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_tensorboard(args: argparse.Namespace) -> int:
-    from vartrace.tensorboard import export_run
+    from vartrace.analysis.tensorboard import export_run
 
     stats = [s for s in args.stat.split(",") if s] if args.stat else None
     with _open(args.run, args.allow_pickle) as run:

@@ -20,7 +20,7 @@ noticed it.  Callers
 need not pass a `stacklevel`.  Example:
 
 ```python
-from vartrace._warnings import warn, release
+from vartrace._support.warnings import warn, release
 
 warn("vartrace: site 'forward.x': ...", RuntimeWarning)   # never raises
 ...

@@ -1,13 +1,15 @@
-"""The marker a record holds where vartrace could not keep a value.
+"""The two markers of the record path: `Unstored` (a value vartrace could not keep) and
+`DROP` (a pre-save callback's "do not keep this record").
 
-A module of its own, importing nothing: the torch-free engine marks references back
-into a walked structure with it, and the tracer, the saver and the readers use it too,
-without one importing the others.
+A leaf importing nothing: the torch-free engine marks references back into a walked
+structure with `Unstored`, and the tracer, the saver and the readers use both.
 """
 
 from __future__ import annotations
 
-__all__ = ["Unstored"]
+from typing import Final
+
+__all__ = ["DROP", "Unstored"]
 
 
 class Unstored(str):
@@ -30,3 +32,20 @@ class Unstored(str):
 
     def __repr__(self) -> str:
         return f"vartrace.Unstored({str.__repr__(self)})"
+
+
+class _Drop:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "vartrace.DROP"
+
+
+DROP: Final = _Drop()
+"""Return this from a pre-save callback to drop the record.  Example:
+
+```python
+def skip_small(name, trace):
+    return vartrace.DROP if trace[0].numel() < 16 else trace
+```
+"""

@@ -4,7 +4,7 @@ Data flows one way: the engine captures leaves from patched methods ->
 pre-save callbacks -> a detached copy -> change detection -> the chunk
 buffer -> pre-gather callbacks -> gather to rank 0 -> post-gather
 callbacks -> [`ModelTracer.results`][vartrace.ModelTracer.results], and post-trace callbacks at the
-end.  With asynchronous staging (`vartrace.device`, the default for a
+end.  With asynchronous staging (`vartrace.staging`, the default for a
 model on an accelerator) the capturing thread only admits each record;
 everything from the copy to the host on runs on the stager's thread, in
 capture order.
@@ -28,25 +28,32 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from vartrace import _exit, _forks, _warnings, distributed
-from vartrace._memory import held_bytes
-from vartrace.aliases import Aliases
-from vartrace.device import (
+from vartrace._support import exit as _exit
+from vartrace._support import forks as _forks
+from vartrace._support import warnings as _warnings
+from vartrace._support.memory import held_bytes
+from vartrace.distributed import gathers as distributed
+from vartrace.engine.frames import set_change_test
+from vartrace.engine.patching import Hook, attach, detach, filter_state
+from vartrace.engine.structures import leaves
+from vartrace.errors import CallbackError
+from vartrace.markers import DROP, Unstored
+from vartrace.reduced import Reductions
+from vartrace.staging import (
     OnFull,
     Stager,
     StagingStats,
     check_device_bytes,
 )
-from vartrace.engine.frames import set_change_test
-from vartrace.engine.patching import Hook, attach, detach, filter_state
-from vartrace.engine.structures import leaves
-from vartrace.gradients import GradientWatcher
-from vartrace.iterations import IterationCounter
-from vartrace.record import DROP, Unstored, subscribe, unsubscribe
-from vartrace.reduced import Reductions
-from vartrace.results import Results, unstacked
-from vartrace.silence import SilenceWatch
-from vartrace.sites import (
+from vartrace.statistics.records import stats
+from vartrace.trace import RunContext, Trace, report_during
+from vartrace.tracing.aliases import Aliases
+from vartrace.tracing.gradients import GradientWatcher
+from vartrace.tracing.iterations import IterationCounter
+from vartrace.tracing.manual import subscribe, unsubscribe
+from vartrace.tracing.results import Results, unstacked
+from vartrace.tracing.silence import SilenceWatch
+from vartrace.tracing.sites import (
     Target,
     fullgraph_regions,
     is_compiled,
@@ -54,8 +61,7 @@ from vartrace.sites import (
     unwrap,
     wildcard_grad_sites,
 )
-from vartrace.statistics.records import stats
-from vartrace.tensors import (
+from vartrace.tracing.tensors import (
     copy_leaf,
     is_transformed,
     same,
@@ -64,7 +70,6 @@ from vartrace.tensors import (
     unchanged,
     untransformed,
 )
-from vartrace.trace import RunContext, Trace, report_during
 
 __all__ = ["CallbackError", "ModelTracer"]
 
@@ -77,22 +82,6 @@ _MISSING = object()
 # ``@every`` sees in-place changes (``.data`` writes, numpy writes, list appends), not only
 # rebinding and version bumps.
 set_change_test(snapshot, unchanged)
-
-
-class CallbackError(RuntimeError):
-    """A callback raised: the message names the callback, its stage and the site.
-
-    The callback's own exception is `__cause__`.
-
-    Example:
-        ```python
-        try:
-            with ModelTracer(model, ["head"], pre_save_callbacks=[reduce_scores]):
-                model(x)
-        except vartrace.CallbackError as error:
-            original = error.__cause__
-        ```
-    """
 
 
 def _name(callback: object) -> str:
@@ -364,7 +353,7 @@ class ModelTracer:
             `"eval"` (by `model.training`) or `"any"`.
         optimizer: number iterations by this optimizer's steps (its
             completed `step()` calls plus one) instead of by model calls;
-            see `vartrace.iterations` for every rule.  A wrapper (accelerate's
+            see `vartrace.tracing.iterations` for every rule.  A wrapper (accelerate's
             `accelerator.prepare(opt)`, Lightning's) counts the steps of the torch
             optimizer it holds.
         change_detection: record a site only when its value changed.
@@ -375,7 +364,7 @@ class ModelTracer:
             `"async"`: a clone on the device and an event at capture, and
             everything else (copy to the host, change detection, gathers,
             post-gather callbacks) on a `vartrace-staging-N` thread, so that
-            the step never waits for the device (see `vartrace.device.staging`).
+            the step never waits for the device (see `vartrace.staging.stager`).
             `"sync"`: each record is copied where it is captured (a
             blocking device-to-host copy on a GPU).  `"auto"` (default):
             `"async"` when the model has parameters or buffers on an
@@ -631,7 +620,7 @@ class ModelTracer:
         """Restore the model, hand over the last chunk and run post-trace callbacks.
 
         Then the warnings that a `-W error` filter turned into errors while the
-        steps ran are emitted again (see `vartrace._warnings`): the first one
+        steps ran are emitted again (see `vartrace._support.warnings`): the first one
         raises here, once every record was handed over.
         """
         self._finish(flush)
@@ -639,7 +628,7 @@ class ModelTracer:
 
     def _stop_at_exit(self) -> None:
         """At interpreter exit, a tracer left running hands its last records on (see
-        `vartrace._exit`); a failure then is a warning, the exit goes on."""
+        `vartrace._support.exit`); a failure then is a warning, the exit goes on."""
         try:
             self._finish(flush=True)
         except Exception as error:
@@ -827,7 +816,7 @@ class ModelTracer:
             target, hook = self._hooks.pop()
             detach(target.module, target.method.name, hook)
 
-    # -- iterations (rules: vartrace.iterations) ------------------------------------------------
+    # -- iterations (rules: vartrace.tracing.iterations) --------------------------------------
 
     def _set_enabled(self, enabled: bool) -> None:
         for _, hook in self._hooks:
@@ -1076,7 +1065,7 @@ class ModelTracer:
         """Hand the chunk through the gather callbacks to the results.
 
         `final`: the tracer's last hand-over, which also joins the gathers of ranks
-        still running (see `vartrace.distributed.final_gathers`).
+        still running (see `vartrace.distributed.gathers.final_gathers`).
         """
         with self._lock:
             chunk, self._chunk = self._chunk, {}

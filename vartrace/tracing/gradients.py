@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.hooks import RemovableHandle
 
-from vartrace._warnings import warn
+from vartrace._support.warnings import warn
 
 __all__ = ["GradientWatcher"]
 

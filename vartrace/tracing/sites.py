@@ -30,8 +30,7 @@ from torch import nn
 from torch._dynamo.eval_frame import _TorchDynamoContext as _DynamoContext
 from torch.nn.modules.module import _global_forward_hooks
 
-from vartrace._warnings import warn
-from vartrace.aliases import Aliases
+from vartrace._support.warnings import warn
 from vartrace.engine.code import (
     CALLEE_SEPARATOR,
     MethodInfo,
@@ -47,6 +46,7 @@ from vartrace.engine.frames import binding_line
 from vartrace.engine.patching import Probe, Selector, Sink
 from vartrace.engine.paths import LINE_MARK, Pattern, States, is_glob, parse
 from vartrace.engine.structures import children, register_container, select
+from vartrace.tracing.aliases import Aliases
 
 __all__ = [
     "Target",
@@ -1031,7 +1031,7 @@ def resolve(
     only the run can tell, or with `strict=False`, it is checked at the
     method's first return instead (a missing key warns then).  The names a `**`
     pattern matches that hold a tensor another of its sites stored are declared to
-    `aliases` (see `vartrace.aliases`).
+    `aliases` (see `vartrace.tracing.aliases`).
     """
     if isinstance(patterns, str):
         patterns = [patterns]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vartrace._site_names import missing_site
+from vartrace._support.text import missing_site
 from vartrace.reduced import ReducedFrom
 from vartrace.trace import Trace
 
@@ -171,6 +171,6 @@ class Results(Mapping[str, Trace]):
         df.groupby("site")["std"].max()
         ```
         """
-        from vartrace.sources import results_frame
+        from vartrace.analysis.sources import results_frame
 
         return results_frame(self, stat)

@@ -3,7 +3,7 @@
 Every site of both runs is indexed first (records matched by iteration, rank
 and occurrence; shapes and dtypes read), its numeric pairs grouped into
 blocks of equally shaped records (`_Task`); then a few threads read
-and reduce the blocks (`vartrace.comparison._stats`) and each block's
+and reduce the blocks (`vartrace.analysis.comparison._stats`) and each block's
 statistics fill its site's rows (`_SiteResult`).
 """
 
@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vartrace.comparison._stats import block_partial, concatenate, finish, numeric_stats
-from vartrace.comparison.report import (
+from vartrace.analysis.comparison._stats import block_partial, concatenate, finish, numeric_stats
+from vartrace.analysis.comparison.report import (
     COLUMNS,
     FLOAT_COLUMNS,
     STATUS_DIFFERS,
@@ -35,7 +35,7 @@ from vartrace.comparison.report import (
     Divergence,
     SiteSummary,
 )
-from vartrace.sources import (
+from vartrace.analysis.sources import (
     BufferPool,
     SiteView,
     Source,
@@ -44,7 +44,7 @@ from vartrace.sources import (
     value_as_array,
     value_dtype_name,
 )
-from vartrace.sources.views import STATISTICS
+from vartrace.analysis.sources.views import STATISTICS
 from vartrace.statistics.named import STATS, statistic_of
 from vartrace.statistics.records import as_statistics
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 
-from vartrace._warnings import warn
+from vartrace._support.warnings import warn
 
 __all__ = ["Aliases"]
 

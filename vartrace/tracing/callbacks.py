@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vartrace._warnings import warn
+from vartrace._support.warnings import warn
 from vartrace.trace import RunContext, Trace
 
 __all__ = ["pad_to", "reduce_chunk", "stack_padded_tensors", "stack_tensors"]

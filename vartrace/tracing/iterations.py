@@ -22,7 +22,7 @@ iteration number chosen by the first rule that applies:
 
 Module hooks run inside a compiled region: under `torch.compile(fullgraph=True)`,
 where no graph break may leave the region for eager code, they cannot count, and the
-traced methods inside cannot record (`vartrace.sites.fullgraph_regions`).
+traced methods inside cannot record (`vartrace.tracing.sites.fullgraph_regions`).
 
 "Outermost" is per thread: two threads calling the model at once make two
 iterations, and each thread's records carry its own call's number.  A model
@@ -151,7 +151,7 @@ class IterationCounter:
         return state.iteration if state.recording and state.in_mode else None
 
     def records_manual(self) -> bool:
-        """Whether a `vartrace.record` call now, in this thread, is recorded."""
+        """Whether a `vartrace.tracing.manual` call now, in this thread, is recorded."""
         state = self._thread
         return state.recording and (state.depth == 0 or state.in_mode)
 

@@ -14,9 +14,9 @@ from typing import Any
 import h5py
 import numpy as np
 
+from vartrace.analysis.sources.buffers import BufferPool
+from vartrace.analysis.sources.chunk_maps import ChunkMap, FileMaps
 from vartrace.reduced import ReducedFrom
-from vartrace.sources.buffers import BufferPool
-from vartrace.sources.chunk_maps import ChunkMap, FileMaps
 from vartrace.statistics.named import (
     BLOCK_BYTES,
     stat_function,

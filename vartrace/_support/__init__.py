@@ -1,0 +1,4 @@
+"""Private helpers every layer may use: warnings, host memory, forks, interpreter exit, text.
+
+Nothing here knows of models, records or files; nothing here is API.
+"""

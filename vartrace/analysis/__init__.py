@@ -1,0 +1,1 @@
+"""Reading runs after the fact: uniform sources, `compare`, plots, TensorBoard export."""
