@@ -6,9 +6,9 @@ order), one entry per record.  While the tracer buffers a chunk these are
 plain lists; stacking callbacks turn `values` into one tensor with a
 leading record dimension and the tags into 1-D integer tensors.
 
-This module imports no torch: it only needs `len()` and slicing of its
-sequences, so the same class serves in-memory results and chunks read
-back from a file.
+This module imports no torch at import time (joining stacked pieces loads it when
+called): a trace only needs `len()` and slicing of its sequences, so the same class
+serves in-memory results and chunks read back from a file.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # annotations only: this module imports neither at run time
 
 from vartrace._support.warnings import warn
 
-__all__ = ["RunContext", "Trace", "TraceLengthError", "report_during"]
+__all__ = ["RunContext", "Trace", "TraceLengthError", "join_traces", "report_during", "unstacked"]
 
 
 #: Per-record tags: a list of ints, or a 1-D integer tensor / array once stacked.
@@ -173,3 +173,64 @@ def report_during(exc: BaseException, what: str, error: Exception) -> None:
     add_note = getattr(exc, "add_note", None)
     if add_note is not None:
         add_note(message)
+
+
+_TAGS = ("iterations", "ranks", "order")
+
+
+def _ints(tags: Any) -> list[int]:
+    return tags.tolist() if hasattr(tags, "tolist") else [int(t) for t in tags]
+
+
+def _pad_cat(stacks: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along records, zero-padding each record dimension to the largest (any dtype)."""
+    import torch
+
+    biggest = [max(sizes) for sizes in zip(*(v.shape[1:] for v in stacks), strict=True)]
+    if all(list(v.shape[1:]) == biggest for v in stacks):
+        return torch.cat(stacks)
+    out = stacks[0].new_zeros((sum(len(v) for v in stacks), *biggest))
+    start = 0
+    for v in stacks:
+        out[(slice(start, start + len(v)), *(slice(0, n) for n in v.shape[1:]))] = v
+        start += len(v)
+    return out
+
+
+def join_traces(pieces: list[Trace]) -> Trace:
+    """One trace holding the records of `pieces`, in order.
+
+    Stacked pieces of one dtype, dimensionality and device stay stacked
+    (zero-padded to the largest record, with `shapes` keeping the true
+    ones where padding happened, and int64 tag tensors); anything else
+    becomes a list of exact-shape records with int tags.
+    """
+    import torch  # here, not at the top: `import vartrace` loads this module without torch
+
+    stacks = [p.values for p in pieces]
+    if all(isinstance(v, torch.Tensor) for v in stacks) and (
+        len({(v.dtype, v.dim(), v.device) for v in stacks}) == 1
+    ):
+        values = _pad_cat(stacks)
+        shapes = None
+        if any(p.shapes is not None for p in pieces) or any(
+            v.shape[1:] != values.shape[1:] for v in stacks
+        ):
+            shapes = [
+                tuple(int(n) for n in shape)
+                for p in pieces
+                for shape in (p.shapes if p.shapes is not None else [p.values.shape[1:]] * len(p))
+            ]
+        tags = [torch.as_tensor([t for p in pieces for t in _ints(getattr(p, f))]) for f in _TAGS]
+        return Trace(values, tags[0], tags[1], tags[2], shapes=shapes)
+    return unstacked(pieces)
+
+
+def unstacked(pieces: list[Trace]) -> Trace:
+    """One trace holding the records of `pieces` in order, as a list with int tags.
+
+    The form captures append to: a chunk a callback stacked goes back to it so.
+    """
+    lists = [[t for p in pieces for t in _ints(getattr(p, f))] for f in _TAGS]
+    records = [record for p in pieces for record in p.records()]
+    return Trace(records, lists[0], lists[1], lists[2])

@@ -113,8 +113,7 @@ import torch
 import torch.distributed as dist
 
 from vartrace._support.warnings import warn
-from vartrace.trace import Trace
-from vartrace.tracing.results import join_traces
+from vartrace.trace import Trace, join_traces
 
 __all__ = ["final_gathers", "gather_chunk", "new_host_group", "rank", "world_size"]
 

@@ -12,69 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import torch
-
 from vartrace._support.text import missing_site
 from vartrace.reduced import ReducedFrom
-from vartrace.trace import Trace
+from vartrace.trace import Trace, join_traces
 
-__all__ = ["Results", "join_traces"]
-
-_TAGS = ("iterations", "ranks", "order")
-
-
-def _ints(tags: Any) -> list[int]:
-    return tags.tolist() if isinstance(tags, torch.Tensor) else [int(t) for t in tags]
-
-
-def _pad_cat(stacks: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate along records, zero-padding each record dimension to the largest (any dtype)."""
-    biggest = [max(sizes) for sizes in zip(*(v.shape[1:] for v in stacks), strict=True)]
-    if all(list(v.shape[1:]) == biggest for v in stacks):
-        return torch.cat(stacks)
-    out = stacks[0].new_zeros((sum(len(v) for v in stacks), *biggest))
-    start = 0
-    for v in stacks:
-        out[(slice(start, start + len(v)), *(slice(0, n) for n in v.shape[1:]))] = v
-        start += len(v)
-    return out
-
-
-def join_traces(pieces: list[Trace]) -> Trace:
-    """One trace holding the records of `pieces`, in order.
-
-    Stacked pieces of one dtype, dimensionality and device stay stacked
-    (zero-padded to the largest record, with `shapes` keeping the true
-    ones where padding happened, and int64 tag tensors); anything else
-    becomes a list of exact-shape records with int tags.
-    """
-    stacks = [p.values for p in pieces]
-    if all(isinstance(v, torch.Tensor) for v in stacks) and (
-        len({(v.dtype, v.dim(), v.device) for v in stacks}) == 1
-    ):
-        values = _pad_cat(stacks)
-        shapes = None
-        if any(p.shapes is not None for p in pieces) or any(
-            v.shape[1:] != values.shape[1:] for v in stacks
-        ):
-            shapes = [
-                tuple(int(n) for n in shape)
-                for p in pieces
-                for shape in (p.shapes if p.shapes is not None else [p.values.shape[1:]] * len(p))
-            ]
-        tags = [torch.as_tensor([t for p in pieces for t in _ints(getattr(p, f))]) for f in _TAGS]
-        return Trace(values, tags[0], tags[1], tags[2], shapes=shapes)
-    return unstacked(pieces)
-
-
-def unstacked(pieces: list[Trace]) -> Trace:
-    """One trace holding the records of `pieces` in order, as a list with int tags.
-
-    The form captures append to: a chunk a callback stacked goes back to it so.
-    """
-    lists = [[t for p in pieces for t in _ints(getattr(p, f))] for f in _TAGS]
-    records = [record for p in pieces for record in p.records()]
-    return Trace(records, lists[0], lists[1], lists[2])
+__all__ = ["Results"]
 
 
 class Results(Mapping[str, Trace]):

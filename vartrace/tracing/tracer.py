@@ -46,12 +46,12 @@ from vartrace.staging import (
     check_device_bytes,
 )
 from vartrace.statistics.records import stats
-from vartrace.trace import RunContext, Trace, report_during
+from vartrace.trace import RunContext, Trace, report_during, unstacked
 from vartrace.tracing.aliases import Aliases
 from vartrace.tracing.gradients import GradientWatcher
 from vartrace.tracing.iterations import IterationCounter
 from vartrace.tracing.manual import subscribe, unsubscribe
-from vartrace.tracing.results import Results, unstacked
+from vartrace.tracing.results import Results
 from vartrace.tracing.silence import SilenceWatch
 from vartrace.tracing.sites import (
     Target,
