@@ -1,0 +1,80 @@
+"""Opening the runs a command names and picking their sites, with one-line errors.
+
+Example:
+    ```python
+    run = open_path("run.h5")
+    names = matching(run, "run.h5", ["layers.*.forward"])
+    ```
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from vartrace.cli.output import UserError, message_of, print_safe
+
+
+def open_path(path: str, allow_pickle: bool = False) -> Any:
+    """Open a run, turning the usual failures into one-line messages."""
+    from vartrace.storage.reader import open_run
+
+    if not os.path.exists(path):  # an existing path is a path, even with [ ] or * in it
+        if not glob.has_magic(path):
+            raise UserError(f"no such file: {path}")
+        if not glob.glob(path):
+            raise UserError(f"no file matches {path}")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = open_run(path, allow_pickle=allow_pickle)
+    except ValueError as exc:  # not a vartrace file, a newer format, shards of several runs
+        raise UserError(message_of(exc)) from exc
+    except OSError as exc:
+        raise UserError(f"cannot open {path}: {message_of(exc)}") from exc
+    for warning in caught:  # a missing shard: one line, not Python's two
+        print_safe(str(warning.message), file=sys.stderr)
+    return run
+
+
+def site_of(run: Any, path: str, name: str) -> Any:
+    if name not in run.names:
+        close = _closest(name, run.names)
+        hint = f"; did you mean {close}?" if close else f" (see vartrace ls {path})"
+        raise UserError(f"{path} has no site {name!r}{hint}")
+    return run[name]
+
+
+def matching(run: Any, path: str, patterns: Sequence[str]) -> list[str]:
+    """The sites named by `patterns` (exact names or globs), in execution order."""
+    import fnmatch
+
+    for pattern in patterns:
+        if pattern not in run.names and not fnmatch.filter(run.names, pattern):
+            site_of(run, path, pattern)
+    return [
+        name
+        for name in run.names
+        if any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)
+    ]
+
+
+def _closest(name: str, names: Sequence[str]) -> str:
+    import difflib
+
+    matches = difflib.get_close_matches(name, list(names), n=3)
+    return ", ".join(matches)
+
+
+def is_run_path(text: str) -> bool:
+    return os.path.isfile(text) or (glob.has_magic(text) and bool(glob.glob(text)))
+
+
+def matches_pattern(name: str, pattern: str) -> bool:
+    import fnmatch
+
+    return fnmatch.fnmatchcase(name, pattern)
