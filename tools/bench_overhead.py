@@ -616,7 +616,7 @@ def minimal_tracer(model: Any, which: str, patch: bool) -> Iterator[None]:
     import torch
     import wrapt
 
-    from vartrace.tracing.tensors import same
+    from vartrace.tensors import same
 
     reads = FLOOR_READS[which]
     sites: dict[int, tuple[tuple[str, str], ...]] = {}

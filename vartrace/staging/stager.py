@@ -78,7 +78,7 @@ from vartrace._support.warnings import warn
 from vartrace.markers import Unstored
 from vartrace.staging._threads import one_openmp_thread
 from vartrace.staging.ring import HostRing
-from vartrace.tracing.tensors import copy_leaf, failed_copy, refused_copy
+from vartrace.tensors import copy_leaf, failed_copy, refused_copy
 
 __all__ = ["FLUSH_BYTES", "FLUSH_RECORDS", "OnFull", "Stager", "StagingStats", "stageable"]
 

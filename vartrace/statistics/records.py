@@ -338,7 +338,7 @@ class StatsReducer:
         try:
             return self._reduce(value)
         except Exception as error:
-            from vartrace.tracing.tensors import (
+            from vartrace.tensors import (
                 failed_reduction,  # (torch is there: a tensor raised)
             )
 

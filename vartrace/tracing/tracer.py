@@ -46,6 +46,15 @@ from vartrace.staging import (
     check_device_bytes,
 )
 from vartrace.statistics.records import stats
+from vartrace.tensors import (
+    copy_leaf,
+    is_transformed,
+    same,
+    snapshot,
+    split_object,
+    unchanged,
+    untransformed,
+)
 from vartrace.trace import RunContext, Trace, report_during, unstacked
 from vartrace.tracing.aliases import Aliases
 from vartrace.tracing.gradients import GradientWatcher
@@ -60,15 +69,6 @@ from vartrace.tracing.sites import (
     resolve,
     unwrap,
     wildcard_grad_sites,
-)
-from vartrace.tracing.tensors import (
-    copy_leaf,
-    is_transformed,
-    same,
-    snapshot,
-    split_object,
-    unchanged,
-    untransformed,
 )
 
 __all__ = ["CallbackError", "ModelTracer"]
