@@ -60,16 +60,10 @@ from vartrace.tracing.aliases import Aliases
 from vartrace.tracing.gradients import GradientWatcher
 from vartrace.tracing.iterations import IterationCounter
 from vartrace.tracing.manual import subscribe, unsubscribe
+from vartrace.tracing.modules import fullgraph_regions, is_compiled, unwrap
 from vartrace.tracing.results import Results
 from vartrace.tracing.silence import SilenceWatch
-from vartrace.tracing.sites import (
-    Target,
-    fullgraph_regions,
-    is_compiled,
-    resolve,
-    unwrap,
-    wildcard_grad_sites,
-)
+from vartrace.tracing.sites import Target, resolve, wildcard_grad_sites
 
 __all__ = ["CallbackError", "ModelTracer"]
 
