@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from vartrace._support.memory import MAP_FROM, map_large_blocks, memcmp
+from vartrace._support.text import size_text
 from vartrace._support.warnings import warn
 from vartrace.engine.structures import children
 from vartrace.markers import Unstored
@@ -316,21 +317,9 @@ def _reach(tensor: torch.Tensor) -> int:
 def _overexpanded(tensor: torch.Tensor) -> str:
     """Why an expanded view is not copied: `"4 bytes expanded to 512 GiB; ..."`."""
     return (
-        f"{_size_text(_reach(tensor))} expanded to {_size_text(tensor.nbytes)}; an expanded "
-        f"view is copied up to {_size_text(_MAX_EXPANDED_BYTES)}"
+        f"{size_text(_reach(tensor))} expanded to {size_text(tensor.nbytes)}; an expanded "
+        f"view is copied up to {size_text(_MAX_EXPANDED_BYTES)}"
     )
-
-
-def _size_text(nbytes: int) -> str:
-    """`nbytes` for a reader: `"4 bytes"`, `"1.5 KiB"`, `"512 GiB"`."""
-    if nbytes < 1024:
-        return f"{nbytes} bytes"
-    amount = float(nbytes)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        amount /= 1024
-        if amount < 1024 or unit == "PiB":
-            break
-    return f"{amount:.1f}".removesuffix(".0") + f" {unit}"
 
 
 # Dtypes whose equal values may differ in bytes, or equal bytes differ in value: a complex

@@ -1,7 +1,7 @@
-"""The KeyError for a site name a mapping of sites lacks, naming what is there.
+"""Text for people: byte sizes, and the KeyError for a site name that names what is there.
 
-A module of its own, importing nothing of vartrace: the tracer's in-memory results and
-the run-file reader both raise it, without one importing the other.
+Every message of vartrace that states a size says it through `size_text`, so a size reads
+the same in a warning, an error and `vartrace ls`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["missing_site"]
+__all__ = ["close_matches", "missing_site", "size_text"]
 
 
 def missing_site(name: str, names: Iterable[str], where: str) -> KeyError:
@@ -23,6 +23,37 @@ def missing_site(name: str, names: Iterable[str], where: str) -> KeyError:
     # KeyError: "no site 'forward.h@every' in run.h5; close matches: forward.h@every:L12"
     ```
     """
-    close = difflib.get_close_matches(name, list(names), n=5, cutoff=0.5)
+    close = close_matches(name, names, n=5, cutoff=0.5)
     hint = f"; close matches: {', '.join(close)}" if close else ""
     return KeyError(f"no site {name!r} in {where}{hint}")
+
+
+def size_text(nbytes: float) -> str:
+    """`nbytes` for a reader, in binary units: `"4 bytes"`, `"1.5 KiB"`, `"40 MiB"`, `"512 GiB"`.
+
+    Example:
+        ```python
+        size_text(3 << 29)   # "1.5 GiB"
+        ```
+    """
+    if abs(nbytes) < 1024:
+        return f"{nbytes:.0f} bytes"
+    amount = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        amount /= 1024
+        if abs(amount) < 1024 or unit == "PiB":
+            break
+    return f"{amount:.1f}".removesuffix(".0") + f" {unit}"
+
+
+def close_matches(
+    word: str, candidates: Iterable[str], n: int = 3, cutoff: float = 0.6
+) -> list[str]:
+    """Up to `n` of `candidates` close to `word`, the closest first (for "did you mean").
+
+    Example:
+        ```python
+        close_matches("layers.0.atn", ["layers.0.attn", "layers.0.mlp"])   # ["layers.0.attn"]
+        ```
+    """
+    return difflib.get_close_matches(word, list(candidates), n=n, cutoff=cutoff)

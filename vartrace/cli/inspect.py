@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from vartrace.cli.output import UserError, human_bytes, print_safe, progress, table_lines
+from vartrace._support.text import size_text
+from vartrace.cli.output import UserError, print_safe, progress, table_lines
 from vartrace.cli.runs import matching, open_path
 
 #: Values with more elements than this are previewed by ``show`` (edge items only).
@@ -106,12 +107,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     ",".join(_dtypes(view)) or "-",
                     _range_text(view.iterations),
                     _range_text(view.ranks),
-                    "alias" if name in aliases else "-" if nbytes is None else human_bytes(nbytes),
+                    "alias" if name in aliases else "-" if nbytes is None else size_text(nbytes),
                 )
             )
         live = " (live: its writer still runs; run again for newer records)" if run.live else ""
     stored = len(rows) - len(aliases)
-    summary = f"{stored} sites, {total_records} records, {human_bytes(total_bytes)}"
+    summary = f"{stored} sites, {total_records} records, {size_text(total_bytes)}"
     if aliases:
         summary += f"; {len(aliases)} aliases"
     print_safe(f"{args.run}: {summary}{live}")
@@ -362,7 +363,7 @@ def _meta_lines(key: str, value: Any, width: int, command: str | None) -> list[s
     if "\n" in text:  # one indented line per line; any other control character shows escaped
         lines = text.removesuffix("\n").split("\n")
         if command is not None and len(lines) > _META_LINES:
-            size = human_bytes(len(text.encode()))
+            size = size_text(len(text.encode()))
             return [f"{key.ljust(width)}  ({len(lines)} lines, {size}: {command} {key} prints it)"]
         return [f"{key.ljust(width)}  |", *(f"    {line}" for line in lines)]
     return [f"{key.ljust(width)}  {text}"]

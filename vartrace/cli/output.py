@@ -51,14 +51,6 @@ def print_safe(*lines: str, file: TextIO | None = None) -> None:
     (sys.stdout if file is None else file).write(text)
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def table_lines(
     header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
 ) -> list[str]:

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from vartrace._support.text import close_matches
 from vartrace.cli.output import UserError, message_of, print_safe
 
 
@@ -43,7 +44,7 @@ def open_path(path: str, allow_pickle: bool = False) -> Any:
 
 def site_of(run: Any, path: str, name: str) -> Any:
     if name not in run.names:
-        close = _closest(name, run.names)
+        close = ", ".join(close_matches(name, run.names))
         hint = f"; did you mean {close}?" if close else f" (see vartrace ls {path})"
         raise UserError(f"{path} has no site {name!r}{hint}")
     return run[name]
@@ -61,13 +62,6 @@ def matching(run: Any, path: str, patterns: Sequence[str]) -> list[str]:
         for name in run.names
         if any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)
     ]
-
-
-def _closest(name: str, names: Sequence[str]) -> str:
-    import difflib
-
-    matches = difflib.get_close_matches(name, list(names), n=3)
-    return ", ".join(matches)
 
 
 def is_run_path(text: str) -> bool:
