@@ -2,20 +2,22 @@
 
 Example:
     ```python
-    if path.exists():
-        _check_appendable(path)  # a vartrace file; a killed writer's flags cleared
-        handle = h5py.File(path, "r+", **FILE_OPTIONS)
-    else:
-        handle = create_file(path, FORMAT_VERSION, RunContext(), meta=None)
+    handle, created = open_for_writing(path, overwrite=False, append=True, create=create)
+    last = None if created else last_tags(handle)  # appended records continue these
     size_metadata_cache(handle)
     handle.swmr_mode = True
+    ...
+    with interrupts_held():  # Ctrl-C waits for the write
+        ...
+    shrink_metadata_cache(handle)
+    handle.close()
     ```
 
-A killed writer leaves a consistent file whose superblock still says "open
-for writing": `recover` clears that, refusing while the writer still runs
-(`refuse_live_writer`).  A write that fails (a full disk) ends the file:
-`_discard_writes` and `_pad_to` keep what it held readable.  `interrupts_held`
-keeps Ctrl-C out of a write.
+`open_for_writing` replaces, continues or creates the file (`create_file`); an
+existing one is refused while its writer still runs.  A killed writer leaves a
+consistent file whose superblock still says "open for writing": `recover`
+clears that.  A write that fails (a full disk) ends the file
+(`close_after_failure`), which keeps what it held, readable.
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ from vartrace.storage.site_writer import CACHE_BYTES, int64
 from vartrace.trace import RunContext, Trace
 
 __all__ = [
-    "FILE_OPTIONS",
     "close_after_failure",
     "create_file",
     "interrupts_held",
@@ -64,7 +65,6 @@ __all__ = [
     "open_for_writing",
     "os_error",
     "recover",
-    "refuse_live_writer",
     "shift_past",
     "shrink_metadata_cache",
     "size_metadata_cache",
@@ -82,7 +82,7 @@ _CACHE_SLOTS = 17
 # Chunks of 4 KiB and more start at a multiple of 64 bytes in the file (a cache line; under
 # 2% more bytes): a reader's memory map then sees aligned arrays, which numpy reduces in
 # place, where it copies unaligned ones piece by piece through a buffer first.
-FILE_OPTIONS = {
+_FILE_OPTIONS = {
     "libver": LIBVER,
     "rdcc_nbytes": CACHE_BYTES,
     "rdcc_nslots": _CACHE_SLOTS,
@@ -99,7 +99,7 @@ def open_for_writing(
     this version can continue) or created; `FileExistsError` if it exists otherwise."""
     if path.exists() and overwrite:
         # replacing a live run's file would lose that run
-        refuse_live_writer(path, by_saver=True)
+        _refuse_live_writer(path, by_saver=True)
         path.unlink()
     if path.exists() and not append:
         raise FileExistsError(
@@ -110,7 +110,7 @@ def open_for_writing(
         )
     if path.exists():
         _check_appendable(path)
-        return h5py.File(path, "r+", **FILE_OPTIONS), False
+        return h5py.File(path, "r+", **_FILE_OPTIONS), False
     return create(path), True
 
 
@@ -120,7 +120,7 @@ def create_file(
     """Create the file `path` (`FileExistsError` if it exists) of format `version` for the
     run of `context`: its root attributes, `/vars`, the empty root index and, unless
     `None`, the metadata `meta` under `/meta`."""
-    handle = h5py.File(path, "x", **FILE_OPTIONS)
+    handle = h5py.File(path, "x", **_FILE_OPTIONS)
     handle.attrs[FORMAT_ATTR] = version
     handle.attrs["vartrace_version"] = __version__
     handle.attrs.update(run_attrs(path, context.rank, context.world_size, context.sharded))
@@ -328,7 +328,7 @@ def _check_appendable(path: Path) -> None:
     from vartrace.storage.reader import open_file
 
     open_file(path).close()
-    refuse_live_writer(path, by_saver=True)
+    _refuse_live_writer(path, by_saver=True)
     recover(path, force=True)  # (checked above, with advice a saver's user can follow)
 
 
@@ -351,11 +351,11 @@ def recover(path: str | os.PathLike[str], *, force: bool = False) -> bool:
     if not has_write_flags(path):
         return False
     if not force:
-        refuse_live_writer(path)
+        _refuse_live_writer(path)
     return clear_write_flags(path)
 
 
-def refuse_live_writer(path: Path, *, by_saver: bool = False) -> None:
+def _refuse_live_writer(path: Path, *, by_saver: bool = False) -> None:
     """Raise `OSError(EBUSY)` unless the writer that left `path` open for writing is gone.
 
     A file whose superblock does not say "open for writing" passes.  The message says
