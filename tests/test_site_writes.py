@@ -14,7 +14,8 @@ import pytest
 import vartrace
 from vartrace import H5PYSaverCallback, Trace
 from vartrace.storage._layout import FORMAT_VERSION
-from vartrace.storage.writer import _CLOSING_CACHE, _shrink_metadata_cache
+from vartrace.storage.lifecycle import _CLOSING_CACHE
+from vartrace.storage.lifecycle import shrink_metadata_cache as _shrink_metadata_cache
 
 
 def _write(path: Path, sites: int, gathers: int, version: int = FORMAT_VERSION) -> None:

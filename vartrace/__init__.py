@@ -24,6 +24,7 @@ import importlib.metadata
 import re
 from typing import TYPE_CHECKING, Any
 
+from vartrace._version import __version__
 from vartrace.markers import DROP, Unstored
 from vartrace.trace import RunContext, Trace
 from vartrace.tracing.manual import record
@@ -52,7 +53,6 @@ def _refuse_older_torch() -> None:
 
 _refuse_older_torch()
 
-__version__ = "0.1.0"
 
 _LAZY = {
     "ModelTracer": "vartrace.tracing.tracer",

@@ -17,12 +17,14 @@ that make plain `h5py.File` refuse such a file.  The layout is described in
 converted where they are read or written.
 """
 
+from vartrace.errors import WorkerError
 from vartrace.markers import Unstored
 from vartrace.storage._codec import PickleNotAllowedError
-from vartrace.storage._worker import WorkerError
+from vartrace.storage.filters import COMPRESSIONS
+from vartrace.storage.lifecycle import recover
 from vartrace.storage.metadata import collect_metadata
 from vartrace.storage.reader import Run, Site, open_run
-from vartrace.storage.writer import COMPRESSIONS, H5PYSaverCallback, recover
+from vartrace.storage.writer import H5PYSaverCallback
 
 __all__ = [
     "COMPRESSIONS",

@@ -34,6 +34,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from vartrace._version import __version__
+
 __all__ = [
     "ENV_NAMES",
     "ENV_PREFIXES",
@@ -373,7 +375,8 @@ def collect_metadata(world_size: int = 1, *, git_diff: bool = True) -> dict[str,
         "python": sys.version,
         "platform": platform.platform(),
         "hdf5": h5py.version.hdf5_version,
-        **{name: _version(name) for name in ("torch", "numpy", "h5py", "vartrace")},
+        **{name: _version(name) for name in ("torch", "numpy", "h5py")},
+        "vartrace": __version__,
     }
     torch = sys.modules.get("torch")
     if torch is not None:

@@ -1,0 +1,394 @@
+"""A saver's file from creation to close: opening, the caches, failed writes and recovery.
+
+Example:
+    ```python
+    handle, created = open_for_writing(path, overwrite=False, append=True, create=create)
+    last = None if created else last_tags(handle)  # appended records continue these
+    size_metadata_cache(handle)
+    handle.swmr_mode = True
+    ...
+    with interrupts_held():  # Ctrl-C waits for the write
+        ...
+    shrink_metadata_cache(handle)
+    handle.close()
+    ```
+
+`open_for_writing` replaces, continues or creates the file (`create_file`); an
+existing one is refused while its writer still runs.  A killed writer leaves a
+consistent file whose superblock still says "open for writing": `recover`
+clears that.  A write that fails (a full disk) ends the file
+(`close_after_failure`), which keeps what it held, readable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from vartrace._support.warnings import warn
+from vartrace._version import __version__
+from vartrace.storage._layout import (
+    COMMITTED,
+    FORMAT_ATTR,
+    LAST_TAGS,
+    LIBVER,
+    TAGGED,
+    TAGS,
+    clear_write_flags,
+    escape,
+    has_write_flags,
+    run_attrs,
+    writer_alive,
+)
+from vartrace.storage._swmr import open_swmr
+from vartrace.storage.filters import STR
+from vartrace.storage.root_index import RootIndex
+from vartrace.storage.site_writer import CACHE_BYTES, int64
+from vartrace.trace import RunContext, Trace
+
+__all__ = [
+    "close_after_failure",
+    "create_file",
+    "interrupts_held",
+    "last_tags",
+    "launched_as_other_rank",
+    "open_for_writing",
+    "os_error",
+    "recover",
+    "shift_past",
+    "shrink_metadata_cache",
+    "size_metadata_cache",
+]
+
+# HDF5's metadata cache of the file (bytes it starts at, least, most: HDF5's own ceiling).
+# With HDF5's default cache (2 MiB at first) SWMR mode fails ("Child entry doesn't have a
+# flush dependency parent array") once a few hundred sites are open while new ones are
+# created: an eviction bug that a cache holding the open objects' metadata does not meet.
+_METADATA_CACHE = (64 << 20, 32 << 20, 128 << 20)
+_CLOSING_CACHE = 1 << 20  # bytes of it that a closing file keeps (see shrink_metadata_cache)
+# Hash slots of each open dataset's chunk cache (of CACHE_BYTES): few, as each of HDF5's
+# default 521 costs memory in every open dataset.
+_CACHE_SLOTS = 17
+# Chunks of 4 KiB and more start at a multiple of 64 bytes in the file (a cache line; under
+# 2% more bytes): a reader's memory map then sees aligned arrays, which numpy reduces in
+# place, where it copies unaligned ones piece by piece through a buffer first.
+_FILE_OPTIONS = {
+    "libver": LIBVER,
+    "rdcc_nbytes": CACHE_BYTES,
+    "rdcc_nslots": _CACHE_SLOTS,
+    "alignment_threshold": 4 << 10,
+    "alignment_interval": 64,
+}
+
+
+def open_for_writing(
+    path: Path, *, overwrite: bool, append: bool, create: Callable[[Path], h5py.File]
+) -> tuple[h5py.File, bool]:
+    """The file a saver writes and whether `create` created it: `path` replaced
+    (`overwrite`, unless its writer still runs), continued (`append`: a vartrace file
+    this version can continue) or created; `FileExistsError` if it exists otherwise."""
+    if path.exists() and overwrite:
+        # replacing a live run's file would lose that run
+        _refuse_live_writer(path, by_saver=True)
+        path.unlink()
+    if path.exists() and not append:
+        raise FileExistsError(
+            errno.EEXIST,
+            "the file exists; pass overwrite=True to replace it or append=True to "
+            "continue it (it was left untouched)",
+            str(path),
+        )
+    if path.exists():
+        _check_appendable(path)
+        return h5py.File(path, "r+", **_FILE_OPTIONS), False
+    return create(path), True
+
+
+def create_file(
+    path: Path, version: int, context: RunContext, meta: Mapping[str, Any] | None
+) -> h5py.File:
+    """Create the file `path` (`FileExistsError` if it exists) of format `version` for the
+    run of `context`: its root attributes, `/vars`, the empty root index and, unless
+    `None`, the metadata `meta` under `/meta`."""
+    handle = h5py.File(path, "x", **_FILE_OPTIONS)
+    handle.attrs[FORMAT_ATTR] = version
+    handle.attrs["vartrace_version"] = __version__
+    handle.attrs.update(run_attrs(path, context.rank, context.world_size, context.sharded))
+    handle.create_group("vars")
+    RootIndex.create(handle)
+    if meta is not None:
+        _write_tree(handle.create_group("meta"), meta)
+    return handle
+
+
+def _text(value: str) -> str:
+    """`value` as an HDF5 UTF-8 string can hold it (NULs and undecodable bytes escaped)."""
+    return value.encode("utf-8", "backslashreplace").decode("utf-8").replace("\0", "\\0")
+
+
+def _write_tree(group: h5py.Group, tree: Mapping[str, Any]) -> None:
+    """Store a nested dict of str / numbers / bools / str lists as datasets under `group`."""
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            _write_tree(group.create_group(escape(key)), value)
+        elif isinstance(value, str):
+            group.create_dataset(escape(key), data=_text(value), dtype=STR)
+        elif isinstance(value, (list, tuple)):
+            rows = [_text(item) for item in value]
+            group.create_dataset(escape(key), data=rows, shape=(len(rows),), dtype=STR)
+        else:
+            group.create_dataset(escape(key), data=value)
+
+
+# Set with WORLD_SIZE by launchers (torchrun, accelerate, Lightning's DDP) before
+# torch.distributed starts.
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+
+
+def launched_as_other_rank() -> bool:
+    """Whether a launcher started this process as a rank other than 0 of several, whose
+    process group is not initialised yet (a tracer around Lightning's `trainer.fit`, which
+    initialises it inside): the file is rank 0's to create, and this process must not
+    touch it."""
+    if not _number(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return False
+    return any(_number(os.environ.get(name, "0")) > 0 for name in _RANK_VARIABLES)
+
+
+def _number(text: str) -> int:
+    text = text.strip()
+    return int(text) if text.isdigit() else 0
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) back while the file is written, then raise it at the end.
+
+    A `KeyboardInterrupt` raised inside a write lands wherever Python code runs
+    next, often in a weakref callback of h5py's objects, where Python ignores it
+    ("Exception ignored in ... KeyboardInterrupt"): training would go on, and a
+    write cut short could leave the file's records half written.  So the signal
+    is noted and the previous handler called once the write is complete.  Only on
+    the main thread (where signal handlers run) and where a Python handler is set.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        yield
+        return
+    held: list[Any] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            previous(signal.SIGINT, held[0])
+
+
+_HDF5_OS_ERROR = re.compile(r"errno = (\d+), error message = '([^']*)'")
+
+
+def os_error(error: Exception) -> tuple[int, str] | None:
+    """`(errno, message)` of the operating-system failure behind an HDF5 write error."""
+    found = _HDF5_OS_ERROR.search(str(error))
+    if found is not None:
+        return int(found.group(1)), found.group(2)
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return error.errno, os.strerror(error.errno)
+    return None
+
+
+def size_metadata_cache(handle: h5py.File) -> None:
+    """Give `handle` the metadata cache of `_METADATA_CACHE` (holds many open sites)."""
+    config = handle.id.get_mdc_config()
+    config.set_initial_size = True
+    config.initial_size, config.min_size, config.max_size = _METADATA_CACHE
+    handle.id.set_mdc_config(config)
+
+
+def shrink_metadata_cache(handle: h5py.File) -> None:
+    """Evict what `handle`'s metadata cache holds beyond `_CLOSING_CACHE` bytes, once the
+    file is flushed and its sites closed, before the file is closed.
+
+    HDF5 empties the cache at the close in passes that start over after each entry
+    whose eviction takes others along: time quadratic in the entries (4,000 sites: 4 s
+    for the close, 0.2 s after this).  Evicting clean entries to make room is linear:
+    the smaller size takes effect at the next metadata access, the root's attribute read.
+    """
+    config = handle.id.get_mdc_config()
+    config.set_initial_size = True
+    config.initial_size = config.min_size = config.max_size = _CLOSING_CACHE
+    handle.id.set_mdc_config(config)
+    handle.attrs.get(FORMAT_ATTR)
+
+
+def _claimed_size(handle: h5py.File) -> int:
+    """The size HDF5 believes the file has (its superblock may already say so)."""
+    try:
+        return int(handle.id.get_filesize())
+    except Exception:
+        return 0
+
+
+def close_after_failure(handle: h5py.File, path: Path, close_objects: Callable[[], None]) -> None:
+    """Close `handle` after a failed write, its objects closed by `close_objects`, without
+    writing to `path`: it keeps what it held, readable."""
+    size = _claimed_size(handle)
+    _discard_writes(handle)
+    close_objects()
+    with contextlib.suppress(Exception):
+        handle.close()
+    _pad_to(path, size)
+
+
+def _pad_to(path: Path, size: int) -> None:
+    """Extend `path` to `size` bytes with a hole (no disk space taken), so that HDF5,
+    which refuses a file shorter than its superblock records, opens it."""
+    with contextlib.suppress(OSError):
+        if os.path.getsize(path) < size:
+            os.truncate(path, size)
+
+
+def _discard_writes(handle: h5py.File) -> None:
+    """Send every later write of `handle` to the null device (its file keeps what it holds)."""
+    try:
+        fd = handle.id.get_vfd_handle()
+        null = os.open(os.devnull, os.O_RDWR)
+    except (AttributeError, OSError, TypeError, ValueError, RuntimeError):
+        return  # not a plain file descriptor: the close is attempted as it is
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def last_tags(handle: h5py.File) -> tuple[int, int] | None:
+    """The largest committed iteration and capture order of an open file; `None` if empty.
+
+    Read from the root's `last_tags` where its sum of record counts is `/committed`'s
+    (written before the counts, it is ahead of them after a killed flush; a writer
+    without it may have appended since), else from every site's tags.
+    """
+    committed = handle[COMMITTED][()]
+    held = np.asarray(handle.attrs.get(LAST_TAGS, ()))
+    if held.shape == (3,) and held.dtype.kind == "i" and int(held[2]) == int(committed.sum()):
+        return (int(held[0]), int(held[1])) if held[2] else None
+    found: list[tuple[int, int]] = []
+    for group in handle["vars"].values():
+        slot = int(group.attrs["slot"])
+        rows = int(committed[slot]) if slot < len(committed) else 0
+        if not rows:
+            continue
+        if TAGGED in group:
+            tags = group[TAGGED][:rows]
+            iterations, order = tags[:, TAGS.index("iterations")], tags[:, TAGS.index("order")]
+        else:
+            iterations, order = group["iterations"][:rows], group["order"][:rows]
+        found.append((int(np.max(iterations)), int(np.max(order))))
+    if not found:
+        return None
+    return max(i for i, _ in found), max(o for _, o in found)
+
+
+def shift_past(path: Path, last: tuple[int, int], trace: Trace) -> tuple[int, int]:
+    """What is added to the (iterations, capture order) of the records appended to `path`,
+    whose largest committed ones are `last`, so that they continue the file's: decided by
+    the first records appended, `trace` (see `H5PYSaverCallback._continued`)."""
+    last_iteration, last_order = last
+    first = int(int64(trace.iterations).min())
+    moved = last_iteration - first + 1 if first <= last_iteration else 0
+    if moved:
+        warn(
+            f"vartrace: {path} already holds iterations up to {last_iteration} and "
+            f"the appended records start at iteration {first}: they are stored as "
+            f"iterations {first + moved}, ... To number them yourself, call "
+            "tracer.set_iteration(step) each step",
+            stacklevel=3,
+        )
+    first_order = int(int64(trace.order).min())
+    orders = last_order - first_order + 1 if first_order <= last_order else 0
+    return moved, orders
+
+
+def _check_appendable(path: Path) -> None:
+    """Raise unless `path` is a vartrace file this version can continue; recover a crash."""
+    from vartrace.storage.reader import open_file
+
+    open_file(path).close()
+    _refuse_live_writer(path, by_saver=True)
+    recover(path, force=True)  # (checked above, with advice a saver's user can follow)
+
+
+def recover(path: str | os.PathLike[str], *, force: bool = False) -> bool:
+    """Make a file left by a killed writer openable by plain h5py (`h5clear -s`).
+
+    A writer killed mid-run leaves a consistent file whose superblock still says
+    "open for writing": `vartrace.open` and `h5py.File(path, "r", swmr=True)`
+    read it as is, plain `h5py.File(path)` refuses it until this is called.
+    It refuses while the recorded writer process still runs on this host, and
+    when the writer ran on another host unless `force=True`.  Returns whether
+    flags were cleared.  Example:
+
+    ```python
+    vartrace.storage.recover("run.h5")
+    h5py.File("run.h5")
+    ```
+    """
+    path = Path(path)
+    if not has_write_flags(path):
+        return False
+    if not force:
+        _refuse_live_writer(path)
+    return clear_write_flags(path)
+
+
+def _refuse_live_writer(path: Path, *, by_saver: bool = False) -> None:
+    """Raise `OSError(EBUSY)` unless the writer that left `path` open for writing is gone.
+
+    A file whose superblock does not say "open for writing" passes.  The message says
+    what to do: for `recover`, pass `force=True`; for a saver (`by_saver`,
+    which has no such option), wait for or stop the writer, write to another path, or
+    clear the flag with `recover(path, force=True)` once the writer is known gone.
+    """
+    if not has_write_flags(path):
+        return
+    if by_saver:
+        busy = "; wait for it to end or stop it, or write to another path"
+        unknown = (
+            "; once no process writes the file, vartrace.storage.recover(path, force=True) "
+            "marks it closed, or write to another path"
+        )
+    else:
+        busy, unknown = "", "; pass force=True once no process writes the file"
+    try:
+        with open_swmr(path) as handle:
+            host = str(handle.attrs.get("writer_host", ""))
+            pid = int(handle.attrs.get("writer_pid", -1))
+    except OSError:
+        raise OSError(
+            errno.EBUSY,
+            "the writer left the file outside SWMR mode, so whether it still runs cannot "
+            f"be told{unknown}",
+            str(path),
+        ) from None
+    alive = writer_alive(host, pid)
+    if alive is not False:
+        where = (
+            f"still runs{busy}"
+            if alive
+            else f"ran on host {host!r}, so whether it still runs cannot be told{unknown}"
+        )
+        raise OSError(errno.EBUSY, f"the writer process {pid} {where}", str(path))
