@@ -87,7 +87,7 @@ def test_comparison_modules_import_one_way() -> None:
 #: tracer and the file do not import one another (the tracer hands records to each of them,
 #: none of them hands records to another), nor do the public front ends.
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"vartrace._support", "vartrace.errors", "vartrace.markers"}),
+    frozenset({"vartrace._support", "vartrace._version", "vartrace.errors", "vartrace.markers"}),
     frozenset({"vartrace.engine", "vartrace.trace", "vartrace.reduced", "vartrace.tensors"}),
     frozenset({"vartrace.statistics"}),
     frozenset({"vartrace.staging", "vartrace.distributed", "vartrace.storage"}),

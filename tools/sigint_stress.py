@@ -97,8 +97,8 @@ class _Marker:
             os.write(self._fd, self._end)
 
 
-_WRITER = os.path.join("vartrace", "storage", "writer.py")
-_TRACER = os.path.join("vartrace", "tracer.py")
+_STORAGE = os.path.join("vartrace", "storage", "")
+_TRACING = os.path.join("vartrace", "tracing", "")
 _H5PY = f"{os.sep}h5py{os.sep}"
 
 
@@ -107,9 +107,9 @@ def _landed(error: BaseException) -> str:
     saver's write or flush: held there and raised when it ended, or raised in its code or
     h5py's), ``gather`` (the tracer's hand-over, outside the saver) or ``step``."""
     files = [frame.filename for frame in traceback.extract_tb(error.__traceback__)]
-    if any(name.endswith(_WRITER) or _H5PY in name for name in files):
+    if any(_STORAGE in name or _H5PY in name for name in files):
         return "saver"
-    if any(name.endswith(_TRACER) for name in files):
+    if any(_TRACING in name for name in files):
         return "gather"
     return "step"
 

@@ -61,7 +61,7 @@ _PICKLE_HELP = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    from vartrace import __version__
+    from vartrace._version import __version__
 
     parser = _Parser(
         prog="vartrace",
