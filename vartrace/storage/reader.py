@@ -27,6 +27,7 @@ users see.
 from __future__ import annotations
 
 import errno
+import functools
 import glob
 import os
 import re
@@ -40,7 +41,6 @@ import numpy as np
 
 from vartrace._support.text import missing_site
 from vartrace._support.warnings import warn
-from vartrace.statistics.named import STATS
 from vartrace.storage._guard import RunFileError, check_read, child, file_name
 from vartrace.storage._layout import (
     COMMITTED,
@@ -58,8 +58,7 @@ from vartrace.storage._layout import (
 )
 from vartrace.storage.files import open_file, read_tree
 from vartrace.storage.site_reader import Part, ReadAhead
-from vartrace.storage.site_stats import describe
-from vartrace.storage.sites import Site
+from vartrace.storage.sites import Site, described
 
 __all__ = ["Run", "RunFileError", "Site", "open_file", "open_run"]
 
@@ -283,7 +282,7 @@ class Run:
                         if _BEYOND_VIEW.search(str(error)):
                             continue  # the writer made the site after this reader's view
                         raise
-                links.setdefault(unescape(part._link), []).append(part)
+                links.setdefault(unescape(part.link), []).append(part)
         # A site of its own wins over an alias (a commit cut short between them); an alias
         # whose target was never committed is left out.
         kept = {
@@ -364,51 +363,15 @@ class Run:
 
         Example: `run.to_frame("absmax").groupby("site")["absmax"].max()`.
         """
-        try:
-            import pandas as pd
-        except ImportError as exc:
-            hint = "pip install 'torch-vartrace[pandas]'"
-            raise ImportError(f"Run.to_frame() needs pandas: {hint}") from exc
+        from vartrace.analysis.sources.frames import FrameSite, records_frame
 
-        wanted = [stat] if callable(stat) or isinstance(stat, str) else list(stat)
-        for one in wanted:
-            if not callable(one) and one not in STATS and not one.startswith(("q", "log2|x|")):
-                raise ValueError(
-                    f"unknown statistic {one!r}; use one of {sorted(STATS)}, a field of "
-                    "statistics records (q0.5, log2|x|=3...) or a callable"
-                )
-        named = [
-            one if isinstance(one, str) else getattr(one, "__name__", "stat") for one in wanted
-        ]
-        stat_columns = ["stat" if column == "<lambda>" else column for column in named]
-        frames = []
-        for name in self.names if names is None else names:
-            site = self[name]
-            table: dict[str, Any] = {}
-            for one, column in zip(wanted, stat_columns, strict=True):
-                described = [describe(part, one, self.allow_pickle, name) for part in site._parts]
-                merged = (
-                    described[0]
-                    if len(described) == 1
-                    else [described[part][row] for part, row in site._where]
-                )
-                stats, dtypes, shapes = zip(*merged, strict=True) if merged else ((), (), ())
-                table[column] = stats
-            frames.append(
-                pd.DataFrame(
-                    {
-                        "site": name,
-                        "iteration": site.iterations,
-                        "rank": site.ranks,
-                        "order": site.order,
-                        "shape": shapes,
-                        "dtype": dtypes,
-                        **table,
-                    }
-                )
-            )
-        columns = ["site", "iteration", "rank", "order", "shape", "dtype", *stat_columns]
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
+        def sites() -> Iterator[FrameSite]:
+            for name in self.names if names is None else names:
+                site = self[name]
+                describe = functools.partial(described, site)
+                yield FrameSite(name, site.iterations, site.ranks, site.order, describe)
+
+        return records_frame(sites(), stat, caller="Run.to_frame()")
 
     def _describe(self) -> str:
         return str(self.paths[0]) if len(self.paths) == 1 else f"{len(self.paths)} shards"

@@ -162,7 +162,7 @@ class Part:
         as format version 2 says (one `tags` dataset, `shapes` only where needed)."""
         self._sites = sites
         self.tagged = tagged
-        self._link = link
+        self.link = link
         self.slot = slot
         self.rows = rows
         self._first_order = first_order
@@ -197,7 +197,7 @@ class Part:
     @cached_property
     def group(self) -> h5py.Group:
         """The site's group, checked to be the one of its slot."""
-        group = child(self._sites, self._link, h5py.Group)
+        group = child(self._sites, self.link, h5py.Group)
         slot = int_attr(group, "slot")
         if slot != self.slot:
             raise RunFileError(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any
 
@@ -24,8 +25,9 @@ from vartrace.reduced import ReducedFrom
 from vartrace.storage._codec import KIND_NAMES, decode_raw, in_values
 from vartrace.storage._guard import FREE_READ_BYTES, RunFileError, check_read, held_bytes, size_text
 from vartrace.storage.site_reader import Part
+from vartrace.storage.site_stats import describe
 
-__all__ = ["Site", "ValuesView", "all_values"]
+__all__ = ["Site", "ValuesView", "all_values", "described"]
 
 
 class ValuesView:
@@ -339,3 +341,12 @@ def all_values(values: h5py.Dataset | ValuesView) -> np.ndarray:
     if isinstance(values, h5py.Dataset):
         check_read(values, values.size)
     return np.asarray(values[:])
+
+
+def described(
+    site: Site, stat: str | Callable[[Any], Any]
+) -> list[tuple[Any, str, tuple[int, ...]]]:
+    """Per record of `site`, in its order: the statistic `stat` of the record, its dtype
+    name and its shape (`Run.to_frame`'s cells; see `site_stats.describe`)."""
+    parts = [describe(part, stat, site._allow_pickle, site.name) for part in site._parts]
+    return parts[0] if len(parts) == 1 else [parts[part][row] for part, row in site._where]
