@@ -10,7 +10,9 @@ fit its site's `values` dataset.
 
 Tensors whose dtype numpy lacks (bfloat16, float8, complex32) are stored as
 their raw bit pattern in an unsigned integer of the same width, with the
-torch dtype name alongside, and are viewed back bit-exactly.  Sparse, meta
+torch dtype name alongside, and are viewed back bit-exactly (`from_array`), or
+decoded to numbers of the width a reader chooses (`decode_raw`): nothing outside
+this module decodes raw bits.  Sparse, meta
 (shape and dtype only), quantized and nested tensors are stored in their
 `torch.save` form and read back with `torch.load(weights_only=True)`,
 which rebuilds tensors only (no pickle is run).  Statistics records (made by
@@ -27,7 +29,7 @@ import importlib
 import io
 import pickle
 import sys
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -41,11 +43,13 @@ __all__ = [
     "Kind",
     "Leaf",
     "PickleNotAllowedError",
+    "decode_raw",
     "dtype_name",
     "encode",
     "from_array",
     "from_blob",
     "in_values",
+    "numeric_dtype",
     "row_shapes",
     "to_blob",
     "unstored",
@@ -351,6 +355,50 @@ def from_array(kind: int, array: Any, torch_dtype: str = "", where: str = "a rec
         signed = torch.from_numpy(array.view(f"i{array.dtype.itemsize}"))
         return signed.view(raw_dtype(torch_dtype, array.dtype.itemsize, where))
     return torch.from_numpy(array)
+
+
+def decode_raw(
+    block: np.ndarray, torch_dtype: str, *, width: Literal[32, 64], where: str
+) -> np.ndarray:
+    """Numbers of `block`, stored as the raw bits of the torch dtype `torch_dtype`
+    (bfloat16, float8, complex32...: see `encode`), as floats (complex numbers for a
+    complex dtype) of `width` bits, exactly; `block` itself when it holds no raw bits
+    (`torch_dtype` empty or its own dtype's name, or compound rows of statistics).
+
+    Each reader chooses its `width` once: 64 where every value is widened anyway
+    (`to_frame`, `to_xarray`), 32 where blocks are compared and plotted.  bfloat16
+    decodes to float32 at either width: exactly, and without importing torch.
+    `ValueError` naming `where` when `torch_dtype` is no torch dtype of the block's
+    item size (a damaged file).
+
+    Example:
+        ```python
+        leaf = encode(torch.ones(2, dtype=torch.float8_e4m3fn))
+        decode_raw(leaf.data, leaf.torch_dtype, width=32, where="x")  # array([1., 1.], float32)
+        ```
+    """
+    if not torch_dtype or block.dtype.names or torch_dtype == block.dtype.name:
+        return block
+    if torch_dtype == "bfloat16" and block.dtype.itemsize == 2:
+        return (block.astype(np.uint32) << 16).view(np.float32)
+    import torch
+
+    raw = torch.from_numpy(np.ascontiguousarray(block).view(f"i{block.dtype.itemsize}"))
+    converted = raw.view(raw_dtype(torch_dtype, block.dtype.itemsize, where))
+    if converted.is_complex():
+        return converted.to(torch.complex64 if width == 32 else torch.complex128).numpy()
+    return converted.to(torch.float32 if width == 32 else torch.float64).numpy()
+
+
+def numeric_dtype(name: str) -> bool:
+    """Whether a site's dtype name (`Site.dtype`) names numbers: a numpy dtype of
+    numbers, or a torch dtype stored as raw bits that `decode_raw` turns into numbers."""
+    if name in ("bfloat16", "bool") or name.startswith(("float8", "complex32")):
+        return True
+    try:
+        return np.dtype(name).kind in "biufc"
+    except TypeError:
+        return False
 
 
 def raw_dtype(name: str, itemsize: int, where: str) -> Any:

@@ -9,7 +9,7 @@ tags and block reads, which `vartrace.analysis.comparison` and `vartrace.analysi
 build on.  One concept per module, data flowing one way:
 
 - `statistics`: named statistics and numeric views of values;
-- `frames`: DataFrames of in-memory results;
+- `frames`: DataFrames of records, of files and memory alike (the one `to_frame`);
 - `buffers`: reusable read buffers;
 - `chunk_maps`: memory-mapped HDF5 chunks;
 - `views`: site views (memory, file) and per-record statistics;

@@ -16,6 +16,7 @@ import numpy as np
 
 from vartrace.analysis.sources.buffers import BufferPool
 from vartrace.analysis.sources.chunk_maps import ChunkMap, FileMaps
+from vartrace.errors import PickleNotAllowedError
 from vartrace.reduced import ReducedFrom
 from vartrace.statistics.named import (
     BLOCK_BYTES,
@@ -25,7 +26,9 @@ from vartrace.statistics.named import (
     value_as_array,
     value_dtype_name,
 )
+from vartrace.storage._codec import decode_raw, numeric_dtype
 from vartrace.storage._guard import check_read
+from vartrace.storage.sites import all_values
 from vartrace.trace import Trace
 
 __all__ = [
@@ -196,7 +199,7 @@ class FileSiteView(SiteView):
         self._dtype = str(site.dtype)
         values = site.raw_values  # listing needs no compression filter; reads check it
         kinds = np.asarray(site.kinds).astype(str).tolist()
-        blocky = values is not None and _numeric_dtype_name(self._dtype)
+        blocky = values is not None and numeric_dtype(self._dtype)
         stored = np.asarray(site.in_values).tolist() if blocky else [False] * count
         fits = [held and kind in _NUMERIC_KINDS for held, kind in zip(stored, kinds, strict=True)]
         shapes = np.asarray(site.shapes, dtype=np.int64).reshape(count, -1).tolist()
@@ -226,7 +229,9 @@ class FileSiteView(SiteView):
             if out.size:
                 values.read_direct(out, selection)
             return out
-        block = _decode_raw(np.asarray(values[selection]), self._dtype)
+        block = decode_raw(
+            np.asarray(values[selection]), self._dtype, width=32, where=f"site {self.name!r}"
+        )
         return block if stop - start == len(rows) else block[rows - start]
 
     def views(
@@ -244,8 +249,6 @@ class FileSiteView(SiteView):
         return chunks.groups(rows)
 
     def objects(self, rows: np.ndarray) -> list[Any]:
-        from vartrace.storage.reader import PickleNotAllowedError
-
         if self._dtype == STATISTICS and len(rows) > 1:
             return self._statistics(rows)
         out: list[Any] = []
@@ -259,7 +262,6 @@ class FileSiteView(SiteView):
     def _statistics(self, rows: np.ndarray) -> list[Any]:
         """Records of a statistics site: its compound `values` read in one go."""
         from vartrace.statistics.records import Statistics
-        from vartrace.storage.reader import all_values
 
         fits = np.asarray(self._site.in_values)
         table = all_values(self._site.values) if fits[rows].any() else None
@@ -269,28 +271,6 @@ class FileSiteView(SiteView):
             else self.objects(np.asarray([r]))[0]
             for r in rows
         ]
-
-
-def _decode_raw(block: np.ndarray, dtype: str) -> np.ndarray:
-    """Numeric values of a block stored as raw bits of a torch dtype numpy lacks."""
-    if block.dtype.name == dtype or dtype == "bool":
-        return block
-    if dtype == "bfloat16":
-        return (block.astype(np.uint32) << 16).view(np.float32)
-    import torch
-
-    raw = torch.from_numpy(np.ascontiguousarray(block).view(f"i{block.dtype.itemsize}"))
-    tensor = raw.view(getattr(torch, dtype))
-    return (tensor.to(torch.complex64) if tensor.is_complex() else tensor.float()).numpy()
-
-
-def _numeric_dtype_name(name: str) -> bool:
-    if name in ("bfloat16", "bool") or name.startswith(("float8", "complex32")):
-        return True
-    try:
-        return np.dtype(name).kind in "biufc"
-    except TypeError:
-        return False
 
 
 def numeric_groups(
