@@ -100,7 +100,12 @@ LAYERS: tuple[frozenset[str], ...] = (
 APART = frozenset({3, 6})
 #: Convenience methods of user-facing objects that hand over to the analysis layer, imported in
 #: the method's body when it is called: (importing module, imported module).
-LAZY_CONVENIENCES: frozenset[tuple[str, str]] = frozenset()
+LAZY_CONVENIENCES: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("vartrace.storage.reader", "vartrace.analysis.sources.frames"),  # Run.to_frame
+        ("vartrace.tracing.results", "vartrace.analysis.sources.frames"),  # Results.to_frame
+    }
+)
 MAX_LINES = 700
 
 

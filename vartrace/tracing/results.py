@@ -113,6 +113,6 @@ class Results(Mapping[str, Trace]):
         df.groupby("site")["std"].max()
         ```
         """
-        from vartrace.analysis.sources import results_frame
+        from vartrace.analysis.sources.frames import results_frame
 
         return results_frame(self, stat)
