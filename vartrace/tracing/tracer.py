@@ -27,14 +27,13 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from vartrace._support import exit as _exit
 from vartrace._support import forks as _forks
 from vartrace._support import warnings as _warnings
 from vartrace.distributed import gathers as distributed
 from vartrace.engine.frames import set_change_test
-from vartrace.engine.patching import Hook, attach, detach, filter_state
+from vartrace.engine.patching import Hook, attach, detach
 from vartrace.engine.structures import leaves
 from vartrace.errors import CallbackError
 from vartrace.markers import DROP
@@ -51,6 +50,7 @@ from vartrace.tracing.config import (
     TracerConfig,
     warn_unused_savers,
 )
+from vartrace.tracing.counting import CallsBeforeStart, counting_hooks, never_started
 from vartrace.tracing.gradients import GradientWatcher
 from vartrace.tracing.handover import HandOver, callback_error, run_callbacks
 from vartrace.tracing.hooks import SinkHooks
@@ -79,47 +79,6 @@ _graph_task_id = torch._C._current_graph_task_id  # -1 outside autograd's backwa
 def _in_backward() -> bool:
     """Whether autograd's backward runs now (a checkpointed forward being recomputed)."""
     return _graph_task_id() != -1
-
-
-_MODULE_HOOKS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-)
-
-
-def _without_hooks(ids: set[int], state: dict[str, Any]) -> dict[str, Any]:
-    """A module's state without the forward hooks registered under `ids`."""
-    for name in _MODULE_HOOKS:
-        hooks = state.get(name)
-        if hooks and not ids.isdisjoint(hooks):
-            state[name] = type(hooks)((key, v) for key, v in hooks.items() if key not in ids)
-    return state
-
-
-class _CallsBeforeStart:
-    """Counts the calls of a model whose tracer is not started yet (a forward pre-hook;
-    a class of its own, so that a model saved with it still pickles)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        self.calls += 1
-
-
-def _never_started(handle: RemovableHandle, counter: _CallsBeforeStart, model: str) -> None:
-    """A tracer is collected (or the interpreter exits) without having started."""
-    handle.remove()
-    if counter.calls:
-        _warnings.warn(
-            f"vartrace: a ModelTracer of {model} was never started while the model ran "
-            f"{counter.calls} time(s): nothing was recorded; use `with ModelTracer(...) as "
-            "tracer:` around the steps, or tracer.start() before them and tracer.stop() after",
-            UserWarning,
-        )
 
 
 def _option(name: str) -> Any:
@@ -289,10 +248,10 @@ class ModelTracer:
         self._finished = False
         self._first_seen = False  # the first traced iteration ended
         self._gradients = GradientWatcher(self._store, wildcard_grad_sites(self._targets))
-        counter = _CallsBeforeStart()
+        counter = CallsBeforeStart()
         self._unstarted = weakref.finalize(
             self,
-            _never_started,
+            never_started,
             self.model.register_forward_pre_hook(counter),
             counter,
             type(self.model).__name__,
@@ -570,32 +529,14 @@ class ModelTracer:
         def after(module: nn.Module, args: Any, output: Any) -> None:
             leave(module)
 
-        self._counting_hooks(undo, self.model, before_root, after)
+        counting_hooks(undo, self.model, self, before_root, after)
         assert self._parts is not None  # closed only once the root runs
         parts = undo.enter_context(self._parts)
         for part in self._counting_parts():
-            self._counting_hooks(parts, part, before_part, after)
+            counting_hooks(parts, part, self, before_part, after)
         if self._config.optimizer is not None:
             counter.follow_steps()
             handle = self._config.optimizer.register_step_post_hook(lambda *_: counter.stepped())
-            undo.callback(handle.remove)
-
-    def _counting_hooks(
-        self,
-        undo: contextlib.ExitStack,
-        module: nn.Module,
-        before: Callable[..., None],
-        after: Callable[..., None],
-    ) -> None:
-        """Register the hooks that count calls of `module`, left out of its copies and
-        pickles (`copy.deepcopy`, `torch.save`, averaged models), their removal on `undo`."""
-        handles = [
-            module.register_forward_pre_hook(before),
-            module.register_forward_hook(after, always_call=True),
-        ]
-        filter_state(module, self, functools.partial(_without_hooks, {h.id for h in handles}))
-        undo.callback(filter_state, module, self, None)
-        for handle in handles:
             undo.callback(handle.remove)
 
     def _counting_parts(self) -> list[nn.Module]:
