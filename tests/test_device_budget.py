@@ -21,7 +21,8 @@ from tests import simgpu
 from tests.test_staging import _assert_same_records, _emit_all, _Emitter, _float_bits, _values
 from tests.test_staging_costs import HOST_OPS_ALLOWED, _Ops
 from vartrace import ModelTracer
-from vartrace.staging import Stager, staging
+from vartrace.staging import Stager
+from vartrace.staging import stager as staging
 
 KIB = 1024
 Delivered = list[tuple[str, int, bytes]]

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 import vartrace
 from tests import simgpu
 from vartrace import H5PYSaverCallback, ModelTracer
-from vartrace.staging import staging
+from vartrace.staging import stager as staging
 from vartrace.trace import Trace
 
 ROWS, COLUMNS = 256, 1024  # a float32 record of 1 MiB
@@ -213,13 +213,13 @@ def test_an_unchanged_record_is_compared_on_the_device_not_on_the_host(
     monkeypatch: pytest.MonkeyPatch, staging_ops: list[_Ops]
 ) -> None:
     compared_on_host = []
-    same = vartrace.tracing.tracer.same
+    same = vartrace.tracing.chunk.same
 
     def counting_same(a: Any, b: Any) -> bool:
         compared_on_host.append(1)
         return same(a, b)
 
-    monkeypatch.setattr(vartrace.tracing.tracer, "same", counting_same)
+    monkeypatch.setattr(vartrace.tracing.chunk, "same", counting_same)
     steps = 5
     with ModelTracer(_model(), ["blocks.*.frozen"], staging="async") as tracer:
         _train(tracer, _inputs(steps))

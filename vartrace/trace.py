@@ -15,17 +15,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from vartrace.errors import TraceLengthError
 
-if TYPE_CHECKING:  # annotations only: this module imports neither at run time
+if TYPE_CHECKING:  # annotations only: this module imports none of them at run time
     import numpy as np
     import torch
 
+    from vartrace.reduced import ReducedFrom
+
 from vartrace._support.warnings import warn
 
-__all__ = ["RunContext", "Trace", "TraceLengthError", "join_traces", "report_during", "unstacked"]
+__all__ = [
+    "PreSaveCallback",
+    "RunContext",
+    "SaverCallback",
+    "Trace",
+    "TraceLengthError",
+    "join_traces",
+    "report_during",
+    "unstacked",
+]
 
 
 #: Per-record tags: a list of ints, or a 1-D integer tensor / array once stacked.
@@ -150,6 +161,72 @@ class RunContext:
     rank: int = 0
     world_size: int = 1
     sharded: bool = False
+
+
+class SaverCallback(Protocol):
+    """A gather callback that is a sink: `cb(name, trace)` and the optional hooks below.
+
+    Only `__call__` is required.  Every other member is optional: the tracer looks
+    each one up once, when it starts (`getattr`), and uses those the callback has;
+    `H5PYSaverCallback` has them all.  A custom sink defines the ones it needs (see
+    docs/callbacks.md, "Writing your own sink").  `on_start` and `failure` are looked
+    up on callbacks of every stage, the others on post-gather callbacks.
+    """
+
+    def __call__(self, name: str, trace: Trace) -> None:
+        """Take the gathered records of site `name` (rank 0's post-gather stage); a sink
+        that writes them may empty `trace`, so that memory stays bounded."""
+
+    def on_start(self, context: RunContext) -> None:
+        """Learn the run's rank and world size before the first record (the tracer's
+        `start`, on the thread that starts it): open a file, name a shard."""
+
+    def flush(self) -> None:
+        """Make what the calls of this gather handed over durable or visible; called
+        once after each gather whose records went through the post-gather callbacks
+        (the thread that ran them: the training thread, or the staging thread)."""
+
+    def make_room(self, nbytes: int) -> None:
+        """Wait until `nbytes` of records, the tracer's chunk with the record about to
+        be kept, fit beside those the sink still holds (used only when `background`
+        is `True`).  Called for each record: on the capturing thread before the copy
+        with `staging="sync"`, on the staging thread before keeping it with `"async"`."""
+
+    @property
+    def background(self) -> bool:
+        """Whether the sink writes on a thread of its own, so that records must wait for
+        it in `make_room` (only `True`, not any true value, turns that on)."""
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The failure that stopped the sink during the run, or `None`; the tracer warns
+        about it again when it stops, after the last hand-over."""
+
+    def alias(self, name: str, target: str) -> None:
+        """Site `name` held the same tensor as `target`: its records are `target`'s.
+        Called before the records of the gather that first sees it (rank 0 with
+        `gather=True`), on the thread that hands the chunk over."""
+
+    def reduced(self, name: str, origin: ReducedFrom) -> None:
+        """A pre-save callback replaced site `name`'s values: `origin` describes what
+        they were made from.  Called as `alias` is."""
+
+
+class PreSaveCallback(Protocol):
+    """A pre-save callback: `cb(name, value, iteration) -> value`, with one optional hook.
+
+    The tracer looks up `fresh_records` once, when it starts.
+    """
+
+    def __call__(self, name: str, value: Any, iteration: int) -> Any:
+        """The value to record in place of `value` (a reduction, a structure of them,
+        or `vartrace.DROP`); called on the capturing thread, inside the step."""
+
+    @property
+    def fresh_records(self) -> bool:
+        """`True` when a value this callback returns in place of its input is a new tensor
+        that nothing else holds or writes (a statistics row): asynchronous staging takes
+        it as it is, without a device clone."""
 
 
 def report_during(exc: BaseException, what: str, error: Exception) -> None:

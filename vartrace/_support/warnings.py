@@ -49,7 +49,7 @@ def _skipped_prefixes() -> tuple[str, ...]:
     neither.  torch's frames are skipped too because vartrace's code runs under
     torch's (a module's `__call__`, a `torch._dynamo.disable` wrapper): the
     user's line is the one that called torch."""
-    folders = [os.path.dirname(os.path.abspath(__file__))]
+    folders = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # vartrace/
     spec = importlib.util.find_spec("torch")
     if spec is not None and spec.submodule_search_locations:
         folders.extend(os.path.abspath(p) for p in spec.submodule_search_locations)

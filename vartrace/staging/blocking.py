@@ -1,0 +1,79 @@
+"""`BlockingStaging`: each record copied and delivered on the thread that captures it.
+
+The synchronous implementation of `vartrace.staging.protocol.Staging`, for models
+on the CPU (`ModelTracer(staging="sync")`): admission is the copy, so `flush` and
+`drain` have nothing to wait for, and a job runs at once, on the caller's thread.
+
+Example:
+    ```python
+    staging = BlockingStaging(lambda site, record, iteration, host, nbytes: print(site))
+    staging.admit("forward.x", torch.ones(3), iteration=1)   # prints at once
+    ```
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vartrace.tensors import copy_leaf
+
+__all__ = ["BlockingStaging"]
+
+BlockingDeliver = Callable[[str, Any, int, Any, int], None]
+"""`deliver(site, record, iteration, host, nbytes)`: each record, at admission; `host` is
+the record itself (on the host to compare), `nbytes` the bytes room was made for."""
+
+
+class BlockingStaging:
+    """Copies each record to `device` where it is captured and delivers it at once.
+
+    Args:
+        deliver: `deliver(site, record, iteration, host, nbytes)` (see `BlockingDeliver`).
+        device: where records are copied.
+        make_room: `make_room(value) -> nbytes`, called before each copy when given:
+            waits until a saver writing on a thread of its own has room for it, so
+            that the step waits before the copy exists.
+    """
+
+    stats = None  # nothing runs apart from the caller: nothing to count
+
+    def __init__(
+        self,
+        deliver: BlockingDeliver,
+        *,
+        device: torch.device,
+        make_room: Callable[[Any], int] | None = None,
+    ) -> None:
+        self._deliver = deliver
+        self._device = device
+        self._make_room = make_room
+        self._lock = threading.Lock()
+
+    def admit(self, site: str, value: Any, iteration: int, *, fresh: bool = False) -> None:
+        """Copy `value` (waiting for room first, if asked) and deliver the copy; `fresh`
+        changes nothing here: a copy to the host is made anyway."""
+        nbytes = 0 if self._make_room is None else self._make_room(value)
+        record = copy_leaf(value, self._device, site)
+        self._deliver(site, record, iteration, record, nbytes)
+
+    def flush(self) -> None:
+        """Nothing to start: every record was delivered at admission."""
+
+    def call(self, job: Callable[[], None]) -> None:
+        """Run `job` now, after any job another thread runs (threads that end iterations
+        at once hand their chunks over one by one), outside any torch.func transform (a
+        model called under `vmap` ends its iteration inside it; jobs see plain tensors)."""
+        with self._lock, torch._C._DisableFuncTorch():
+            job()
+
+    def drain(self) -> None:
+        """Nothing to wait for: every record was delivered at admission."""
+
+    def close(self, last: Callable[[], None] | None = None) -> None:
+        """Run `last`, if given, as `call` does."""
+        if last is not None:
+            self.call(last)

@@ -1,0 +1,239 @@
+"""The hand-over: a chunk's records through the gather callbacks into the results.
+
+`HandOver` runs once per gathering interval (and once more when the tracer stops),
+on the thread its staging runs jobs on: flush -> pre-gather callbacks -> gather to
+rank 0 -> post-gather callbacks -> `tracer.results` -> the sinks' `flush`.  Facts
+about sites (aliases, reductions) travel with the records and reach the results and
+the sinks before them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from vartrace._support import warnings as _warnings
+from vartrace._support.memory import held_bytes
+from vartrace.distributed import gathers as distributed
+from vartrace.errors import CallbackError
+from vartrace.markers import Unstored
+from vartrace.reduced import Reductions
+from vartrace.trace import Trace
+from vartrace.tracing.aliases import Aliases
+from vartrace.tracing.chunk import Chunk
+from vartrace.tracing.config import GatherCallback, TracerConfig, callback_name
+from vartrace.tracing.hooks import SinkHooks
+from vartrace.tracing.results import Results
+
+__all__ = ["HandOver", "callback_error", "run_callbacks"]
+
+
+def callback_error(stage: str, callback: object, site: str, error: Exception) -> CallbackError:
+    """The `CallbackError` for `error`, raised by a `stage` callback on `site`."""
+    return CallbackError(
+        f"{stage} callback {callback_name(callback)} raised on site {site!r}: "
+        f"{type(error).__name__}: {error}"
+    )
+
+
+def run_callbacks(stage: str, callbacks: Sequence[GatherCallback], name: str, trace: Trace) -> None:
+    """Each of `callbacks` on `name`'s `trace`, its lengths checked after each."""
+    for callback in callbacks:
+        try:
+            callback(name, trace)
+        except Exception as error:
+            raise callback_error(stage, callback, name, error) from error
+        trace.check_lengths(callback_name(callback))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
+class HandOver:
+    """Hands `chunk`'s records on: callbacks, gathers, `results` (call it).
+
+    Args:
+        chunk: the records since the last gather.
+        results: where the gathered records are kept.
+        aliases, reductions: the facts about sites that travel with the records.
+        config: the tracer's options (the callbacks, `gather`, `max_host_bytes`).
+        hooks: the sinks' hooks (`flush`, `alias`, `reduced`).
+        group: the gathers' process group (`None`: the default group).
+    """
+
+    def __init__(
+        self,
+        chunk: Chunk,
+        results: Results,
+        aliases: Aliases,
+        reductions: Reductions,
+        config: TracerConfig,
+        hooks: SinkHooks,
+        group: Any = None,
+    ) -> None:
+        self._chunk = chunk
+        self._results = results
+        self._aliases = aliases
+        self._reductions = reductions
+        self._config = config
+        self._flushes = hooks.flush
+        self._sinks: dict[str, tuple[Callable[[str, Any], None], ...]] = {
+            "alias": (results.alias, *hooks.alias),
+            "reduced": (results.reduced, *hooks.reduced),
+        }
+        self._group = group
+        self._held = 0  # bytes of the records kept in the results
+        self._warned_held: bool | str = False
+
+    def __call__(self, *, final: bool = False) -> None:
+        """Hand the chunk through the gather callbacks to the results.
+
+        `final`: the tracer's last hand-over, which also joins the gathers of ranks
+        still running (see `vartrace.distributed.gathers.final_gathers`).
+        """
+        config = self._config
+        chunk = self._chunk.take()
+        facts: list[distributed.Fact] = [
+            *(("alias", name, target) for name, target in self._aliases.taken()),
+            *(("reduced", name, origin) for name, origin in self._reductions.taken()),
+        ]
+        if not chunk and not facts and distributed.world_size() == 1:
+            return  # nothing to hand on, and no other rank waits for this gather
+        self._declare(facts)
+        known = len(facts)  # the facts declared; a gather appends the other ranks'
+        self._retag(chunk)
+        pending = dict(chunk)  # the traces not yet in the results
+        handed = False  # records went through the post-gather callbacks here
+        try:
+            for name, trace in chunk.items():
+                run_callbacks("pre_gather", config.pre_gather_callbacks, name, trace)
+            for gathered, merged in self._gathers(chunk, final, facts):
+                self._declare(self._adopted(facts[known:]))
+                known = len(facts)
+                pending = dict(gathered)
+                handed = handed or merged
+                for name, trace in gathered.items():
+                    if merged:  # else this rank's own records that no gather took: kept
+                        run_callbacks("post_gather", config.post_gather_callbacks, name, trace)
+                    self._results.add(name, self._kept(trace))
+                    del pending[name]
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C in a callback: the records stay
+            self._chunk.put_back(pending)
+            raise
+        if not handed:
+            return
+        for flush in self._flushes:
+            flush()
+
+    def _retag(self, chunk: dict[str, Trace]) -> None:
+        """Tag `chunk` with this process's rank, if the process group started after the
+        tracer did (a tracer around Lightning's `trainer.fit`): every record in it was
+        captured here."""
+        rank = distributed.rank()
+        if rank == self._chunk.rank or distributed.world_size() == 1:
+            return
+        self._chunk.rank = rank
+        for trace in chunk.values():
+            trace.ranks = [rank] * len(trace.ranks)
+
+    def _declare(self, facts: Sequence[distributed.Fact]) -> None:
+        """Tell the results and the sinks that have the method (the HDF5 saver) facts
+        about sites, before the records: `alias(name, target)` for names that read as
+        another site, `reduced(name, ReducedFrom)` for what a pre-save callback replaced.
+
+        With `gather=True` only rank 0 does: it alone receives the gathered records,
+        and the other ranks' facts with them (`_adopted`).
+        """
+        if not facts or (self._config.gather and distributed.rank() != 0):
+            return
+        for method, name, fact in facts:
+            for sink in self._sinks[method]:
+                sink(name, fact)
+
+    def _adopted(self, facts: Sequence[distributed.Fact]) -> list[distributed.Fact]:
+        """Other ranks' facts merged into this rank's; those that changed what it declared.
+
+        A site reduced on several ranks is described by every rank's values (the dtypes
+        of all, -1 on the axes whose size differed: tensor-parallel shards).  A name
+        that is an alias on another rank becomes one here unless it stored records of
+        its own here: then reading it gives this rank's records, and a warning says
+        where the other rank's are.
+        """
+        adopted: list[distributed.Fact] = []
+        for method, name, fact in facts:
+            if method == "reduced":
+                widened = self._reductions.adopt(name, fact)
+                if widened is not None:
+                    adopted.append((method, name, widened))
+                continue
+            known = name in self._aliases
+            if not self._aliases.adopt(name, fact):
+                _warnings.warn(
+                    f"vartrace: on another rank, {name} held the same tensor as {fact}: "
+                    f"its records of that rank are stored under {fact}, while here it "
+                    f"stored records of its own (reading {name} gives only those)",
+                    UserWarning,
+                )
+            elif not known:
+                adopted.append((method, name, fact))
+        return adopted
+
+    def _gathers(
+        self, chunk: dict[str, Trace], final: bool, facts: list[distributed.Fact]
+    ) -> Iterable[tuple[dict[str, Trace], bool]]:
+        """What this rank holds of `chunk`'s gathers: `(records, merged)` pairs (`facts`
+        travel with `chunk`; on rank 0 they grow by the other ranks').
+
+        `merged` records go through the post-gather callbacks (rank 0's gathered chunk,
+        or a rank's own chunk without gathering); the others are empty on ranks other than
+        0, or this rank's own records that a final gather could not take (another rank did
+        not come): kept as they are.
+        """
+        if not self._config.gather:
+            return [(chunk, True)]
+        if final:
+            return distributed.final_gathers(chunk, self._group, facts=facts)
+        gathered = distributed.gather_chunk(chunk, self._group, facts=facts)
+        return [] if gathered is None else [(gathered, True)]
+
+    def _kept(self, trace: Trace) -> Trace:
+        """`trace` as `results` keeps it, or, past `max_host_bytes` of results, one marker
+        saying so.  Records staged from an accelerator stay in their slots of the ring (no
+        copy: the ring is bounded by `max_host_bytes` too); a slot goes back to the ring
+        when the last view of its record dies."""
+        held = held_bytes(trace.values)
+        if not held:
+            return trace
+        bound = self._config.max_host_bytes
+        if self._held + held > bound:
+            marker = Unstored(
+                f"dropped: {len(trace)} records ({_size(held)}) would pass max_host_bytes="
+                f"{_size(bound)} of results held in memory"
+            )
+            self._warn_held(self._held + held, dropping=True)
+            first = [int(trace.iterations[0])], [int(trace.ranks[0])], [int(trace.order[0])]
+            return Trace([marker], *first)
+        self._held += held
+        if self._held > bound // 2:
+            self._warn_held(self._held, dropping=False)
+        return trace
+
+    def _warn_held(self, total: int, *, dropping: bool) -> None:
+        if self._warned_held == "dropping" or (self._warned_held and not dropping):
+            return
+        self._warned_held = "dropping" if dropping else True
+        bound = _size(self._config.max_host_bytes)
+        now = (
+            f"records past max_host_bytes={bound} are dropped"
+            if dropping
+            else f"past max_host_bytes={bound}, records will be dropped"
+        )
+        _warnings.warn(
+            f"vartrace: the results held in memory reached {_size(total)} "
+            f"({self._config.gathering_interval} iteration(s) a gather); {now}.  Write them "
+            "to a file (post_gather_callbacks=[H5PYSaverCallback(...)]), reduce them "
+            "(pre_save_callbacks=[vartrace.stats()]), record fewer sites, or raise "
+            "max_host_bytes",
+            RuntimeWarning,
+        )
