@@ -15,15 +15,11 @@ through the receiver it gave it (`vartrace.staging.protocol`):
 """
 
 from vartrace.staging.blocking import BlockingStaging
+from vartrace.staging.device import stageable
 from vartrace.staging.protocol import Staging
 from vartrace.staging.ring import HostRing
-from vartrace.staging.stager import (
-    OnFull,
-    Stager,
-    StagingStats,
-    check_device_bytes,
-    stageable,
-)
+from vartrace.staging.stager import OnFull, Stager, check_device_bytes
+from vartrace.staging.stats import StagingStats
 
 __all__ = [
     "BlockingStaging",

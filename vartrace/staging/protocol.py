@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from vartrace.staging.stager import StagingStats
+from vartrace.staging.stats import StagingStats
 
 __all__ = ["Staging"]
 

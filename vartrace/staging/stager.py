@@ -66,21 +66,21 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
-import numpy as np
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from vartrace._support.warnings import warn
 from vartrace.markers import Unstored
 from vartrace.staging._threads import one_openmp_thread
+from vartrace.staging.device import stageable, stream_module
+from vartrace.staging.items import Batch, Job, Ready, Staged, bit_view, same_bytes
 from vartrace.staging.ring import HostRing
+from vartrace.staging.stats import StagingStats
 from vartrace.tensors import copy_leaf, failed_copy, refused_copy
 
-__all__ = ["FLUSH_BYTES", "FLUSH_RECORDS", "OnFull", "Stager", "StagingStats", "stageable"]
+__all__ = ["FLUSH_BYTES", "FLUSH_RECORDS", "OnFull", "Stager", "check_device_bytes"]
 
 OnFull = Literal["wait", "drop"]
 Deliver = Callable[[str, Any, int, Any], None]
@@ -97,102 +97,11 @@ FLUSH_RECORDS = 256
 """Records admitted after which the open batch is flushed."""
 
 _CPU = torch.device("cpu")
-_STREAM_API = ("Stream", "Event", "current_stream", "stream")
 _POLL_FIRST, _POLL_MAX = 2e-5, 1e-3  # seconds between event polls: doubling, capped
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _DEVICE_BYTES_CAP = 2 << 30  # the default max_device_bytes: a twentieth of the memory, at most
 _DEVICE_BYTES_UNKNOWN = 1 << 30  # ... this where torch cannot tell the device's memory
-_COMPARE_CHUNK = 1 << 20  # bytes compared at once on the host
 _names = itertools.count(1)
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside autograd's backward
-
-
-@dataclass
-class StagingStats:
-    """What a `Stager` did, for `tracer.staging_stats`.
-
-    Attributes:
-        admitted: records admitted (staged or copied at once).
-        staged: records cloned on a device and copied to the host asynchronously.
-        kept: records that changed and were recorded.
-        unchanged: records equal to the site's last one, left out.
-        dropped: records dropped because the bound was reached (`on_full="drop"`).
-        dropped_by_site: `dropped` per site.
-        waits: admissions that waited for memory in flight (`on_full="wait"`).
-        wait_seconds: the time those waits took, in total.
-        max_inflight_bytes: the most bytes in flight at once.
-        skipped_capturing: records skipped while a stream was capturing a graph.
-        pinned: whether host buffers are pinned (`None` before the first copy).
-        flushes: batches handed to the staging thread (one event per producer stream each).
-        handoffs: hand-offs to the staging thread (a batch, a job, or both at once).
-        wakeups: times the staging thread woke up (hand-offs seen, event polls).
-        host_bytes_peak: the most bytes of host slots in use at once.
-        overflows: records that found the host ring full and got memory of their own.
-        device_compare_bytes: bytes of previous records held on the devices now, to compare
-            the next ones with there (at most `max_device_bytes`).
-        device_compare_bytes_peak: the most of those bytes held at once.
-        host_compares: staged records compared on the host, their sites' previous records
-            not fitting in `max_device_bytes` on the device.
-        writer_wait_seconds: the time the staging thread waited, before delivering records,
-            for a background saver's writer to make room for them (`make_room`).
-    """
-
-    admitted: int = 0
-    staged: int = 0
-    kept: int = 0
-    unchanged: int = 0
-    dropped: int = 0
-    dropped_by_site: dict[str, int] = field(default_factory=dict)
-    waits: int = 0
-    wait_seconds: float = 0.0
-    max_inflight_bytes: int = 0
-    skipped_capturing: int = 0
-    pinned: bool | None = None
-    flushes: int = 0
-    handoffs: int = 0
-    wakeups: int = 0
-    host_bytes_peak: int = 0
-    overflows: int = 0
-    device_compare_bytes: int = 0
-    device_compare_bytes_peak: int = 0
-    host_compares: int = 0
-    writer_wait_seconds: float = 0.0
-
-
-_stream_modules: dict[str, ModuleType | None] = {}
-
-
-def _stream_module(device: torch.device) -> ModuleType | None:
-    """The device's torch module (`torch.cuda`...) when it has streams and events."""
-    kind = device.type
-    if kind not in _stream_modules:
-        try:
-            module = torch.get_device_module(kind)
-        except (RuntimeError, AttributeError):
-            module = None
-        usable = module is not None and all(hasattr(module, n) for n in _STREAM_API)
-        _stream_modules[kind] = module if usable else None
-    return _stream_modules[kind]
-
-
-def stageable(value: Any) -> bool:
-    """Whether `value` is a dense accelerator tensor that a `Stager` copies asynchronously.
-
-    CPU and meta tensors, sparse, quantized and nested tensors, tensor
-    subclasses that flatten into other tensors (`DTensor`, float8
-    wrappers) and functorch wrappers are copied at admission instead.
-    """
-    return (
-        isinstance(value, torch.Tensor)
-        and not value.is_cpu
-        and not value.is_meta
-        and value.layout is torch.strided
-        and not value.is_quantized
-        and not value.is_nested
-        and not is_traceable_wrapper_subclass(value)
-        and not torch._C._functorch.is_functorch_wrapped_tensor(value)
-        and _stream_module(value.device) is not None
-    )
 
 
 def _default_device_bytes(device: torch.device) -> int:
@@ -203,92 +112,6 @@ def _default_device_bytes(device: torch.device) -> int:
     except Exception:  # no such query for this device type, or one that fails: a fixed default
         return _DEVICE_BYTES_UNKNOWN
     return min(_DEVICE_BYTES_CAP, int(total) // 20)
-
-
-def _bytes(host: torch.Tensor) -> np.ndarray:
-    """A contiguous host tensor's bytes, as a numpy view (views only: no torch CPU kernel)."""
-    return host.view(-1).view(torch.uint8).numpy()
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous host tensors of one dtype and shape hold the same bits, as
-    `memcmp` tells: a chunk at a time, to the first chunk that differs (no temporary larger
-    than a chunk).  -0.0 differs from 0.0, NaNs are equal when their payloads are."""
-    left, right = _bytes(a), _bytes(b)
-    return all(
-        np.array_equal(left[start : start + _COMPARE_CHUNK], right[start : start + _COMPARE_CHUNK])
-        for start in range(0, left.size, _COMPARE_CHUNK)
-    )
-
-
-def _bit_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous record as integers of its width: equal views mean equal bits."""
-    if tensor.dtype == torch.complex128:
-        tensor = tensor.view(torch.float64)
-    if tensor.dtype == torch.bool:
-        return tensor.view(torch.uint8)
-    if tensor.is_floating_point() or tensor.is_complex():
-        return tensor.view(_INT_OF_SIZE[tensor.element_size()])
-    return tensor
-
-
-class _Ready:
-    """A value copied at admission, in the batch to keep capture order."""
-
-    __slots__ = ("host", "iteration", "nbytes", "record", "site")
-
-    def __init__(self, site: str, record: Any, iteration: int, host: Any, nbytes: int) -> None:
-        self.site, self.record, self.iteration = site, record, iteration
-        self.host, self.nbytes = host, nbytes
-
-
-class _Staged:
-    """A device clone on its way to the host."""
-
-    __slots__ = (
-        "clone",
-        "host",
-        "iteration",
-        "module",
-        "nbytes",
-        "on_host",
-        "prev",
-        "site",
-        "stream",
-    )
-
-    def __init__(
-        self, site: str, iteration: int, clone: torch.Tensor, stream: Any, module: ModuleType
-    ) -> None:
-        self.site, self.iteration = site, iteration
-        self.clone: torch.Tensor | None = clone
-        self.stream, self.module = stream, module
-        self.nbytes = clone.nbytes
-        self.host: torch.Tensor | None = None
-        self.prev: torch.Tensor | None = None  # what the clone is compared with, kept alive
-        self.on_host = False  # compared at delivery, its host copy with the site's last one
-
-
-class _Batch:
-    """Records flushed together: one event per producer stream, one copy-done event."""
-
-    __slots__ = ("done", "failed", "flags", "items", "module", "ready", "slot")
-
-    def __init__(self, items: list[_Ready | _Staged], ready: dict[Any, Any]) -> None:
-        self.items = items
-        self.ready = ready  # producer stream -> the event recorded after its clones
-        self.done: Any = None
-        self.failed = False
-        self.module: ModuleType | None = None  # the device module of the copies
-        self.flags: dict[int, int] = {}  # item index -> its position in ``slot``
-        self.slot: torch.Tensor | None = None  # host copy of the changed-flags
-
-
-class _Job:
-    __slots__ = ("job",)
-
-    def __init__(self, job: Callable[[], None]) -> None:
-        self.job = job
 
 
 # Under torch's CUDA sanitizer, event polls look like unsynchronised reads: wait instead.
@@ -365,8 +188,8 @@ class Stager:
         self._on_full = on_full
         self._compare = compare
         self._cv = threading.Condition()
-        self._queue: collections.deque[_Batch | _Job] = collections.deque()
-        self._open: collections.deque[_Ready | _Staged] = collections.deque()
+        self._queue: collections.deque[Batch | Job] = collections.deque()
+        self._open: collections.deque[Ready | Staged] = collections.deque()
         self._open_bytes = 0  # admitted into the open batch (approximate across threads)
         self._flush_lock = threading.Lock()  # batches reach the queue in admission order
         self._unfinished = 0
@@ -412,9 +235,9 @@ class Stager:
             if not self._reserve(site, nbytes):
                 record = host = self._dropped(nbytes)
                 nbytes = 0
-            self._append(_Ready(site, record, iteration, host, nbytes))
+            self._append(Ready(site, record, iteration, host, nbytes))
             return
-        module = _stream_module(value.device)
+        module = stream_module(value.device)
         assert module is not None
         capturing = getattr(module, "is_current_stream_capturing", None)
         if capturing is not None and capturing():
@@ -422,12 +245,12 @@ class Stager:
             return
         marker = refused_copy(value, site)  # an expanded view of gigabytes
         if marker is not None:
-            self._append(_Ready(site, marker, iteration, marker, 0))
+            self._append(Ready(site, marker, iteration, marker, 0))
             return
         nbytes = value.nbytes
         if not self._reserve(site, nbytes):
             marker = self._dropped(nbytes)
-            self._append(_Ready(site, marker, iteration, marker, 0))
+            self._append(Ready(site, marker, iteration, marker, 0))
             return
         try:
             if fresh and value.is_contiguous() and not value.requires_grad:
@@ -438,10 +261,10 @@ class Stager:
         except Exception as error:  # no device memory, a dtype torch cannot copy: a marker
             self._local.admitted[0] -= nbytes
             marker = failed_copy(value, site, error)
-            self._append(_Ready(site, marker, iteration, marker, 0))
+            self._append(Ready(site, marker, iteration, marker, 0))
             return
         stats.staged += 1
-        self._append(_Staged(site, iteration, clone, module.current_stream(value.device), module))
+        self._append(Staged(site, iteration, clone, module.current_stream(value.device), module))
         task = _graph_task_id()
         if task != -1 and task != self._task:  # a @grad record: flush when backward ends
             self._task = task
@@ -457,7 +280,7 @@ class Stager:
         Raises a failure of the staging thread that was not raised before.
         """
         self._raise()
-        self._hand_off(_Job(job))
+        self._hand_off(Job(job))
 
     def drain(self) -> None:
         """Wait until everything admitted was delivered and every job ran; raise a failure.
@@ -480,7 +303,7 @@ class Stager:
         """
         try:
             if last is not None:
-                self._hand_off(_Job(last))
+                self._hand_off(Job(last))
             self.drain()
         finally:
             with self._cv:
@@ -506,18 +329,18 @@ class Stager:
         if self._errors:
             raise self._errors.popleft()
 
-    def _append(self, item: _Ready | _Staged) -> None:
+    def _append(self, item: Ready | Staged) -> None:
         self.stats.admitted += 1
         self._open.append(item)
         self._open_bytes += item.nbytes
         if self._open_bytes >= FLUSH_BYTES or len(self._open) >= FLUSH_RECORDS:
             self.flush()
 
-    def _hand_off(self, job: _Job | None) -> None:
+    def _hand_off(self, job: Job | None) -> None:
         """One hand-off: the open batch (if any), with an event after its clones on each
         producer stream, then `job` (if any).  Batches reach the queue in admission order."""
         with self._flush_lock:
-            items: list[_Ready | _Staged] = []
+            items: list[Ready | Staged] = []
             pop = self._open.popleft
             while True:
                 try:
@@ -525,15 +348,15 @@ class Stager:
                 except IndexError:
                     break
             self._open_bytes = 0
-            entries: list[_Batch | _Job] = []
+            entries: list[Batch | Job] = []
             if items:
                 ready: dict[Any, Any] = {}
                 for item in items:
-                    if isinstance(item, _Staged) and item.stream not in ready:
+                    if isinstance(item, Staged) and item.stream not in ready:
                         event = item.module.Event()
                         event.record(item.stream)
                         ready[item.stream] = event
-                entries.append(_Batch(items, ready))
+                entries.append(Batch(items, ready))
             if job is not None:
                 entries.append(job)
             if not entries:
@@ -629,7 +452,7 @@ class Stager:
 
     def _run(self) -> None:
         one_openmp_thread()
-        pending: collections.deque[_Batch | _Job] = collections.deque()
+        pending: collections.deque[Batch | Job] = collections.deque()
         issued = 0  # pending[:issued] have their device work started
         stats = self.stats
         while True:
@@ -647,12 +470,12 @@ class Stager:
                 self._queue.clear()
             while issued < len(pending):
                 head = pending[issued]
-                if isinstance(head, _Batch):
+                if isinstance(head, Batch):
                     head.failed = not self._attempt(self._issue, head)
                 issued += 1
             head = pending.popleft()
             issued -= 1
-            if isinstance(head, _Batch):
+            if isinstance(head, Batch):
                 # A batch whose copies did not all start, or did not land, delivers nothing.
                 if not head.failed and self._attempt(self._wait, head):
                     self._attempt(self._finish, head)
@@ -676,13 +499,13 @@ class Stager:
             return False
         return True
 
-    def _issue(self, batch: _Batch) -> None:
+    def _issue(self, batch: Batch) -> None:
         """Start the batch's device work on the side stream: compare, copy, one event."""
         to_host = self.device == _CPU
         flags: list[torch.Tensor] = []
         module = side = None
         for index, item in enumerate(batch.items):
-            if isinstance(item, _Ready):
+            if isinstance(item, Ready):
                 self._forget_on_device(item.site)  # compared on the host from now on
                 self._on_host.discard(item.site)
                 continue
@@ -698,7 +521,7 @@ class Stager:
                     self._place(item, clone)
                     if item.prev is not None:
                         batch.flags[index] = len(flags)
-                        flags.append(torch.ne(_bit_view(clone), _bit_view(item.prev)).any())
+                        flags.append(torch.ne(bit_view(clone), bit_view(item.prev)).any())
                 if to_host or item.on_host:
                     item.host = self.ring.tensor(clone.shape, clone.dtype)
                     if self.ring.overflows and not self._warned_overflow:
@@ -715,7 +538,7 @@ class Stager:
             batch.done.record(side)
         self.stats.pinned = self.ring.pinned
 
-    def _place(self, item: _Staged, clone: torch.Tensor) -> None:
+    def _place(self, item: Staged, clone: torch.Tensor) -> None:
         """Decide where `item`'s record is compared, and keep its clone for the next.
 
         On the device, with the site's last clone (`item.prev`) when that one has the
@@ -765,7 +588,7 @@ class Stager:
         if prev is not None:
             self.stats.device_compare_bytes -= prev.nbytes
 
-    def _unchanged_on_host(self, item: _Staged) -> bool:
+    def _unchanged_on_host(self, item: Staged) -> bool:
         """Whether `item`'s host copy equals, bit for bit, its site's last one compared on
         the host; if not, it is the site's last from now on."""
         host = item.host
@@ -776,7 +599,7 @@ class Stager:
             last is not None
             and last.dtype == host.dtype
             and last.shape == host.shape
-            and _same_bytes(last, host)
+            and same_bytes(last, host)
         ):
             return True
         self._host_prev[item.site] = host  # its slot stays taken until the site's next
@@ -788,7 +611,7 @@ class Stager:
             side = self._streams[device] = module.Stream(device=device)
         return side
 
-    def _wait(self, batch: _Batch) -> None:
+    def _wait(self, batch: Batch) -> None:
         """Until the batch's copies landed: a blocking wait (the GIL released), or polls
         where the device module watches for syncs."""
         done = batch.done
@@ -804,14 +627,14 @@ class Stager:
             time.sleep(pause)
             pause = min(2 * pause, _POLL_MAX)
 
-    def _finish(self, batch: _Batch) -> None:
+    def _finish(self, batch: Batch) -> None:
         """Deliver the batch's changed records, in order."""
         stats = self.stats
         changed = batch.slot.numpy().tolist() if batch.slot is not None else []
         deliver = self._deliver
         to_host = self.device == _CPU
         for index, item in enumerate(batch.items):
-            if isinstance(item, _Ready):
+            if isinstance(item, Ready):
                 self._host_prev.pop(item.site, None)  # as `_issue` took it off the host
                 deliver(item.site, item.record, item.iteration, item.host)
                 continue
@@ -832,13 +655,13 @@ class Stager:
         stats.host_bytes_peak = self.ring.peak
         stats.overflows = self.ring.overflows
 
-    def _release(self, batch: _Batch) -> None:
+    def _release(self, batch: Batch) -> None:
         """Forget the batch (its clones may be reused: the side stream is done with them) and
         make room for the admissions waiting."""
         nbytes = 0
         for item in batch.items:
             nbytes += item.nbytes
-            if isinstance(item, _Staged):
+            if isinstance(item, Staged):
                 item.clone = item.prev = item.host = None
         batch.items = []
         batch.slot = None
