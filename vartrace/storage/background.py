@@ -214,8 +214,9 @@ class BackgroundWriter:
         error."""
         if self._worker is not None:
             worker, self._worker = self._worker, None
-            atexit.unregister(self._at_exit)
-            self._at_exit = None
+            if self._at_exit is not None:
+                atexit.unregister(self._at_exit)
+                self._at_exit = None
             worker.stop()
 
 
