@@ -35,7 +35,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from vartrace.storage._layout import SIGNATURE, _lookup3
+from vartrace.storage.layout import SIGNATURE, _lookup3
 
 try:
     from tests._peak import peak_rss_kib

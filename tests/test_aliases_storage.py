@@ -18,7 +18,7 @@ import torch
 import vartrace
 from tests._killed import kill_when_ready
 from vartrace.storage import H5PYSaverCallback
-from vartrace.storage._layout import NAME_END, SITE_INDEX, TARGET
+from vartrace.storage.layout import NAME_END, SITE_INDEX, TARGET
 from vartrace.trace import RunContext, Trace
 
 CALLED = "layers.0.attn.forward>eager_attention_forward.attn_weights"

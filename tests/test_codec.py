@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from vartrace.storage._codec import Kind, decode_raw, encode, from_array, numeric_dtype
+from vartrace.storage.codec import Kind, decode_raw, encode, from_array, numeric_dtype
 
 
 def _raw_dtypes() -> list[torch.dtype]:

@@ -132,7 +132,7 @@ def test_chunks_of_new_and_continued_files_start_at_cache_line_offsets(tmp_path)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_unaligned_records_give_the_numbers_of_aligned_ones(dtype: type) -> None:
     """Files written before chunks were aligned: their records lie at odd offsets."""
-    from vartrace.analysis.comparison._stats import numeric_stats
+    from vartrace.analysis.comparison.kernels import numeric_stats
 
     rng = np.random.default_rng(5)
     a = rng.standard_normal((9, 3000)).astype(dtype)

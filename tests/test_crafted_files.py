@@ -27,7 +27,7 @@ import torch
 import vartrace
 from vartrace.statistics.records import Layout, record_dtype
 from vartrace.storage import H5PYSaverCallback
-from vartrace.storage._codec import IN_OTHER, Kind
+from vartrace.storage.codec import IN_OTHER, Kind
 from vartrace.storage.reader import RunFileError
 from vartrace.trace import Trace
 

@@ -11,7 +11,7 @@ import pytest
 
 import vartrace
 from vartrace import H5PYSaverCallback, Trace
-from vartrace.storage._layout import FORMAT_VERSION
+from vartrace.storage.layout import FORMAT_VERSION
 
 
 def _write(path: Path, version: int | None = None, *, append: bool = False) -> None:

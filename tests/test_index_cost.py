@@ -17,7 +17,7 @@ import torch
 
 import vartrace
 from vartrace.storage import H5PYSaverCallback
-from vartrace.storage._codec import Kind
+from vartrace.storage.codec import Kind
 from vartrace.storage.reader import RunFileError
 from vartrace.trace import Trace
 

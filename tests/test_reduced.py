@@ -21,7 +21,7 @@ from torch import nn
 import vartrace
 from vartrace.reduced import ReducedFrom, Reductions
 from vartrace.storage import H5PYSaverCallback
-from vartrace.storage._layout import REDUCED_DTYPE, REDUCED_SHAPE
+from vartrace.storage.layout import REDUCED_DTYPE, REDUCED_SHAPE
 from vartrace.storage.reader import RunFileError
 
 

@@ -17,7 +17,7 @@ import torch
 import vartrace
 from tests._killed import kill_when_ready
 from vartrace.storage import H5PYSaverCallback
-from vartrace.storage._layout import LAST_TAGS, NAME_END, SITE_INDEX, SITE_NAMES
+from vartrace.storage.layout import LAST_TAGS, NAME_END, SITE_INDEX, SITE_NAMES
 from vartrace.storage.reader import RunFileError
 from vartrace.trace import Trace
 

@@ -13,7 +13,7 @@ import pytest
 
 import vartrace
 from vartrace import H5PYSaverCallback, Trace
-from vartrace.storage._layout import FORMAT_VERSION
+from vartrace.storage.layout import FORMAT_VERSION
 from vartrace.storage.lifecycle import _CLOSING_CACHE
 from vartrace.storage.lifecycle import shrink_metadata_cache as _shrink_metadata_cache
 

@@ -198,10 +198,10 @@ def _interpreting() -> Iterator[None]:
 
 
 def _interpreted_triton() -> types.ModuleType | None:
-    """A fresh copy of ``vartrace.statistics._triton`` whose kernels Triton interprets."""
+    """A fresh copy of ``vartrace.statistics.triton_kernel`` whose kernels Triton interprets."""
     if importlib.util.find_spec("triton") is None:
         return None
-    spec = importlib.util.find_spec("vartrace.statistics._triton")
+    spec = importlib.util.find_spec("vartrace.statistics.triton_kernel")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     with _interpreting():

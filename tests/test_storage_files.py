@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vartrace.storage import H5PYSaverCallback, open_run
-from vartrace.storage._layout import FORMAT_ATTR, FORMAT_VERSION
+from vartrace.storage.layout import FORMAT_ATTR, FORMAT_VERSION
 from vartrace.trace import RunContext, Trace
 
 

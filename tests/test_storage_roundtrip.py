@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vartrace.storage import H5PYSaverCallback, PickleNotAllowedError, open_run
-from vartrace.storage._layout import escape, unescape
+from vartrace.storage.layout import escape, unescape
 from vartrace.trace import Trace
 from vartrace.tracing.callbacks import stack_padded_tensors, stack_tensors
 

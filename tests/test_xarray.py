@@ -59,7 +59,7 @@ def test_ragged_records_grow_their_axis_labels(tmp_path: Path) -> None:
         saver("note", Trace(["a", "b"], [1, 2], [0, 0], [2, 3]))
     dataset = _open_group(path, "vars/x")
     named = {dim: size for dim, size in dataset.sizes.items() if not dim.startswith("phony_dim")}
-    # `shapes`, made by the second gather, is unlabelled (see vartrace.storage._layout)
+    # `shapes`, made by the second gather, is unlabelled (see vartrace.storage.layout)
     assert named == {"records": 2, "values_dim1": 4, "values_dim2": 3, "tags_dim1": 4}
     assert dataset["shapes"].values.tolist() == [[2, 3], [4, 1]]
     assert _open_group(path, "vars/note")["values"].values.tolist() == ["a", "b"]

@@ -11,7 +11,7 @@ through the receiver it gave it (`vartrace.staging.protocol`):
   of previous records; past it on the host), the copies to the host, delivery on
   a thread of its own;
 * `vartrace.staging.ring`: the host memory those copies land in, allocated once;
-* `vartrace.staging._threads`: the staging thread's own single OpenMP thread.
+* `vartrace.staging.threads`: the staging thread's own single OpenMP thread.
 """
 
 from vartrace.staging.blocking import BlockingStaging

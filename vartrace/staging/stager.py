@@ -73,11 +73,11 @@ import torch
 
 from vartrace._support.warnings import warn
 from vartrace.markers import Unstored
-from vartrace.staging._threads import one_openmp_thread
 from vartrace.staging.device import stageable, stream_module
 from vartrace.staging.items import Batch, Job, Ready, Staged, bit_view, same_bytes
 from vartrace.staging.ring import HostRing
 from vartrace.staging.stats import StagingStats
+from vartrace.staging.threads import one_openmp_thread
 from vartrace.tensors import copy_leaf, failed_copy, refused_copy
 
 __all__ = ["FLUSH_BYTES", "FLUSH_RECORDS", "OnFull", "Stager", "check_device_bytes"]

@@ -15,7 +15,7 @@ no digits.
 `torch.ops.vartrace.summary` (a `torch.library` op, traceable by its fake kernel):
 on the CPU `summarize_values` on a zero-copy view (bfloat16 widened to float32
 bits, float8 decoded by a table of its 256 values), on CUDA two Triton kernels
-(`vartrace.statistics._triton`), elsewhere the eager torch formulation
+(`vartrace.statistics.triton_kernel`), elsewhere the eager torch formulation
 `eager_summary`.  Complex values are reduced by magnitude.
 
 Example:
@@ -242,7 +242,7 @@ def _cpu_row(x: Any) -> np.ndarray:
     return summarize_values(x.view(torch.uint8).numpy(), decode)
 
 
-_triton: Any = None  # vartrace.statistics._triton once imported; False without triton
+_triton: Any = None  # vartrace.statistics.triton_kernel once imported; False without triton
 
 
 def _cuda_summary(x: Any, header: float | None = None) -> Any:
@@ -251,7 +251,7 @@ def _cuda_summary(x: Any, header: float | None = None) -> Any:
     global _triton
     if _triton is None:
         try:
-            _triton = importlib.import_module("vartrace.statistics._triton")
+            _triton = importlib.import_module("vartrace.statistics.triton_kernel")
         except ImportError:  # a CUDA build of torch without triton
             _triton = False
     if x.is_complex():

@@ -13,13 +13,13 @@ Example:
 Files are written in HDF5's SWMR mode, so a killed training process leaves a
 readable file holding every flushed record; `recover` clears the flags
 that make plain `h5py.File` refuse such a file.  The layout is described in
-`vartrace.storage._layout`.  This package imports no torch; tensors are
+`vartrace.storage.layout`.  This package imports no torch; tensors are
 converted where they are read or written.
 """
 
 from vartrace.errors import WorkerError
 from vartrace.markers import Unstored
-from vartrace.storage._codec import PickleNotAllowedError
+from vartrace.storage.codec import PickleNotAllowedError
 from vartrace.storage.filters import COMPRESSIONS
 from vartrace.storage.lifecycle import recover
 from vartrace.storage.metadata import collect_metadata

@@ -21,7 +21,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from vartrace.storage._guard import (
+from vartrace.storage.guard import (
     FREE_READ_BYTES,
     RunFileError,
     check_link,
@@ -30,7 +30,7 @@ from vartrace.storage._guard import (
     file_name,
     open_object,
 )
-from vartrace.storage._layout import (
+from vartrace.storage.layout import (
     FORMAT_ATTR,
     FORMAT_VERSION,
     SIGNATURE,
@@ -38,7 +38,7 @@ from vartrace.storage._layout import (
     has_write_flags,
     unescape,
 )
-from vartrace.storage._swmr import open_swmr
+from vartrace.storage.swmr import open_swmr
 
 __all__ = [
     "int_attr",

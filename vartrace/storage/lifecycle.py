@@ -37,7 +37,8 @@ import numpy as np
 
 from vartrace._support.warnings import warn
 from vartrace._version import __version__
-from vartrace.storage._layout import (
+from vartrace.storage.filters import STR
+from vartrace.storage.layout import (
     COMMITTED,
     FORMAT_ATTR,
     LAST_TAGS,
@@ -50,10 +51,9 @@ from vartrace.storage._layout import (
     run_attrs,
     writer_alive,
 )
-from vartrace.storage._swmr import open_swmr
-from vartrace.storage.filters import STR
 from vartrace.storage.root_index import RootIndex
 from vartrace.storage.site_writer import CACHE_BYTES, int64
+from vartrace.storage.swmr import open_swmr
 from vartrace.trace import RunContext, Trace
 
 __all__ = [

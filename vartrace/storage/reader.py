@@ -41,8 +41,9 @@ import numpy as np
 
 from vartrace._support.text import missing_site
 from vartrace._support.warnings import warn
-from vartrace.storage._guard import RunFileError, check_read, child, file_name
-from vartrace.storage._layout import (
+from vartrace.storage.files import open_file, read_tree
+from vartrace.storage.guard import RunFileError, check_read, child, file_name
+from vartrace.storage.layout import (
     COMMITTED,
     FORMAT_ATTR,
     NAME_END,
@@ -56,7 +57,6 @@ from vartrace.storage._layout import (
     unescape,
     writer_alive,
 )
-from vartrace.storage.files import open_file, read_tree
 from vartrace.storage.site_reader import Part, ReadAhead
 from vartrace.storage.sites import Site, described
 

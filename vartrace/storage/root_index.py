@@ -12,7 +12,7 @@ Example:
     ```
 
 `/committed` holds each slot's record count, `/site_index` its row and
-`/site_names` the link names' bytes (see `vartrace.storage._layout`).  Every
+`/site_names` the link names' bytes (see `vartrace.storage.layout`).  Every
 write rewrites whole unfiltered chunks in place, so a killed writer leaves the
 counts of its last completed flush.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 import h5py
 import numpy as np
 
-from vartrace.storage._layout import (
+from vartrace.storage.layout import (
     COMMITTED,
     NAME_END,
     NAME_START,

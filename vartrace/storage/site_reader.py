@@ -18,7 +18,7 @@ import numpy as np
 
 from vartrace.reduced import ReducedFrom
 from vartrace.statistics.named import SUMMARY_FIELDS
-from vartrace.storage._codec import (
+from vartrace.storage.codec import (
     IN_OTHER,
     KIND_NAMES,
     Kind,
@@ -27,7 +27,8 @@ from vartrace.storage._codec import (
     in_values,
     row_shapes,
 )
-from vartrace.storage._guard import (
+from vartrace.storage.files import int_attr, leading_rows, load_filters, text_attr, too_few
+from vartrace.storage.guard import (
     FREE_READ_BYTES,
     RunFileError,
     check_link,
@@ -36,8 +37,7 @@ from vartrace.storage._guard import (
     child,
     file_name,
 )
-from vartrace.storage._layout import SITE_INDEX, TAGGED, TAGS, reduced_from
-from vartrace.storage.files import int_attr, leading_rows, load_filters, text_attr, too_few
+from vartrace.storage.layout import SITE_INDEX, TAGGED, TAGS, reduced_from
 
 __all__ = ["Part", "ReadAhead"]
 

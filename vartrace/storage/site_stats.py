@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from vartrace.statistics.named import STATS, reduce_block
-from vartrace.storage._codec import KIND_NAMES, Kind, decode_raw, from_array, in_values
-from vartrace.storage._guard import check_read
+from vartrace.storage.codec import KIND_NAMES, Kind, decode_raw, from_array, in_values
+from vartrace.storage.guard import check_read
 from vartrace.storage.site_reader import Part
 
 __all__ = ["describe"]

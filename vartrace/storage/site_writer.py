@@ -27,8 +27,9 @@ import numpy as np
 
 from vartrace._support.warnings import warn
 from vartrace.reduced import ReducedFrom
-from vartrace.storage._codec import IN_OTHER, Kind, Leaf, encode, row_shapes, to_blob, unstored
-from vartrace.storage._layout import (
+from vartrace.storage.codec import IN_OTHER, Kind, Leaf, encode, row_shapes, to_blob, unstored
+from vartrace.storage.filters import STR, UNFILTERED, Made
+from vartrace.storage.layout import (
     REDUCED_DTYPE,
     REDUCED_SHAPE,
     TAGGED,
@@ -37,7 +38,6 @@ from vartrace.storage._layout import (
     reduced_from,
     unescape,
 )
-from vartrace.storage.filters import STR, UNFILTERED, Made
 from vartrace.trace import Trace
 
 __all__ = ["CACHE_BYTES", "SiteWriter", "describe", "int64"]

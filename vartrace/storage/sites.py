@@ -22,8 +22,8 @@ import h5py
 import numpy as np
 
 from vartrace.reduced import ReducedFrom
-from vartrace.storage._codec import KIND_NAMES, decode_raw, in_values
-from vartrace.storage._guard import FREE_READ_BYTES, RunFileError, check_read, held_bytes, size_text
+from vartrace.storage.codec import KIND_NAMES, decode_raw, in_values
+from vartrace.storage.guard import FREE_READ_BYTES, RunFileError, check_read, held_bytes, size_text
 from vartrace.storage.site_reader import Part
 from vartrace.storage.site_stats import describe
 

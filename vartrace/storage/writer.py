@@ -38,8 +38,10 @@ from vartrace._support import forks as _forks
 from vartrace._support import memory as _memory
 from vartrace._support.warnings import release, warn
 from vartrace.reduced import ReducedFrom
-from vartrace.storage._codec import dtype_name
-from vartrace.storage._layout import (
+from vartrace.storage.background import BackgroundWriter, Handed, Item, one_by_one
+from vartrace.storage.codec import dtype_name
+from vartrace.storage.filters import Made, dataset_filters
+from vartrace.storage.layout import (
     FIRST_ORDER,
     FORMAT_ATTR,
     FORMAT_VERSION,
@@ -48,8 +50,6 @@ from vartrace.storage._layout import (
     shard_path,
     unescape,
 )
-from vartrace.storage.background import BackgroundWriter, Handed, Item, one_by_one
-from vartrace.storage.filters import Made, dataset_filters
 from vartrace.storage.lifecycle import (
     close_after_failure,
     create_file,

@@ -26,8 +26,8 @@ from vartrace.statistics.named import (
     value_as_array,
     value_dtype_name,
 )
-from vartrace.storage._codec import decode_raw, numeric_dtype
-from vartrace.storage._guard import check_read
+from vartrace.storage.codec import decode_raw, numeric_dtype
+from vartrace.storage.guard import check_read
 from vartrace.storage.sites import all_values
 from vartrace.trace import Trace
 

@@ -3,7 +3,7 @@
 Every site of both runs is indexed first (records matched by iteration, rank
 and occurrence; shapes and dtypes read), its numeric pairs grouped into
 blocks of equally shaped records (`_Task`); then a few threads read
-and reduce the blocks (`vartrace.analysis.comparison._stats`) and each block's
+and reduce the blocks (`vartrace.analysis.comparison.kernels`) and each block's
 statistics fill its site's rows (`_SiteResult`).
 """
 
@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vartrace.analysis.comparison._stats import block_partial, concatenate, finish, numeric_stats
+from vartrace.analysis.comparison.kernels import block_partial, concatenate, finish, numeric_stats
 from vartrace.analysis.comparison.report import (
     COLUMNS,
     FLOAT_COLUMNS,
