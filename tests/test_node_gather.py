@@ -114,6 +114,11 @@ def test_each_node_writes_one_shard_and_nothing_is_sent_to_another_node(
             assert list(handle.attrs["shard"]) == [node, 2]
             assert list(handle.attrs["node_ranks"]) == [2 * node, 2 * node + 1]
             assert handle.attrs["world_size"] == 4
+        with pytest.warns(RuntimeWarning, match="missing"):  # the other node's shard
+            shard = vartrace.open(out / f"run.node{node}.h5")
+        with shard:  # its own ranks' records
+            ranks = {int(r) for name in shard.names for r in shard[name].ranks}
+            assert ranks == {2 * node, 2 * node + 1}
     counts = _counts(node_dirs)
     assert sorted(counts) == [0, 1, 2, 3]
     for rank, report in counts.items():
