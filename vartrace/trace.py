@@ -155,12 +155,18 @@ class RunContext:
     The tracer calls `callback.on_start(context)` on every callback that
     defines it, before the first record; a saver uses it to name per-rank
     shard files (`sharded=True` when `ModelTracer(gather=False)` and more
-    than one rank).
+    than one rank) and per-node ones: with `ModelTracer(gather="node")` and
+    more than one rank, `node` is this rank's node number (else `None`),
+    `nodes` the number of nodes and `node_ranks` the global ranks of this
+    rank's node, whose first gathers the node's records and writes its shard.
     """
 
     rank: int = 0
     world_size: int = 1
     sharded: bool = False
+    node: int | None = None
+    nodes: int = 1
+    node_ranks: tuple[int, ...] = ()
 
 
 class SaverCallback(Protocol):

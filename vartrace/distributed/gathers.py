@@ -36,6 +36,15 @@ device memory rank 0 needs with NCCL.  (Point-to-point rather than
 the largest buffer, and gloo's gather measured about 5x slower than
 point-to-point for 64 MB per rank.)
 
+Gathering within a node
+-----------------------
+`gather_chunk` and `final_gathers` take a process group: with `None` every rank
+gathers to global rank 0; with a node's group (`vartrace.distributed.nodes`,
+`ModelTracer(gather="node")`) the ranks of each node gather to their node's first
+rank, and no record ever travels to a rank of another node.  Everything below
+holds within the group: "rank 0" is the group's first rank, records keep the
+global rank that captured them, and messages name global ranks.
+
 Rank 0's own records never travel: it merges them, as they are (and where
 they are), with the unpacked records of the other ranks.  With NCCL the
 buffers live on the rank's current CUDA device during the transfer (call
@@ -129,8 +138,9 @@ def _active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def rank() -> int:
-    """This process's rank, 0 without an initialised process group.
+def rank(group: Any = None) -> int:
+    """This process's rank in `group` (`None`: every rank), 0 without an initialised
+    process group.
 
     Example:
         ```python
@@ -138,18 +148,19 @@ def rank() -> int:
             print("writing the file")
         ```
     """
-    return dist.get_rank() if _active() else 0
+    return dist.get_rank(group) if _active() else 0
 
 
-def world_size() -> int:
-    """The number of ranks, 1 without an initialised process group.
+def world_size(group: Any = None) -> int:
+    """The number of ranks in `group` (`None`: every rank), 1 without an initialised
+    process group.
 
     Example:
         ```python
         shards = [f"run.rank{r}.h5" for r in range(vartrace.distributed.gathers.world_size())]
         ```
     """
-    return dist.get_world_size() if _active() else 1
+    return dist.get_world_size(group) if _active() else 1
 
 
 def new_host_group() -> Any:
@@ -170,6 +181,24 @@ def new_host_group() -> Any:
     return dist.new_group(backend="gloo", timeout=_timeout())
 
 
+def new_host_subgroups(ranks_per_group: list[list[int]]) -> Any:
+    """Gloo process groups of the given ranks (disjoint lists); returns this rank's.
+
+    As `new_host_group`, for gathers within groups of ranks (`gather="node"`: one
+    group a node).  A collective call: every rank must make it with the same lists,
+    in the same order, at the same point; the groups' timeout is the default group's.
+    Example:
+        ```python
+        mine = new_host_subgroups([[0, 1], [2, 3]])
+        merged = gather_chunk(chunk, mine)  # on ranks 0 and 2: their node's records
+        ```
+    """
+    group, _ = dist.new_subgroups_by_enumeration(
+        ranks_per_group, timeout=_timeout(), backend="gloo"
+    )
+    return group
+
+
 def _timeout() -> timedelta | None:
     """The default group's timeout (`None`, torch's default, where it cannot be read)."""
     world = dist.group.WORLD
@@ -185,15 +214,16 @@ def _timeout() -> timedelta | None:
 def gather_chunk(
     chunk: dict[str, Trace], group: Any = None, *, facts: list[Fact] | None = None
 ) -> dict[str, Trace] | None:
-    """Gather every rank's chunk to rank 0.
+    """Gather every rank's chunk of `group` to the group's rank 0.
 
-    Must be called on every rank of `group` (a group of every rank; `None`
-    is the default process group), the same number of times, unless a rank
-    has left for `final_gathers`, which joins the gathers of the others.
-    Returns the merged chunk (site name -> [`Trace`][vartrace.Trace] holding the records
-    of all ranks, rank 0's first) on rank 0 and `None` on the other ranks.
-    Without an initialised process group, or with a single rank, `chunk` is
-    returned unchanged.
+    Must be called on every rank of `group` (`None` is the default process
+    group; a node's group gathers to the node's first rank), the same number
+    of times, unless a rank has left for `final_gathers`, which joins the
+    gathers of the others.  Returns the merged chunk (site name ->
+    [`Trace`][vartrace.Trace] holding the records of all the group's ranks, its
+    rank 0's first) on the group's rank 0 and `None` on the other ranks.
+    Records keep the global rank they were tagged with.  Without an initialised
+    process group, or with a group of a single rank, `chunk` is returned unchanged.
 
     `facts`: what this rank knows about its sites beside the records, as
     `(kind, site, fact)` triples of picklable objects (the tracer sends its
@@ -212,7 +242,7 @@ def gather_chunk(
         RuntimeError: on every rank when some rank could not pack its chunk,
             or when the process group reports a failed or timed-out collective.
     """
-    if not _active() or dist.get_world_size() == 1:
+    if not _active() or dist.get_world_size(group) == 1:
         return chunk
     return _gather(chunk, group, final=False, facts=facts)[0]
 
@@ -253,17 +283,17 @@ def final_gathers(
     Raises:
         RuntimeError: as `gather_chunk`, for a failure after the ranks met.
     """
-    if not _active() or dist.get_world_size() == 1:
+    if not _active() or dist.get_world_size(group) == 1:
         yield chunk, True
         return
-    me = dist.get_rank()
-    running = [r for r in range(dist.get_world_size()) if r != me]
+    me = dist.get_rank(group)
+    running = [r for r in range(dist.get_world_size(group)) if r != me]
     own = chunk
     while running:
         try:
             merged, done = _gather(own, group, final=True, facts=facts)
         except _Unmet as unmet:
-            _warn_unmet(me, running, own, unmet.__cause__)
+            _warn_unmet(me, running, own, unmet.__cause__, group)
             if own:
                 yield own, me == 0
             return
@@ -278,27 +308,35 @@ class _Unmet(Exception):
     """The exchange that starts a final gather failed: some rank did not come."""
 
 
+def _global(group: Any, ranks: list[int]) -> list[int]:
+    """The global ranks of `group`'s ranks `ranks` (messages name ranks as the launcher does)."""
+    if group is None or group is dist.group.WORLD:
+        return ranks
+    return [dist.get_global_rank(group, r) for r in ranks]
+
+
 def _warn_unmet(
-    me: int, running: list[int], own: dict[str, Trace], error: BaseException | None
+    me: int, running: list[int], own: dict[str, Trace], error: BaseException | None, group: Any
 ) -> None:
     count = sum(len(trace) for trace in own.values())
+    root, mine = _global(group, [0, me])
     if me:
         kept = (
-            f"this rank's last {count} records stay in tracer.results on rank {me}"
+            f"this rank's last {count} records stay in tracer.results on rank {mine}"
             if own
             else "this rank had sent all its records"
         )
     else:
         kept = (
-            "the records those ranks took since their last gather are not in rank 0's "
+            f"the records those ranks took since their last gather are not in rank {root}'s "
             "results (a rank that reaches its own final gather keeps them in its "
             "tracer.results)"
         )
         if own:
-            kept = f"rank 0 hands on its own last {count} records alone; {kept}"
+            kept = f"rank {root} hands on its own last {count} records alone; {kept}"
     warn(
-        f"vartrace: rank(s) {running} did not come to the final gathers before the process "
-        f"group gave up ({type(error).__name__}: {error}); {kept}",
+        f"vartrace: rank(s) {_global(group, running)} did not come to the final gathers "
+        f"before the process group gave up ({type(error).__name__}: {error}); {kept}",
         RuntimeWarning,
     )
 
@@ -313,8 +351,8 @@ def _gather(
     `facts` is extended with the others'.  If the first exchange
     fails in a final gather, raises `_Unmet` (the cause is the error).
     """
-    me = dist.get_rank()
-    size = dist.get_world_size()
+    me = dist.get_rank(group)
+    size = dist.get_world_size(group)
     device = _comm_device(group)
 
     packed: Packed | None = None
@@ -341,10 +379,13 @@ def _gather(
     failed = [r for r, (_, bad, _) in enumerate(table) if bad]
     if failed:
         if error is not None:
-            raise RuntimeError(f"vartrace: rank {me} could not pack its chunk: {error}") from error
+            (mine,) = _global(group, [me])
+            raise RuntimeError(
+                f"vartrace: rank {mine} could not pack its chunk: {error}"
+            ) from error
         raise RuntimeError(
-            f"vartrace: rank(s) {failed} could not pack their chunk for gathering; "
-            "see the error on those ranks"
+            f"vartrace: rank(s) {_global(group, failed)} could not pack their chunk for "
+            "gathering; see the error on those ranks"
         )
     if packed is not None:
         _send_all([packed_buffer(packed)], device, group)
@@ -367,10 +408,10 @@ def _gather(
         for sender in sorted(decoders):
             facts.extend(decoders[sender].facts)
     if failure is not None:
-        sender, error = failure
+        root, sender = _global(group, [0, failure[0]])
         raise RuntimeError(
-            f"vartrace: rank 0 could not unpack the chunk of rank {sender}: {error}"
-        ) from error
+            f"vartrace: rank {root} could not unpack the chunk of rank {sender}: {failure[1]}"
+        ) from failure[1]
     return merge(parts_by_rank), done
 
 
@@ -425,7 +466,20 @@ def _send_all(flats: list[torch.Tensor], device: torch.device, group: Any) -> No
     """
     messages = _segments(flats)
     for round_ in _rounds([m.numel() for m in messages]):
-        _run_ops([dist.P2POp(dist.isend, messages[i].to(device), 0, group, tag=i) for i in round_])
+        _run_ops(
+            [
+                dist.P2POp(dist.isend, messages[i].to(device), group=group, tag=i, group_peer=0)
+                for i in round_
+            ]
+        )
+
+
+def _receives(receives: list[tuple[torch.Tensor, int, int]], group: Any) -> list[dist.P2POp]:
+    """Receive operations of `(tensor, sender's rank in group, tag)` triples."""
+    return [
+        dist.P2POp(dist.irecv, tensor, group=group, tag=tag, group_peer=sender)
+        for tensor, sender, tag in receives
+    ]
 
 
 def _receive_all(targets: list[list[torch.Tensor]], device: torch.device, group: Any) -> None:
@@ -443,10 +497,11 @@ def _receive_all(targets: list[list[torch.Tensor]], device: torch.device, group:
     for round_ in _rounds([m.numel() for _, _, m in messages]):
         batch = [messages[i] for i in round_]
         if device.type == "cpu":
-            _run_ops([dist.P2POp(dist.irecv, m, r, group, tag=tag) for r, tag, m in batch])
+            receives = [(m, r, tag) for r, tag, m in batch]
+            _run_ops(_receives(receives, group))
             continue
         staging = [torch.empty_like(m, device=device) for _, _, m in batch]
         pairs = list(zip(staging, batch, strict=True))
-        _run_ops([dist.P2POp(dist.irecv, buf, r, group, tag=tag) for buf, (r, tag, _) in pairs])
+        _run_ops(_receives([(buf, r, tag) for buf, (r, tag, _) in pairs], group))
         for buf, (_, _, m) in pairs:
             m.copy_(buf)

@@ -5,7 +5,10 @@
 /                     attrs: vartrace_format, vartrace_version, writer_host, writer_pid,
                       run_id (one id per run: every shard of a sharded run holds the
                       same when the ranks share a process group, "" when that is unknown),
-                      shard (int64 [rank, world size]: only in a shard of a sharded run),
+                      shard (int64 [rank, world size]: only in a shard of a sharded run;
+                      [node, number of nodes] in a node's shard, gather="node", which
+                      also holds node_ranks, int64 (ranks,): the global ranks whose
+                      records it holds, and world_size, the run's number of ranks),
                       last_tags (int64 [largest iteration, largest capture order,
                       sum of /committed] as of the last flush, so that appending needs
                       no walk of the sites; absent in older files, and not trusted when
@@ -77,7 +80,7 @@ import re
 import socket
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +97,7 @@ __all__ = [
     "LIBVER",
     "NAME_END",
     "NAME_START",
+    "NODE_RANKS_ATTR",
     "NO_TARGET",
     "REDUCED_DTYPE",
     "REDUCED_SHAPE",
@@ -105,9 +109,12 @@ __all__ = [
     "TAGGED",
     "TAGS",
     "TARGET",
+    "WORLD_SIZE_ATTR",
     "clear_write_flags",
     "escape",
     "has_write_flags",
+    "node_attrs",
+    "node_shard_path",
     "reduced_from",
     "run_attrs",
     "shard_path",
@@ -190,9 +197,21 @@ def shard_path(path: Path, rank: int) -> Path:
     return path.with_name(f"{stem}.rank{rank}{path.suffix}")
 
 
+def node_shard_path(path: Path, node: int) -> Path:
+    """The file one node writes with `gather="node"`: `run.h5` -> `run.node1.h5`.
+
+    A path that already names the node (`f"run.node{node}.h5"`) gives the same file.
+    """
+    stem = re.sub(r"\.node\d+$", "", path.stem)
+    return path.with_name(f"{stem}.node{node}{path.suffix}")
+
+
 RUN_ID_ATTR = "run_id"
 SHARD_ATTR = "shard"
+NODE_RANKS_ATTR = "node_ranks"
+WORLD_SIZE_ATTR = "world_size"
 _RUN_KEYS = itertools.count()  # the n-th sharded file this process starts: the same on each rank
+_SHARD_NAME = re.compile(r"\.(?:rank|node)\d+$")  # what names a rank's or a node's shard
 
 
 def run_attrs(path: Path, rank: int, world_size: int, sharded: bool) -> dict[str, Any]:
@@ -209,9 +228,32 @@ def run_attrs(path: Path, rank: int, world_size: int, sharded: bool) -> dict[str
     """
     if not sharded:
         return {RUN_ID_ATTR: uuid.uuid4().hex}
-    stem = re.sub(r"\.rank\d+$", "", path.stem)
-    key = f"vartrace/run_id/{next(_RUN_KEYS)}/{stem}{path.suffix}"
-    return {RUN_ID_ATTR: _shared_id(key), SHARD_ATTR: [rank, world_size]}
+    return {RUN_ID_ATTR: _run_id(path), SHARD_ATTR: [rank, world_size]}
+
+
+def node_attrs(
+    path: Path, node: int, nodes: int, ranks: Sequence[int], world_size: int
+) -> dict[str, Any]:
+    """The root attributes of a node's shard (`gather="node"`): the run's id, shared by
+    every node's shard as `run_attrs` shares it, `[node, nodes]`, the node's ranks and
+    the run's world size.  Example:
+
+    ```python
+    handle.attrs.update(node_attrs(path, node=1, nodes=2, ranks=[2, 3], world_size=4))
+    ```
+    """
+    return {
+        RUN_ID_ATTR: _run_id(path),
+        SHARD_ATTR: [node, nodes],
+        NODE_RANKS_ATTR: np.asarray(ranks, np.int64),
+        WORLD_SIZE_ATTR: world_size,
+    }
+
+
+def _run_id(path: Path) -> str:
+    """The id the shards of the sharded run of `path` share (see `run_attrs`)."""
+    stem = _SHARD_NAME.sub("", path.stem)
+    return _shared_id(f"vartrace/run_id/{next(_RUN_KEYS)}/{stem}{path.suffix}")
 
 
 def _shared_id(key: str) -> str:

@@ -48,7 +48,10 @@ from vartrace.storage.layout import (
     clear_write_flags,
     escape,
     has_write_flags,
+    node_attrs,
+    node_shard_path,
     run_attrs,
+    shard_path,
     writer_alive,
 )
 from vartrace.storage.root_index import RootIndex
@@ -59,15 +62,16 @@ from vartrace.trace import RunContext, Trace
 __all__ = [
     "close_after_failure",
     "create_file",
+    "idle_error",
     "interrupts_held",
     "last_tags",
-    "launched_as_other_rank",
     "open_for_writing",
     "os_error",
     "recover",
     "shift_past",
     "shrink_metadata_cache",
     "size_metadata_cache",
+    "written_path",
 ]
 
 # HDF5's metadata cache of the file (bytes it starts at, least, most: HDF5's own ceiling).
@@ -123,7 +127,13 @@ def create_file(
     handle = h5py.File(path, "x", **_FILE_OPTIONS)
     handle.attrs[FORMAT_ATTR] = version
     handle.attrs["vartrace_version"] = __version__
-    handle.attrs.update(run_attrs(path, context.rank, context.world_size, context.sharded))
+    if context.node is None:
+        attrs = run_attrs(path, context.rank, context.world_size, context.sharded)
+    else:
+        attrs = node_attrs(
+            path, context.node, context.nodes, context.node_ranks, context.world_size
+        )
+    handle.attrs.update(attrs)
     handle.create_group("vars")
     RootIndex.create(handle)
     if meta is not None:
@@ -155,7 +165,46 @@ def _write_tree(group: h5py.Group, tree: Mapping[str, Any]) -> None:
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 
 
-def launched_as_other_rank() -> bool:
+def written_path(path: Path, context: RunContext) -> Path | None:
+    """The file a saver given `path` writes on this rank of the run of `context`; `None`
+    where another rank writes the records this rank gathers to it.
+
+    `gather=False`: each rank its shard (`run.rank3.h5`); `gather="node"`: each node's
+    first rank the node's shard (`run.node1.h5`, beside `path` on that node's own disk);
+    otherwise rank 0 `path`.
+    """
+    if context.sharded:
+        return shard_path(path, context.rank)
+    if context.node is not None:
+        first = context.node_ranks[0] if context.node_ranks else context.rank
+        return node_shard_path(path, context.node) if context.rank == first else None
+    if context.rank != 0 or (context.world_size == 1 and _launched_as_other_rank()):
+        return None
+    return path
+
+
+def idle_error(path: Path, context: RunContext) -> RuntimeError:
+    """The error for records handed to the saver of a rank that `written_path` left idle."""
+    rank = f"rank {context.rank}"
+    if context.node is not None:
+        return RuntimeError(
+            f"H5PYSaverCallback for {path} received records on {rank} of node {context.node} "
+            f"of a run gathered per node, where only the node's first rank "
+            f"({context.node_ranks[0]}) writes"
+        )
+    if context.world_size == 1:
+        rank = (
+            "a process that its launcher started as a rank other than 0 (RANK / "
+            "LOCAL_RANK / NODE_RANK, WORLD_SIZE), with no torch.distributed group to "
+            "gather to"
+        )
+    return RuntimeError(
+        f"H5PYSaverCallback for {path} received records on {rank} of a gathered "
+        "run, where only rank 0 writes"
+    )
+
+
+def _launched_as_other_rank() -> bool:
     """Whether a launcher started this process as a rank other than 0 of several, whose
     process group is not initialised yet (a tracer around Lightning's `trainer.fit`, which
     initialises it inside): the file is rank 0's to create, and this process must not

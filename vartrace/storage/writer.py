@@ -47,20 +47,20 @@ from vartrace.storage.layout import (
     FORMAT_VERSION,
     LAST_TAGS,
     escape,
-    shard_path,
     unescape,
 )
 from vartrace.storage.lifecycle import (
     close_after_failure,
     create_file,
+    idle_error,
     interrupts_held,
     last_tags,
-    launched_as_other_rank,
     open_for_writing,
     os_error,
     shift_past,
     shrink_metadata_cache,
     size_metadata_cache,
+    written_path,
 )
 from vartrace.storage.metadata import collect_metadata, metadata_options
 from vartrace.storage.root_index import RootIndex
@@ -215,11 +215,11 @@ class H5PYSaverCallback:
         if self._file is not None or self._closed:
             return
         self._context = context
-        if context.sharded:
-            self.path = shard_path(self.path, context.rank)
-        elif context.rank != 0 or (context.world_size == 1 and launched_as_other_rank()):
-            self._idle = True  # rank 0 writes the gathered records
+        path = written_path(self.path, context)
+        if path is None:
+            self._idle = True  # another rank writes the records this rank gathers to it
             return
+        self.path = path
         self._open()
 
     def _check_process(self) -> None:
@@ -256,17 +256,7 @@ class H5PYSaverCallback:
         if self._closed:
             raise RuntimeError(f"H5PYSaverCallback for {self.path} is closed")
         if self._idle:
-            rank = f"rank {self._context.rank}"
-            if self._context.world_size == 1:
-                rank = (
-                    "a process that its launcher started as a rank other than 0 (RANK / "
-                    "LOCAL_RANK / NODE_RANK, WORLD_SIZE), with no torch.distributed group to "
-                    "gather to"
-                )
-            raise RuntimeError(
-                f"H5PYSaverCallback for {self.path} received records on {rank} of a gathered "
-                "run, where only rank 0 writes"
-            )
+            raise idle_error(self.path, self._context)
         if self._file is not None:
             return self._file
         handle, self._created = open_for_writing(

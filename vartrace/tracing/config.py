@@ -27,6 +27,7 @@ from vartrace.trace import Trace
 from vartrace.tracing.modules import fullgraph_regions, is_compiled, unwrap
 
 __all__ = [
+    "Gather",
     "GatherCallback",
     "Mode",
     "PreSave",
@@ -40,6 +41,7 @@ PreSave = Callable[[str, Any, int], Any]
 GatherCallback = Callable[[str, Trace], None]
 Mode = Literal["train", "eval", "any"]
 StagingMode = Literal["auto", "async", "sync"]
+Gather = bool | Literal["node"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ class TracerConfig:
     mode: Mode
     change_detection: bool
     device: torch.device
-    gather: bool
+    gather: Gather
     strict: bool
     staging: Literal["async", "sync"]
     max_inflight_bytes: int
@@ -87,7 +89,7 @@ class TracerConfig:
         mode: Mode,
         change_detection: bool,
         device: str | torch.device,
-        gather: bool,
+        gather: Gather,
         strict: bool,
         optimizer: Any,
         staging: StagingMode,
@@ -113,7 +115,13 @@ class TracerConfig:
             ("gather", gather),
             ("strict", strict),
         ):
-            if not isinstance(flag, bool):  # "no" would be true
+            if name == "gather" and not isinstance(flag, bool):
+                if not (isinstance(flag, str) and flag == "node"):
+                    raise _ChoiceError(
+                        f"gather must be True or False, not {flag!r} (or 'node': one shard "
+                        "per node)"
+                    )
+            elif not isinstance(flag, bool):  # "no" would be true
                 raise TypeError(f"{name} must be True or False, not {flag!r}")
         max_inflight_bytes = _positive("max_inflight_bytes", max_inflight_bytes)
         max_host_bytes = (
@@ -169,6 +177,11 @@ class TracerConfig:
             *self.post_gather_callbacks,
             *self.post_trace_callbacks,
         )
+
+
+class _ChoiceError(TypeError, ValueError):
+    """An option that is neither of the flags nor a word it takes (`gather="nodes"`): a
+    `ValueError` naming the choices, and the `TypeError` a flag of the wrong type raises."""
 
 
 def callback_name(callback: object) -> str:

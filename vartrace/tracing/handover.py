@@ -2,9 +2,10 @@
 
 `HandOver` runs once per gathering interval (and once more when the tracer stops),
 on the thread its staging runs jobs on: flush -> pre-gather callbacks -> gather to
-rank 0 -> post-gather callbacks -> `tracer.results` -> the sinks' `flush`.  Facts
-about sites (aliases, reductions) travel with the records and reach the results and
-the sinks before them.
+rank 0 (with `gather="node"`: to the node's first rank) -> post-gather callbacks ->
+`tracer.results` -> the sinks' `flush`.  Facts about sites (aliases, reductions)
+travel with the records and reach the results and the sinks before them.
+`gathers_at_start` makes the gathers' process group and the callbacks' `RunContext`.
 """
 
 from __future__ import annotations
@@ -15,17 +16,39 @@ from typing import Any
 from vartrace._support import warnings as _warnings
 from vartrace._support.memory import held_bytes
 from vartrace.distributed import gathers as distributed
+from vartrace.distributed.nodes import node_of_this_rank
 from vartrace.errors import CallbackError
 from vartrace.markers import Unstored
 from vartrace.reduced import Reductions
-from vartrace.trace import Trace
+from vartrace.trace import RunContext, Trace
 from vartrace.tracing.aliases import Aliases
 from vartrace.tracing.chunk import Chunk
 from vartrace.tracing.config import GatherCallback, TracerConfig, callback_name
 from vartrace.tracing.hooks import SinkHooks
 from vartrace.tracing.results import Results
 
-__all__ = ["HandOver", "callback_error", "run_callbacks"]
+__all__ = ["HandOver", "callback_error", "gathers_at_start", "run_callbacks"]
+
+
+def gathers_at_start(config: TracerConfig) -> tuple[Any, RunContext]:
+    """The gathers' process group (`None`: the default group) and the run's context for
+    the callbacks' `on_start`; called by the tracer's `start`, on every rank.
+
+    A collective where it makes a group: with `gather="node"`, each node's group (see
+    `vartrace.distributed.nodes`); with asynchronous staging, a gloo group of every rank,
+    for gathers on the stager's thread, never on the group the training thread's
+    collectives (DDP's NCCL all-reduces) use, and never on a device.  With one rank (or
+    no process group yet) `gather="node"` gathers nothing, as `gather=True`.
+    """
+    rank, world = distributed.rank(), distributed.world_size()
+    if config.gather == "node" and world > 1:
+        node = node_of_this_rank()
+        context = RunContext(rank, world, node=node.index, nodes=node.count, node_ranks=node.ranks)
+        return node.group, context
+    group = None
+    if config.staging == "async" and config.gather and world > 1:
+        group = distributed.new_host_group()
+    return group, RunContext(rank, world, sharded=not config.gather and world > 1)
 
 
 def callback_error(stage: str, callback: object, site: str, error: Exception) -> CallbackError:
@@ -59,7 +82,8 @@ class HandOver:
         aliases, reductions: the facts about sites that travel with the records.
         config: the tracer's options (the callbacks, `gather`, `max_host_bytes`).
         hooks: the sinks' hooks (`flush`, `alias`, `reduced`).
-        group: the gathers' process group (`None`: the default group).
+        group: the gathers' process group (`None`: the default group; a node's group
+            with `gather="node"`).
     """
 
     def __init__(
@@ -142,10 +166,11 @@ class HandOver:
         about sites, before the records: `alias(name, target)` for names that read as
         another site, `reduced(name, ReducedFrom)` for what a pre-save callback replaced.
 
-        With `gather=True` only rank 0 does: it alone receives the gathered records,
-        and the other ranks' facts with them (`_adopted`).
+        With `gather=True` only rank 0 does (with `gather="node"`, each node's first
+        rank): it alone receives the gathered records, and the other ranks' facts with
+        them (`_adopted`).
         """
-        if not facts or (self._config.gather and distributed.rank() != 0):
+        if not facts or (self._config.gather and distributed.rank(self._group) != 0):
             return
         for method, name, fact in facts:
             for sink in self._sinks[method]:

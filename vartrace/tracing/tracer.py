@@ -46,10 +46,11 @@ from vartrace.tensors import (
     unchanged,
     untransformed,
 )
-from vartrace.trace import RunContext, report_during
+from vartrace.trace import report_during
 from vartrace.tracing.aliases import Aliases
 from vartrace.tracing.chunk import Chunk
 from vartrace.tracing.config import (
+    Gather,
     GatherCallback,
     Mode,
     PreSave,
@@ -59,7 +60,7 @@ from vartrace.tracing.config import (
 )
 from vartrace.tracing.counting import CallsBeforeStart, counting_hooks, never_started
 from vartrace.tracing.gradients import GradientWatcher
-from vartrace.tracing.handover import HandOver, callback_error, run_callbacks
+from vartrace.tracing.handover import HandOver, callback_error, gathers_at_start, run_callbacks
 from vartrace.tracing.hooks import SinkHooks
 from vartrace.tracing.iterations import IterationCounter
 from vartrace.tracing.manual import subscribe, unsubscribe
@@ -135,7 +136,10 @@ class ModelTracer:
             optimizer it holds.
         change_detection: record a site only when its value changed.
         device: where recorded copies live (`"cuda"` is the current CUDA device).
-        gather: `False` keeps each rank's records on that rank (shard files).
+        gather: `True` gathers every rank's records to rank 0; `False` keeps each
+            rank's records on that rank (shard files, `run.rank3.h5`); `"node"` gathers
+            each node's ranks to the node's first rank, which writes the node's shard
+            (`run.node1.h5`, on that node's disk): nothing crosses nodes (docs/distributed.md).
         strict: raise (`True`) or warn (`False`) on patterns matching nothing.
         staging: how records of accelerator tensors leave the step.
             `"async"`: a clone on the device and an event at capture, and
@@ -187,7 +191,7 @@ class ModelTracer:
         mode: Mode = "train",
         change_detection: bool = True,
         device: str | torch.device = "cpu",
-        gather: bool = True,
+        gather: Gather = True,
         strict: bool = True,
         optimizer: Any = None,
         staging: StagingMode = "auto",
@@ -342,17 +346,11 @@ class ModelTracer:
         if found is not None:
             found[2][0].remove()  # the hook counting calls before the start
         config = self._config
-        rank = self._chunk.rank = distributed.rank()
-        world = distributed.world_size()
-        group = None  # the gathers' own process group, with asynchronous staging
-        if config.staging == "async" and config.gather and world > 1:
-            # Gathers run on the stager's thread: never on the group the training
-            # thread's collectives (DDP's NCCL all-reduces) use, and never on a device.
-            group = distributed.new_host_group()
+        self._chunk.rank = distributed.rank()
+        group, context = gathers_at_start(config)  # a collective where it makes a group
         hooks = self._hooks = SinkHooks.of(
             config.pre_save_callbacks, config.post_gather_callbacks, config.callbacks
         )
-        context = RunContext(rank, world, sharded=not config.gather and world > 1)
         for on_start in hooks.on_start:
             on_start(context)
         self._chunk.wait_for(hooks.make_room)  # savers writing on a thread of their own
