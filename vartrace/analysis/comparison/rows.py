@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -74,6 +74,23 @@ class SiteRows:
         )
         out.floats = {name: values[rows] for name, values in self.floats.items()}
         out.allclose, out.shape_match = self.allclose[rows], self.shape_match[rows]
+        return out
+
+    @classmethod
+    def joined(cls, name: str, parts: Sequence[SiteRows]) -> SiteRows:
+        """The rows of `parts` one after the other (pairs and unpaired rows as they come:
+        reorder them with `taken`)."""
+        out = cls(
+            name,
+            sum(part.n_pairs for part in parts),
+            {tag: np.concatenate([getattr(part, tag) for part in parts]) for tag in TAGS},
+            ([s for p in parts for s in p.shape_a], [s for p in parts for s in p.shape_b]),
+            ([d for p in parts for d in p.dtype_a], [d for p in parts for d in p.dtype_b]),
+            np.concatenate([part.status for part in parts]),
+        )
+        out.floats = {n: np.concatenate([p.floats[n] for p in parts]) for n in FLOAT_COLUMNS}
+        out.allclose = np.concatenate([part.allclose for part in parts])
+        out.shape_match = np.concatenate([part.shape_match for part in parts])
         return out
 
     def _failing(self) -> np.ndarray:
