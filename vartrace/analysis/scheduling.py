@@ -119,7 +119,7 @@ def run_calls(
             leave=False,
             delay=1.0,
         ) as bar:
-            for _ in as_completed(futures):
+            for _ in as_completed(futures, loop=engine.loop):
                 bar.update(1)
         return list(engine.gather(futures))
     finally:

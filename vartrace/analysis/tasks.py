@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
-__all__ = ["TASK_BYTES", "RunFiles", "byte_groups", "file_bytes", "opened"]
+__all__ = ["TASK_BYTES", "RunFiles", "byte_groups", "file_bytes", "naming", "opened"]
 
 #: The bytes of a file one task reads at most, roughly (one task per file below it).
 TASK_BYTES = 256 << 20
@@ -81,6 +81,23 @@ def opened(files: RunFiles | None) -> Iterator[Any]:
         run = open_run(list(files.paths), allow_pickle=files.allow_pickle, **options)
     with run:
         yield run
+
+
+@contextlib.contextmanager
+def naming(*files: RunFiles | None) -> Iterator[None]:
+    """Errors raised in the block name the files the task read (where they do not
+    already), so an error coming back from a worker says which shard it met."""
+    try:
+        yield
+    except Exception as error:
+        paths = [path for found in files if found is not None for path in found.paths]
+        if any(path in str(error) for path in paths):
+            raise
+        try:
+            named = type(error)(f"{error} (reading {', '.join(paths)})")
+        except Exception:  # an exception that takes other arguments: as it is
+            raise error from None
+        raise named from error
 
 
 def file_bytes(path: str, storage_options: dict[str, Any] | None = None) -> int:

@@ -34,7 +34,7 @@ from vartrace.analysis.comparison.rows import SiteRows
 from vartrace.analysis.scheduling import Call, run_calls, scheduler_of
 from vartrace.analysis.sources import FileMaps, SiteView, Source
 from vartrace.analysis.sources.views import FileSiteView, MemorySiteView, dtype_label
-from vartrace.analysis.tasks import RunFiles, byte_groups, file_bytes, opened
+from vartrace.analysis.tasks import RunFiles, byte_groups, file_bytes, naming, opened
 from vartrace.reduced import ReducedFrom
 from vartrace.trace import Trace
 
@@ -140,7 +140,7 @@ def _view(run: Any, name: str, stored: str, maps: FileMaps) -> tuple[SiteView, A
 
 def compare_task(task: ShardTask) -> list[_Piece]:
     """Run one task where it is scheduled: open its files, compare its sites."""
-    with opened(task.a) as run_a, opened(task.b) as run_b:
+    with naming(task.a, task.b), opened(task.a) as run_a, opened(task.b) as run_b:
         maps = FileMaps()
         views = [
             (
