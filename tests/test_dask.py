@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("distributed")
@@ -65,6 +66,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
         extra=True,
     )
     return a, b
+
+
+class Refusing(cloudpickle.Pickler):
+    """cloudpickle refusing any h5py object (a handle does not pickle, nor belong in a graph)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj).__module__.startswith("h5py"):
+            raise AssertionError(f"an h5py object in the graph: {obj!r}")
+        return super().reducer_override(obj)
 
 
 def _same(report: Any, expected: Any) -> None:
@@ -118,12 +128,6 @@ def test_shards_that_do_not_pair_by_name_and_memory_compare_the_same(
 
 
 def test_the_graph_carries_paths_never_an_h5py_object(runs: Any) -> None:
-    class Refusing(cloudpickle.Pickler):
-        def reducer_override(self, obj: Any) -> Any:
-            if type(obj).__module__.startswith("h5py"):
-                raise AssertionError(f"an h5py object in the graph: {obj!r}")
-            return super().reducer_override(obj)
-
     a, b = runs
     with pytest.warns(RuntimeWarning), vartrace.open(a) as run_a, vartrace.open(b) as run_b:
         source_a, source_b = open_source(run_a), open_source(run_b)
@@ -220,6 +224,60 @@ def test_a_bad_scheduler_is_refused_naming_what_is_taken(runs: Any) -> None:
         vartrace.compare(a, a, scheduler="fast")
     with pytest.raises(TypeError, match=r"distributed\.Client or an address"):
         vartrace.compare(a, a, scheduler=4)
+
+
+def test_to_frame_on_a_cluster_is_the_frame_in_process(client: Any, runs: Any) -> None:
+    _, b = runs
+    with pytest.warns(RuntimeWarning), vartrace.open(b) as run:
+        for stat in (["mean", "absmax", "q0.5"], "std", lambda value: type(value).__name__):
+            expected = run.to_frame(stat)
+            got = run.to_frame(stat, scheduler=client)
+            pd.testing.assert_frame_equal(got, expected, check_exact=True)
+        names = [ALIAS, "note", "rank0.only", "stats"]
+        expected = run.to_frame("mean", names=names)
+        pd.testing.assert_frame_equal(
+            run.to_frame("mean", names=names, scheduler="threads"), expected
+        )
+        with pytest.raises(KeyError, match="no site"):
+            run.to_frame("mean", names=["nowhere"], scheduler=client)
+        lazy = run.to_dask_frame(["mean", "absmax"])
+        assert lazy.npartitions == WORLD - 1
+        computed = lazy.compute(scheduler=client)
+        key = ["site", "iteration", "rank", "order"]
+        expected = run.to_frame(["mean", "absmax"]).sort_values(key, ignore_index=True)
+        computed = computed.sort_values(key, ignore_index=True)
+        assert computed[key].equals(expected[key])
+        np.testing.assert_array_equal(computed["absmax"], expected["absmax"])
+
+
+def test_to_dask_and_a_lazy_xarray_read_the_records_by_path(client: Any, runs: Any) -> None:
+    a, _ = runs
+    with vartrace.open(a) as run:
+        arrays = run.to_dask("*")
+        assert "note" not in arrays and "stats" not in arrays  # text, statistics rows
+        assert arrays["embed"].numblocks[0] == WORLD  # a chunk per shard: never a record
+        assert arrays["ragged"].shape == (WORLD * 5, 5 + WORLD - 1, 3)
+        for name in ("ragged", "bf16", ALIAS, "rank0.only"):
+            eager = run[name].to_xarray()
+            lazy = run[name].to_xarray(chunks=2)
+            assert lazy.chunks is not None and lazy.dtype == eager.dtype
+            got = lazy.compute(scheduler=client)
+            order = [
+                np.lexsort([x[c].values for c in ("order", "rank", "iteration")])
+                for x in (eager, got)
+            ]
+            np.testing.assert_array_equal(got.values[order[1]], eager.values[order[0]])
+        np.testing.assert_array_equal(
+            arrays["bf16"].sum(axis=(1, 2)).compute(scheduler=client).sort(),
+            run["bf16"].to_xarray().sum(["dim_1", "dim_2"]).values.sort(),
+        )
+        with pytest.raises(TypeError, match="numeric records only"):
+            run["note"].to_xarray(chunks="auto")
+        calls = [
+            node.__dask_graph__() for node in (arrays["embed"], run[ALIAS].to_xarray(chunks=1).data)
+        ]
+        for graph in calls:
+            Refusing(io.BytesIO()).dump(dict(graph))
 
 
 def test_a_worker_killed_mid_comparison_is_replaced_and_the_report_unchanged(
