@@ -449,7 +449,7 @@ def compare(
         common = _stored(source_a, source_b, [n for n in names_a if n in in_b])
         results: list[SiteRows] | None = None
         if scheduler is not None:
-            from vartrace.analysis.comparison.shards import compare_on
+            from vartrace.analysis.distributed_compare import compare_on
 
             results = compare_on(scheduler, source_a, source_b, common, atol, rtol, progress)
         if results is None:
