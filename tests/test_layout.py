@@ -102,6 +102,9 @@ LAZY_CONVENIENCES: frozenset[tuple[str, str]] = frozenset(
     {
         ("vartrace.storage.reader", "vartrace.analysis.sources.frames"),  # Run.to_frame
         ("vartrace.tracing.results", "vartrace.analysis.sources.frames"),  # Results.to_frame
+        ("vartrace.storage.reader", "vartrace.analysis.dask_frames"),  # to_frame(scheduler=)
+        ("vartrace.storage.reader", "vartrace.analysis.dask_arrays"),  # Run.to_dask
+        ("vartrace.storage.sites", "vartrace.analysis.dask_arrays"),  # to_xarray(chunks=)
     }
 )
 MAX_LINES = 700

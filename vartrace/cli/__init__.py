@@ -8,6 +8,7 @@ vartrace show RUN SITE... [--iteration I] [--rank R]
 vartrace meta RUN [KEY]                 command, packages, git state, ...
 vartrace sites MODULE:FACTORY [PATTERN] capturable sites of a model
 vartrace compare A B [--atol --rtol --csv OUT --names PATTERN ...]
+                 [--workers N | --scheduler tcp://host:8786]   on Dask
 vartrace plot RUN SITE... [--stat mean,std] -o out.png
 vartrace plot A B -o out.png            similarity heat map
 ```
@@ -51,6 +52,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 # --------------------------------------------------------------------------- parser
+
+
+def _positive(text: str) -> int:
+    """An argument that must be a whole number above 0."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of workers above 0, got {text!r}")
+    return number
 
 
 _RUN_HELP = "an HDF5 run file, or a quoted glob of per-rank shards ('run.rank*.h5')"
@@ -127,6 +139,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="OUT", help="write one row per record pair to OUT")
     p.add_argument("--names", nargs="+", metavar="PATTERN", help="compare only these sites")
     p.add_argument("--allow-pickle", action="store_true", help=_PICKLE_HELP)
+    engine = p.add_mutually_exclusive_group()
+    engine.add_argument(
+        "--workers",
+        type=_positive,
+        metavar="N",
+        help="compare on a Dask LocalCluster of N worker processes, a task per pair of "
+        "shards (needs pip install 'torch-vartrace[dask]')",
+    )
+    engine.add_argument(
+        "--scheduler",
+        metavar="ADDRESS",
+        help="compare on the Dask cluster at ADDRESS (tcp://host:8786)",
+    )
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser(

@@ -10,10 +10,12 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,26 +73,42 @@ def cmd_sites(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _scheduler(args: argparse.Namespace) -> Iterator[Any]:
+    """The Dask scheduler `--workers N` (a LocalCluster, closed after) or `--scheduler
+    ADDRESS` asks for; `None` without either (in process)."""
+    if args.workers is None:
+        yield args.scheduler
+        return
+    from vartrace.analysis.scheduling import dask_module
+
+    distributed = dask_module("distributed", "--workers")
+    with (
+        distributed.LocalCluster(
+            n_workers=args.workers, threads_per_worker=1, dashboard_address=None
+        ) as cluster,
+        distributed.Client(cluster, set_as_default=False) as client,
+    ):
+        yield client
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from vartrace.analysis.comparison import compare
 
-    run_a = open_path(args.a, args.allow_pickle)
-    try:
-        run_b = open_path(args.b, args.allow_pickle)
-        try:
-            report = compare(
-                run_a,
-                run_b,
-                atol=args.atol,
-                rtol=args.rtol,
-                names=args.names,
-                progress=sys.stderr.isatty(),
-                labels=(args.a, args.b),
-            )
-        finally:
-            run_b.close()
-    finally:
-        run_a.close()
+    with contextlib.ExitStack() as stack:
+        run_a = stack.enter_context(open_path(args.a, args.allow_pickle))
+        run_b = stack.enter_context(open_path(args.b, args.allow_pickle))
+        scheduler = stack.enter_context(_scheduler(args))
+        report = compare(
+            run_a,
+            run_b,
+            atol=args.atol,
+            rtol=args.rtol,
+            names=args.names,
+            progress=sys.stderr.isatty(),
+            labels=(args.a, args.b),
+            scheduler=scheduler,
+        )
     print_safe(*report.lines())
     if args.csv is not None:
         report.to_csv(args.csv)

@@ -322,7 +322,7 @@ class Run:
             parts = links.get(aliases.get(name, name))
             if parts is None:
                 raise missing_site(name, [*links, *aliases], self._describe())
-            site = self._sites[name] = Site(name, parts, self.allow_pickle)
+            site = self._sites[name] = Site(name, parts, self.allow_pickle, run=self)
         return site
 
     def __contains__(self, name: object) -> bool:
@@ -348,6 +348,7 @@ class Run:
         self,
         stat: str | Callable[[Any], Any] | Sequence[str] = "mean",
         names: Sequence[str] | None = None,
+        scheduler: Any = None,
     ) -> Any:
         """A pandas DataFrame with one row per record and a column per statistic.
 
@@ -361,8 +362,15 @@ class Run:
         [`Site.get`][vartrace.Site.get] returns it; a list of names gives a column each
         (`run.to_frame(["absmax", "nan"])`).
 
+        `scheduler` computes it on Dask, a task per file: the same frame (see
+        [`compare`][vartrace.compare] and the "Big runs" how-to).
+
         Example: `run.to_frame("absmax").groupby("site")["absmax"].max()`.
         """
+        if scheduler is not None:
+            from vartrace.analysis.dask_frames import frame_on
+
+            return frame_on(self, stat, names, scheduler)
         from vartrace.analysis.sources.frames import FrameSite, records_frame
 
         def sites() -> Iterator[FrameSite]:
@@ -372,6 +380,23 @@ class Run:
                 yield FrameSite(name, site.iterations, site.ranks, site.order, describe)
 
         return records_frame(sites(), stat, caller="Run.to_frame()")
+
+    def to_dask_frame(
+        self,
+        stat: str | Callable[[Any], Any] | Sequence[str] = "mean",
+        names: Sequence[str] | None = None,
+    ) -> Any:
+        """`to_frame` as a dask DataFrame, one partition per file (needs the `dask` extra)."""
+        from vartrace.analysis.dask_frames import dask_frame
+
+        return dask_frame(self, stat, names)
+
+    def to_dask(self, pattern: str = "*", scheduler: Any = None) -> dict[str, Any]:
+        """A dask array per numeric site matching `pattern`, chunks of ~128 MB read by
+        path, records file by file (needs the `dask` extra)."""
+        from vartrace.analysis.dask_arrays import dask_arrays
+
+        return dask_arrays(self, pattern, scheduler)
 
     def _describe(self) -> str:
         return str(self.paths[0]) if len(self.paths) == 1 else f"{len(self.paths)} shards"

@@ -99,8 +99,9 @@ class Site:
         ```
     """
 
-    def __init__(self, name: str, parts: list[Part], allow_pickle: bool) -> None:
+    def __init__(self, name: str, parts: list[Part], allow_pickle: bool, run: Any = None) -> None:
         self.name = name
+        self._run = run
         self._parts = parts
         self._allow_pickle = allow_pickle
         for part in parts:
@@ -293,7 +294,7 @@ class Site:
             tagged = np.asarray(rows, np.int64)[np.asarray(iterations) == iteration].tolist()
         return [self.record(r) for r in tagged]
 
-    def to_xarray(self) -> Any:
+    def to_xarray(self, chunks: int | str | None = None) -> Any:
         """The site's records as an xarray `DataArray` named after the site.
 
         Dimension `record` is indexed by `iteration` and `rank` (a
@@ -309,7 +310,14 @@ class Site:
             da = run["layers.0.attn.forward.scores"].to_xarray()
             da.sel(rank=0).mean(["dim_1", "dim_2"])      # one number per record
             ```
+
+        `chunks` (`"auto"`: ~128 MB, or a number of records) makes it lazy: a dask
+        array read by path, file by file (needs the `dask` extra).
         """
+        if chunks is not None:
+            from vartrace.analysis.dask_arrays import site_xarray
+
+            return site_xarray(self._run, self.name, chunks)
         try:
             import xarray as xr
         except ImportError as exc:

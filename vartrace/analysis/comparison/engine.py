@@ -15,7 +15,7 @@ import itertools
 import math
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -23,7 +23,6 @@ import numpy as np
 
 from vartrace.analysis.comparison.kernels import block_partial, concatenate, finish, numeric_stats
 from vartrace.analysis.comparison.report import (
-    COLUMNS,
     FLOAT_COLUMNS,
     STATUS_DIFFERS,
     STATUS_OK,
@@ -32,9 +31,8 @@ from vartrace.analysis.comparison.report import (
     STATUS_SHAPE,
     STATUS_SKIPPED,
     Comparison,
-    Divergence,
-    SiteSummary,
 )
+from vartrace.analysis.comparison.rows import SiteRows, assemble
 from vartrace.analysis.sources import (
     BufferPool,
     SiteView,
@@ -113,44 +111,49 @@ class _Task:
     shape: tuple[int, ...]
 
 
-class _SiteResult:
-    """Columns of one site's records while they are being filled."""
+class _SiteResult(SiteRows):
+    """The rows of one site, matched here and filled as its blocks are reduced."""
 
     def __init__(self, name: str, a: SiteView, b: SiteView, atol: float, rtol: float) -> None:
-        self.name = name
         self.atol, self.rtol = atol, rtol
         occ_a = _occurrence(a.iterations, a.ranks, a.order)
         occ_b = _occurrence(b.iterations, b.ranks, b.order)
         ia, ib, only_a, only_b = _match(a, b, occ_a, occ_b)
         n_pairs = len(ia)
-        self.n_pairs = n_pairs
-        n = n_pairs + len(only_a) + len(only_b)
-        nan = np.full(n, math.nan)
-        self.iteration = np.concatenate(
-            [a.iterations[ia], a.iterations[only_a], b.iterations[only_b]]
-        )
-        self.rank = np.concatenate([a.ranks[ia], a.ranks[only_a], b.ranks[only_b]])
-        self.occurrence = np.concatenate([occ_a[ia], occ_a[only_a], occ_b[only_b]])
-        missing = np.full(len(only_b), -1, dtype=np.int64)
-        self.order_a = np.concatenate([a.order[ia], a.order[only_a], missing])
+        missing_b = np.full(len(only_b), -1, dtype=np.int64)
         missing_a = np.full(len(only_a), -1, dtype=np.int64)
-        self.order_b = np.concatenate([b.order[ib], missing_a, b.order[only_b]])
-        rows_a = np.concatenate([ia, only_a, np.full(len(only_b), -1, dtype=np.int64)])
-        rows_b = np.concatenate([ib, np.full(len(only_a), -1, dtype=np.int64), only_b])
-        self.shape_a = [a.shapes[r] if r >= 0 else None for r in rows_a]
-        self.shape_b = [b.shapes[r] if r >= 0 else None for r in rows_b]
-        self.dtype_a = [a.dtype_label(a.dtypes[r]) if r >= 0 else "" for r in rows_a]
-        self.dtype_b = [b.dtype_label(b.dtypes[r]) if r >= 0 else "" for r in rows_b]
-        self._labels = (a.dtype_label, b.dtype_label)
-        self.floats = {name: nan.copy() for name in FLOAT_COLUMNS}
-        self.allclose = np.zeros(n, dtype=bool)
-        self.shape_match = np.zeros(n, dtype=bool)
-        self.status = np.array(
+        tags = {
+            "iteration": np.concatenate(
+                [a.iterations[ia], a.iterations[only_a], b.iterations[only_b]]
+            ),
+            "rank": np.concatenate([a.ranks[ia], a.ranks[only_a], b.ranks[only_b]]),
+            "occurrence": np.concatenate([occ_a[ia], occ_a[only_a], occ_b[only_b]]),
+            "order_a": np.concatenate([a.order[ia], a.order[only_a], missing_b]),
+            "order_b": np.concatenate([b.order[ib], missing_a, b.order[only_b]]),
+        }
+        rows_a = np.concatenate([ia, only_a, missing_b])
+        rows_b = np.concatenate([ib, missing_a, only_b])
+        status = np.array(
             [STATUS_DIFFERS] * n_pairs
             + [STATUS_ONLY_A] * len(only_a)
             + [STATUS_ONLY_B] * len(only_b),
             dtype=object,
         )
+        super().__init__(
+            name,
+            n_pairs,
+            tags,
+            (
+                [a.shapes[r] if r >= 0 else None for r in rows_a],
+                [b.shapes[r] if r >= 0 else None for r in rows_b],
+            ),
+            (
+                [a.dtype_label(a.dtypes[r]) if r >= 0 else "" for r in rows_a],
+                [b.dtype_label(b.dtypes[r]) if r >= 0 else "" for r in rows_b],
+            ),
+            status,
+        )
+        self._labels = (a.dtype_label, b.dtype_label)
         self.tasks: list[_Task] = []
         self._plan(a, b, ia, ib)
 
@@ -251,73 +254,6 @@ class _SiteResult:
         self.allclose[task.pairs] = close
         self.status[task.pairs] = np.where(close, STATUS_OK, STATUS_DIFFERS)
 
-    def _failing(self) -> np.ndarray:
-        return (self.status != STATUS_OK) & (self.status != STATUS_SKIPPED)
-
-    def summary(self) -> SiteSummary:
-        bad = self._failing()
-        statuses = set(self.status.tolist())
-        status = STATUS_OK
-        for candidate in (
-            STATUS_SKIPPED,
-            STATUS_ONLY_B,
-            STATUS_ONLY_A,
-            STATUS_DIFFERS,
-            STATUS_SHAPE,
-        ):
-            if candidate in statuses:
-                status = candidate
-        return SiteSummary(
-            site=self.name,
-            records=self.n_pairs,
-            differing=int(bad[: self.n_pairs].sum()),
-            unpaired=len(bad) - self.n_pairs,
-            max_abs_diff=_worst(np.nanmax, self.floats["max_abs_diff"][: self.n_pairs]),
-            max_rel_diff=_worst(np.nanmax, self.floats["max_rel_diff"][: self.n_pairs]),
-            min_cosine=_worst(np.nanmin, self.floats["cosine"][: self.n_pairs]),
-            status=status,
-            dtypes=self.dtype_names(),
-            dtype_match=bool(self.dtype_match()[: self.n_pairs].all()),
-        )
-
-    def dtype_match(self) -> np.ndarray:
-        """Per row: both records are there and have the same dtype."""
-        return np.array(
-            [a == b and a != "" for a, b in zip(self.dtype_a, self.dtype_b, strict=True)],
-            dtype=bool,
-        )
-
-    def dtype_names(self) -> str:
-        """The record pairs' dtypes: `"float32"`, or `"float32 vs bfloat16"` where they
-        differ (several kinds joined by `", "`, in order of first appearance)."""
-        kinds = dict.fromkeys(
-            a if a == b else f"{a} vs {b}"
-            for a, b in zip(self.dtype_a[: self.n_pairs], self.dtype_b[: self.n_pairs], strict=True)
-        )
-        return ", ".join(kinds)
-
-    def first_key(self) -> tuple[int, int, int] | None:
-        """(iteration, order, rank) of the earliest record that differs."""
-        bad = np.flatnonzero(self._failing())
-        if len(bad) == 0:
-            return None
-        order = np.where(self.order_a[bad] >= 0, self.order_a[bad], self.order_b[bad])
-        best = np.lexsort((self.rank[bad], order, self.iteration[bad]))[0]
-        return int(self.iteration[bad][best]), int(order[best]), int(self.rank[bad][best])
-
-    def execution_key(self) -> tuple[int, int]:
-        orders = np.where(self.order_a >= 0, self.order_a, self.order_b)
-        if len(orders) == 0:
-            return (sys.maxsize, sys.maxsize)
-        i = np.lexsort((orders, self.iteration))[0]
-        return int(self.iteration[i]), int(orders[i])
-
-
-def _worst(reduce: Callable[[np.ndarray], Any], values: np.ndarray) -> float:
-    """`reduce` (nanmax / nanmin) over the numeric rows; NaN when there are none."""
-    values = values[~np.isnan(values)]
-    return float(reduce(values)) if len(values) else math.nan
-
 
 def _statistics_fields(value: Any) -> dict[str, float] | None:
     """The fields of a statistics record as floats; `{}` for a numeric record; else `None`.
@@ -380,9 +316,9 @@ def _reduce_task(task: _Task, atol: float, rtol: float, pool: BufferPool) -> dic
 
 
 def _reduce_all(
-    tasks: Sequence[_Task], atol: float, rtol: float
+    tasks: Sequence[_Task], atol: float, rtol: float, threads: int
 ) -> Iterator[tuple[_Task, dict[str, np.ndarray]]]:
-    """Each task with its statistics, as they complete, reduced on a few threads.
+    """Each task with its statistics, as they complete, reduced on up to `threads` threads.
 
     A task reads its records when it runs (so memory holds a few blocks at a
     time) and its numpy work releases the GIL.  The sites were indexed before
@@ -390,18 +326,18 @@ def _reduce_all(
     with the reductions would stall them on every switch.
     """
     pool = BufferPool()
-    workers = max(1, min(4, os.cpu_count() or 1))
+    workers = max(1, min(threads, os.cpu_count() or 1))
     if workers == 1:
         for task in tasks:
             yield task, _reduce_task(task, atol, rtol, pool)
         return
-    threads = concurrent.futures.ThreadPoolExecutor(workers, "vartrace-compare")
+    executor = concurrent.futures.ThreadPoolExecutor(workers, "vartrace-compare")
     try:
-        futures = {threads.submit(_reduce_task, task, atol, rtol, pool): task for task in tasks}
+        futures = {executor.submit(_reduce_task, task, atol, rtol, pool): task for task in tasks}
         for future in concurrent.futures.as_completed(futures):
             yield futures[future], future.result()
     finally:
-        threads.shutdown(cancel_futures=True)
+        executor.shutdown(cancel_futures=True)
 
 
 def _progress(show: bool, total: int, desc: str, unit: str) -> Any:
@@ -436,6 +372,31 @@ def _stored(a: Source, b: Source, common: list[str]) -> list[str]:
     ]
 
 
+def compare_views(
+    views: Iterable[tuple[str, SiteView, SiteView]],
+    atol: float,
+    rtol: float,
+    *,
+    count: int = 0,
+    progress: bool = False,
+    threads: int = 4,
+) -> list[_SiteResult]:
+    """The rows of each (name, view of a, view of b) (`count` of them, for the bar):
+    every site indexed first, then their blocks reduced on up to `threads` threads."""
+    results = []
+    with _progress(progress, count, "compare: index", "site") as bar:
+        for name, a, b in views:
+            results.append(_SiteResult(name, a, b, atol, rtol))
+            bar.update(1)
+    owner = {id(task): result for result in results for task in result.tasks}
+    tasks = [task for result in results for task in result.tasks]
+    with _progress(progress, len(tasks), "compare", "block") as bar:
+        for task, stats in _reduce_all(tasks, atol, rtol, threads):
+            owner[id(task)].fill(task, stats)
+            bar.update(1)
+    return results
+
+
 def compare(
     a: Any,
     b: Any,
@@ -445,6 +406,7 @@ def compare(
     names: str | Iterable[str] | None = None,
     progress: bool = False,
     labels: tuple[str, str] | None = None,
+    scheduler: Any = None,
 ) -> Comparison:
     """Compare two runs record by record.
 
@@ -459,6 +421,12 @@ def compare(
     fail; a record present on one side only does.  `progress` shows a tqdm
     bar on stderr for long comparisons; `labels` names the two runs in the
     report (default: their paths).
+
+    `scheduler` runs the comparison on Dask (`pip install 'torch-vartrace[dask]'`):
+    `"threads"`, `"processes"`, a `distributed.Client` or a scheduler's address
+    (`"tcp://host:8786"`), one task per pair of shards (per ~256 MB of them),
+    each opening its files by path; the report is the one computed in process
+    (`None`, the default), row for row.  See the "Big runs" how-to.
 
     Example:
         ```python
@@ -479,50 +447,13 @@ def compare(
         only_a = [n for n in names_a if n not in in_b]
         only_b = [n for n in names_b if n not in in_a]
         common = _stored(source_a, source_b, [n for n in names_a if n in in_b])
-        results = []
-        with _progress(progress, len(common), "compare: index", "site") as bar:
-            for name in common:
-                results.append(
-                    _SiteResult(name, source_a.site(name), source_b.site(name), atol, rtol)
-                )
-                bar.update(1)
-        owner = {id(task): result for result in results for task in result.tasks}
-        tasks = [task for result in results for task in result.tasks]
-        with _progress(progress, len(tasks), "compare", "block") as bar:
-            for task, stats in _reduce_all(tasks, atol, rtol):
-                owner[id(task)].fill(task, stats)
-                bar.update(1)
-    results.sort(key=_SiteResult.execution_key)
+        results: list[SiteRows] | None = None
+        if scheduler is not None:
+            from vartrace.analysis.distributed_compare import compare_on
+
+            results = compare_on(scheduler, source_a, source_b, common, atol, rtol, progress)
+        if results is None:
+            views = ((n, source_a.site(n), source_b.site(n)) for n in common)
+            results = list(compare_views(views, atol, rtol, count=len(common), progress=progress))
     labels = labels or (source_a.label, source_b.label)
-    firsts = [(key, r.name) for r in results if (key := r.first_key()) is not None]
-    first = None
-    if firsts:
-        (iteration, _, rank), site = min(firsts)
-        first = Divergence(site, iteration, rank)
-    summaries = [r.summary() for r in results]
-    return Comparison(summaries, _columns(results), first, only_a, only_b, atol, rtol, labels)
-
-
-def _columns(results: list[_SiteResult]) -> dict[str, list[Any]]:
-    """The report's columns (`COLUMNS`): one entry per record pair or unpaired record."""
-    columns: dict[str, list[Any]] = {name: [] for name in COLUMNS}
-    for r in results:
-        n = len(r.status)
-        columns["site"].extend([r.name] * n)
-        for name in ("iteration", "rank", "occurrence", "order_a", "order_b"):
-            columns[name].extend(getattr(r, name).tolist())
-        columns["status"].extend(r.status.tolist())
-        columns["shape_a"].extend(r.shape_a)
-        columns["shape_b"].extend(r.shape_b)
-        columns["dtype_a"].extend(r.dtype_a)
-        columns["dtype_b"].extend(r.dtype_b)
-        columns["shape_match"].extend(r.shape_match.tolist())
-        columns["dtype_match"].extend(r.dtype_match().tolist())
-        columns["allclose"].extend(r.allclose.tolist())
-        for name in FLOAT_COLUMNS:
-            columns[name].extend(r.floats[name].tolist())
-        for stat in ("mean", "std", "var"):
-            with np.errstate(invalid="ignore"):  # inf - inf: a sum beyond float64 on both sides
-                diff = r.floats[f"{stat}_a"] - r.floats[f"{stat}_b"]
-            columns[f"{stat}_diff"].extend(diff.tolist())
-    return columns
+    return assemble(results, only_a, only_b, atol, rtol, labels)

@@ -20,7 +20,8 @@ class Source:
 
     A source opened from a path closes its file on `close` (or when
     used as a context manager); one wrapping an object the caller opened
-    leaves it open.
+    leaves it open.  `run` is the open run of a source read from files
+    (`None` for records in memory).
 
     Example:
         ```python
@@ -37,8 +38,10 @@ class Source:
         label: str,
         close: Callable[[], None] | None = None,
         aliases: Mapping[str, str] | None = None,
+        run: Any = None,
     ) -> None:
         self.names = list(names)
+        self.run = run
         self.label = label
         self.aliases = dict(aliases or {})
         self._view = view
@@ -77,7 +80,9 @@ def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
         ```
     """
     if isinstance(source, Source):
-        return Source(source.names, source.site, source.label, aliases=source.aliases)
+        return Source(
+            source.names, source.site, source.label, aliases=source.aliases, run=source.run
+        )
     if isinstance(source, (str, os.PathLike)):
         from vartrace.storage.reader import open_run
 
@@ -89,6 +94,7 @@ def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
             os.fspath(source),
             run.close,
             run.aliases,
+            run,
         )
     if hasattr(type(source), "names") and hasattr(type(source), "meta"):  # reads neither
         paths = [os.fspath(p) for p in getattr(source, "paths", [])] or ["run"]
@@ -99,6 +105,7 @@ def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
             lambda n: FileSiteView(n, source[n], maps),
             label,
             aliases=getattr(source, "aliases", None),
+            run=source,
         )
     results = getattr(source, "results", source)
     if isinstance(results, Mapping):

@@ -36,6 +36,7 @@ __all__ = [
     "MemorySiteView",
     "SiteView",
     "Unreadable",
+    "dtype_label",
     "numeric_groups",
     "record_stats",
 ]
@@ -70,9 +71,7 @@ class SiteView:
     def dtype_label(self, dtype: str) -> str:
         """`dtype` as shown: statistics rows say what they summarise
         (`"statistics of bfloat16"`) where the run knows it."""
-        if dtype != STATISTICS or self.reduced_from is None:
-            return dtype
-        return f"{STATISTICS} of {self.reduced_from.dtype}"
+        return dtype_label(dtype, self.reduced_from)
 
     def read(
         self, rows: np.ndarray, shape: tuple[int, ...], pool: BufferPool | None = None
@@ -295,6 +294,14 @@ def numeric_groups(
 
 #: The dtype name of statistics records (:func:`vartrace.stats`) in :attr:`SiteView.dtypes`.
 STATISTICS = "statistics"
+
+
+def dtype_label(dtype: str, reduced_from: ReducedFrom | None) -> str:
+    """`dtype` as a report shows it: statistics rows say what they summarise
+    (`"statistics of bfloat16"`) where `reduced_from` (of their site) says it."""
+    if dtype != STATISTICS or reduced_from is None:
+        return dtype
+    return f"{STATISTICS} of {reduced_from.dtype}"
 
 
 def _field_name(name: str) -> bool:
