@@ -30,7 +30,7 @@ import numpy as np
 
 from vartrace.analysis.scheduling import dask_module, run_calls, scheduler_of
 from vartrace.analysis.tasks import RunFiles, naming, opened
-from vartrace.storage._codec import decode_raw
+from vartrace.storage.codec import decode_raw
 
 __all__ = ["CHUNK_BYTES", "dask_arrays", "site_xarray"]
 

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vartrace.analysis.comparison._engine import compare_views
+from vartrace.analysis.comparison.engine import compare_views
 from vartrace.analysis.comparison.report import STATUS_ONLY_A, STATUS_ONLY_B
 from vartrace.analysis.comparison.rows import SiteRows
 from vartrace.analysis.scheduling import Call, run_calls, scheduler_of
