@@ -548,7 +548,7 @@ def test_buffer_pool_reuses_memory() -> None:
 
 def test_blocks_reduced_on_threads_fill_their_own_rows(monkeypatch) -> None:
     """Many small blocks per site, finishing in any order, give the one-thread report."""
-    from vartrace.analysis.comparison import _engine as compare_module
+    from vartrace.analysis.comparison import engine as compare_module
 
     monkeypatch.setattr(compare_module, "_READ_BYTES", 4 * 6 * 8 * 2)  # two records a block
     perturb = {(name, it): 1e-3 * it for name in SITES[1:3] for it in (2, 5, 7)}

@@ -283,7 +283,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from vartrace.statistics import _triton
+from vartrace.statistics import triton_kernel as _triton
 
 target, options = GPUTarget("cuda", 90, 32), {"enable_fp_fusion": False}
 pointers = {"table_ptr": "*fp64", "part_ptr": "*fp64", "size": "i64", "tiles": "i32"}
@@ -319,7 +319,7 @@ def test_the_triton_kernels_compile_for_an_h100_without_one() -> None:
 
 
 GLOBALS = """
-from vartrace.statistics import _triton
+from vartrace.statistics import triton_kernel as _triton
 
 for kernel in (_triton._partials, _triton._finish):
     kernel.cache_key  # finds the globals the kernel reads, as its first launch does

@@ -24,8 +24,9 @@ import pytest
 import torch
 
 from tests._reader_fuzz import leave_open_for_writing
-from vartrace.storage import H5PYSaverCallback, _swmr, open_run, recover
+from vartrace.storage import H5PYSaverCallback, open_run, recover
 from vartrace.storage import lifecycle as writer_module
+from vartrace.storage import swmr as _swmr
 from vartrace.trace import RunContext, Trace
 
 REPO = Path(__file__).resolve().parent.parent
