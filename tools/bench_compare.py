@@ -30,10 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +38,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
+from _harness import instructions, need_callgrind, parser
 
 from vartrace import compare
 from vartrace.storage.writer import H5PYSaverCallback
@@ -104,19 +102,15 @@ def time_compare(paths: tuple[Path, Path]) -> tuple[float, float, object]:
 def count_instructions(paths: tuple[Path, Path], repeat: int, out: Path) -> int:
     """Instructions (callgrind's Ir) of a fresh process that compares ``paths`` ``repeat``
     times."""
-    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable]
-    command += [__file__, "--_child", str(repeat), *map(str, paths)]
+    argv = [__file__, "--_child", str(repeat), *map(str, paths)]
     # BLAS's own threads would add their spinning, which varies from run to run.
     environment = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    subprocess.run(command, check=True, capture_output=True, text=True, env=environment)
-    totals = [line for line in out.read_text().splitlines() if line.startswith("totals:")]
-    return int(totals[0].split()[1])
+    return instructions(argv, out, environment)
 
 
 def bench_instructions(paths: tuple[Path, Path], directory: Path) -> None:
     """Print the instructions of one compare of both runs."""
-    if not shutil.which("valgrind"):
-        sys.exit("--instructions needs valgrind")
+    need_callgrind()
     once, thrice = (count_instructions(paths, n, directory / f"callgrind.{n}") for n in (1, 3))
     print(f"compare: {(thrice - once) / 2 / 1e6:.1f} M instructions (callgrind Ir, one call)")
 
@@ -127,25 +121,26 @@ def _child(repeat: int, paths: tuple[Path, Path]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sites", type=int, default=50)
-    parser.add_argument("--iterations", type=int, default=40)
-    parser.add_argument("--record-kib", type=int, default=256)
-    parser.add_argument("--chunk", type=int, default=8, help="records per gather (writes)")
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: temp)")
-    parser.add_argument(
+    arguments = parser(__doc__)
+    arguments.add_argument("--sites", type=int, default=50)
+    arguments.add_argument("--iterations", type=int, default=40)
+    arguments.add_argument("--record-kib", type=int, default=256)
+    arguments.add_argument("--chunk", type=int, default=8, help="records per gather (writes)")
+    arguments.add_argument("--repeat", type=int, default=5)
+    arguments.add_argument("--dir", type=Path, default=None, help="where to write (default: temp)")
+    arguments.add_argument(
         "--instructions", action="store_true", help="count instructions (callgrind) instead"
     )
-    parser.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    arguments.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
+    args = arguments.parse_args()
     if args._child:
         repeat, a, b = args._child
         _child(int(repeat), (Path(a), Path(b)))
         return
     if args.instructions:
-        sites = 10 if args.sites == parser.get_default("sites") else args.sites
-        iterations = 16 if args.iterations == parser.get_default("iterations") else args.iterations
+        default = arguments.get_default
+        sites = 10 if args.sites == default("sites") else args.sites
+        iterations = 16 if args.iterations == default("iterations") else args.iterations
         with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
             paths = write_runs(Path(tmp), sites, iterations, args.record_kib, args.chunk)
             print(f"2 runs of {sites} sites x {iterations} iterations x {args.record_kib} KiB")

@@ -36,13 +36,10 @@ less, the median CPU time per step summed over all ranks.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -53,11 +50,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_overhead import build_model
+from _harness import free_port, parser, rotated, versions
+from _model import build_model
 
 from vartrace import H5PYSaverCallback, ModelTracer, Trace
 
@@ -160,8 +154,7 @@ def _measure(
     wall: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     cpu: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     for index in range(rounds):
-        shift = index % len(CONTENDERS)
-        for name in CONTENDERS[shift:] + CONTENDERS[:shift]:
+        for name in rotated(CONTENDERS, index):
             with contexts[name](index) as drain:
                 dist.barrier()
                 start, start_cpu = time.perf_counter(), time.process_time()
@@ -173,17 +166,11 @@ def _measure(
     return wall, cpu
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def bench(world: int, rounds: int, save: bool = True) -> dict[str, dict[str, float]]:
     """Per contender, on a ``world``-rank group: rank 0's median wall time per step
     (``"wall"``) and the median CPU time per step summed over all ranks (``"cpu"``)."""
     with tempfile.TemporaryDirectory() as tmp:
-        args = (world, _free_port(), tmp, rounds, save)
+        args = (world, free_port(), tmp, rounds, save)
         mp.spawn(_worker, args=args, nprocs=world, join=True)
         return json.loads((Path(tmp) / "medians.json").read_text())
 
@@ -192,7 +179,7 @@ def _table(results: dict[int, dict[str, dict[str, float]]], save: bool) -> str:
     sink = "HDF5 saver" if save else "chunks discarded (--no-save)"
     lines = [
         f"DDP step of the 'small' model, gloo, 1 torch thread per rank, {os.cpu_count()} cores, "
-        f"Python {sys.version.split()[0]}, torch {torch.__version__}",
+        f"{versions()}",
         f"tracing {', '.join(PATHS)}, gathering_interval={INTERVAL}, {sink}",
         f"{'ranks':>5}  {'contender':<9}  {'wall/step':>10}  {'ratio':>6}  {'bar':<8}"
         f"  {'CPU/step, all ranks':>19}  {'ratio':>6}",
@@ -213,13 +200,12 @@ def _table(results: dict[int, dict[str, dict[str, float]]], save: bool) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rounds", type=int, default=8, help="round-robin rounds")
-    parser.add_argument(
+    arguments = parser(__doc__, rounds=8)
+    arguments.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    arguments.add_argument(
         "--no-save", action="store_true", help="discard gathered chunks: isolates the gather"
     )
-    args = parser.parse_args()
+    args = arguments.parse_args()
     save = not args.no_save
     results = {world: bench(world, args.rounds, save) for world in args.worlds}
     print(_table(results, save))

@@ -25,48 +25,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import resource
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
-_TOOLS = Path(__file__).resolve().parent
-sys.path.insert(0, str(_TOOLS))
-sys.path.insert(0, str(_TOOLS.parent))
-
-from bench_overhead import SIZES, step_table, training_step  # noqa: E402
-
-from vartrace.trace import Trace  # noqa: E402
+from _harness import Context, add_threads, fresh, last_int, parser, set_threads, traced
+from _model import add_size, training_step
+from _overhead.steps import step_table
 
 SCORES_GRAD = "layers.*.attn.forward.scores@grad"
 MEMORY_PATHS = [SCORES_GRAD, "layers.*@grad", "layers.*.forward.self@grad"]
-
-Context = Callable[[], contextlib.AbstractContextManager[None]]
-
-
-def _discard(name: str, trace: Trace) -> None:
-    trace.clear()
 
 
 def bench_overhead(size: str, rounds: int, block: int) -> str:
     """Median step time untraced and with ``@grad`` tracing, as a table of ratios."""
     import torch
 
-    from vartrace.tracing.tracer import ModelTracer
-
     model, step = training_step(size)
 
-    @contextlib.contextmanager
-    def untraced() -> Iterator[None]:
-        yield
-
     def tracer(paths: list[str]) -> Context:
-        @contextlib.contextmanager
-        def context() -> Iterator[None]:
-            with ModelTracer(model, paths, post_gather_callbacks=[_discard]):
-                yield
-
-        return context
+        return lambda: traced(model, paths)
 
     @contextlib.contextmanager
     def module_hooks() -> Iterator[None]:
@@ -81,7 +57,7 @@ def bench_overhead(size: str, rounds: int, block: int) -> str:
             handle.remove()
 
     contenders: dict[str, Context] = {
-        "untraced": untraced,
+        "untraced": contextlib.nullcontext,
         "vartrace: layers.*.attn.forward.scores (values)": tracer(["layers.*.attn.forward.scores"]),
         f"vartrace: {SCORES_GRAD}": tracer([SCORES_GRAD]),
         "forward hooks + register_hook cloning block output grads": module_hooks,
@@ -93,17 +69,10 @@ def bench_overhead(size: str, rounds: int, block: int) -> str:
     return step_table(size, contenders, step, rounds, block)
 
 
-def _peak_rss_child(size: str, steps: int, traced: bool) -> None:
+def _peak_rss_child(size: str, steps: int, traced_run: bool) -> None:
     """Train ``steps`` steps in this process and print the peak RSS in KiB."""
-    from vartrace.tracing.tracer import ModelTracer
-
     model, step = training_step(size)
-    tracing = (
-        ModelTracer(model, MEMORY_PATHS, post_gather_callbacks=[_discard])
-        if traced
-        else contextlib.nullcontext()
-    )
-    with tracing:
+    with traced(model, MEMORY_PATHS) if traced_run else contextlib.nullcontext():
         for _ in range(steps):
             step()
     print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
@@ -112,14 +81,13 @@ def _peak_rss_child(size: str, steps: int, traced: bool) -> None:
 def bench_memory(size: str, threads: int) -> str:
     """Peak RSS of fresh processes after 100 and 1,000 steps, untraced and ``@grad``-traced."""
     rows = []
-    for traced in (False, True):
+    for traced_run in (False, True):
         peaks = []
         for steps in (100, 1000):
-            command = [sys.executable, __file__, "--rss-child", str(steps), "--size", size]
-            command += ["--threads", str(threads)] + (["--traced"] if traced else [])
-            output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-            peaks.append(int(output.split()[-1]))
-        rows.append(("@grad traced" if traced else "untraced", *peaks))
+            argv = [__file__, "--rss-child", str(steps), "--size", size]
+            argv += ["--threads", str(threads)] + (["--traced"] if traced_run else [])
+            peaks.append(last_int(fresh(argv)))
+        rows.append(("@grad traced" if traced_run else "untraced", *peaks))
     lines = [
         f"--memory --size {size}: peak RSS (ru_maxrss) of a fresh process after N training steps",
         f"traced paths: {', '.join(MEMORY_PATHS)}; chunks discarded after each gather",
@@ -132,19 +100,14 @@ def bench_memory(size: str, threads: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--memory", action="store_true", help="peak RSS, 100 vs 1,000 steps")
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--block", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    parser.add_argument("--rss-child", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    arguments = parser(__doc__, rounds=30, block=10)
+    add_size(arguments)
+    add_threads(arguments)
+    arguments.add_argument("--memory", action="store_true", help="peak RSS, 100 vs 1,000 steps")
+    arguments.add_argument("--rss-child", type=int, default=0, help=argparse.SUPPRESS)
+    arguments.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
+    args = arguments.parse_args()
+    set_threads(args.threads)
     if args.rss_child:
         _peak_rss_child(args.size, args.rss_child, args.traced)
     elif args.memory:

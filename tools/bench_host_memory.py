@@ -21,13 +21,15 @@ median: what tracing adds.  Linux only.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness, when tests load this file
+
+from _harness import REPO, fresh, last_int, parser, table
 
 MODES = ("untraced", "foreground", "background")
 
@@ -84,11 +86,9 @@ def peak_above_start(
 ) -> int:
     """Bytes of one fresh process's peak resident size above its size before the steps
     (`compression`: the saver's, e.g. `"gzip"`, a writer slower than the step; `""`: none)."""
-    root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as folder:
-        done = subprocess.run(
+        output = fresh(
             [
-                sys.executable,
                 "-c",
                 _CHILD,
                 mode,
@@ -99,13 +99,10 @@ def peak_above_start(
                 "1" if change_detection else "0",
                 compression,
             ],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=root,
-            env={**os.environ, "PYTHONPATH": str(root)},
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
         )
-    return int(done.stdout.split()[-1])
+    return last_int(output)
 
 
 def bench(
@@ -131,27 +128,29 @@ def bench(
         f"{record_mib} MiB records, {every} a gather (chunk {every * record_mib} MiB), "
         f"{steps} steps, change_detection={change_detection}, "
         f"compression={compression or None}, {runs} fresh processes a mode",
-        "| mode | peak above start, chunks (min / median / max) | above untraced median |",
-        "|---|---:|---:|",
     ]
+    rows = []
     for mode, values in peaks.items():
         low, middle, high = min(values), statistics.median(values), max(values)
         extra = "" if mode == "untraced" else f"{middle - floor:.2f}x"
-        lines.append(f"| {mode} | {low:.2f} / {middle:.2f} / {high:.2f}x | {extra} |")
-    return "\n".join(lines)
+        rows.append([mode, f"{low:.2f} / {middle:.2f} / {high:.2f}x", extra])
+    header = ["mode", "peak above start, chunks (min / median / max)", "above untraced median"]
+    return "\n".join([*lines, *table(header, rows, markdown=True)])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--record-mib", type=int, default=30, help="MiB of a record")
-    parser.add_argument("--every", type=int, default=4, help="steps a gather")
-    parser.add_argument("--steps", type=int, default=12, help="traced steps a process")
-    parser.add_argument("--runs", type=int, default=3, help="fresh processes a mode")
-    parser.add_argument(
+    arguments = parser(__doc__)
+    arguments.add_argument("--record-mib", type=int, default=30, help="MiB of a record")
+    arguments.add_argument("--every", type=int, default=4, help="steps a gather")
+    arguments.add_argument("--steps", type=int, default=12, help="traced steps a process")
+    arguments.add_argument("--runs", type=int, default=3, help="fresh processes a mode")
+    arguments.add_argument(
         "--change-detection", action="store_true", help="the tracer's default; off here"
     )
-    parser.add_argument("--compression", default="", help="the saver's, e.g. gzip; none by default")
-    args = parser.parse_args()
+    arguments.add_argument(
+        "--compression", default="", help="the saver's, e.g. gzip; none by default"
+    )
+    args = arguments.parse_args()
     print(
         bench(
             args.record_mib,

@@ -24,25 +24,18 @@ untraced, recording ``layers.*`` and ``layers.*@grad`` whole, and reducing them 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import statistics
 import sys
-import time
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-_TOOLS = Path(__file__).resolve().parent
-sys.path.insert(0, str(_TOOLS))
-sys.path.insert(0, str(_TOOLS.parent))
+import torch
+from _harness import Context, add_threads, parser, round_robin, set_threads, timed_calls, traced
+from _model import training_step
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import torch  # noqa: E402
-from bench_overhead import Context, round_robin, traced, training_step  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-import vartrace  # noqa: E402
-from vartrace.statistics.kernels import eager_summary  # noqa: E402
+import vartrace
+from vartrace.statistics.kernels import eager_summary
 
 SIZES = [1 << 12, 1 << 16, 1 << 20, 1 << 24]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -59,24 +52,6 @@ class _Count(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops += 1
         return func(*args, **(kwargs or {}))
-
-
-def _interleaved_medians(
-    contenders: Mapping[str, Callable[[], object]], budget: float
-) -> dict[str, float]:
-    """Median seconds of each contender's call, the calls interleaved round by round (so
-    that load from elsewhere hits them alike) for about ``budget`` seconds (3 rounds at least)."""
-    start = time.perf_counter()
-    for fn in contenders.values():
-        fn()
-    once = time.perf_counter() - start
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(max(3, min(100, int(budget / max(once, 1e-9))))):
-        for name, fn in contenders.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def record_table(sizes: list[int], budget: float) -> str:
@@ -102,7 +77,7 @@ def record_table(sizes: list[int], budget: float) -> str:
                     fn(x)
                 ops[name] = count.ops
             calls = {name: (lambda fn=fn, x=x: fn(x)) for name, fn in contenders.items()}
-            times = _interleaved_medians(calls, budget)
+            times = timed_calls(calls, budget)
             cells = [
                 f"{ops[name]:>9} {times[name] * 1e3:>7.3f}ms {times[name] / size * 1e9:>6.2f}"
                 for name in contenders
@@ -115,13 +90,8 @@ def record_table(sizes: list[int], budget: float) -> str:
 
 def step_table(rounds: int, block: int) -> str:
     model, step = training_step("small")
-
-    @contextlib.contextmanager
-    def untraced() -> Iterator[None]:
-        yield
-
     contenders: dict[str, Context] = {
-        "untraced": untraced,
+        "untraced": contextlib.nullcontext,
         "whole records": lambda: traced(model, STEP_PATHS),
         "vartrace.stats()": lambda: traced(
             model, STEP_PATHS, pre_save_callbacks=[vartrace.stats()]
@@ -136,14 +106,12 @@ def step_table(rounds: int, block: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="elements a record")
-    parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds of the step")
-    parser.add_argument("--block", type=int, default=4, help="steps timed per contender a round")
-    parser.add_argument("--budget", type=float, default=2.0, help="seconds per record row")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    arguments = parser(__doc__, rounds=5, block=4)
+    add_threads(arguments, default=1)
+    arguments.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="elements a record")
+    arguments.add_argument("--budget", type=float, default=2.0, help="seconds per record row")
+    args = arguments.parse_args(argv)
+    set_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} intra-op thread(s); CPU")
     print(record_table(args.sizes, args.budget))
     print(step_table(args.rounds, args.block))

@@ -24,33 +24,29 @@ staging only where it waits at admission (records in flight past ``max_inflight_
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import gpu_check
+from _gpu.contenders import block_hooks
+from _gpu.model import Size, Trainer
+from _harness import alternated, discard, parser
 
 from vartrace import ModelTracer
 
 WARM, STEPS, INTERVAL = 4, 16, 8
 
 
-def contenders(trainer: gpu_check.Trainer, device: torch.device) -> dict[str, Callable[[], Any]]:
+def contenders(trainer: Trainer, device: torch.device) -> dict[str, Callable[[], Any]]:
     """Context managers, by name: the untraced step, the floor, and vartrace's variants."""
 
     def tracer(paths: list[str], *, kept: bool = False, **options: Any) -> ModelTracer:
-        emptied = [] if kept else [lambda name, trace: trace.clear()]
+        emptied = [] if kept else [discard]
         return ModelTracer(
             trainer.model,
             paths,
@@ -63,7 +59,7 @@ def contenders(trainer: gpu_check.Trainer, device: torch.device) -> dict[str, Ca
     blocks, tiny = ["blocks.*"], ["blocks.*.ln1.weight"]
     return {
         "untraced": contextlib.nullcontext,
-        "hooks: device clone": lambda: gpu_check.block_hooks(trainer.model, False, None),
+        "hooks: device clone": lambda: block_hooks(trainer.model, False, None),
         "async 12 blocks": lambda: tracer(blocks),
         "async 12 blocks, ring of 2 GiB": lambda: tracer(blocks, max_host_bytes=2 << 30),
         "async 12 blocks kept in results": lambda: tracer(blocks, kept=True),
@@ -78,9 +74,7 @@ def contenders(trainer: gpu_check.Trainer, device: torch.device) -> dict[str, Ca
     }
 
 
-def timed_steps(
-    trainer: gpu_check.Trainer, make: Callable[[], Any], sync: Callable[[], None]
-) -> list[float]:
+def timed_steps(trainer: Trainer, make: Callable[[], Any], sync: Callable[[], None]) -> list[float]:
     """The wall time of each timed step, in ms, under a fresh context from `make`."""
     times = []
     with warnings.catch_warnings():
@@ -103,18 +97,18 @@ def _stream_sync() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke-cpu", action="store_true", help="a tiny model on the CPU")
-    parser.add_argument(
+    arguments = parser(__doc__)
+    arguments.add_argument("--smoke-cpu", action="store_true", help="a tiny model on the CPU")
+    arguments.add_argument(
         "--sync", choices=["device", "stream"], default="device", help="what a step waits for"
     )
-    args = parser.parse_args()
+    args = arguments.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke_cpu
     if not cuda and not args.smoke_cpu:
         sys.exit("gpu_steps.py needs a CUDA GPU (or --smoke-cpu)")
     device = torch.device("cuda" if cuda else "cpu")
-    size = gpu_check.Size() if cuda else gpu_check.Size(2, 32, 2, 16, 2, 64)
-    trainer = gpu_check.Trainer(size, device)
+    size = Size() if cuda else Size(2, 32, 2, 16, 2, 64)
+    trainer = Trainer(size, device)
     sync: Callable[[], None] = lambda: None  # noqa: E731
     if cuda:
         sync = torch.cuda.synchronize if args.sync == "device" else _stream_sync
@@ -126,7 +120,7 @@ def main() -> None:
         del table["async 12 blocks, device=cuda"]
     runs: dict[str, list[list[float]]] = {name: [] for name in table}
     for round_ in range(2 if cuda else 1):  # the smoke run checks the control flow
-        for name in list(table) if round_ == 0 else list(table)[::-1]:
+        for name in alternated(list(table), round_):
             try:
                 runs[name].append(timed_steps(trainer, table[name], sync))
             except Exception as error:  # a contender that fails is a row of its own

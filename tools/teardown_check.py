@@ -20,34 +20,23 @@ JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _harness import free_port, parser
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vartrace import ModelTracer
 
 VARIANTS = ("traced-nobarrier", "untraced-nobarrier", "traced-barrier", "untraced-barrier")
 STEPS = 6
 DEADLINE_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _steps(ddp: nn.Module, rank: int) -> None:
@@ -84,7 +73,7 @@ def _rank(rank: int, port: int, variant: str) -> None:
 
 def _one_run(variant: str) -> tuple[list[int | None], bool]:
     ctx = mp.get_context("fork")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, variant)) for r in range(2)]
     for proc in procs:
         proc.start()
@@ -100,10 +89,10 @@ def _one_run(variant: str) -> tuple[list[int | None], bool]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=25, help="runs per variant")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    args = parser.parse_args()
+    arguments = parser(__doc__)
+    arguments.add_argument("--runs", type=int, default=25, help="runs per variant")
+    arguments.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    args = arguments.parse_args()
     counts: dict[str, dict[str, Any]] = {
         v: {"runs": 0, "failed": 0, "hung": 0, "exit_codes": {}} for v in args.variants
     }
