@@ -14,6 +14,7 @@ from typing import Any
 
 from _harness import Context, traced
 from _model import LOOP_CALLS, LOOP_PATHS, LOOP_STEP_CALLS, TRACED_PATHS, loop_model, training_step
+
 from _overhead.floors import bare_floor, engine_only, minimal_tracer
 from _overhead.steps import step_table
 

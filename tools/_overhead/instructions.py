@@ -17,6 +17,7 @@ from pathlib import Path
 
 from _harness import Context, handshake, instructions, need_callgrind, ratio_table, versions
 from _model import TRACED_PATHS, training_step
+
 from _overhead.steps import above_floors, floor_and_vartrace, statistics_contender
 
 INSTRUCTION_STEPS = 12  # steps counted by --instructions (the floor empties its list every 12)

@@ -22,6 +22,7 @@ from _model import (
     TRACED_PATHS,
     training_step,
 )
+
 from _overhead.floors import bare_floor
 
 
