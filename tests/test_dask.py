@@ -26,7 +26,7 @@ from distributed import Client, LocalCluster, get_task_stream
 
 import vartrace
 from tests._dask_runs import ALIAS, write_run, write_shard
-from vartrace.analysis.distributed_compare import compare_calls
+from vartrace.analysis.comparison.on_dask import compare_calls
 from vartrace.analysis.scheduling import as_delayed
 from vartrace.analysis.sources import open_source
 from vartrace.analysis.tasks import TASK_BYTES, RunFiles

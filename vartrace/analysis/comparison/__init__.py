@@ -32,7 +32,7 @@ Example:
 
 from __future__ import annotations
 
-from vartrace.analysis.comparison.engine import compare
+from vartrace.analysis.comparison.api import compare
 from vartrace.analysis.comparison.report import Comparison, Divergence, SiteSummary
 
 __all__ = ["Comparison", "Divergence", "SiteSummary", "compare"]
