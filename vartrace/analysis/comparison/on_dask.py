@@ -81,12 +81,14 @@ def _pairs(paths_a: Sequence[str], paths_b: Sequence[str]) -> list[tuple[tuple[s
     shards cannot be paired by name."""
     if len(paths_a) == 1 and len(paths_b) == 1:
         return [((paths_a[0],), (paths_b[0],))]
-    keys_a = {_shard_key(path): path for path in paths_a}
-    keys_b = {_shard_key(path): path for path in paths_b}
-    kinds = {key[0] for key in [*keys_a, *keys_b] if key is not None}
-    if None in keys_a or None in keys_b or len(keys_a) < len(paths_a) or len(kinds) != 1:
+    named_a = {_shard_key(path): path for path in paths_a}
+    named_b = {_shard_key(path): path for path in paths_b}
+    if None in named_a or None in named_b:
         return []
-    if len(keys_b) < len(paths_b):
+    keys_a = {key: path for key, path in named_a.items() if key is not None}
+    keys_b = {key: path for key, path in named_b.items() if key is not None}
+    kinds = {key[0] for key in [*keys_a, *keys_b]}
+    if len(keys_a) < len(paths_a) or len(keys_b) < len(paths_b) or len(kinds) != 1:
         return []
     return [
         (tuple(filter(None, [keys_a.get(key)])), tuple(filter(None, [keys_b.get(key)])))
@@ -214,9 +216,10 @@ def _reduced(found: list[tuple[ShardTask, _Piece]], side: int, run: RunFiles) ->
     """The site's `reduced_from` in one run: its files', merged in the order the run
     lists its files (as its reader merges them)."""
     described = [
-        (run.position(files.paths[0]), piece.reduced[side])
+        (run.position(files.paths[0]), reduced)
         for task, piece in found
-        if (files := task[side]) is not None and piece.reduced[side] is not None
+        if (files := (task.a, task.b)[side]) is not None
+        and (reduced := piece.reduced[side]) is not None
     ]
     described.sort(key=lambda entry: entry[0])
     found_in_order = [reduced for _, reduced in described]
