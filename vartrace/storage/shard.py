@@ -18,6 +18,7 @@ run was opened is an error naming it, never a read of other records.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
@@ -99,12 +100,20 @@ class Shard:
         self._options = options
         self._handle: h5py.File | None = None
         self._remote: Any = None  # the fsspec file object under a remote file's handle
+        self._lock = threading.Lock()  # (compare reads the sites of a run from several threads)
         if manifest is None:
             self._open()
 
     def _open(self) -> h5py.File:
         if self._handle is not None:
             return self._handle
+        with self._lock:
+            if self._handle is None:
+                self._handle = self._opened()
+            return self._handle
+
+    def _opened(self) -> h5py.File:
+        """The file opened, checked against its manifest."""
         if isinstance(self.location, Path):
             handle = open_file(self.location)
         else:
@@ -113,14 +122,17 @@ class Shard:
                 handle = checked_version(h5py.File(self._remote, "r"), self.location)
             except BaseException:
                 self._remote.close()
+                self._remote = None
                 raise
         try:
             if self.manifest is not None:
                 self._check(handle, self.manifest)
         except BaseException:
             handle.close()
+            if self._remote is not None:
+                self._remote.close()
+                self._remote = None
             raise
-        self._handle = handle
         return handle
 
     @property
