@@ -33,7 +33,7 @@ import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 import h5py
@@ -138,7 +138,7 @@ def _shard(path: Location, shard: Shard) -> tuple[str, int, int | None]:
     run_id, ranks = shard.identity
     if ranks is not None:
         return run_id or "", ranks[0], ranks[1]
-    named = re.search(r"\.rank(\d+)$", _stem(path))
+    named = re.search(r"\.rank(\d+)$", _pure(path).stem)
     if run_id is not None or named is None:  # older files: shards are named so
         raise ValueError(
             f"{path} holds a run of its own, not a shard of a sharded run: open it alone"
@@ -146,8 +146,9 @@ def _shard(path: Location, shard: Shard) -> tuple[str, int, int | None]:
     return "", int(named.group(1)), None
 
 
-def _stem(path: Location) -> str:
-    return Path(path).stem if isinstance(path, Path) else PurePosixPath(path).stem
+def _pure(path: Location) -> PurePath:
+    """`path` as a path, a URL's path part included (for its stem and suffix)."""
+    return path if isinstance(path, Path) else PurePosixPath(path)
 
 
 def _check_shards(paths: list[Location], shards: list[Shard]) -> list[int]:
@@ -165,7 +166,7 @@ def _check_shards(paths: list[Location], shards: list[Shard]) -> list[int]:
             raise ValueError(f"{path} says it is rank {rank} of {world}: a damaged file")
         by_rank[rank] = path
     first, (run_id, _, world) = paths[0], found[0]
-    bases = {re.sub(r"\.rank\d+$", "", _stem(path)) + _suffix(path) for path in paths}
+    bases = {re.sub(r"\.rank\d+$", "", _pure(path).stem) + _pure(path).suffix for path in paths}
     for path, (other_id, _, other_world) in zip(paths[1:], found[1:], strict=True):
         if ((run_id or other_id) and other_id != run_id) or (not run_id and len(bases) > 1):
             raise ValueError(f"{first} and {path} are shards of different runs")
@@ -183,10 +184,6 @@ def _check_shards(paths: list[Location], shards: list[Shard]) -> list[int]:
             stacklevel=4,
         )
     return missing
-
-
-def _suffix(path: Location) -> str:
-    return Path(path).suffix if isinstance(path, Path) else PurePosixPath(path).suffix
 
 
 class Run:
