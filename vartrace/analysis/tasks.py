@@ -22,7 +22,11 @@ import os
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
+
+from vartrace.storage.locations import Location, file_stats, is_url
+from vartrace.storage.reader import Run
 
 __all__ = ["TASK_BYTES", "RunFiles", "byte_groups", "file_bytes", "naming", "opened"]
 
@@ -45,13 +49,10 @@ class RunFiles(NamedTuple):
     @classmethod
     def of(cls, run: Any) -> RunFiles | None:
         """The files of an open run; `None` for a run not read from files."""
-        paths = getattr(run, "paths", None)
-        if not paths:
+        if not isinstance(run, Run) or not run.paths:
             return None
         return cls(
-            tuple(os.fspath(path) for path in paths),
-            bool(getattr(run, "allow_pickle", False)),
-            getattr(run, "storage_options", None),
+            tuple(os.fspath(path) for path in run.paths), run.allow_pickle, run.storage_options
         )
 
     def subset(self, paths: Sequence[str]) -> RunFiles:
@@ -102,11 +103,9 @@ def naming(*files: RunFiles | None) -> Iterator[None]:
 
 def file_bytes(path: str, storage_options: dict[str, Any] | None = None) -> int:
     """The size of a run file (a local path or an fsspec URL); 0 when it cannot be told."""
-    if "://" not in path:
-        try:
-            return os.path.getsize(path)
-        except OSError:
-            return 0
+    location: Location = path if is_url(path) else Path(path)
+    size, _ = file_stats([location], storage_options or {})[0]
+    return size or 0
     try:
         import fsspec
 

@@ -20,11 +20,18 @@ from vartrace._support.text import close_matches
 from vartrace.cli.output import UserError, message_of, print_safe
 
 
+def _is_url(text: str) -> bool:
+    """Whether `text` names a run through fsspec (`s3://...`, `memory://...`)."""
+    return "://" in text
+
+
 def open_path(path: str, allow_pickle: bool = False) -> Any:
-    """Open a run, turning the usual failures into one-line messages."""
+    """Open a run (a path, a glob, a directory or a URL), turning the usual failures into
+    one-line messages."""
     from vartrace.storage.reader import open_run
 
-    if not os.path.exists(path):  # an existing path is a path, even with [ ] or * in it
+    # An existing path is a path, even with [ ] or * in it; a URL is looked up by fsspec.
+    if not _is_url(path) and not os.path.exists(path):
         if not glob.has_magic(path):
             raise UserError(f"no such file: {path}")
         if not glob.glob(path):
@@ -34,6 +41,8 @@ def open_path(path: str, allow_pickle: bool = False) -> Any:
             warnings.simplefilter("always")
             run = open_run(path, allow_pickle=allow_pickle)
     except ValueError as exc:  # not a vartrace file, a newer format, shards of several runs
+        raise UserError(message_of(exc)) from exc
+    except ImportError as exc:  # a URL without fsspec
         raise UserError(message_of(exc)) from exc
     except OSError as exc:
         raise UserError(f"cannot open {path}: {message_of(exc)}") from exc
@@ -65,7 +74,7 @@ def matching(run: Any, path: str, patterns: Sequence[str]) -> list[str]:
 
 
 def is_run_path(text: str) -> bool:
-    return os.path.isfile(text) or (glob.has_magic(text) and bool(glob.glob(text)))
+    return _is_url(text) or os.path.isfile(text) or (glob.has_magic(text) and bool(glob.glob(text)))
 
 
 def matches_pattern(name: str, pattern: str) -> bool:

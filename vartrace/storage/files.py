@@ -41,6 +41,7 @@ from vartrace.storage.layout import (
 from vartrace.storage.swmr import open_swmr
 
 __all__ = [
+    "checked_version",
     "int_attr",
     "leading_rows",
     "load_filters",
@@ -130,7 +131,12 @@ def open_file(path: str | os.PathLike[str]) -> h5py.File:
     if not S_ISREG(mode):  # a FIFO would block the open until something writes to it
         what = next((name for test, name in _NOT_FILES if test(mode)), "no regular file")
         raise ValueError(f"{path} is not a vartrace file: it is {what}, not a regular file")
-    handle = _open_hdf5(path)
+    return checked_version(_open_hdf5(path), path)
+
+
+def checked_version(handle: h5py.File, path: str | os.PathLike[str]) -> h5py.File:
+    """`handle`, the file at `path` just opened, once its format version is one this
+    vartrace reads; else it is closed and `ValueError` (`RunFileError`) names `path`."""
     try:
         version = handle.attrs.get(FORMAT_ATTR)
     except KeyError as error:  # the root group's header is damaged

@@ -16,24 +16,24 @@ Example:
 
 Opening reads nothing but the root attributes; records are read when asked
 for.  Shards of a run written with `ModelTracer(gather=False)` open as one
-run: `vartrace.open("run.rank*.h5")`.
+run: `vartrace.open("run.rank*.h5")`, or `vartrace.open(["node0/", "node1/"])`;
+shards with a manifest are listed without opening their files.
 
-This module finds a run's sites (root index, shards, aliases) and is the `Run`;
-`files` opens files safely, `site_reader` reads one site of one file,
+This module finds a run's sites (root index or manifests, shards, aliases) and is the
+`Run`; `locations` resolves what is opened (local or through fsspec), `shard` holds
+one file of a run, `files` opens files safely, `site_reader` reads one site of one file,
 `site_stats` takes a statistic of its records in blocks, `sites` is the `Site`
 users see.
 """
 
 from __future__ import annotations
 
-import errno
 import functools
-import glob
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 import h5py
@@ -49,14 +49,13 @@ from vartrace.storage.layout import (
     NAME_END,
     NAME_START,
     NO_TARGET,
-    RUN_ID_ATTR,
-    SHARD_ATTR,
     SITE_INDEX,
     SITE_NAMES,
     TARGET,
     unescape,
-    writer_alive,
 )
+from vartrace.storage.locations import Location, is_url, resolve
+from vartrace.storage.shard import Shard, planned
 from vartrace.storage.site_reader import Part, ReadAhead
 from vartrace.storage.sites import Site, described
 
@@ -66,21 +65,6 @@ __all__ = ["Run", "RunFileError", "Site", "open_file", "open_run"]
 def _first_order(parts: list[Part]) -> int:
     """The capture order of a site's first record (each file's records are in capture order)."""
     return min(part.first_order for part in parts)
-
-
-def _expand(path_or_glob: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
-    if isinstance(path_or_glob, (str, os.PathLike)):
-        text = os.fspath(path_or_glob)
-        if not os.path.exists(text) and glob.has_magic(text):
-            paths = sorted(glob.glob(text))
-            if not paths:
-                raise FileNotFoundError(errno.ENOENT, "no file matches the pattern", text)
-            return [Path(p) for p in paths]
-        return [Path(text)]
-    given = [Path(p) for p in path_or_glob]
-    if not given:
-        raise ValueError("open_run needs at least one path")
-    return given
 
 
 def _indexed(handle: h5py.File, counts: np.ndarray) -> list[tuple[int, str, int, int]] | None:
@@ -149,35 +133,31 @@ _BEYOND_VIEW = re.compile(
 )
 
 
-def _writer_alive(handle: h5py.File) -> bool:
-    """Whether the process that last opened `handle`'s file for writing may still run."""
-    host, pid = handle.attrs.get("writer_host", ""), handle.attrs.get("writer_pid", 0)
-    if not isinstance(host, str) or not isinstance(pid, (int, np.integer)) or pid <= 0:
-        return False
-    return writer_alive(host, int(pid)) is not False
-
-
-def _shard(path: Path, handle: h5py.File) -> tuple[str, int, int | None]:
+def _shard(path: Location, shard: Shard) -> tuple[str, int, int | None]:
     """(run id, rank, world size or None) of a shard; `ValueError` for a run of its own."""
-    shard = handle.attrs.get(SHARD_ATTR)
-    if shard is not None:
-        rank, world = (int(n) for n in np.asarray(shard).reshape(-1)[:2])
-        return str(handle.attrs.get(RUN_ID_ATTR, "")), rank, world
-    named = re.search(r"\.rank(\d+)$", path.stem)
-    if RUN_ID_ATTR in handle.attrs or named is None:  # older files: shards are named so
+    run_id, ranks = shard.identity
+    if ranks is not None:
+        return run_id or "", ranks[0], ranks[1]
+    named = re.search(r"\.rank(\d+)$", _pure(path).stem)
+    if run_id is not None or named is None:  # older files: shards are named so
         raise ValueError(
             f"{path} holds a run of its own, not a shard of a sharded run: open it alone"
         )
     return "", int(named.group(1)), None
 
 
-def _check_shards(paths: list[Path], files: list[h5py.File]) -> list[int]:
+def _pure(path: Location) -> PurePath:
+    """`path` as a path, a URL's path part included (for its stem and suffix)."""
+    return path if isinstance(path, Path) else PurePosixPath(path)
+
+
+def _check_shards(paths: list[Location], shards: list[Shard]) -> list[int]:
     """Refuse files that are not shards of one run; return the ranks missing from them."""
-    if len(files) == 1 and SHARD_ATTR not in files[0].attrs:
+    if len(shards) == 1 and shards[0].identity[1] is None:
         return []  # a run of its own
-    shards = [_shard(path, handle) for path, handle in zip(paths, files, strict=True)]
-    by_rank: dict[int, Path] = {}
-    for path, (_, rank, world) in zip(paths, shards, strict=True):
+    found = [_shard(path, shard) for path, shard in zip(paths, shards, strict=True)]
+    by_rank: dict[int, Location] = {}
+    for path, (_, rank, world) in zip(paths, found, strict=True):
         if rank in by_rank:
             raise ValueError(
                 f"{by_rank[rank]} and {path} are both rank {rank}: shards of different runs"
@@ -185,9 +165,9 @@ def _check_shards(paths: list[Path], files: list[h5py.File]) -> list[int]:
         if world is not None and not 0 <= rank < world:
             raise ValueError(f"{path} says it is rank {rank} of {world}: a damaged file")
         by_rank[rank] = path
-    first, (run_id, _, world) = paths[0], shards[0]
-    bases = {re.sub(r"\.rank\d+$", "", path.stem) + path.suffix for path in paths}
-    for path, (other_id, _, other_world) in zip(paths[1:], shards[1:], strict=True):
+    first, (run_id, _, world) = paths[0], found[0]
+    bases = {re.sub(r"\.rank\d+$", "", _pure(path).stem) + _pure(path).suffix for path in paths}
+    for path, (other_id, _, other_world) in zip(paths[1:], found[1:], strict=True):
         if ((run_id or other_id) and other_id != run_id) or (not run_id and len(bases) > 1):
             raise ValueError(f"{first} and {path} are shards of different runs")
         if other_world != world:
@@ -213,15 +193,27 @@ class Run:
     the metadata dict.  Close it (or use `with`) to release the files.
     """
 
-    def __init__(self, paths: list[Path], allow_pickle: bool = False) -> None:
-        self.paths = paths
+    def __init__(
+        self,
+        paths: Sequence[Location],
+        allow_pickle: bool = False,
+        *,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        #: The files of the run: local `Path`s, or URLs (text) read through fsspec.
+        self.paths: list[Location] = [p if is_url(p) else Path(p) for p in paths]
         self.allow_pickle = allow_pickle
-        self._files: list[h5py.File] = []
+        #: fsspec's options for the URLs among `paths` (credentials, endpoint...): a task
+        #: reopening a shard by its URL passes them again.
+        self.storage_options: dict[str, Any] = dict(storage_options or {})
+        self._shards: list[Shard] = []
         try:
-            for path in paths:
-                self._files.append(open_file(path))
+            for path, manifest in zip(
+                self.paths, planned(self.paths, self.storage_options, stacklevel=3), strict=True
+            ):
+                self._shards.append(Shard(path, self.storage_options, manifest))
             #: Ranks of a sharded run whose shard is not among the files opened.
-            self.missing_ranks = _check_shards(paths, self._files)
+            self.missing_ranks = _check_shards(self.paths, self._shards)
         except BaseException:
             self.close()
             raise
@@ -235,7 +227,14 @@ class Run:
         Such a file is read in SWMR mode, as of the writer's last flush; reopen
         the run to see the records it flushes later.
         """
-        return any(handle.swmr_mode and _writer_alive(handle) for handle in self._files)
+        return any(shard.live for shard in self._shards)
+
+    @property
+    def manifests(self) -> list[dict[str, Any] | None]:
+        """The manifest each file of `paths` was listed from (see `vartrace.storage.manifest`:
+        per site its records, iterations, dtype, shape and bytes), `None` for a file read
+        without one (no manifest, or one that does not describe the file)."""
+        return [None if s.manifest is None else s.manifest.content for s in self._shards]
 
     @property
     def _links(self) -> dict[str, list[Part]]:
@@ -247,26 +246,16 @@ class Run:
         """The sites (name -> parts) and the aliases (name -> target name) of the files."""
         links: dict[str, list[Part]] = {}
         aliases: dict[str, str] = {}
-        for handle in self._files:
-            committed = child(handle, COMMITTED, h5py.Dataset)
-            check_read(committed, committed.size)
-            counts = np.asarray(committed[()], np.int64).reshape(-1)
-            sites = child(handle, "vars", h5py.Group)
-            tagged = int(handle.attrs[FORMAT_ATTR]) >= 2  # (checked by open_file)
-            live = handle.swmr_mode and _writer_alive(handle)
-            try:
-                indexed = _indexed(handle, counts)
-            except RunFileError as error:
-                if not (live and _BEYOND_VIEW.search(str(error))):
-                    raise
-                indexed = None  # the writer grew the index after this reader's view of the file
+        for shard in self._shards:
+            counts, indexed, tagged, live = self._listing(shard)
             if indexed is None:
                 parts = [
-                    Part.walked(sites, link, counts, self._ahead, tagged=tagged) for link in sites
+                    Part.walked(shard, link, counts, self._ahead, tagged=tagged)
+                    for link in shard.vars
                 ]
             else:
                 parts = [
-                    Part(sites, link, slot, int(counts[slot]), self._ahead, first, tagged=tagged)
+                    Part(shard, link, slot, int(counts[slot]), self._ahead, first, tagged=tagged)
                     for slot, link, first, target in indexed
                     if target == NO_TARGET
                 ]
@@ -291,6 +280,30 @@ class Run:
             if target in links and name not in links
         }
         return links, kept
+
+    @staticmethod
+    def _listing(
+        shard: Shard,
+    ) -> tuple[np.ndarray, list[tuple[int, str, int, int]] | None, bool, bool]:
+        """(record counts, root index rows or None to walk `/vars`, format 2, live) of a
+        shard: from its manifest, else from its file."""
+        if shard.manifest is not None:
+            manifest = shard.manifest
+            return manifest.counts, manifest.indexed, manifest.format >= 2, False
+        handle = shard.handle
+        committed = child(handle, COMMITTED, h5py.Dataset)
+        check_read(committed, committed.size)
+        counts = np.asarray(committed[()], np.int64).reshape(-1)
+        _ = shard.vars  # (a file without /vars is refused here)
+        tagged = int(handle.attrs[FORMAT_ATTR]) >= 2  # (checked by open_file)
+        live = shard.live
+        try:
+            indexed = _indexed(handle, counts)
+        except RunFileError as error:
+            if not (live and _BEYOND_VIEW.search(str(error))):
+                raise
+            indexed = None  # the writer grew the index after this reader's view of the file
+        return counts, indexed, tagged, live
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -339,7 +352,7 @@ class Run:
     @cached_property
     def meta(self) -> dict[str, Any]:
         """The run metadata (of the first file for shards); empty if none was written."""
-        handle = self._files[0]
+        handle = self._shards[0].handle
         if not handle.id.links.exists(b"meta"):
             return {}
         return read_tree(child(handle, "meta", h5py.Group))
@@ -403,9 +416,9 @@ class Run:
 
     def close(self) -> None:
         """Close the files."""
-        for handle in self._files:
-            handle.close()
-        self._files = []
+        for shard in self._shards:
+            shard.close()
+        self._shards = []
 
     def __enter__(self) -> Run:
         return self
@@ -421,11 +434,19 @@ def open_run(
     path_or_glob: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     *,
     allow_pickle: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> Run:
     """Open a run file read-only (`vartrace.open`), lazily.
 
-    `path_or_glob` is a path, a glob pattern (`"run.rank*.h5"`) or a list
-    of paths; several files are read as the shards of one run.  Pickled
+    `path_or_glob` is a path, a glob pattern (`"run.rank*.h5"`), a directory
+    (its `*.h5` files), or a list of any of these (`["node0/", "node1/"]`);
+    several files are read as the shards of one run, a missing rank reported
+    in `run.missing_ranks` and by one warning.  A URL (`s3://`, `gs://`,
+    `memory://`...) is read through fsspec (`pip install
+    'torch-vartrace[remote]'`), given `storage_options` (credentials,
+    endpoint); globs and directories too.  Shards with a manifest beside
+    them (`run.rank3.h5.manifest.json`, written by the saver) are listed
+    from it, their files opened when their records are read.  Pickled
     records are refused unless `allow_pickle=True`, since unpickling runs
     code stored in the file.
 
@@ -433,6 +454,9 @@ def open_run(
         ```python
         with vartrace.open("run.h5") as run:
             print(run.names, run.meta["git"].get("commit"))
+        with vartrace.open("s3://bucket/run/", storage_options={"anon": True}) as run:
+            print(run.missing_ranks)
         ```
     """
-    return Run(_expand(path_or_glob), allow_pickle=allow_pickle)
+    options = dict(storage_options or {})
+    return Run(resolve(path_or_glob, options), allow_pickle=allow_pickle, storage_options=options)

@@ -38,6 +38,7 @@ from vartrace.storage.guard import (
     file_name,
 )
 from vartrace.storage.layout import SITE_INDEX, TAGGED, TAGS, reduced_from
+from vartrace.storage.shard import Shard
 
 __all__ = ["Part", "ReadAhead"]
 
@@ -141,14 +142,15 @@ _AHEAD_BLOCKS = 8
 class Part:
     """One file's datasets of one site.
 
-    Made when a run lists its sites, from the file's root index (reading nothing of
-    the site) or, in a file without one, from the site's group and its `slot`
-    attribute; its group and datasets are opened (and checked) when the site is used.
+    Made when a run lists its sites, from the shard's manifest (its file unopened), from
+    the file's root index (reading nothing of the site) or, in a file without one, from
+    the site's group and its `slot` attribute; its group and datasets are opened (and
+    checked) when the site is used.
     """
 
     def __init__(
         self,
-        sites: h5py.Group,
+        shard: Shard,
         link: str,
         slot: int,
         rows: int,
@@ -157,10 +159,11 @@ class Part:
         *,
         tagged: bool,
     ) -> None:
-        """The site `/vars/<link>` (`sites` is `/vars`) of slot `slot`, holding `rows`
-        committed records; `first_order` as the root index gives it; `tagged`: laid out
-        as format version 2 says (one `tags` dataset, `shapes` only where needed)."""
-        self._sites = sites
+        """The site `/vars/<link>` of `shard`'s file, of slot `slot`, holding `rows`
+        committed records; `first_order` as the root index (or the manifest) gives it;
+        `tagged`: laid out as format version 2 says (one `tags` dataset, `shapes` only
+        where needed)."""
+        self._shard = shard
         self.tagged = tagged
         self.link = link
         self.slot = slot
@@ -173,7 +176,7 @@ class Part:
     @classmethod
     def walked(
         cls,
-        sites: h5py.Group,
+        shard: Shard,
         link: str,
         committed: np.ndarray,
         ahead: ReadAhead,
@@ -182,7 +185,7 @@ class Part:
     ) -> Part:
         """The site `/vars/<link>` of a file read without its root index: its group is
         opened for its `slot` attribute."""
-        group = child(sites, link, h5py.Group)
+        group = child(shard.vars, link, h5py.Group)
         slot = int_attr(group, "slot")
         if slot is None:
             raise RunFileError(
@@ -190,14 +193,19 @@ class Part:
                 "damaged file"
             )
         rows = max(0, int(committed[slot])) if 0 <= slot < len(committed) else 0
-        part = cls(sites, link, slot, rows, ahead, tagged=tagged)
+        part = cls(shard, link, slot, rows, ahead, tagged=tagged)
         part.__dict__["group"] = group  # (the cached property, already known)
         return part
+
+    @property
+    def planned(self) -> bool:
+        """Whether the part was listed from its shard's manifest, its file unopened then."""
+        return self._shard.manifest is not None
 
     @cached_property
     def group(self) -> h5py.Group:
         """The site's group, checked to be the one of its slot."""
-        group = child(self._sites, self.link, h5py.Group)
+        group = child(self._shard.vars, self.link, h5py.Group)
         slot = int_attr(group, "slot")
         if slot != self.slot:
             raise RunFileError(

@@ -104,6 +104,14 @@ class Site:
         self._run = run
         self._parts = parts
         self._allow_pickle = allow_pickle
+        if not any(part.planned for part in parts):  # files already open: checked at once
+            _ = self._merged
+
+    @cached_property
+    def _merged(self) -> tuple[list[tuple[int, int]], dict[str, np.ndarray]]:
+        """(part, row) of each record in the site's order, and its tags in that order: read
+        when first used (a part listed from a manifest opens its file then)."""
+        parts = self._parts
         for part in parts:
             part.open()
         part_of = np.concatenate([np.full(len(p.tags["kinds"]), i) for i, p in enumerate(parts)])
@@ -117,14 +125,35 @@ class Site:
             if len(parts) > 1
             else np.arange(len(row_of))
         )
-        self._where = list(zip(part_of[order].tolist(), row_of[order].tolist(), strict=True))
-        self.iterations: np.ndarray = tags["iterations"][order]
-        self.ranks: np.ndarray = tags["ranks"][order]
-        self.order: np.ndarray = tags["order"][order]
-        self._kinds = tags["kinds"][order]
+        where = list(zip(part_of[order].tolist(), row_of[order].tolist(), strict=True))
+        return where, {field: column[order] for field, column in tags.items()}
+
+    @property
+    def _where(self) -> list[tuple[int, int]]:
+        return self._merged[0]
+
+    @property
+    def iterations(self) -> np.ndarray:
+        """The iteration of each record (int64)."""
+        return self._merged[1]["iterations"]
+
+    @property
+    def ranks(self) -> np.ndarray:
+        """The rank that recorded each record (int64)."""
+        return self._merged[1]["ranks"]
+
+    @property
+    def order(self) -> np.ndarray:
+        """The capture order of each record (int64): its place among its rank's records."""
+        return self._merged[1]["order"]
+
+    @property
+    def _kinds(self) -> np.ndarray:
+        return self._merged[1]["kinds"]
 
     def __len__(self) -> int:
-        return len(self._where)
+        """The records of the site (known without reading them)."""
+        return sum(part.rows for part in self._parts)
 
     def __repr__(self) -> str:
         return f"<Site {self.name!r} records={len(self)} dtype={self.dtype}>"

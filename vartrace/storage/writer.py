@@ -47,7 +47,6 @@ from vartrace.storage.layout import (
     FORMAT_VERSION,
     LAST_TAGS,
     escape,
-    unescape,
 )
 from vartrace.storage.lifecycle import (
     close_after_failure,
@@ -62,8 +61,10 @@ from vartrace.storage.lifecycle import (
     size_metadata_cache,
     written_path,
 )
+from vartrace.storage.manifest_writer import ManifestWriter
 from vartrace.storage.metadata import collect_metadata, metadata_options
 from vartrace.storage.root_index import RootIndex
+from vartrace.storage.site_datasets import SiteDatasets
 from vartrace.storage.site_writer import SiteWriter, describe, int64
 from vartrace.trace import RunContext, Trace, report_during
 
@@ -181,6 +182,7 @@ class H5PYSaverCallback:
         self._file: h5py.File | None = None
         self._sites: dict[str, SiteWriter] = {}
         self._index: RootIndex | None = None  # the open file's root index
+        self._manifest = ManifestWriter()  # a shard's manifest (see manifest_writer)
         self._unresolved: dict[str, str] = {}  # alias -> target: a target with no site yet
         self._undescribed: dict[str, ReducedFrom] = {}  # `reduced` of a site not yet made
         self._dirty = False
@@ -267,6 +269,7 @@ class H5PYSaverCallback:
         self._options["format"] = int(handle.attrs[FORMAT_ATTR])  # a file never mixes layouts
         handle.attrs.update(writer_host=socket.gethostname(), writer_pid=os.getpid())
         self._index = RootIndex(handle)
+        self._manifest = ManifestWriter.start(self.path, handle, self._index)
         size_metadata_cache(handle)
         handle.swmr_mode = True  # from here on, a killed process leaves a consistent file
         self._descriptor = handle.id.get_vfd_handle()
@@ -350,6 +353,7 @@ class H5PYSaverCallback:
         self._file.flush()
         self._index.write_counts()
         self._dirty = False
+        self._manifest.write(self._index)
 
     def close(self) -> None:
         """Flush and close the file; later records raise.  Safe to call twice.
@@ -392,6 +396,7 @@ class H5PYSaverCallback:
                             "first write)",
                             stacklevel=3,
                         )
+                    self._manifest.write(self._index, closed=True)
                 if self._unresolved:
                     warn(
                         f"vartrace: H5PYSaverCallback wrote no alias for "
@@ -631,6 +636,7 @@ class H5PYSaverCallback:
             self._unreleased += site.append(piece)
             del piece  # written: freed before the next record is taken
         index.set_count(site.slot, site.rows)
+        self._manifest.note(name, site, trace)
         origin = self._undescribed.pop(name, None)
         if origin is not None:
             describe(site.group, origin)
@@ -664,26 +670,4 @@ class H5PYSaverCallback:
         With `background=True`, it first waits for the records handed to the thread.
         """
         self._thread.join()
-        return _Datasets(self._file)
-
-
-class _Datasets(Mapping[str, h5py.Dataset]):
-    """The `values` datasets of an open file's sites, opened one at a time when looked up."""
-
-    def __init__(self, handle: h5py.File | None) -> None:
-        self._vars = None if handle is None else handle["vars"]
-
-    def __getitem__(self, name: str) -> h5py.Dataset:
-        group = None if self._vars is None else self._vars.get(escape(name))
-        if group is None or "values" not in group:
-            raise KeyError(name)
-        return group["values"]
-
-    def __iter__(self) -> Iterator[str]:
-        group = self._vars
-        if group is None:
-            return iter(())
-        return (unescape(link) for link in list(group) if "values" in group[link])
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
+        return SiteDatasets(self._file)
