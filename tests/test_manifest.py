@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -198,3 +200,19 @@ def test_ragged_records_read_through_manifests(run_dir: Path) -> None:
         assert site.shapes[:, 0].tolist() == [1, 2, 3, 2, 3, 4, 3, 4, 5]
         value = site.get(3, rank=2)
     np.testing.assert_array_equal(value.numpy(), np.arange(5.0, dtype=np.float32))
+
+
+def test_the_shards_benchmark_prints_its_table() -> None:
+    """`tools/bench_shards.py` writes its shards, reads them with and without manifests and
+    prints a row per step (a smoke test of the benchmark: its figures are the README's)."""
+    tool = Path(__file__).resolve().parents[1] / "tools" / "bench_shards.py"
+    done = subprocess.run(
+        [sys.executable, str(tool), "--shards", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0] for line in done.stdout.splitlines()[2:]}
+    assert rows == {"open", "names", "open+names", "to_frame", "total"}, done.stdout

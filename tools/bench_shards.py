@@ -10,10 +10,16 @@ manifests are faster).  With manifests the files are opened by `to_frame` instea
 by `open`: the total, not `to_frame` alone, compares the two.  The bar (issue 43): open and list
 1,000 shards with manifests in at most 1 s.
 
+With `--workers N` (N > 0, needs `pip install 'torch-vartrace[dask]'`) it then times
+`run.to_frame("mean")` and `vartrace.compare(run, run)` in this process and on a Dask
+`LocalCluster` of N single-thread worker processes (`scheduler=client`), and checks that
+both give the same frame and the same report.
+
 Usage::
 
     python tools/bench_shards.py                    # 1,000 shards
     python tools/bench_shards.py --shards 100 --keep /tmp/shards   # quick, keeps the files
+    python tools/bench_shards.py --workers 2        # and on a LocalCluster of 2 workers
 """
 
 from __future__ import annotations
@@ -75,10 +81,36 @@ def measure(folder: Path) -> dict[str, float]:
     }
 
 
+def on_cluster(folder: Path, workers: int) -> None:
+    """Print to_frame and compare of the run in `folder`, in process and on a LocalCluster."""
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(n_workers=workers, threads_per_worker=1, processes=True) as cluster,
+        Client(cluster) as client,
+        vartrace.open(folder) as run,
+    ):
+        frame_here, frame = _timed(lambda: run.to_frame("mean"))
+        frame_there, frame_dask = _timed(lambda: run.to_frame("mean", scheduler=client))
+        compare_here, report = _timed(lambda: vartrace.compare(run, run))
+        compare_there, report_dask = _timed(lambda: vartrace.compare(run, run, scheduler=client))
+    assert frame.equals(frame_dask), "to_frame on the cluster differs from in process"
+    assert report.to_frame().equals(report_dask.to_frame()), "compare on the cluster differs"
+    print(f"{'step':<12}{'in process':>12}{f'{workers} workers':>12}{'ratio':>9}")
+    for step, here, there in (
+        ("to_frame", frame_here, frame_there),
+        ("compare", compare_here, compare_there),
+    ):
+        print(f"{step:<12}{here:>11.3f}s{there:>11.3f}s{here / there:>8.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=1000, help="ranks of the run (1000)")
     parser.add_argument("--keep", type=Path, help="write the shards here and keep them")
+    parser.add_argument(
+        "--workers", type=int, default=0, help="also time on a LocalCluster of this many workers"
+    )
     args = parser.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="vartrace-bench-shards-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -97,6 +129,8 @@ def main() -> None:
         for step, seconds in manifests.items():
             ratio = files[step] / seconds if seconds else float("inf")
             print(f"{step:<12}{seconds:>11.3f}s{files[step]:>11.3f}s{ratio:>8.1f}x")
+        if args.workers > 0:
+            on_cluster(folder, args.workers)
     finally:
         if args.keep is None:
             shutil.rmtree(folder)

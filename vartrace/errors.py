@@ -17,6 +17,7 @@ from __future__ import annotations
 
 __all__ = [
     "CallbackError",
+    "ManifestError",
     "PickleNotAllowedError",
     "RunFileError",
     "TraceLengthError",
@@ -54,6 +55,11 @@ class RunFileError(ValueError):
     allocates more than `FREE_READ_BYTES` or what the file holds (compressed
     data: at most `MAX_COMPRESSION` times the file's size).
     """
+
+
+class ManifestError(ValueError):
+    """A shard's manifest that cannot be what vartrace writes.  Readers never raise it to the
+    user: they warn and open the shard's file instead."""
 
 
 class PickleNotAllowedError(ValueError):

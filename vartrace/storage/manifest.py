@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from vartrace.errors import ManifestError
 from vartrace.storage.layout import NO_TARGET, unescape
 
 __all__ = [
@@ -58,10 +59,6 @@ _MOST_BYTES = 256 << 20
 def manifest_path(path: str) -> str:
     """The manifest of the shard at `path` (a local path or a URL)."""
     return path + MANIFEST_SUFFIX
-
-
-class ManifestError(ValueError):
-    """A manifest that cannot be what vartrace writes (its shard's file is opened instead)."""
 
 
 @dataclass(frozen=True)

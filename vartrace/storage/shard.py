@@ -28,6 +28,7 @@ import h5py
 import numpy as np
 
 from vartrace._support.warnings import warn
+from vartrace.errors import ManifestError
 from vartrace.storage.files import checked_version, open_file
 from vartrace.storage.guard import RunFileError, check_read, child
 from vartrace.storage.layout import (
@@ -40,7 +41,7 @@ from vartrace.storage.layout import (
     writer_alive,
 )
 from vartrace.storage.locations import Location, file_stats, open_remote, read_small_files
-from vartrace.storage.manifest import Manifest, ManifestError, manifest_path, parse_manifest
+from vartrace.storage.manifest import Manifest, manifest_path, parse_manifest
 
 __all__ = ["Shard", "planned"]
 
