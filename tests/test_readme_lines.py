@@ -67,7 +67,12 @@ def test_a_shard_path_naming_the_rank_writes_that_rank_file(tmp_path: Path) -> N
             assert saver.path == tmp_path / f"run.rank{rank}.h5"
             saver("w", Trace([float(rank)], [1], [rank], [0]))
             saver.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.rank0.h5", "run.rank1.h5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "run.rank0.h5",
+        "run.rank0.h5.manifest.json",
+        "run.rank1.h5",
+        "run.rank1.h5.manifest.json",
+    ]
     with vartrace.open(tmp_path / "run.rank*.h5") as run:
         assert run["w"].ranks.tolist() == [0, 1]
 
