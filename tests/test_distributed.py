@@ -345,7 +345,8 @@ def test_ddp_tracer_shards_one_file_per_rank_read_as_one_run(traced: Any) -> Non
         assert result["context"] == (r, world, True)
         assert result["left_after_shard_saver"] == {}
     files = sorted(p.name for p in (out / "shards").iterdir())
-    assert files == sorted(f"run.rank{r}.h5" for r in range(world))
+    shards = [f"run.rank{r}.h5" for r in range(world)]
+    assert files == sorted([*shards, *(f"{shard}.manifest.json" for shard in shards)])
     per_rank = [_rank_records(r, workers.PATHS) for r in range(world)]
     with vartrace.open(str(out / "shards" / "run.rank*.h5")) as run:
         assert sorted(run.names) == sorted(workers.PATHS)
@@ -390,7 +391,13 @@ def test_ddp_example_runs_and_reads_its_files_back(tmp_path: Path) -> None:
     assert "3. mean of forward.x per rank and gather: (14, 16)" in lines
     assert "4. shards read as one run: forward has 52 records," in lines
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["ddp.h5", "shards.rank0.h5", "shards.rank1.h5"]
+    assert names == [
+        "ddp.h5",
+        "shards.rank0.h5",
+        "shards.rank0.h5.manifest.json",
+        "shards.rank1.h5",
+        "shards.rank1.h5.manifest.json",
+    ]
 
 
 def test_staged_gathers_run_off_the_training_thread_with_no_sync(tmp_path: Path) -> None:

@@ -440,7 +440,9 @@ def test_a_failing_post_gather_callback_reaches_the_training_thread() -> None:
     assert isinstance(caught.value.__cause__, KeyError)
     # Raised once, in a step.  The gathers admitted before it reached the training thread
     # fail too: the last one, at exit, is a note on the step's exception, not a second one.
-    assert all("final flush failed" in str(w.message) for w in noted), noted
+    assert all("final flush failed" in str(w.message) for w in noted), [
+        f"{w.category.__name__}: {w.message}" for w in noted
+    ]
 
 
 @pytest.mark.parametrize("staging", ["sync", "async"])
