@@ -1,4 +1,4 @@
-"""The worker of tests/test_reader_fuzz.py: damaged and crafted run files, read every way.
+"""The worker of tests/storage/test_reader_fuzz.py: damaged and crafted run files, read every way.
 
 ``python tests/_reader_fuzz.py BASE.h5 WORKDIR SEED CASES`` derives CASES files from the
 genuine run file BASE.h5 with a seeded generator (structural mutations made with h5py:

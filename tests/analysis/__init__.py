@@ -1,0 +1,1 @@
+"""Tests of analysis: `vartrace.compare`, Dask, plots and TensorBoard."""

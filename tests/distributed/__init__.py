@@ -1,0 +1,1 @@
+"""Tests of gathering across ranks: real gloo process groups, node gathers, shards."""

@@ -1,0 +1,1 @@
+"""Tests on real third-party code: transformers, lightning, peft, trl, diffusers, coverage."""

@@ -1,0 +1,1 @@
+"""Tests of the tracing layer: `ModelTracer`, its sites, gradients, iterations and results."""
