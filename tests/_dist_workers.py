@@ -1,4 +1,4 @@
-"""Worker functions for ``tests/distributed/test_distributed.py``, importable by spawned ranks.
+"""Worker functions for ``tests/gathers/test_distributed.py``, importable by spawned ranks.
 
 Each spawned process runs :func:`entry`, which joins a gloo process group over
 127.0.0.1, runs one named scenario and pickles what the scenario returns to

@@ -1,4 +1,4 @@
-"""One rank of ``tests/distributed/test_node_gather.py``'s runs, started by ``torchrun``.
+"""One rank of ``tests/gathers/test_node_gather.py``'s runs, started by ``torchrun``.
 
 Usage: ``torchrun ... tests/_node_worker.py OUT_DIR GATHER`` (``GATHER``: ``node`` or
 ``true``).  The rank joins a gloo process group, counts every point-to-point
