@@ -72,3 +72,13 @@ def test_the_cli_opens_a_directory(nodes: list[Path], capsys: pytest.CaptureFixt
         assert main(["ls", str(nodes[0])]) == 0
     out, err = capsys.readouterr()
     assert "blocks.0.forward.x" in out and "rank(s) 2, 3 of a 4-rank run are missing" in err
+
+
+def test_many_missing_ranks_are_named_as_ranges(tmp_path: Path) -> None:
+    """One shard of a six-rank run opened alone: the warning names ranks 1-5 as one range, so
+    a shard of a thousand-rank run does not print 999 numbers."""
+    shard = write_shard(tmp_path, 0, 6, flushes=1)
+    with pytest.warns(RuntimeWarning, match=r"rank\(s\) 1-5 of a 6-rank run are missing"):
+        run = vartrace.open(shard)
+    with run:
+        assert run.missing_ranks == [1, 2, 3, 4, 5]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["close_matches", "missing_site", "size_text"]
+__all__ = ["close_matches", "missing_site", "numbers_text", "size_text"]
 
 
 def missing_site(name: str, names: Iterable[str], where: str) -> KeyError:
@@ -57,3 +57,26 @@ def close_matches(
         ```
     """
     return difflib.get_close_matches(word, list(candidates), n=n, cutoff=cutoff)
+
+
+def numbers_text(numbers: Iterable[int]) -> str:
+    """Sorted integers for a reader, three or more consecutive ones as a range.
+
+    Example:
+        ```python
+        numbers_text([7, 1, 2, 3, 4, 9, 10])   # "1-4, 7, 9, 10"
+        ```
+    """
+    ordered = sorted(set(numbers))
+    parts: list[str] = []
+    start = 0
+    while start < len(ordered):
+        end = start
+        while end + 1 < len(ordered) and ordered[end + 1] == ordered[end] + 1:
+            end += 1
+        if end - start >= 2:
+            parts.append(f"{ordered[start]}-{ordered[end]}")
+        else:
+            parts.extend(str(n) for n in ordered[start : end + 1])
+        start = end + 1
+    return ", ".join(parts)

@@ -39,7 +39,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from vartrace._support.text import missing_site
+from vartrace._support.text import missing_site, numbers_text
 from vartrace._support.warnings import warn
 from vartrace.storage.files import open_file, read_tree
 from vartrace.storage.guard import RunFileError, check_read, child, file_name
@@ -178,7 +178,7 @@ def _check_shards(paths: list[Location], shards: list[Shard]) -> list[int]:
     missing = [] if world is None else sorted(set(range(world)) - set(by_rank))
     if missing:
         warn(
-            f"vartrace: the shards of rank(s) {', '.join(map(str, missing))} of a "
+            f"vartrace: the shards of rank(s) {numbers_text(missing)} of a "
             f"{world}-rank run are missing: reading the other {len(paths)}",
             RuntimeWarning,
             stacklevel=4,
