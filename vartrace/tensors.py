@@ -327,6 +327,7 @@ def _overexpanded(tensor: torch.Tensor) -> str:
 _NOT_BYTEWISE = frozenset(
     getattr(torch, name)
     for name in (
+        "bcomplex32",
         "complex32",
         "complex64",
         "complex128",

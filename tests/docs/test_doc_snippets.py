@@ -103,6 +103,10 @@ _EXTRAS = {
     "h5netcdf": "h5netcdf",
     '"blosc': "hdf5plugin",
     "hdf5plugin": "hdf5plugin",
+    "scheduler=": "dask",
+    "to_dask": "dask",
+    "memory://": "fsspec",
+    "storage_options": "fsspec",
 }
 
 

@@ -361,7 +361,7 @@ def decode_raw(
     block: np.ndarray, torch_dtype: str, *, width: Literal[32, 64], where: str
 ) -> np.ndarray:
     """Numbers of `block`, stored as the raw bits of the torch dtype `torch_dtype`
-    (bfloat16, float8, complex32...: see `encode`), as floats (complex numbers for a
+    (bfloat16, float8, complex32, bcomplex32...: see `encode`), as floats (complex numbers for a
     complex dtype) of `width` bits, exactly; `block` itself when it holds no raw bits
     (`torch_dtype` empty or its own dtype's name, or compound rows of statistics).
 
@@ -393,7 +393,7 @@ def decode_raw(
 def numeric_dtype(name: str) -> bool:
     """Whether a site's dtype name (`Site.dtype`) names numbers: a numpy dtype of
     numbers, or a torch dtype stored as raw bits that `decode_raw` turns into numbers."""
-    if name in ("bfloat16", "bool") or name.startswith(("float8", "complex32")):
+    if name in ("bfloat16", "bool") or name.startswith(("float8", "complex32", "bcomplex32")):
         return True
     try:
         return np.dtype(name).kind in "biufc"
