@@ -36,8 +36,10 @@ from vartrace.storage.layout import (
     FORMAT_ATTR,
     FORMAT_VERSION,
     NO_TARGET,
+    NODE_RANKS_ATTR,
     RUN_ID_ATTR,
     SHARD_ATTR,
+    WORLD_SIZE_ATTR,
     writer_alive,
 )
 from vartrace.storage.locations import Location, file_stats, open_remote, read_small_files
@@ -161,6 +163,18 @@ class Shard:
         if shard is None:
             return None if run_id is None else str(run_id), None
         return str("" if run_id is None else run_id), _rank_world(shard)
+
+    @property
+    def node_ranks(self) -> tuple[tuple[int, ...], int] | None:
+        """A node's shard (`gather="node"`): (the global ranks it holds, the run's world
+        size); `None` for any other file."""
+        if self.manifest is not None:
+            return self.manifest.node_ranks
+        attrs = self.handle.attrs
+        if NODE_RANKS_ATTR not in attrs or WORLD_SIZE_ATTR not in attrs:
+            return None
+        ranks = tuple(int(r) for r in np.asarray(attrs[NODE_RANKS_ATTR]).reshape(-1))
+        return ranks, int(attrs[WORLD_SIZE_ATTR])
 
     @property
     def live(self) -> bool:
