@@ -40,6 +40,8 @@ from vartrace.storage.layout import (
     RUN_ID_ATTR,
     SHARD_ATTR,
     WORLD_SIZE_ATTR,
+    has_write_flags,
+    write_flags_in,
     writer_alive,
 )
 from vartrace.storage.locations import Location, file_stats, open_remote, read_small_files
@@ -183,12 +185,20 @@ class Shard:
             manifest = self.manifest
             return manifest.open and writer_alive(manifest.host, manifest.pid) is not False
         handle = self.handle
-        if not handle.swmr_mode:
+        if not handle.swmr_mode and not self._held_for_writing():
             return False
         host, pid = handle.attrs.get("writer_host", ""), handle.attrs.get("writer_pid", 0)
         if not isinstance(host, str) or not isinstance(pid, (int, np.integer)) or pid <= 0:
             return False
         return writer_alive(host, int(pid)) is not False
+
+    def _held_for_writing(self) -> bool:
+        """Whether the file's superblock says a writer holds it (or was killed holding it):
+        a remote file, which h5py reads without SWMR mode, may be a running writer's."""
+        if isinstance(self.location, Path):
+            return has_write_flags(self.location)
+        with open_remote(self.location, self._options) as remote:
+            return write_flags_in(remote.read(12))
 
     def _check(self, handle: h5py.File, manifest: Manifest) -> None:
         """Refuse a file that no longer holds what its manifest says (rewritten since)."""
