@@ -426,7 +426,12 @@ class Run:
 
     def to_dask(self, pattern: str = "*", scheduler: Any = None) -> dict[str, Any]:
         """A dask array per numeric site matching `pattern`, chunks of ~128 MB read by
-        path, records file by file (needs the `dask` extra)."""
+        path (needs the `dask` extra).
+
+        Records come file by file, not in the site's order (`to_frame`, `Site.iterations`):
+        the files of `paths` holding the site in that order, each file's records in the
+        order it gives them opened alone; `Site.to_xarray(chunks=...)` labels them.
+        """
         from vartrace.analysis.dask_arrays import dask_arrays
 
         return dask_arrays(self, pattern, scheduler)
