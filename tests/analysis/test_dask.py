@@ -280,6 +280,21 @@ def test_to_dask_and_a_lazy_xarray_read_the_records_by_path(client: Any, runs: A
             Refusing(io.BytesIO()).dump(dict(graph))
 
 
+def test_to_dask_gives_the_records_shard_by_shard_as_documented(runs: Any) -> None:
+    """`run.to_dask` orders records file by file (each shard's records as that shard opened
+    alone gives them), not merged by iteration as `to_frame` and `Site` are."""
+    a, _ = runs
+    with vartrace.open(a) as run:
+        computed = run.to_dask("embed")["embed"].compute(scheduler="threads")
+        merged, paths = run["embed"].to_xarray().values, list(run.paths)
+    pieces = []
+    for path in paths:
+        with pytest.warns(RuntimeWarning, match="missing"), vartrace.open(path) as shard:
+            pieces.append(shard["embed"].to_xarray().values)
+    np.testing.assert_array_equal(computed, np.concatenate(pieces))
+    assert computed.shape == merged.shape and not np.array_equal(computed, merged)
+
+
 def test_a_worker_killed_mid_comparison_is_replaced_and_the_report_unchanged(
     client: Any, runs: Any
 ) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 
 import vartrace
 from vartrace.distributed.nodes import nodes_of
+from vartrace.trace import RunContext, Trace
 
 _HERE = Path(__file__).resolve().parents[1]
 _WORKER = _HERE / "_node_worker.py"
@@ -117,6 +118,8 @@ def test_each_node_writes_one_shard_and_nothing_is_sent_to_another_node(
         with pytest.warns(RuntimeWarning, match="missing"):  # the other node's shard
             shard = vartrace.open(out / f"run.node{node}.h5")
         with shard:  # its own ranks' records
+            other = 1 - node
+            assert shard.missing_ranks == [2 * other, 2 * other + 1]  # global ranks
             ranks = {int(r) for name in shard.names for r in shard[name].ranks}
             assert ranks == {2 * node, 2 * node + 1}
     counts = _counts(node_dirs)
@@ -183,3 +186,33 @@ def test_nodes_are_numbered_by_the_launchers_node_rank_else_by_host() -> None:
     assert nodes_of([(1, "a"), (0, "a"), (1, "a"), (0, "a")]) == [[1, 3], [0, 2]]
     assert nodes_of([(None, "b"), (None, "a"), (None, "b"), (None, "c")]) == [[0, 2], [1], [3]]
     assert nodes_of([(0, "a"), (None, "a"), (None, "b")]) == [[0, 1], [2]]  # not all launched
+
+
+@pytest.mark.parametrize("manifests", [True, False])
+def test_a_missing_node_shard_is_reported_by_the_global_ranks_it_held(
+    tmp_path: Path, manifests: bool
+) -> None:
+    """Three nodes of two ranks, written by the saver as the node's first rank writes them;
+    the shard of node 1 (ranks 2 and 3) is left out, read through the manifests or not."""
+    for node in range(3):
+        ranks = (2 * node, 2 * node + 1)
+        saver = vartrace.H5PYSaverCallback(tmp_path / f"node{node}" / "run.h5", metadata=False)
+        (tmp_path / f"node{node}").mkdir()
+        context = RunContext(
+            rank=ranks[0], world_size=6, sharded=True, node=node, nodes=3, node_ranks=ranks
+        )
+        saver.on_start(context)
+        for rank in ranks:
+            saver("forward", Trace([torch.full((2,), float(rank))], [1], [rank], [0]))
+        saver.close()
+    if not manifests:
+        for manifest in tmp_path.glob("node*/*.manifest.json"):
+            manifest.unlink()
+    with pytest.warns(RuntimeWarning, match=r"node\(s\) 1 of a 3-node run .* rank\(s\) 2, 3 of"):
+        run = vartrace.open([tmp_path / "node0", tmp_path / "node2"])
+    with run:
+        assert run.missing_ranks == [2, 3]
+        assert sorted(run["forward"].ranks.tolist()) == [0, 1, 4, 5]
+        assert [m is not None for m in run.manifests] == [manifests, manifests]
+    with vartrace.open([tmp_path / f"node{node}" for node in range(3)]) as whole:
+        assert whole.missing_ranks == []

@@ -4,6 +4,8 @@ or without, and `vartrace ls` / `show` take their URLs."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -86,3 +88,53 @@ def test_ls_and_show_take_urls(shards: Path, root: str, capsys: pytest.CaptureFi
     assert "rank(s) 1 of a 3-rank run are missing" in err
     assert "step: 6 records" in shown and "302" in shown  # iteration 3, rank 2
     assert "nothing.h5" in missing and "error" in missing
+
+
+_WRITER = """
+import sys, time
+from pathlib import Path
+import torch
+from vartrace.storage import H5PYSaverCallback
+from vartrace.trace import RunContext, Trace
+saver = H5PYSaverCallback(Path(sys.argv[1]) / "run.h5", metadata=False)
+saver.on_start(RunContext(rank=0, world_size=2, sharded=True))
+for step in range(1, 4):
+    saver("x", Trace([torch.full((8,), float(step))], [step], [0], [step]))
+    saver.flush()
+print("flushed", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("manifests", [True, False])
+def test_a_running_writers_shard_read_remotely_is_live_until_the_writer_is_killed(
+    tmp_path: Path, root: str, manifests: bool
+) -> None:
+    """A copy of a running writer's shard (its superblock says it is open for writing) is
+    live while its writer runs, before and after its file is opened, and no longer once
+    the writer is killed; `memory://name` finds the manifests as `memory:///name` does."""
+    script, out = tmp_path / "writer.py", tmp_path / "out"
+    script.write_text(_WRITER)
+    out.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(out)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "flushed\n"
+        url = _upload(out, root.lstrip("/"), manifests=manifests) + "/run.rank0.h5"
+        with pytest.warns(RuntimeWarning, match=r"rank\(s\) 1 of a 2-rank run are missing"):
+            run = vartrace.open(url)
+        with run:
+            assert (run.manifests[0] is not None) == manifests
+            assert run.live
+            assert run["x"].get(3).tolist() == [3.0] * 8  # the file opened
+            assert run.live
+        process.kill()
+        process.wait(timeout=60)
+        with pytest.warns(RuntimeWarning, match="missing"):
+            run = vartrace.open(url)
+        with run:
+            assert len(run["x"]) == 3 and not run.live
+    finally:
+        process.kill()
+        process.wait(timeout=60)

@@ -6,8 +6,11 @@ padded shape, dtype, tags; a manifest, when the run has them, makes this
 unnecessary); each array is then the concatenation of chunks of about
 `CHUNK_BYTES` (never one record), each read by a task that opens its file by
 path.  Records come file by file (the run's files in order, each file's
-records in its order): the tags (`iteration`, `rank`, `order` coordinates of
-`to_xarray`) say which record is which.  Raw-bit dtypes (bfloat16, float8)
+records in its order), not merged by (iteration, rank, order) as `Site`
+and `to_frame` merge them: a chunk never spans two files, where the merged
+order would make each chunk read every file.  The tags (`iteration`,
+`rank`, `order` coordinates of `to_xarray`, in the data's order) say which
+record is which.  Raw-bit dtypes (bfloat16, float8)
 decode to floats as `to_xarray()` gives them; ragged records are zero-padded
 to the largest shape of the run.
 

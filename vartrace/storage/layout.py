@@ -119,6 +119,7 @@ __all__ = [
     "run_attrs",
     "shard_path",
     "unescape",
+    "write_flags_in",
     "writer_alive",
 ]
 
@@ -333,7 +334,12 @@ SIGNATURE = b"\x89HDF\r\n\x1a\n"
 def has_write_flags(path: Path) -> bool:
     """Whether the superblock says a writer has the file open (or was killed)."""
     with open(path, "rb") as handle:
-        head = handle.read(12)
+        return write_flags_in(handle.read(12))
+
+
+def write_flags_in(head: bytes) -> bool:
+    """Whether a file's first 12 bytes `head` say a writer has it open (or was killed):
+    the status flags of a version 2 or 3 superblock."""
     return len(head) == 12 and head[:8] == SIGNATURE and head[8] in (2, 3) and head[11] != 0
 
 

@@ -172,8 +172,10 @@ def read_small_files(paths: Sequence[Location], options: dict[str, Any]) -> list
             found = fs.cat(list(remote), on_error="omit")
         except OSError:
             found = {}
+        # fsspec names what it fetched by its own spelling (`memory://a/b` comes back `/a/b`)
+        at = {fs._strip_protocol(url): position for url, position in remote.items()}
         for name, data in found.items():
-            position = remote.get(name, remote.get(fs.unstrip_protocol(name), -1))
+            position = at.get(fs._strip_protocol(name), -1)
             if position >= 0 and isinstance(data, bytes):
                 out[position] = data
     return out

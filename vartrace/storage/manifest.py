@@ -15,6 +15,8 @@ rewritten by the saver at each flush and when it closes the file, with no collec
  "aliases": [{"name": "x", "link": "x", "slot": 2, "target": "forward.x", "target_slot": 0}]}
 ```
 
+A node's shard (`gather="node"`, `run.node1.h5`) names its node and the number of nodes in
+`shard`, and adds `"node_ranks": [4, 5, 6, 7], "world_size": 16`: the global ranks it holds.
 `size` and `mtime_ns` are the file's as the writer left it at that flush; `records` sums the
 counts of `/committed` then (aliases count 1), each site's and alias's `slot` and `records`
 being its entry there.  A reader trusts a manifest only when the file still has that size
@@ -80,6 +82,8 @@ class Manifest:
     counts: np.ndarray
     indexed: list[tuple[int, str, int, int]]
     content: dict[str, Any]
+    #: A node's shard (`gather="node"`): the global ranks it holds and the run's world size.
+    node_ranks: tuple[tuple[int, ...], int] | None = None
 
     def matches(self, size: int | None, mtime_ns: int | None) -> bool:
         """Whether a file of `size` bytes modified at `mtime_ns` (`None`: not known, as of a
@@ -179,4 +183,15 @@ def parse_manifest(data: bytes) -> Manifest:
         counts=counts,
         indexed=sorted(indexed),
         content=content,
+        node_ranks=_node_ranks(content),
     )
+
+
+def _node_ranks(content: dict[str, Any]) -> tuple[tuple[int, ...], int] | None:
+    """(global ranks, world size) of a node's shard, checked; `None` for another shard."""
+    if "node_ranks" not in content:
+        return None
+    ranks, world = content["node_ranks"], _field(content, "world_size", int)
+    if not isinstance(ranks, list) or not all(type(r) is int and 0 <= r < world for r in ranks):
+        raise ManifestError("its 'node_ranks' are no ranks of its 'world_size'")
+    return tuple(ranks), world

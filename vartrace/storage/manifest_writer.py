@@ -29,10 +29,12 @@ from vartrace._support.warnings import warn
 from vartrace.storage.layout import (
     FIRST_ORDER,
     FORMAT_ATTR,
+    NODE_RANKS_ATTR,
     RUN_ID_ATTR,
     SHARD_ATTR,
     TAGGED,
     TAGS,
+    WORLD_SIZE_ATTR,
     escape,
     unescape,
 )
@@ -105,6 +107,9 @@ class ManifestWriter:
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }
+        if NODE_RANKS_ATTR in handle.attrs:  # a node's shard: the global ranks it holds
+            identity["node_ranks"] = [int(r) for r in np.asarray(handle.attrs[NODE_RANKS_ATTR])]
+            identity["world_size"] = int(handle.attrs[WORLD_SIZE_ATTR])
         manifest = cls(path, identity)
         for link, slot in index.slots.items():  # the sites of earlier sessions
             if index.count(slot):

@@ -151,6 +151,14 @@ def _pure(path: Location) -> PurePath:
     return path if isinstance(path, Path) else PurePosixPath(path)
 
 
+def _ranks_of_nodes(nodes: list[tuple[tuple[int, ...], int]]) -> tuple[list[int], int]:
+    """The global ranks none of the node shards `nodes` (ranks, world size) holds, and the
+    run's world size."""
+    world = max(size for _, size in nodes)
+    held = {rank for ranks, _ in nodes for rank in ranks}
+    return sorted(set(range(world)) - held), world
+
+
 def _check_shards(paths: list[Location], shards: list[Shard]) -> list[int]:
     """Refuse files that are not shards of one run; return the ranks missing from them."""
     if len(shards) == 1 and shards[0].identity[1] is None:
@@ -176,6 +184,17 @@ def _check_shards(paths: list[Location], shards: list[Shard]) -> list[int]:
                 f"({world} and {other_world})"
             )
     missing = [] if world is None else sorted(set(range(world)) - set(by_rank))
+    nodes = [shard.node_ranks for shard in shards]
+    if missing and all(node is not None for node in nodes):  # node shards: the ranks they hold
+        ranks = _ranks_of_nodes([node for node in nodes if node is not None])
+        warn(
+            f"vartrace: the shards of node(s) {numbers_text(missing)} of a {world}-node run "
+            f"are missing, with rank(s) {numbers_text(ranks[0])} of its {ranks[1]}: reading "
+            f"the other {len(paths)}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return ranks[0]
     if missing:
         warn(
             f"vartrace: the shards of rank(s) {numbers_text(missing)} of a "
@@ -212,7 +231,8 @@ class Run:
                 self.paths, planned(self.paths, self.storage_options, stacklevel=3), strict=True
             ):
                 self._shards.append(Shard(path, self.storage_options, manifest))
-            #: Ranks of a sharded run whose shard is not among the files opened.
+            #: Ranks of a sharded run whose shard is not among the files opened: global
+            #: ranks, those of a missing node's shard (`gather="node"`) included.
             self.missing_ranks = _check_shards(self.paths, self._shards)
         except BaseException:
             self.close()
@@ -406,7 +426,12 @@ class Run:
 
     def to_dask(self, pattern: str = "*", scheduler: Any = None) -> dict[str, Any]:
         """A dask array per numeric site matching `pattern`, chunks of ~128 MB read by
-        path, records file by file (needs the `dask` extra)."""
+        path (needs the `dask` extra).
+
+        Records come file by file, not in the site's order (`to_frame`, `Site.iterations`):
+        the files of `paths` holding the site in that order, each file's records in the
+        order it gives them opened alone; `Site.to_xarray(chunks=...)` labels them.
+        """
         from vartrace.analysis.dask_arrays import dask_arrays
 
         return dask_arrays(self, pattern, scheduler)

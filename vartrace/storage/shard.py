@@ -36,8 +36,12 @@ from vartrace.storage.layout import (
     FORMAT_ATTR,
     FORMAT_VERSION,
     NO_TARGET,
+    NODE_RANKS_ATTR,
     RUN_ID_ATTR,
     SHARD_ATTR,
+    WORLD_SIZE_ATTR,
+    has_write_flags,
+    write_flags_in,
     writer_alive,
 )
 from vartrace.storage.locations import Location, file_stats, open_remote, read_small_files
@@ -163,18 +167,38 @@ class Shard:
         return str("" if run_id is None else run_id), _rank_world(shard)
 
     @property
+    def node_ranks(self) -> tuple[tuple[int, ...], int] | None:
+        """A node's shard (`gather="node"`): (the global ranks it holds, the run's world
+        size); `None` for any other file."""
+        if self.manifest is not None:
+            return self.manifest.node_ranks
+        attrs = self.handle.attrs
+        if NODE_RANKS_ATTR not in attrs or WORLD_SIZE_ATTR not in attrs:
+            return None
+        ranks = tuple(int(r) for r in np.asarray(attrs[NODE_RANKS_ATTR]).reshape(-1))
+        return ranks, int(attrs[WORLD_SIZE_ATTR])
+
+    @property
     def live(self) -> bool:
         """Whether the process writing the file may still run (see `Run.live`)."""
         if self.manifest is not None and not self.opened:
             manifest = self.manifest
             return manifest.open and writer_alive(manifest.host, manifest.pid) is not False
         handle = self.handle
-        if not handle.swmr_mode:
+        if not handle.swmr_mode and not self._held_for_writing():
             return False
         host, pid = handle.attrs.get("writer_host", ""), handle.attrs.get("writer_pid", 0)
         if not isinstance(host, str) or not isinstance(pid, (int, np.integer)) or pid <= 0:
             return False
         return writer_alive(host, int(pid)) is not False
+
+    def _held_for_writing(self) -> bool:
+        """Whether the file's superblock says a writer holds it (or was killed holding it):
+        a remote file, which h5py reads without SWMR mode, may be a running writer's."""
+        if isinstance(self.location, Path):
+            return has_write_flags(self.location)
+        with open_remote(self.location, self._options) as remote:
+            return write_flags_in(remote.read(12))
 
     def _check(self, handle: h5py.File, manifest: Manifest) -> None:
         """Refuse a file that no longer holds what its manifest says (rewritten since)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -25,7 +25,7 @@ from vartrace.reduced import ReducedFrom
 from vartrace.storage.codec import KIND_NAMES, decode_raw, in_values
 from vartrace.storage.guard import FREE_READ_BYTES, RunFileError, check_read, held_bytes, size_text
 from vartrace.storage.site_reader import Part
-from vartrace.storage.site_stats import describe
+from vartrace.storage.site_stats import Columns, describe
 
 __all__ = ["Site", "ValuesView", "all_values", "described"]
 
@@ -108,9 +108,10 @@ class Site:
             _ = self._merged
 
     @cached_property
-    def _merged(self) -> tuple[list[tuple[int, int]], dict[str, np.ndarray]]:
-        """(part, row) of each record in the site's order, and its tags in that order: read
-        when first used (a part listed from a manifest opens its file then)."""
+    def _merged(self) -> tuple[list[tuple[int, int]], dict[str, np.ndarray], np.ndarray]:
+        """(part, row) of each record in the site's order, its tags in that order and the
+        order itself (places in the parts' rows one after the other): read when first
+        used (a part listed from a manifest opens its file then)."""
         parts = self._parts
         for part in parts:
             part.open()
@@ -126,7 +127,7 @@ class Site:
             else np.arange(len(row_of))
         )
         where = list(zip(part_of[order].tolist(), row_of[order].tolist(), strict=True))
-        return where, {field: column[order] for field, column in tags.items()}
+        return where, {field: column[order] for field, column in tags.items()}, order
 
     @property
     def _where(self) -> list[tuple[int, int]]:
@@ -380,10 +381,24 @@ def all_values(values: h5py.Dataset | ValuesView) -> np.ndarray:
     return np.asarray(values[:])
 
 
-def described(
-    site: Site, stat: str | Callable[[Any], Any]
-) -> list[tuple[Any, str, tuple[int, ...]]]:
-    """Per record of `site`, in its order: the statistic `stat` of the record, its dtype
-    name and its shape (`Run.to_frame`'s cells; see `site_stats.describe`)."""
-    parts = [describe(part, stat, site._allow_pickle, site.name) for part in site._parts]
-    return parts[0] if len(parts) == 1 else [parts[part][row] for part, row in site._where]
+def described(site: Site, stats: Sequence[str | Callable[[Any], Any]]) -> Columns:
+    """Per statistic of `stats` its column over the records of `site`, in its order, then
+    each record's dtype name and shape (`Run.to_frame`'s cells; see `site_stats.describe`):
+    each file's records read once for all of `stats`."""
+    parts = [describe(part, stats, site._allow_pickle, site.name) for part in site._parts]
+    if len(parts) == 1:
+        return parts[0]
+    order = site._merged[2]
+    columns = [
+        _in_order([part[0][column] for part in parts], order) for column in range(len(stats))
+    ]
+    dtypes = _in_order([part[1] for part in parts], order)
+    return columns, dtypes, _in_order([part[2] for part in parts], order)
+
+
+def _in_order(pieces: list[Any], order: np.ndarray) -> Any:
+    """The concatenation of the parts' columns `pieces`, taken in the site's `order`."""
+    if all(isinstance(piece, np.ndarray) for piece in pieces):
+        return np.concatenate(pieces)[order]
+    joined = [cell for piece in pieces for cell in piece]
+    return [joined[at] for at in order.tolist()]

@@ -36,19 +36,19 @@ __all__ = ["FrameSite", "records_frame", "results_frame"]
 
 #: A statistic: a `STATS` name, a field of statistics records, or a function of a value.
 Stat = str | Callable[[Any], Any]
-#: One record's cells: the statistic of its value, its dtype name and its shape.
-Described = tuple[Any, str, tuple[int, ...]]
+#: A site's cells: per statistic its column, then each record's dtype name and shape.
+Described = tuple[Sequence[Any], Sequence[str], Sequence[tuple[int, ...]]]
 
 
 class FrameSite(NamedTuple):
     """One site as a frame needs it: its tags (one entry a record) and how to describe
-    its records for one statistic (a `Described` a record, in the tags' order)."""
+    its records for some statistics (a `Described`, records in the tags' order)."""
 
     name: str
     iterations: Any
     ranks: Any
     order: Any
-    describe: Callable[[Stat], Sequence[Described]]
+    describe: Callable[[Sequence[Stat]], Described]
 
 
 def records_frame(
@@ -84,11 +84,8 @@ def records_frame(
     stat_columns = ["stat" if column == "<lambda>" else column for column in named]
     frames = []
     for site in sites:
-        table: dict[str, Any] = {}
-        for one, column in zip(wanted, stat_columns, strict=True):
-            described = site.describe(one)
-            stats, dtypes, shapes = zip(*described, strict=True) if described else ((), (), ())
-            table[column] = stats
+        found, dtypes, shapes = site.describe(wanted)
+        table = {column: _cells(cells) for column, cells in zip(stat_columns, found, strict=True)}
         frames.append(
             pd.DataFrame(
                 {
@@ -96,8 +93,8 @@ def records_frame(
                     "iteration": site.iterations,
                     "rank": site.ranks,
                     "order": site.order,
-                    "shape": shapes,
-                    "dtype": dtypes,
+                    "shape": tuple(shapes),
+                    "dtype": tuple(dtypes),
                     **table,
                 }
             )
@@ -109,6 +106,12 @@ def records_frame(
     return frame
 
 
+def _cells(cells: Sequence[Any]) -> Any:
+    """A column of statistics as a frame takes it: an array as it is, else a tuple
+    (pandas infers its dtype, as for the tags)."""
+    return cells if isinstance(cells, np.ndarray) else tuple(cells)
+
+
 def _tag_array(values: Any) -> np.ndarray:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(values, torch.Tensor):
@@ -116,14 +119,18 @@ def _tag_array(values: Any) -> np.ndarray:
     return np.asarray([int(v) for v in values], np.int64)
 
 
-def _described(trace: Trace, stat: Stat) -> list[Described]:
-    """A statistic, the dtype name and the shape of each record of an in-memory `trace`."""
-    rows = []
+def _described(trace: Trace, stats: Sequence[Stat]) -> Described:
+    """The statistics `stats`, the dtype name and the shape of each record of an
+    in-memory `trace`."""
+    columns: list[list[Any]] = [[] for _ in stats]
+    dtypes, shapes = [], []
     for value in trace.records():
         array = value_as_array(value)
-        found = stat(value) if callable(stat) else statistic_of(value, stat)
-        rows.append((found, value_dtype_name(value), () if array is None else tuple(array.shape)))
-    return rows
+        for column, stat in zip(columns, stats, strict=True):
+            column.append(stat(value) if callable(stat) else statistic_of(value, stat))
+        dtypes.append(value_dtype_name(value))
+        shapes.append(() if array is None else tuple(array.shape))
+    return columns, dtypes, shapes
 
 
 def results_frame(results: Mapping[str, Trace] | Any, stat: Stat | Sequence[str] = "mean") -> Any:
