@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import h5py
@@ -170,3 +171,18 @@ def test_vartrace_ls_lists_a_run_with_aliases(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert ALIAS in result.stdout and CALLED in result.stdout
+
+
+def test_a_site_made_an_alias_of_its_own_alias_is_left_as_it_is(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    with H5PYSaverCallback(path, metadata=False) as saver:
+        saver("a", _trace([1.0], [1], [0]))
+        saver.alias("c", "a")
+        saver.flush()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            saver.alias("a", "c")  # `a` reads as `c` reads already: nothing to say
+            saver.alias("a", "a")
+    assert [str(warning.message) for warning in caught] == []
+    with vartrace.open(path) as run:
+        assert run.aliases == {"c": "a"} and run["a"].iterations.tolist() == [1]

@@ -1,4 +1,5 @@
-"""Text for people: byte sizes, and the KeyError for a site name that names what is there.
+"""Text for people: byte sizes, numbers, text clipped to a length, and the KeyError for a
+site name that names what is there.
 
 Every message of vartrace that states a size says it through `size_text`, so a size reads
 the same in a warning, an error and `vartrace ls`.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["close_matches", "missing_site", "numbers_text", "size_text"]
+__all__ = ["clipped", "close_matches", "missing_site", "numbers_text", "size_text"]
 
 
 def missing_site(name: str, names: Iterable[str], where: str) -> KeyError:
@@ -80,3 +81,15 @@ def numbers_text(numbers: Iterable[int]) -> str:
             parts.extend(str(n) for n in ordered[start : end + 1])
         start = end + 1
     return ", ".join(parts)
+
+
+def clipped(text: str, limit: int) -> str:
+    """`text`, or its first `limit` characters and how many there were when it is longer
+    (a string a crafted file holds can be a megabyte long).
+
+    Example:
+        ```python
+        clipped("x" * 5000, 20)   # "xxxxxxxxxxxxxxxxxxxx... (5000 characters)"
+        ```
+    """
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -1,5 +1,7 @@
 """What the command line prints: every line passes through `print_safe`, which shows control
-and format characters escaped, so a crafted site name or path cannot act on the terminal.
+and format characters escaped, so a crafted site name or path cannot act on the terminal,
+and clips lines (and `table_lines` its cells), so a crafted string of a megabyte prints
+as a line of a few thousand characters at most.
 
 Example:
     ```python
@@ -15,6 +17,8 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from vartrace._support.text import clipped
+
 
 class UserError(Exception):
     """An error whose message is the whole story (no exception type printed)."""
@@ -26,6 +30,9 @@ _NOT_ASCII_TEXT = re.compile(r"[^\x20-\x7e]")
 #: BEL, NUL, CR, backspace; DEL; C1), format characters (bidi overrides and isolates, marks
 #: and zero-width characters that reorder or hide text), lone surrogates, line separators.
 _HIDDEN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+#: The most characters printed of a line, and of a table's cell (a name, a shape, a dtype).
+LINE_CHARS = 2000
+CELL_CHARS = 120
 
 
 def _escape(match: re.Match[str]) -> str:
@@ -45,20 +52,22 @@ def _printable(text: str) -> str:
 def print_safe(*lines: str, file: TextIO | None = None) -> None:
     """Write `lines` to stdout (or `file`), each on a line of its own and
     `_printable`: a newline inside one (of a site name, a metadata string) shows as
-    `\\n` and cannot forge a line.  Every command prints through it, errors too: a site
-    name comes from any dict key of the traced code, a run file from anyone."""
-    text = "".join(_printable(line) + "\n" for line in lines)
+    `\\n` and cannot forge a line, and a line longer than `LINE_CHARS` is clipped.  Every
+    command prints through it, errors too: a site name comes from any dict key of the
+    traced code, a run file from anyone."""
+    text = "".join(clipped(_printable(line), LINE_CHARS) + "\n" for line in lines)
     (sys.stdout if file is None else file).write(text)
 
 
 def table_lines(
     header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
 ) -> list[str]:
-    """The lines of an aligned table; cells are made printable first, so escaped names
-    (`\\x1b`) keep the columns aligned."""
+    """The lines of an aligned table; cells are made printable and clipped to `CELL_CHARS`
+    first, so escaped names (`\\x1b`) keep the columns aligned."""
     from vartrace.analysis.comparison.report import table
 
-    return table(header, [[_printable(cell) for cell in row] for row in rows], right)
+    cells = [[clipped(_printable(cell), CELL_CHARS) for cell in row] for row in rows]
+    return table(header, cells, right)
 
 
 def progress(items: Sequence[Any], what: str) -> Any:

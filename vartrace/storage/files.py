@@ -38,7 +38,7 @@ from vartrace.storage.layout import (
     has_write_flags,
     unescape,
 )
-from vartrace.storage.swmr import open_swmr
+from vartrace.storage.swmr import open_swmr, opened_live
 
 __all__ = [
     "checked_version",
@@ -79,13 +79,15 @@ def _open_hdf5(path: Path) -> h5py.File:
     A running writer may be mid-flush, its file's end not yet written out: such a
     file is retried a few times before it is called damaged.
     """
-    try:
-        return h5py.File(path, "r")
-    except OSError as error:
-        plain = error
+    plain: OSError | None = None
+    if not opened_live(path):  # (a plain open would share that handle's view: see open_swmr)
+        try:
+            return h5py.File(path, "r")
+        except OSError as error:
+            plain = error
     # Only a file a writer holds (or held when killed) is worth SWMR mode, where HDF5 retries
     # each unreadable piece of the file (see open_swmr).
-    tries = _OPEN_TRIES if has_write_flags(path) else 0
+    tries = _OPEN_TRIES if plain is None or has_write_flags(path) else 0
     swmr = plain
     for attempt in range(tries):
         if attempt:
@@ -94,6 +96,7 @@ def _open_hdf5(path: Path) -> h5py.File:
             return open_swmr(path)
         except OSError as error:
             swmr = error
+    plain = plain or swmr
     if "already open for write" in str(plain):
         raise OSError(
             errno.EBUSY,

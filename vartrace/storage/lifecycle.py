@@ -37,9 +37,10 @@ import numpy as np
 
 from vartrace._support.warnings import warn
 from vartrace._version import __version__
+from vartrace.storage.files import leading_rows, open_file
 from vartrace.storage.filters import STR
+from vartrace.storage.guard import RunFileError, file_name
 from vartrace.storage.layout import (
-    COMMITTED,
     FORMAT_ATTR,
     LAST_TAGS,
     LIBVER,
@@ -55,6 +56,7 @@ from vartrace.storage.layout import (
     writer_alive,
 )
 from vartrace.storage.root_index import RootIndex
+from vartrace.storage.root_rows import committed_counts, site_slots
 from vartrace.storage.site_writer import CACHE_BYTES, int64
 from vartrace.storage.swmr import open_swmr
 from vartrace.trace import RunContext, Trace
@@ -73,6 +75,10 @@ __all__ = [
     "size_metadata_cache",
     "written_path",
 ]
+
+#: The largest iteration or capture order an appended file may hold: the records of a
+#: session of 2**62 more still fit in int64.
+_LARGEST_TAG = 1 << 62
 
 # HDF5's metadata cache of the file (bytes it starts at, least, most: HDF5's own ceiling).
 # With HDF5's default cache (2 MiB at first) SWMR mode fails ("Child entry doesn't have a
@@ -329,23 +335,40 @@ def last_tags(handle: h5py.File) -> tuple[int, int] | None:
 
     Read from the root's `last_tags` where its sum of record counts is `/committed`'s
     (written before the counts, it is ahead of them after a killed flush; a writer
-    without it may have appended since), else from every site's tags.
+    without it may have appended since), else from every site's tags.  Tags so large
+    that appended records would pass int64's largest are a `RunFileError`.
     """
-    committed = handle[COMMITTED][()]
+    counts = committed_counts(handle)
     held = np.asarray(handle.attrs.get(LAST_TAGS, ()))
-    if held.shape == (3,) and held.dtype.kind == "i" and int(held[2]) == int(committed.sum()):
-        return (int(held[0]), int(held[1])) if held[2] else None
+    if held.shape == (3,) and held.dtype.kind == "i" and int(held[2]) == int(counts.sum()):
+        last = (int(held[0]), int(held[1])) if held[2] else None
+    else:
+        last = _walked_tags(handle, counts)
+    if last is not None and max(last) > _LARGEST_TAG:
+        raise RunFileError(
+            f"{file_name(handle.id)} holds iteration {last[0]} and capture order {last[1]}: "
+            f"records appended after them would pass int64's largest: a damaged file"
+        )
+    return last
+
+
+def _walked_tags(handle: h5py.File, counts: np.ndarray) -> tuple[int, int] | None:
+    """The largest committed iteration and capture order of every site's tags."""
     found: list[tuple[int, int]] = []
-    for group in handle["vars"].values():
-        slot = int(group.attrs["slot"])
-        rows = int(committed[slot]) if slot < len(committed) else 0
+    sites = handle["vars"]
+    for link, slot in site_slots(handle, counts).items():
+        rows = int(counts[slot]) if slot < len(counts) else 0
         if not rows:
             continue
+        group = sites[link]
         if TAGGED in group:
-            tags = group[TAGGED][:rows]
+            tags = leading_rows(group, TAGGED, rows)
             iterations, order = tags[:, TAGS.index("iterations")], tags[:, TAGS.index("order")]
         else:
-            iterations, order = group["iterations"][:rows], group["order"][:rows]
+            iterations, order = (
+                leading_rows(group, "iterations", rows),
+                leading_rows(group, "order", rows),
+            )
         found.append((int(np.max(iterations)), int(np.max(order))))
     if not found:
         return None
@@ -373,11 +396,13 @@ def shift_past(path: Path, last: tuple[int, int], trace: Trace) -> tuple[int, in
 
 
 def _check_appendable(path: Path) -> None:
-    """Raise unless `path` is a vartrace file this version can continue; recover a crash."""
-    from vartrace.storage.reader import open_file
-
+    """Raise unless `path` is a vartrace file this version can continue (a damaged one is a
+    `RunFileError`, the file left unchanged); recover a crash."""
     open_file(path).close()
     _refuse_live_writer(path, by_saver=True)
+    with open_file(path) as handle:  # what the append reads, checked as the reader checks it
+        RootIndex.check(handle)
+        last_tags(handle)
     recover(path, force=True)  # (checked above, with advice a saver's user can follow)
 
 

@@ -68,7 +68,7 @@ class Manifest:
     """A manifest as a reader uses it: the shard's identity and its root index as of a flush.
 
     `counts` and `indexed` are what `/committed` and the root index give (see
-    `reader._indexed`): (slot, link name, first capture order, alias target slot or -1).
+    `root_rows.indexed`): (slot, link name, first capture order, alias target slot or -1).
     """
 
     size: int

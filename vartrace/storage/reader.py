@@ -42,19 +42,15 @@ import numpy as np
 from vartrace._support.text import missing_site, numbers_text
 from vartrace._support.warnings import warn
 from vartrace.storage.files import open_file, read_tree
-from vartrace.storage.guard import RunFileError, check_read, child, file_name
+from vartrace.storage.guard import RunFileError, child
 from vartrace.storage.layout import (
-    COMMITTED,
     FORMAT_ATTR,
-    NAME_END,
-    NAME_START,
     NO_TARGET,
-    SITE_INDEX,
-    SITE_NAMES,
-    TARGET,
     unescape,
 )
 from vartrace.storage.locations import Location, is_url, resolve
+from vartrace.storage.root_rows import Row, alias_rows, committed_counts
+from vartrace.storage.root_rows import indexed as index_rows
 from vartrace.storage.shard import Shard, planned
 from vartrace.storage.site_reader import Part, ReadAhead
 from vartrace.storage.sites import Site, described
@@ -67,62 +63,9 @@ def _first_order(parts: list[Part]) -> int:
     return min(part.first_order for part in parts)
 
 
-def _indexed(handle: h5py.File, counts: np.ndarray) -> list[tuple[int, str, int, int]] | None:
-    """(slot, link name, first capture order, alias target slot) of each counted slot of
-    `handle`'s root index (see `_layout`); `None` for a file without a complete one (written
-    by an older vartrace, or appended to by one: its sites are found by walking `/vars`).
-
-    A root index that cannot be what vartrace writes is a `RunFileError`.
-    """
-    links = handle.id.links
-    if not links.exists(SITE_INDEX.encode()) or not links.exists(SITE_NAMES.encode()):
-        return None
-    index = child(handle, SITE_INDEX, h5py.Dataset)
-    names = child(handle, SITE_NAMES, h5py.Dataset)
-    where = f"{file_name(handle.id)}: /{SITE_INDEX}"
-    if index.ndim != 2 or index.shape[1] != 4 or index.dtype.kind not in "iu":
-        raise RunFileError(f"{where} is not a (slots, 4) dataset of integers: a damaged file")
-    if names.ndim != 1 or names.dtype != np.uint8:
-        raise RunFileError(
-            f"{file_name(handle.id)}: /{SITE_NAMES} is not a dataset of bytes: a damaged file"
-        )
-    counted = np.flatnonzero(counts > 0)
-    if len(counted) and counted[-1] >= len(index):
-        return None  # counted slots past the index: an older vartrace appended
-    check_read(index, index.size)
-    rows = np.asarray(index[()], np.int64)[counted]
-    if len(rows) and not rows[:, NAME_END].all():
-        return None  # counted slots the index never named: likewise
-    check_read(names, names.size)
-    data = np.asarray(names[()], np.uint8).tobytes()
-    starts, ends = rows[:, NAME_START], rows[:, NAME_END]
-    bad = (starts < 0) | (starts >= ends) | (ends > len(data))
-    bad |= (rows[:, TARGET] < NO_TARGET) | (rows[:, TARGET] >= len(counts))
-    if bad.any():
-        slot = int(counted[np.flatnonzero(bad)[0]])
-        raise RunFileError(f"{where} holds an impossible row for slot {slot}: a damaged file")
-    found = []
-    for slot, (start, end, first, target) in zip(counted.tolist(), rows.tolist(), strict=True):
-        try:
-            link = data[start:end].decode("utf-8")
-        except UnicodeDecodeError:
-            raise RunFileError(
-                f"{where} names slot {slot} with bytes that are no UTF-8: a damaged file"
-            ) from None
-        found.append((slot, link, first, target))
-    return found
-
-
-def _aliases(indexed: list[tuple[int, str, int, int]]) -> dict[str, str]:
-    """Alias name -> target name of a file's counted index rows (`_indexed`): the later
-    slot of a name wins (a commit cut short between two); an alias whose target is no
-    counted site of the file is left out."""
-    sites = {slot: link for slot, link, _, target in indexed if target == NO_TARGET}
-    return {
-        unescape(link): unescape(sites[target])
-        for _, link, _, target in indexed
-        if target != NO_TARGET and target in sites
-    }
+def _aliases(indexed: list[Row]) -> dict[str, str]:
+    """Alias name -> target name of a file's counted index rows (see `alias_rows`)."""
+    return {name: target for name, (_, target) in alias_rows(indexed).items()}
 
 
 #: HDF5's errors for an object that a running writer made after a SWMR reader opened the
@@ -311,14 +254,12 @@ class Run:
             manifest = shard.manifest
             return manifest.counts, manifest.indexed, manifest.format >= 2, False
         handle = shard.handle
-        committed = child(handle, COMMITTED, h5py.Dataset)
-        check_read(committed, committed.size)
-        counts = np.asarray(committed[()], np.int64).reshape(-1)
+        counts = committed_counts(handle)
         _ = shard.vars  # (a file without /vars is refused here)
         tagged = int(handle.attrs[FORMAT_ATTR]) >= 2  # (checked by open_file)
         live = shard.live
         try:
-            indexed = _indexed(handle, counts)
+            indexed = index_rows(handle, counts)
         except RunFileError as error:
             if not (live and _BEYOND_VIEW.search(str(error))):
                 raise

@@ -22,6 +22,7 @@ from __future__ import annotations
 import h5py
 import numpy as np
 
+from vartrace.storage.files import leading_rows
 from vartrace.storage.layout import (
     COMMITTED,
     NAME_END,
@@ -31,9 +32,8 @@ from vartrace.storage.layout import (
     SITE_NAMES,
     TAGGED,
     TAGS,
-    TARGET,
-    unescape,
 )
+from vartrace.storage.root_rows import alias_rows, committed_counts, indexed, site_slots
 
 __all__ = ["RootIndex"]
 
@@ -76,13 +76,12 @@ class RootIndex:
         """The index of `handle`, made for a file written without one (by an older
         vartrace: it is built from `/vars`)."""
         self.handle = handle
-        stored = np.asarray(handle[COMMITTED][()], np.int64)
+        stored = committed_counts(handle)
+        rows = indexed(handle, stored)  # (a damaged index is refused as the reader refuses it)
         self.counts = stored.copy()
         self.held = {COMMITTED: len(stored), SITE_INDEX: 0, SITE_NAMES: 0}  # extents in the file
-        self.slots: dict[str, int] = {}  # link name -> slot, of every group in /vars
+        self.slots = site_slots(handle, stored)  # link name -> slot, of every group in /vars
         self.vars: h5py.Group = handle["vars"]  # the sites' groups (opened once: 0.1 ms)
-        for link, group in self.vars.items():
-            self.slots[link] = int(group.attrs["slot"])
         # Sites a killed writer created but never committed hold no records; their slots stay
         # theirs.  The next slot follows them and the last counted one.
         counted = np.flatnonzero(stored)
@@ -90,30 +89,39 @@ class RootIndex:
         self.used = max([last, *(slot + 1 for slot in self.slots.values())])
         self.counts = _grown(self.counts, self.used, _SLOTS)
         self.dirty: dict[str, set[int]] = {SITE_INDEX: set(), SITE_NAMES: set()}
-        self.aliases: dict[str, tuple[int, str]] = {}  # alias -> (its slot, its target's name)
+        #: alias -> (its slot, its target's name), as the reader lists them
+        self.aliases: dict[str, tuple[int, str]] = alias_rows(rows or [])
         if SITE_INDEX in handle:
             self.rows = np.asarray(handle[SITE_INDEX][()], np.int64)
             self.names = bytearray(np.asarray(handle[SITE_NAMES][()], np.uint8).tobytes())
             self.held[SITE_INDEX], self.held[SITE_NAMES] = len(self.rows), len(self.names)
             self.end = int(min(len(self.names), max([0, *self.rows[:, NAME_END]])))
-            for slot in counted[counted < len(self.rows)].tolist():  # an append keeps them
-                target = int(self.rows[slot, TARGET])
-                if target != NO_TARGET:
-                    self.aliases[unescape(self.link(slot))] = (slot, unescape(self.link(target)))
         else:
             self.rows = np.zeros((0, 4), np.int64)
             self.names = bytearray()
             self.end = 0
             _create_index(handle)
             for link, slot in self.slots.items():
-                rows = int(self.counts[slot]) if slot < len(self.counts) else 0
+                count = int(self.counts[slot]) if slot < len(self.counts) else 0
                 group = self.vars[link]
                 order = (
-                    group[TAGGED][:1, TAGS.index("order")]
-                    if TAGGED in group
-                    else group["order"][:1]
+                    (
+                        leading_rows(group, TAGGED, 1)[:, TAGS.index("order")]
+                        if TAGGED in group
+                        else leading_rows(group, "order", 1)
+                    )
+                    if count
+                    else []
                 )
-                self.define(slot, link, int(order[0]) if rows and len(order) else 0)
+                self.define(slot, link, int(order[0]) if len(order) else 0)
+
+    @staticmethod
+    def check(handle: h5py.File) -> None:
+        """Raise the `RunFileError` that continuing `handle`'s index would meet (a file
+        opened read-only: nothing is written)."""
+        counts = committed_counts(handle)
+        indexed(handle, counts)
+        site_slots(handle, counts)
 
     @staticmethod
     def create(handle: h5py.File) -> None:

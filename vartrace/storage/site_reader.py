@@ -38,6 +38,7 @@ from vartrace.storage.guard import (
     file_name,
 )
 from vartrace.storage.layout import SITE_INDEX, TAGGED, TAGS, reduced_from
+from vartrace.storage.root_rows import site_slot
 from vartrace.storage.shard import Shard
 
 __all__ = ["Part", "ReadAhead"]
@@ -186,13 +187,8 @@ class Part:
         """The site `/vars/<link>` of a file read without its root index: its group is
         opened for its `slot` attribute."""
         group = child(shard.vars, link, h5py.Group)
-        slot = int_attr(group, "slot")
-        if slot is None:
-            raise RunFileError(
-                f"{file_name(group.id)}: {group.name} has no integer 'slot' attribute: a "
-                "damaged file"
-            )
-        rows = max(0, int(committed[slot])) if 0 <= slot < len(committed) else 0
+        slot = site_slot(group)
+        rows = int(committed[slot]) if slot < len(committed) else 0
         part = cls(shard, link, slot, rows, ahead, tagged=tagged)
         part.__dict__["group"] = group  # (the cached property, already known)
         return part

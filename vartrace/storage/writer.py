@@ -549,6 +549,8 @@ class H5PYSaverCallback:
         assert index is not None
         target = index.aliases.get(target, (0, target))[1]  # an alias's alias reads its target
         self._unresolved.pop(name, None)
+        if name == target:  # it reads as asked already
+            return
         held = index.slots.get(escape(name))
         if held is not None and index.count(held):
             warn(
@@ -559,8 +561,6 @@ class H5PYSaverCallback:
             )
             return
         target_slot = index.slots.get(escape(target))
-        if name == target:
-            return
         if target_slot is None or not index.count(target_slot):
             self._unresolved[name] = target  # its records come later in this gather
             return

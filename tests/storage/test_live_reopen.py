@@ -1,0 +1,60 @@
+"""A live run reopened while an earlier handle of it is still open (a notebook's `run`):
+HDF5 shares one open file between the handles, and the later one must still see the
+writer's newer records, not call the file damaged."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import vartrace
+
+_TRAINER = """
+import sys
+import torch
+from vartrace.storage import H5PYSaverCallback
+from vartrace.trace import Trace
+saver = H5PYSaverCallback(sys.argv[1], metadata=False)
+step = 0
+while True:
+    step += 1
+    saver("x", Trace([torch.randn(64, 256)], [step], [0], [step]))
+    saver.flush()
+    if step == 3:
+        print("writing", flush=True)
+"""
+
+
+def test_a_live_run_reopens_beside_an_earlier_open_handle(tmp_path: Path) -> None:
+    path = tmp_path / "live.h5"
+    script = tmp_path / "trainer.py"
+    script.write_text(_TRAINER)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "writing\n"
+        with vartrace.open(path) as earlier:
+            first = len(earlier["x"])
+            counts = []
+            for _ in range(40):
+                with vartrace.open(path) as run:
+                    assert run.live
+                    counts.append(len(run["x"]))
+                    assert run["x"].record(counts[-1] - 1).shape == (64, 256)
+                    assert run["x"].iterations[-1] == counts[-1]  # iterations 1, 2, ...
+            assert len(earlier["x"]) == first  # the earlier handle reads as of its opening
+            assert earlier["x"].iterations[-1] == first
+            compared = subprocess.run(
+                [sys.executable, "-m", "vartrace", "compare", str(path), str(path)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        assert counts == sorted(counts) and counts[-1] > first
+        assert compared.returncode in (0, 1), compared.stderr  # (1: the later open holds more)
+        assert "damaged" not in compared.stderr, compared.stderr
+    finally:
+        process.kill()
+        process.wait(timeout=60)
