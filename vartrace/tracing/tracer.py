@@ -59,6 +59,7 @@ from vartrace.tracing.config import (
     warn_unused_savers,
 )
 from vartrace.tracing.counting import CallsBeforeStart, counting_hooks, never_started
+from vartrace.tracing.eager import eager
 from vartrace.tracing.gradients import GradientWatcher
 from vartrace.tracing.handover import HandOver, callback_error, gathers_at_start, run_callbacks
 from vartrace.tracing.hooks import SinkHooks
@@ -502,7 +503,6 @@ class ModelTracer:
             )
         undo = self._undo
         undo.callback(self._gradients.close)
-        eager = torch._dynamo.disable
         if self._compiled:
             self._warn_compiled()
         counter = self._iterations
