@@ -157,10 +157,10 @@ class ModelTracer:
             `"wait"` until earlier records land (counted in
             [`staging_stats`][vartrace.ModelTracer.staging_stats], warned once), or `"drop"`
             (counted per site; an [`Unstored`][vartrace.Unstored] marker takes its place).
-        statistics: statistics mode in one word: `True` reduces every tensor record to
-            its float64 statistics ([`vartrace.stats`][vartrace.stats]), a reducer made by
-            `vartrace.stats(...)` is used as given; it runs before the other pre-save
-            callbacks.  The same as `pre_save_callbacks=[vartrace.stats()]`.
+        statistics: statistics mode in one word: `True` reduces every tensor record but
+            a scalar (kept whole) to its float64 statistics ([`vartrace.stats`][vartrace.stats]),
+            a reducer made by `vartrace.stats(...)` is used as given; it runs before the
+            other pre-save callbacks.  The same as `pre_save_callbacks=[vartrace.stats()]`.
         max_host_bytes: the most host memory the tracer holds: the records kept in
             [`results`][vartrace.ModelTracer.results] (no saver emptied their chunks), and the
             host slots of asynchronous staging.  Crossing half of it warns once, with the
