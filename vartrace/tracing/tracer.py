@@ -47,6 +47,7 @@ from vartrace.tensors import (
     untransformed,
 )
 from vartrace.trace import report_during
+from vartrace.tracing import registry
 from vartrace.tracing.aliases import Aliases
 from vartrace.tracing.chunk import Chunk
 from vartrace.tracing.config import (
@@ -59,6 +60,7 @@ from vartrace.tracing.config import (
     warn_unused_savers,
 )
 from vartrace.tracing.counting import CallsBeforeStart, counting_hooks, never_started
+from vartrace.tracing.display import TracerSummary
 from vartrace.tracing.eager import eager
 from vartrace.tracing.gradients import GradientWatcher
 from vartrace.tracing.handover import HandOver, callback_error, gathers_at_start, run_callbacks
@@ -252,6 +254,7 @@ class ModelTracer:
         self._transformed_warned: set[str] = set()  # sites recorded under torch.func.vmap
         self._started = False
         self._finished = False
+        self._where = ""  # the user's line that started it
         self._first_seen = False  # the first traced iteration ended
         self._gradients = GradientWatcher(self._store, wildcard_grad_sites(self._targets))
         counter = CallsBeforeStart()
@@ -371,6 +374,9 @@ class ModelTracer:
         self._undo.callback(_exit.unwatch, self)
         _forks.watch(self)
         self._undo.callback(_forks.unwatch, self)
+        self._where = _warnings.user_line()
+        registry.enter(self, [self.model, *(target.module for target in self._targets)])
+        self._undo.callback(registry.leave, self)
         return self
 
     def _staging(self) -> Staging:
@@ -460,6 +466,19 @@ class ModelTracer:
         """Stop recording and restore the model, its hooks and the record subscription."""
         self._finished = True
         self._undo.close()
+
+    def __repr__(self) -> str:
+        return self._summary().plain()
+
+    def _repr_html_(self) -> str:
+        return self._summary().html()
+
+    def _summary(self) -> TracerSummary:
+        state = "stopped" if self._finished else "running" if self._started else "not started"
+        methods = tuple(f"{t.path or '<root>'}.{t.method.name}" for t in self._targets)
+        held = self._chunk.bytes + (self._hand_over.held if self._hand_over else 0)
+        model = type(self.model).__name__
+        return TracerSummary(state, model, methods, self._chunk.kept, held, self._where)
 
     def __enter__(self) -> ModelTracer:
         return self.start()
