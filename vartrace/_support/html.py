@@ -29,11 +29,15 @@ def block(
     rows: Iterable[Sequence[object]] = (),
     more: int = 0,
 ) -> str:
-    """A bold `title`, a list of `(name, value)` facts, then a table of `rows` under
+    """A bold `title`, a list of `(name, value)` facts (`name: value`, or the value alone
+    where `name` is empty), then a table of `rows` under
     `head` (none without `head`), and `"... and N more"` where `more` rows were left out."""
     parts = [f"<div><strong>{escape(title)}</strong>"]
     if facts:
-        items = "".join(f"<li>{escape(name)}: {escape(str(value))}</li>" for name, value in facts)
+        items = "".join(
+            f"<li>{escape(f'{name}: {value}' if name else str(value))}</li>"
+            for name, value in facts
+        )
         parts.append(f"<ul>{items}</ul>")
     if head:
         body = "".join(f"<tr>{_cells('td', row)}</tr>" for row in rows)
