@@ -112,7 +112,7 @@ def _cell_text(cell: Any) -> str:
 
 
 def test_a_cell_that_starts_a_tracer_run_twice_in_a_jupyter_kernel(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     nbclient = pytest.importorskip("nbclient")
     nbformat = pytest.importorskip("nbformat")
@@ -128,6 +128,13 @@ def test_a_cell_that_starts_a_tracer_run_twice_in_a_jupyter_kernel(
         "tracer",
         "patched = vars(model.layers[0].attn)\n"
         "len(vartrace.stop_all()), vartrace.active_tracers(), 'forward' in patched",
+        f"path = {str(tmp_path / 'nb.h5')!r}\n"
+        "with vartrace.H5PYSaverCallback(path) as saver, vartrace.ModelTracer(\n"
+        "        model, ['head.forward.input'], post_gather_callbacks=[saver]):\n"
+        "    model(tokens(0))\n"
+        "run = vartrace.open(path)\nrun",
+        "run['head.forward.input']",
+        "vartrace.compare(path, path)",
     ]
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     client = nbclient.NotebookClient(
@@ -145,3 +152,10 @@ def test_a_cell_that_starts_a_tracer_run_twice_in_a_jupyter_kernel(
     assert html and "<strong>ModelTracer on TinyTransformer</strong>" in html[0]
     assert "<td>layers.1.attn.forward</td>" in html[0]
     assert outputs[5] == "(2, [], False)"
+    shown = [
+        next(o.data["text/html"] for o in cell.outputs if "data" in o)
+        for cell in notebook.cells[6:]
+    ]
+    assert "<strong>Run " in shown[0] and "<td>head.forward.input</td><td>1</td>" in shown[0]
+    assert "<strong>Site head.forward.input</strong>" in shown[1]
+    assert "<th>min cosine</th>" in shown[2] and "first divergence: none" in shown[2]
