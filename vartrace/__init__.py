@@ -73,6 +73,8 @@ _LAZY = {
     "Statistics": "vartrace.statistics.records",
     "ReducedFrom": "vartrace.reduced",
     "TensorBoardCallback": "vartrace.analysis.tensorboard",
+    "active_tracers": "vartrace.tracing.registry",
+    "stop_all": "vartrace.tracing.registry",
 }
 
 __all__ = [
@@ -91,6 +93,7 @@ __all__ = [
     "Trace",
     "Unstored",
     "__version__",
+    "active_tracers",
     "compare",
     "list_sites",
     "open",
@@ -100,6 +103,7 @@ __all__ = [
     "stack_padded_tensors",
     "stack_tensors",
     "stats",
+    "stop_all",
 ]
 
 if TYPE_CHECKING:
@@ -111,6 +115,7 @@ if TYPE_CHECKING:
     from vartrace.storage.reader import open_run as open
     from vartrace.storage.writer import H5PYSaverCallback
     from vartrace.tracing.callbacks import reduce_chunk, stack_padded_tensors, stack_tensors
+    from vartrace.tracing.registry import active_tracers, stop_all
     from vartrace.tracing.results import Results
     from vartrace.tracing.sites import list_sites, sites_of_type
     from vartrace.tracing.tracer import CallbackError, ModelTracer

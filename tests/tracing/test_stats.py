@@ -95,7 +95,7 @@ FINITE = st.floats(-1e4, 1e4, allow_nan=False) | st.floats(-1e-3, 1e-3, allow_na
 @st.composite
 def tensors(draw: st.DrawFn) -> torch.Tensor:
     dtype = draw(st.sampled_from(FLOAT_DTYPES + INT_DTYPES))
-    size = draw(st.integers(0, 40))
+    size = draw(st.integers(0, 40).filter(lambda n: n != 1))  # one element stays whole
     if dtype.is_floating_point:
         values = draw(st.lists(SPECIAL | FINITE, min_size=size, max_size=size))
         return torch.tensor(values, dtype=torch.float64).to(dtype)
@@ -143,6 +143,42 @@ def test_other_values_pass_unchanged_and_sites_select() -> None:
     assert every("n", 3, 1) == 3 and every("s", "text", 1) == "text"
     assert is_statistics(every("a", np.arange(4.0), 1))
     assert not is_statistics(torch.full((12,), math.nan, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("histogram", [False, True])
+def test_a_scalar_is_kept_as_its_value(histogram: bool) -> None:
+    reducer = vartrace.stats(histogram=histogram)
+    for scalar in (
+        torch.tensor(2.5),
+        torch.tensor([7], dtype=torch.int64),
+        torch.ones(1, 1, dtype=torch.bfloat16),
+        simgpu.to_device(torch.tensor(0.5)),
+        np.float32(3.0) * np.ones(()),
+        np.ones((1,)),
+    ):
+        assert reducer("loss", scalar, 1) is scalar
+    assert is_statistics(reducer("x", torch.ones(2), 1))
+    assert is_statistics(reducer("x", np.ones(2), 1))
+
+
+def test_a_recorded_loss_is_stored_whole_in_statistics_mode(tmp_path: Any) -> None:
+    model = TinyTransformer()
+    losses = []
+    with (
+        vartrace.H5PYSaverCallback(tmp_path / "run.h5") as saver,
+        vartrace.ModelTracer(
+            model, ["layers.0.forward"], statistics=True, post_gather_callbacks=[saver]
+        ),
+    ):
+        for step in range(3):
+            loss = model(tokens(step)).logits.pow(2).mean()
+            vartrace.record("loss", loss)
+            losses.append(loss.item())
+    with vartrace.open(tmp_path / "run.h5") as run:
+        assert run["layers.0.forward"].dtype == "statistics"
+        site = run["loss"]
+        assert site.dtype == "float32" and site.reduced_from is None
+        assert [float(site.get(i)) for i in (1, 2, 3)] == pytest.approx(losses, rel=1e-6)
 
 
 def test_bad_options_are_refused() -> None:

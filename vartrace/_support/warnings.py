@@ -38,7 +38,7 @@ import threading
 import warnings
 from types import FrameType
 
-__all__ = ["release", "warn"]
+__all__ = ["release", "user_line", "warn"]
 
 _kept: list[Warning] = []
 _lock = threading.Lock()  # the staging and writer threads warn too
@@ -96,6 +96,15 @@ def _outside_level(frame: FrameType | None) -> int:
         frame = frame.f_back
         level += 1
     return level
+
+
+def user_line() -> str:
+    """Where the user's code stands now: `file:line` of the first frame outside vartrace
+    and torch (a script's line, a notebook cell's file), `"?"` where there is none."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED):
+        frame = frame.f_back
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def release(during: BaseException | None = None) -> None:

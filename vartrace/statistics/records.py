@@ -349,12 +349,14 @@ class StatsReducer:
         if torch is not None and isinstance(value, torch.Tensor):
             if value.layout is not torch.strided or value.is_meta or value.is_quantized:
                 return value
+            if value.numel() == 1:  # a scalar (a loss): its value says more than 11 numbers
+                return value
             if value.is_cpu:  # the op's kernel, called directly: no dispatch, no contexts
                 if self._extras:
                     return torch.from_numpy(self._host(_numbers(value.detach())))
                 return cpu_summary(value, self.layout.header)
             return self._tensor(value)
-        if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biufc" and value.size != 1:
             return self._host(np.abs(value) if value.dtype.kind == "c" else value)
         return value
 
@@ -505,6 +507,8 @@ def stats(
 ) -> StatsReducer:
     """A pre-save reducer that turns each tensor record into its float64 statistics.
 
+    A scalar (a 0-d tensor or array, or one of one element: a loss passed to
+    `vartrace.record`) is kept as its value: its statistics would only repeat it.
     Per record, on the tensor's own device: `count` (elements), `mean`,
     `std` (population), `min`, `max`, `absmax` and `norm` (L2) over
     the finite values, and the counts `nan`, `posinf`, `neginf` and

@@ -39,6 +39,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from vartrace._support.html import block
 from vartrace._support.text import missing_site, numbers_text
 from vartrace._support.warnings import warn
 from vartrace.storage.files import open_file, read_tree
@@ -70,6 +71,8 @@ def _aliases(indexed: list[Row]) -> dict[str, str]:
 
 #: HDF5's errors for an object that a running writer made after a SWMR reader opened the
 #: file (past the end of the file as the reader saw it): the site is left out until a reopen.
+_HTML_ROWS = 50  # the sites a run's notebook table lists, in execution order
+
 _BEYOND_VIEW = re.compile(
     "address of object past end of allocation|actual len exceeds EOA"
     "|len not positive after adjustment for EOA"  # (an object header starting at the end)
@@ -394,6 +397,24 @@ class Run:
 
     def __repr__(self) -> str:
         return f"<Run {self._describe()} sites={len(self)}>"
+
+    def _repr_html_(self) -> str:
+        """The run in a notebook: its files, state and sites (records, dtype, bytes)."""
+        names, aliases = self.names, self.aliases
+        stored = [self[name] for name in names if name not in aliases]
+        state = "live: its writer still runs (reopen for newer records)" if self.live else "closed"
+        facts = [
+            ("files", self._describe()),
+            ("state", state),
+            ("sites", len(stored)),
+            ("records", sum(len(site) for site in stored)),
+        ]
+        if aliases:
+            facts.append(("aliases", len(aliases)))
+        rows = [site._summary_row() for site in stored[:_HTML_ROWS]]
+        head = ("site", "records", "dtype", "bytes")
+        more = max(0, len(stored) - _HTML_ROWS)
+        return block(f"Run {self._describe()}", facts, head=head, rows=rows, more=more)
 
 
 def open_run(

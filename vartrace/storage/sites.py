@@ -21,6 +21,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from vartrace._support.html import block
 from vartrace.reduced import ReducedFrom
 from vartrace.storage.codec import KIND_NAMES, decode_raw, in_values
 from vartrace.storage.guard import FREE_READ_BYTES, RunFileError, check_read, held_bytes, size_text
@@ -158,6 +159,19 @@ class Site:
 
     def __repr__(self) -> str:
         return f"<Site {self.name!r} records={len(self)} dtype={self.dtype}>"
+
+    def _repr_html_(self) -> str:
+        """The site in a notebook: its records, dtype, bytes and iterations."""
+        iterations = self.iterations
+        span = f"{iterations.min()}-{iterations.max()}" if len(iterations) else "-"
+        _, records, dtype, nbytes = self._summary_row()
+        facts = [("records", records), ("dtype", dtype), ("bytes", nbytes), ("iterations", span)]
+        return block(f"Site {self.name}", facts)
+
+    def _summary_row(self) -> tuple[str, int, str, str]:
+        """Name, records, dtype and the bytes of its values (uncompressed, padded)."""
+        nbytes = getattr(self.raw_values, "nbytes", None)
+        return self.name, len(self), self.dtype, "-" if nbytes is None else size_text(nbytes)
 
     @property
     def values(self) -> h5py.Dataset | ValuesView | None:

@@ -59,6 +59,11 @@ class Chunk:
         """Whether records wait for a saver to make room for them."""
         return bool(self._room)
 
+    @property
+    def kept(self) -> int:
+        """The records kept since the start (what change detection let through)."""
+        return self._order
+
     def make_room(self, value: Any) -> int:
         """Wait until each saver writing on a thread of its own has room for a copy of
         `value` beside the chunk (the caller waits while the writer falls behind);

@@ -110,6 +110,11 @@ class HandOver:
         self._held = 0  # bytes of the records kept in the results
         self._warned_held: bool | str = False
 
+    @property
+    def held(self) -> int:
+        """The bytes of the records kept in the results (no saver emptied their chunks)."""
+        return self._held
+
     def __call__(self, *, final: bool = False) -> None:
         """Hand the chunk through the gather callbacks to the results.
 

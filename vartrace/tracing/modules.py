@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import _TorchDynamoContext as _DynamoContext
 
 from vartrace.engine.code import (
     MethodInfo,
@@ -26,6 +25,7 @@ from vartrace.engine.code import (
 )
 from vartrace.engine.paths import Pattern, is_glob
 from vartrace.engine.structures import register_container
+from vartrace.tracing.eager import dynamo_context
 
 __all__ = ["fullgraph_regions", "is_compiled", "module_methods", "unwrap"]
 
@@ -104,10 +104,11 @@ def _fullgraph(compiled: Any) -> bool:
     """Whether `compiled` (an `OptimizedModule` or a `torch.compile`d function) was
     compiled with `fullgraph=True`: its Dynamo context says so."""
     context = getattr(compiled, "dynamo_ctx", None)
-    if context is None and callable(compiled):
+    wrapping = dynamo_context()  # None: torch.compile was never called, nothing compiled
+    if context is None and wrapping is not None and callable(compiled):
         for cell in getattr(compiled, "__closure__", None) or ():
             with contextlib.suppress(ValueError):  # an empty cell
-                if isinstance(cell.cell_contents, _DynamoContext):
+                if isinstance(cell.cell_contents, wrapping):
                     context = cell.cell_contents
     return bool(getattr(context, "fullgraph", False))
 

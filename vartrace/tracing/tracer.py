@@ -47,6 +47,7 @@ from vartrace.tensors import (
     untransformed,
 )
 from vartrace.trace import report_during
+from vartrace.tracing import registry
 from vartrace.tracing.aliases import Aliases
 from vartrace.tracing.chunk import Chunk
 from vartrace.tracing.config import (
@@ -59,6 +60,8 @@ from vartrace.tracing.config import (
     warn_unused_savers,
 )
 from vartrace.tracing.counting import CallsBeforeStart, counting_hooks, never_started
+from vartrace.tracing.display import TracerSummary
+from vartrace.tracing.eager import eager
 from vartrace.tracing.gradients import GradientWatcher
 from vartrace.tracing.handover import HandOver, callback_error, gathers_at_start, run_callbacks
 from vartrace.tracing.hooks import SinkHooks
@@ -156,10 +159,10 @@ class ModelTracer:
             `"wait"` until earlier records land (counted in
             [`staging_stats`][vartrace.ModelTracer.staging_stats], warned once), or `"drop"`
             (counted per site; an [`Unstored`][vartrace.Unstored] marker takes its place).
-        statistics: statistics mode in one word: `True` reduces every tensor record to
-            its float64 statistics ([`vartrace.stats`][vartrace.stats]), a reducer made by
-            `vartrace.stats(...)` is used as given; it runs before the other pre-save
-            callbacks.  The same as `pre_save_callbacks=[vartrace.stats()]`.
+        statistics: statistics mode in one word: `True` reduces every tensor record but
+            a scalar (kept whole) to its float64 statistics ([`vartrace.stats`][vartrace.stats]),
+            a reducer made by `vartrace.stats(...)` is used as given; it runs before the
+            other pre-save callbacks.  The same as `pre_save_callbacks=[vartrace.stats()]`.
         max_host_bytes: the most host memory the tracer holds: the records kept in
             [`results`][vartrace.ModelTracer.results] (no saver emptied their chunks), and the
             host slots of asynchronous staging.  Crossing half of it warns once, with the
@@ -251,6 +254,7 @@ class ModelTracer:
         self._transformed_warned: set[str] = set()  # sites recorded under torch.func.vmap
         self._started = False
         self._finished = False
+        self._where = ""  # the user's line that started it
         self._first_seen = False  # the first traced iteration ended
         self._gradients = GradientWatcher(self._store, wildcard_grad_sites(self._targets))
         counter = CallsBeforeStart()
@@ -370,6 +374,9 @@ class ModelTracer:
         self._undo.callback(_exit.unwatch, self)
         _forks.watch(self)
         self._undo.callback(_forks.unwatch, self)
+        self._where = _warnings.user_line()
+        registry.enter(self, [self.model, *(target.module for target in self._targets)])
+        self._undo.callback(registry.leave, self)
         return self
 
     def _staging(self) -> Staging:
@@ -460,6 +467,19 @@ class ModelTracer:
         self._finished = True
         self._undo.close()
 
+    def __repr__(self) -> str:
+        return self._summary().plain()
+
+    def _repr_html_(self) -> str:
+        return self._summary().html()
+
+    def _summary(self) -> TracerSummary:
+        state = "stopped" if self._finished else "running" if self._started else "not started"
+        methods = tuple(f"{t.path or '<root>'}.{t.method.name}" for t in self._targets)
+        held = self._chunk.bytes + (self._hand_over.held if self._hand_over else 0)
+        model = type(self.model).__name__
+        return TracerSummary(state, model, methods, self._chunk.kept, held, self._where)
+
     def __enter__(self) -> ModelTracer:
         return self.start()
 
@@ -502,7 +522,6 @@ class ModelTracer:
             )
         undo = self._undo
         undo.callback(self._gradients.close)
-        eager = torch._dynamo.disable
         if self._compiled:
             self._warn_compiled()
         counter = self._iterations

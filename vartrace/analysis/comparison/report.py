@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from vartrace._support.html import block
+
 #: Record status values, in the order the report ranks them.
 STATUS_OK = "ok"
 STATUS_DIFFERS = "differs"
@@ -208,9 +210,18 @@ class Comparison:
     def __str__(self) -> str:
         return "\n".join(self.lines())
 
-    def lines(self) -> list[str]:
-        """The readable report, line by line (`str(report)` joins them): a site name
-        holding a newline stays on its line."""
+    def _repr_html_(self) -> str:
+        """The report in a notebook: its table, a row per site, and its summary lines."""
+        header, body = self._table()
+        facts = [("", line) for line in self._summary_lines()]
+        return block(self._title(), facts, head=header, rows=body)
+
+    def _title(self) -> str:
+        a, b = self.labels
+        return f"comparing {a} with {b} (atol={self.atol:g}, rtol={self.rtol:g})"
+
+    def _table(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+        """The report's table: its header and a row per site."""
         header = (
             "site",
             "pairs",
@@ -236,11 +247,18 @@ class Comparison:
             )
             for s in self.sites
         ]
-        a, b = self.labels
-        lines = [f"comparing {a} with {b} (atol={self.atol:g}, rtol={self.rtol:g})"]
-        lines.extend(table(header, body, right=(1, 2, 3, 4, 5, 6)))
+        return header, body
+
+    def lines(self) -> list[str]:
+        """The readable report, line by line (`str(report)` joins them): a site name
+        holding a newline stays on its line."""
+        header, body = self._table()
+        lines = [self._title(), *table(header, body, right=(1, 2, 3, 4, 5, 6)), ""]
+        return lines + self._summary_lines()
+
+    def _summary_lines(self) -> list[str]:
+        """The lines under the table: counts, the first divergence, one-sided sites."""
         differing = sum(1 for s in self.sites if s.status not in (STATUS_OK, STATUS_SKIPPED))
-        lines.append("")
         summary = (
             f"{_plural(len(self.sites), 'site')} compared, {differing} differ, "
             f"{_plural(sum(s.records for s in self.sites), 'record pair')}"
@@ -248,7 +266,7 @@ class Comparison:
         retyped = sum(1 for s in self.sites if not s.dtype_match)
         if retyped:
             summary += f", {retyped} with different dtypes"
-        lines.append(summary)
+        lines = [summary]
         if self.first_divergence is None:
             lines.append("first divergence: none")
         else:

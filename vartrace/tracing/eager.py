@@ -1,0 +1,54 @@
+"""Keeping the tracer's code out of `torch.compile` without importing `torch._dynamo` first.
+
+`torch._dynamo` costs seconds of CPU to import, and a model can only be compiled once it
+is imported (`torch.compile` imports it).  `eager(fn)` is `fn` while it is not imported,
+and `torch._dynamo.disable(fn)` from the first call after it is: a model compiled after
+the tracer started still runs the tracer's code eagerly, outside the graph.
+
+Example:
+    ```python
+    enter = eager(tracer_enter)   # no torch._dynamo import
+    enter(module)                 # plain call, or the disabled one under a compiled model
+    ```
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["dynamo_context", "eager"]
+
+
+def dynamo_context() -> type | None:
+    """Dynamo's context class (what `torch.compile` wraps a function in), if imported."""
+    frames = sys.modules.get("torch._dynamo.eval_frame")
+    return None if frames is None else frames._TorchDynamoContext
+
+
+class _Eager:
+    """`fn`, run under `torch._dynamo.disable` once `torch._dynamo` is imported."""
+
+    __slots__ = ("__wrapped__", "_disabled", "_fn")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = self.__wrapped__ = fn
+        self._disabled: Callable[..., Any] | None = None
+        self._prepare()
+
+    def _prepare(self) -> Callable[..., Any] | None:
+        if self._disabled is None:
+            dynamo = sys.modules.get("torch._dynamo")
+            if dynamo is not None and hasattr(dynamo, "disable"):  # fully imported
+                self._disabled = dynamo.disable(self._fn)
+        return self._disabled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        disabled = self._disabled or self._prepare()
+        return (disabled or self._fn)(*args, **kwargs)
+
+
+def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` kept out of `torch.compile` graphs, importing nothing (see the module)."""
+    return _Eager(fn)

@@ -1,0 +1,129 @@
+"""The tracers running in this process: listed, stopped together, and named when lost.
+
+A notebook cell that builds and starts a tracer, run twice, leaves the first tracer
+running: the model stays patched, and both record.  `enter` (at `start()`) warns
+when another running tracer patches the same modules, naming it;
+[`active_tracers`][vartrace.active_tracers] lists the running tracers and
+[`stop_all`][vartrace.stop_all] stops them.  At interpreter exit, before the tracers
+left running are stopped (`vartrace._support.exit`), each one that no object of the
+user's holds any more (only its own hooks on the model and vartrace's registries do)
+is named in a warning: it recorded all along, unseen.
+
+Example:
+    ```python
+    vartrace.active_tracers()   # [<ModelTracer running on GPT: ...>, ...]
+    vartrace.stop_all()         # stops each, newest first; returns them
+    ```
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import types
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from vartrace._support import warnings as _warnings
+
+if TYPE_CHECKING:
+    from vartrace.tracing.tracer import ModelTracer
+
+__all__ = ["active_tracers", "enter", "leave", "stop_all"]
+
+# id(tracer) -> (the tracer, the ids of the modules it patches or counts calls of)
+_running: dict[int, tuple[ModelTracer, frozenset[int]]] = {}
+_lock = threading.Lock()
+_at_exit = False
+_PLUMBING = (types.MethodType, tuple, types.FrameType)
+
+
+def enter(tracer: ModelTracer, modules: Iterable[object]) -> None:
+    """`tracer` started on `modules`: warn if running tracers patch any of them too."""
+    global _at_exit
+    ids = frozenset(map(id, modules))
+    with _lock:
+        others = [other for other, theirs in _running.values() if theirs & ids]
+        _running[id(tracer)] = (tracer, ids)
+        if not _at_exit:
+            try:  # after vartrace._support.exit's handler: runs before it (last in, first out)
+                threading._register_atexit(_name_lost)  # type: ignore[attr-defined]
+                _at_exit = True
+            except RuntimeError:  # the interpreter is already shutting down
+                pass
+    if others:
+        names = "; ".join(repr(other) for other in others)
+        _warnings.warn(
+            f"vartrace: {len(others)} running tracer(s) already patch modules this one "
+            f"patches: {names}. Both record, and stopping this one leaves the other "
+            "running: stop it with its .stop(), or every running tracer with "
+            "vartrace.stop_all() (vartrace.active_tracers() lists them)",
+            UserWarning,
+        )
+
+
+def leave(tracer: ModelTracer) -> None:
+    """`tracer` stopped (or forgot its model in a forked child)."""
+    with _lock:
+        _running.pop(id(tracer), None)
+
+
+def active_tracers() -> list[ModelTracer]:
+    """The tracers started and not stopped yet in this process, oldest first.
+
+    One started by a notebook cell run twice, or whose variable was rebound, is
+    listed too:
+
+    ```python
+    for tracer in vartrace.active_tracers():
+        print(tracer)   # state, model, sites, records so far, where it was started
+    ```
+    """
+    with _lock:
+        return [tracer for tracer, _ in _running.values()]
+
+
+def stop_all() -> list[ModelTracer]:
+    """Stop every running tracer, newest first (each `stop()`: the model restored, its
+    last records handed to its callbacks), and return them.
+
+    ```python
+    stopped = vartrace.stop_all()   # after re-running a cell that started a tracer
+    ```
+    """
+    stopped = active_tracers()[::-1]
+    for tracer in stopped:
+        tracer.stop()
+    return stopped
+
+
+def _held_by_user(tracer: ModelTracer, ours: tuple[object, ...]) -> bool:
+    """Whether an object other than the tracer's own plumbing refers to `tracer`.
+
+    Its plumbing: its bound methods (the hooks on the model), argument tuples (its undo
+    callbacks), mappings keyed by it (its state filters on the model), frames (at exit,
+    the exit handlers' own), and `ours` (the registry's containers).
+    """
+    mine = {id(container) for container in ours}
+    for referrer in gc.get_referrers(tracer):  # (no closure over `tracer` here: a cell)
+        if id(referrer) in mine or isinstance(referrer, _PLUMBING):
+            continue
+        if isinstance(referrer, dict) and tracer not in referrer.values():  # ModelTracer: no __eq__
+            continue
+        return True
+    return False
+
+
+def _name_lost() -> None:
+    """At exit: warn about each running tracer that nothing of the user's holds."""
+    with _lock:
+        running = list(_running.values())
+    for tracer, _ in running:
+        if not _held_by_user(tracer, (_running, running)):
+            _warnings.warn(
+                f"vartrace: {tracer!r} was still running at exit, held by nothing but its "
+                "hooks on the model (its variable was rebound, or the cell that started it "
+                "ran again): it recorded all along and is stopped now. Stop tracers with "
+                "their .stop() or vartrace.stop_all(); vartrace.active_tracers() lists them",
+                RuntimeWarning,
+            )
