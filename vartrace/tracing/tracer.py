@@ -18,6 +18,7 @@ undoing it, iterations, and the record path up to admission.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import weakref
@@ -33,7 +34,7 @@ from vartrace._support import forks as _forks
 from vartrace._support import warnings as _warnings
 from vartrace.distributed import gathers as distributed
 from vartrace.engine.frames import set_change_test
-from vartrace.engine.patching import Hook, attach, detach
+from vartrace.engine.patching import Hook, Probe, attach, detach
 from vartrace.engine.structures import leaves
 from vartrace.errors import CallbackError
 from vartrace.markers import DROP
@@ -65,6 +66,7 @@ from vartrace.tracing.hooks import SinkHooks
 from vartrace.tracing.iterations import IterationCounter
 from vartrace.tracing.manual import subscribe, unsubscribe
 from vartrace.tracing.modules import fullgraph_regions
+from vartrace.tracing.outputs import OutputWatch
 from vartrace.tracing.results import Results
 from vartrace.tracing.silence import SilenceWatch
 from vartrace.tracing.sites import Target, resolve, wildcard_grad_sites
@@ -235,6 +237,7 @@ class ModelTracer:
         self._hooks = SinkHooks()  # the callbacks' hooks, looked up at start
         self._hand_over: HandOver | None = None  # made at start
         self._patched: list[tuple[Target, Hook]] = []
+        self._outputs = OutputWatch()  # module outputs, after the modules' forward hooks
         self._undo = contextlib.ExitStack()  # every undo of start, closed by _release
         # The counting hooks of the root's parts, until the root is first called.
         self._parts: contextlib.ExitStack | None = contextlib.ExitStack()
@@ -507,11 +510,12 @@ class ModelTracer:
             self._warn_compiled()
         counter = self._iterations
         undo.callback(self._patched.clear)
+        counting: dict[int, list[int]] = {}  # the counting forward hooks, by module
         for target in self._targets:
             # The root's own forward counts even when called as ``model.forward(x)``.
             is_root = target.module is self.model and target.method.name == "forward"
             enter = functools.partial(self._enter_root, False) if is_root else self._enter_method
-            hook = Hook(target.probe(), self._capture, enter, counter.exit)
+            hook = Hook(self._probe(target, counting), self._capture, enter, counter.exit)
             attach(target.module, target.method.name, target.method.code, hook, eager)
             undo.callback(detach, target.module, target.method.name, hook)
             self._patched.append((target, hook))
@@ -528,15 +532,27 @@ class ModelTracer:
         def after(module: nn.Module, args: Any, output: Any) -> None:
             leave(module)
 
-        counting_hooks(undo, self.model, self, before_root, after)
+        counting[id(self.model)] = counting_hooks(undo, self.model, self, before_root, after)
         assert self._parts is not None  # closed only once the root runs
         parts = undo.enter_context(self._parts)
         for part in self._counting_parts():
-            counting_hooks(parts, part, self, before_part, after)
+            counting[id(part)] = counting_hooks(parts, part, self, before_part, after)
         if self._config.optimizer is not None:
             counter.follow_steps()
             handle = self._config.optimizer.register_step_post_hook(lambda *_: counter.stepped())
             undo.callback(handle.remove)
+
+    def _probe(self, target: Target, counting: dict[int, list[int]]) -> Probe:
+        """What to capture from `target`; a module's output (the return value of its
+        `forward`) as its caller receives it, after its forward hooks, which run before
+        the `counting` hooks of the module that end an iteration."""
+        probe = target.probe()
+        module = target.module
+        if target.method.name != "forward" or not probe.returns:
+            return probe
+        self._outputs.attach(self._undo, module, self, lambda: counting.get(id(module), []))
+        returns = tuple(self._outputs.defer(module, s) for s in probe.returns)
+        return dataclasses.replace(probe, returns=returns)
 
     def _counting_parts(self) -> list[nn.Module]:
         """The root's children that hold traced sites: their outermost calls count until
