@@ -12,7 +12,7 @@ at once.
 Example:
     ```python
     watch = OutputWatch()
-    watch.attach(undo, model.fc1, tracer, trailing=())
+    watch.attach(undo, model.fc1, trailing=lambda: ())
     probe = replace(probe, returns=tuple(watch.defer(model.fc1, s) for s in probe.returns))
     ```
 """
@@ -59,12 +59,11 @@ class OutputWatch:
         self,
         undo: contextlib.ExitStack,
         module: nn.Module,
-        key: object,
         trailing: Callable[[], Sequence[int]],
     ) -> None:
-        """Watch `module`'s calls (hooks left out of its copies under `key`, removed by
-        `undo`); `trailing()` gives the ids of forward hooks that must still run after
-        the output is emitted (the tracer's counting hook, which ends an iteration)."""
+        """Watch `module`'s calls (hooks left out of its copies, removed by `undo`);
+        `trailing()` gives the ids of forward hooks that must still run after the output
+        is emitted (the tracer's counting hook, which ends an iteration)."""
         eager = torch._dynamo.disable
         last: list[int] = []  # the id of `after`, once registered
 
@@ -85,7 +84,7 @@ class OutputWatch:
             for selector, sink, seen in call.pending:
                 selector.emit(output, sink, seen)
 
-        last.append(counting_hooks(undo, module, key, eager(before), eager(after))[1])
+        last.append(counting_hooks(undo, module, self, eager(before), eager(after))[1])
 
     def defer(self, module: nn.Module, selector: Selector) -> Selector:
         """`selector` (a return value of `module.forward`) emitting what `module(...)`

@@ -550,7 +550,7 @@ class ModelTracer:
         module = target.module
         if target.method.name != "forward" or not probe.returns:
             return probe
-        self._outputs.attach(self._undo, module, self, lambda: counting.get(id(module), []))
+        self._outputs.attach(self._undo, module, lambda: counting.get(id(module), []))
         returns = tuple(self._outputs.defer(module, s) for s in probe.returns)
         return dataclasses.replace(probe, returns=returns)
 
