@@ -61,11 +61,11 @@ from vartrace.tracing.config import (
 )
 from vartrace.tracing.counting import CallsBeforeStart, counting_hooks, never_started
 from vartrace.tracing.gradients import GradientWatcher
+from vartrace.tracing.graphs import GraphOutputs, in_fullgraph
 from vartrace.tracing.handover import HandOver, callback_error, gathers_at_start, run_callbacks
 from vartrace.tracing.hooks import SinkHooks
 from vartrace.tracing.iterations import IterationCounter
 from vartrace.tracing.manual import subscribe, unsubscribe
-from vartrace.tracing.modules import fullgraph_regions
 from vartrace.tracing.outputs import OutputWatch
 from vartrace.tracing.results import Results
 from vartrace.tracing.silence import SilenceWatch
@@ -238,6 +238,8 @@ class ModelTracer:
         self._hand_over: HandOver | None = None  # made at start
         self._patched: list[tuple[Target, Hook]] = []
         self._outputs = OutputWatch()  # module outputs, after the modules' forward hooks
+        self._graph_outputs = GraphOutputs()  # those inside fullgraph regions
+        self._in_graph: set[int] = set()  # the targets recorded so, by id
         self._undo = contextlib.ExitStack()  # every undo of start, closed by _release
         # The counting hooks of the root's parts, until the root is first called.
         self._parts: contextlib.ExitStack | None = contextlib.ExitStack()
@@ -485,24 +487,9 @@ class ModelTracer:
 
     def _attach(self) -> None:
         # A frame tracer sees nothing inside compiled code: traced methods always run
-        # eagerly, whether the model is compiled before or after the tracer starts.
-        # Under fullgraph=True nothing may leave the graph, and Dynamo raises inside the
-        # step at the first hook or traced method there: refused before the step.
-        found = [*self._config.fullgraph, *fullgraph_regions(self.model)]
-        regions = list({id(module): (path, module) for path, module in found}.values())
-        inside = {id(module) for _, region in regions for module in region.modules()}
-        blocked = [t for t in self._targets if id(t.module) in inside]
-        if blocked or id(self.model) in inside:
-            names = ", ".join(f"{t.path or '<root>'}.{t.method.name}" for t in blocked)
-            if id(self.model) in inside:  # then every traced method is inside too
-                names += " and the model, whose calls count iterations"
-            raise ValueError(
-                f"cannot trace under torch.compile(fullgraph=True): "
-                f"{', '.join(path or '<root>' for path, _ in regions)} compiled with "
-                f"fullgraph=True hold the traced methods {names}, which must "
-                "run eagerly, outside the graph; compile without fullgraph=True while tracing "
-                "(only the traced methods leave the graph), or trace sites outside those modules"
-            )
+        # eagerly, whether the model is compiled before or after the tracer starts; inside
+        # fullgraph=True regions only module outputs are recorded, from the graph.
+        in_graph = self._in_graph = in_fullgraph(self.model, self._config.fullgraph, self._targets)
         undo = self._undo
         undo.callback(self._gradients.close)
         eager = torch._dynamo.disable
@@ -512,6 +499,11 @@ class ModelTracer:
         undo.callback(self._patched.clear)
         counting: dict[int, list[int]] = {}  # the counting forward hooks, by module
         for target in self._targets:
+            if id(target) in in_graph:
+                hook = Hook(target.probe(), self._capture)
+                self._graph_outputs.attach(undo, target, hook)
+                self._patched.append((target, hook))
+                continue
             # The root's own forward counts even when called as ``model.forward(x)``.
             is_root = target.module is self.model and target.method.name == "forward"
             enter = functools.partial(self._enter_root, False) if is_root else self._enter_method
@@ -561,7 +553,13 @@ class ModelTracer:
         return [child for name, child in self.model.named_children() if name in heads]
 
     def _warn_compiled(self) -> None:
-        names = ", ".join(f"{t.path or '<root>'}.{t.method.name}" for t in self._targets)
+        names = ", ".join(
+            f"{t.path or '<root>'}.{t.method.name}"
+            for t in self._targets
+            if id(t) not in self._in_graph
+        )
+        if not names:
+            return  # every traced site is a module output recorded from a graph
         _warnings.warn(
             f"vartrace: the model is compiled; these traced methods run eagerly while "
             f"tracing (excluded from torch.compile): {names}",
