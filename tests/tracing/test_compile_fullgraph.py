@@ -174,3 +174,39 @@ def test_a_local_and_an_output_of_one_fullgraph_block_are_refused_together() -> 
         ModelTracer(model, ["layers.0", "layers.1.forward.h"]).start()
     assert "layers.0.forward" not in str(refused.value)  # an output: recorded from the graph
     assert "a module's whole output is recorded from inside the graph" in str(refused.value)
+
+
+@pytest.mark.parametrize("compile_blocks", BLOCKS)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_parameters_of_fullgraph_blocks_and_their_gradients_are_recorded(
+    compile_blocks: Callable[..., str], backend: str
+) -> None:
+    """Read from the graph when the module is entered; `@grad` watches the parameter's
+    accumulated `.grad` as in eager mode, with the iteration of the forward."""
+
+    def sites(block: str) -> list[str]:
+        return [
+            f"{block}.fc.weight",
+            f"{block}.fc.weight@grad",
+            f"{block}.forward.self.fc.bias@grad",
+        ]
+
+    expected = _train(_net(), sites("layers.0"))
+    model = _net()
+    block = compile_blocks(model, backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        recorded = _train(model, sites(block))
+    assert not [str(w.message) for w in caught if "no gradient" in str(w.message)]
+    assert len(recorded) == len(expected) == 3
+    for name, (iterations, values) in expected.items():
+        got_iterations, got_values = recorded[name.replace("layers.0", block)]
+        assert got_iterations == iterations == [1, 2, 3]
+        assert all(torch.equal(a, b) for a, b in zip(got_values, values, strict=True))
+
+
+def test_a_gradient_of_a_block_output_is_still_refused() -> None:
+    model = _net()
+    _compile_blocks_in_place(model)
+    with pytest.raises(ValueError, match=r"the traced methods layers\.0\.forward,"):
+        ModelTracer(model, ["layers.0@grad"]).start()

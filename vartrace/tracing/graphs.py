@@ -1,13 +1,17 @@
-"""Module outputs inside `torch.compile(fullgraph=True)` regions, recorded from the graph.
+"""Module outputs and parameters inside `torch.compile(fullgraph=True)` regions, recorded
+from the graph.
 
 Nothing may leave a fullgraph region to run eagerly, so a patched method there would make
-Dynamo raise inside the step.  A module's whole output needs no patch: a forward hook
-that Dynamo traces into the graph hands each tensor of the output to the op
-`vartrace::record_output`, which the graph keeps (it is marked side-effectful) and which
-runs, at every call of the compiled code, with the tensor the graph computed.  The op's
-implementation gives it to the tracer's record path, which tags it with the iteration
-counted outside the graph.  Locals, arguments and keys below an output still need the
-method's frame: `graph_recordable` says which targets can be recorded so.
+Dynamo raise inside the step.  A module's whole output and the parameters and buffers
+its `forward` reads through `self` need no patch: forward hooks that Dynamo traces into
+the graph hand each tensor of the output to the op `vartrace::record_output`, and each
+parameter to `vartrace::record_read` when the module is entered.  The graph keeps both
+(they are marked side-effectful) and runs them at every call of the compiled code; their
+implementations give the tensor the graph computed (for a parameter, the parameter
+itself, whose `.grad` a `@grad` site watches) to the tracer's record path, which tags it
+with the iteration counted outside the graph.  Locals, arguments, keys below an output
+and an output's gradient still need the method's frame or the autograd tensor:
+`graph_recordable` says which targets can be recorded so.
 
 Example:
     ```python
@@ -22,19 +26,32 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from vartrace.engine.patching import Hook
+from vartrace.engine.structures import select
 from vartrace.tracing.counting import counting_hooks
 from vartrace.tracing.modules import fullgraph_regions
 from vartrace.tracing.sites import Target
 
 __all__ = ["GraphOutputs", "graph_recordable", "in_fullgraph"]
 
-_RECORDERS: dict[int, tuple[Hook, str]] = {}  # key -> the hook and site it records for
+
+@dataclass(frozen=True)
+class _Recorder:
+    """What one traced module records from its graph: its output under `output` (`None`:
+    not traced), and the parameters and buffers it reads, `(site, tensor, grad)`."""
+
+    hook: Hook
+    output: str | None
+    reads: tuple[tuple[str, torch.Tensor, bool], ...]
+
+
+_RECORDERS: dict[int, _Recorder] = {}  # by key, the constant a graph passes to the ops
 _KEYS = itertools.count()
 
 
@@ -42,14 +59,29 @@ _KEYS = itertools.count()
 def _record_output(value: torch.Tensor, key: int, index: int) -> None:
     """Hand `value`, the `index`-th tensor of a module's output (-1: the output itself),
     to the hook registered under `key`."""
-    found = _RECORDERS.get(key)
-    if found is None:
+    recorder = _RECORDERS.get(key)
+    if recorder is None or recorder.output is None:
         return  # the tracer stopped; a graph compiled while it ran may still call this
-    hook, site = found
-    if index <= 0:
-        hook.calls += 1
+    hook = recorder.hook
+    hook.calls += index <= 0
     if hook.enabled:
-        hook.sink(site if index < 0 else f"{site}.{index}", value, False)
+        hook.sink(recorder.output if index < 0 else f"{recorder.output}.{index}", value, False)
+
+
+@torch.library.custom_op("vartrace::record_read", mutates_args=())
+def _record_read(value: torch.Tensor, key: int, index: int, grad_mode: bool) -> None:
+    """The module registered under `key` is entered: record its `index`-th read (a
+    parameter, a buffer: the tensor itself, so that `@grad` watches its `.grad`), in the
+    caller's `grad_mode` (the op itself runs below autograd)."""
+    recorder = _RECORDERS.get(key)
+    if recorder is None:
+        return
+    hook = recorder.hook
+    hook.calls += index == 0
+    if hook.enabled:
+        site, tensor, grad = recorder.reads[index]
+        with torch.set_grad_enabled(grad_mode):
+            hook.sink(site, tensor, grad)
 
 
 @_record_output.register_fake
@@ -57,17 +89,40 @@ def _(value: torch.Tensor, key: int, index: int) -> None:
     return None
 
 
-torch.fx.node.has_side_effect(torch.ops.vartrace.record_output.default)
+@_record_read.register_fake
+def _(value: torch.Tensor, key: int, index: int, grad_mode: bool) -> None:
+    return None
+
+
+for _op in (torch.ops.vartrace.record_output.default, torch.ops.vartrace.record_read.default):
+    torch.fx.node.has_side_effect(_op)
+
+
+def _reads(target: Target) -> list[tuple[str, torch.Tensor, bool]] | None:
+    """The tensors `target` reads through `self` at entry (`fc.weight`, `head.forward.self.
+    weight@grad`), found now; `None` if it reads anything else there (an argument), or
+    a value that is not a tensor."""
+    found: list[tuple[str, torch.Tensor, bool]] = []
+    for selector in target.probe().entry:
+        if selector.variable != "self":
+            return None
+        for site, leaf in select(target.module, selector.pattern, selector.states, selector.site):
+            if not isinstance(leaf, torch.Tensor):
+                return None
+            found.append((site + selector.suffix, leaf, selector.grad))
+    return found
 
 
 def graph_recordable(target: Target) -> bool:
-    """Whether `target` only reads its module's whole output (no local, no argument, no
-    key below the output, no gradient): what a forward hook in the graph can record."""
+    """Whether what `target` reads can be recorded from a graph: its module's whole output
+    (no key below it, no gradient) and the parameters and buffers it reads through `self`
+    (with `@grad`), but no local, no argument."""
     probe = target.probe()
     return (
         target.method.name == "forward"
-        and not (probe.entry or probe.exit or probe.every or probe.calls)
+        and not (probe.exit or probe.every or probe.calls)
         and all(s.whole and not s.grad and s.callee is None for s in probe.returns)
+        and _reads(target) is not None
     )
 
 
@@ -104,19 +159,25 @@ def in_fullgraph(
 
 
 class GraphOutputs:
-    """The forward hooks of one tracer that record module outputs from inside graphs."""
+    """The forward hooks of one tracer that record from inside graphs."""
 
     def attach(self, undo: contextlib.ExitStack, target: Target, hook: Hook) -> None:
-        """Record the output of `target`'s module through `hook` (its sink and its
-        `enabled`, `calls`) until `undo` closes."""
+        """Record what `target` reads (see `graph_recordable`) through `hook` (its sink,
+        `enabled` and `calls`) until `undo` closes."""
         key = next(_KEYS)
-        _RECORDERS[key] = (hook, target.probe().returns[0].site)
+        returns = target.probe().returns
+        reads = tuple(_reads(target) or ())
+        tensors = [tensor for _, tensor, _ in reads]
+        _RECORDERS[key] = _Recorder(hook, returns[0].site if returns else None, reads)
         undo.callback(_RECORDERS.pop, key, None)
 
         def before(module: nn.Module, args: Any) -> None:
-            return None
+            for index, tensor in enumerate(tensors):
+                torch.ops.vartrace.record_read(tensor, key, index, torch.is_grad_enabled())
 
         def after(module: nn.Module, args: Any, output: Any) -> None:
+            if not returns:
+                return
             if isinstance(output, torch.Tensor):
                 torch.ops.vartrace.record_output(output, key, -1)
             elif isinstance(output, (tuple, list)):
