@@ -4,6 +4,7 @@ lie inside, never an exception inside the step."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -56,16 +57,16 @@ def _inputs() -> list[torch.Tensor]:
     return [torch.randn(3, 4, generator=generator) for _ in range(3)]
 
 
-def _wrap_blocks(model: Net) -> str:
+def _wrap_blocks(model: Net, backend: str = "eager") -> str:
     """torchtitan's way: each block compiled and assigned back (an ``OptimizedModule``)."""
     for i, layer in enumerate(model.layers):
-        model.layers[i] = torch.compile(layer, fullgraph=True, backend="eager")
+        model.layers[i] = torch.compile(layer, fullgraph=True, backend=backend)
     return "layers.0._orig_mod"
 
 
-def _compile_blocks_in_place(model: Net) -> str:
+def _compile_blocks_in_place(model: Net, backend: str = "eager") -> str:
     for layer in model.layers:
-        layer.compile(fullgraph=True, backend="eager")
+        layer.compile(fullgraph=True, backend=backend)
     return "layers.0"
 
 
@@ -136,3 +137,76 @@ def test_a_model_wrapped_whole_with_fullgraph_is_refused_before_the_step() -> No
         ModelTracer(compiled, ["head"]),
     ):
         compiled(_inputs()[0])
+
+
+@pytest.mark.parametrize("compile_blocks", BLOCKS)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_the_outputs_of_fullgraph_blocks_are_recorded_from_the_graph(
+    compile_blocks: Callable[..., str], backend: str
+) -> None:
+    """A torchtitan-style run watches its block outputs: each recorded through an op in
+    the block's graph, bit-exact against eager hooks, with iterations counted outside."""
+    eager = _net()
+    hooked: list[torch.Tensor] = []
+    eager.layers[1].register_forward_hook(lambda _, args, out: hooked.append(out.detach().clone()))
+    expected = _train(eager, ["layers.*", "head"])
+    model = _net()
+    block = compile_blocks(model, backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        recorded = _train(model, [block.replace("0", "*"), "head"])
+    said = [str(w.message) for w in caught if "vartrace" in str(w.message)]
+    assert not [message for message in said if "layers" in message]  # no block runs eagerly
+    assert len(recorded) == 3 and recorded["head.forward"][0] == [1, 2, 3]
+    for i in range(2):
+        iterations, values = recorded[f"{block.replace('0', str(i))}.forward"]
+        eager_iterations, eager_values = expected[f"layers.{i}.forward"]
+        assert iterations == eager_iterations == [1, 2, 3]
+        assert all(torch.equal(a, b) for a, b in zip(values, eager_values, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(values, hooked, strict=True))
+    assert not model.layers[0]._forward_hooks  # removed at stop
+
+
+def test_a_local_and_an_output_of_one_fullgraph_block_are_refused_together() -> None:
+    model = _net()
+    _compile_blocks_in_place(model)
+    with pytest.raises(ValueError, match=r"the traced methods layers\.1\.forward,") as refused:
+        ModelTracer(model, ["layers.0", "layers.1.forward.h"]).start()
+    assert "layers.0.forward" not in str(refused.value)  # an output: recorded from the graph
+    assert "a module's whole output is recorded from inside the graph" in str(refused.value)
+
+
+@pytest.mark.parametrize("compile_blocks", BLOCKS)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_parameters_of_fullgraph_blocks_and_their_gradients_are_recorded(
+    compile_blocks: Callable[..., str], backend: str
+) -> None:
+    """Read from the graph when the module is entered; `@grad` watches the parameter's
+    accumulated `.grad` as in eager mode, with the iteration of the forward."""
+
+    def sites(block: str) -> list[str]:
+        return [
+            f"{block}.fc.weight",
+            f"{block}.fc.weight@grad",
+            f"{block}.forward.self.fc.bias@grad",
+        ]
+
+    expected = _train(_net(), sites("layers.0"))
+    model = _net()
+    block = compile_blocks(model, backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        recorded = _train(model, sites(block))
+    assert not [str(w.message) for w in caught if "no gradient" in str(w.message)]
+    assert len(recorded) == len(expected) == 3
+    for name, (iterations, values) in expected.items():
+        got_iterations, got_values = recorded[name.replace("layers.0", block)]
+        assert got_iterations == iterations == [1, 2, 3]
+        assert all(torch.equal(a, b) for a, b in zip(got_values, values, strict=True))
+
+
+def test_a_gradient_of_a_block_output_is_still_refused() -> None:
+    model = _net()
+    _compile_blocks_in_place(model)
+    with pytest.raises(ValueError, match=r"the traced methods layers\.0\.forward,"):
+        ModelTracer(model, ["layers.0@grad"]).start()

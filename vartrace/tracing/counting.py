@@ -69,10 +69,10 @@ def counting_hooks(
     key: object,
     before: Callable[..., None],
     after: Callable[..., None],
-) -> None:
+) -> list[int]:
     """Register `before` and `after` as `module`'s forward pre-hook and (always called)
     forward hook, left out of its copies and pickles under `key` (the tracer), and
-    their removal on `undo`."""
+    their removal on `undo`; return the two hooks' ids."""
     handles = [
         module.register_forward_pre_hook(before),
         module.register_forward_hook(after, always_call=True),
@@ -81,3 +81,4 @@ def counting_hooks(
     undo.callback(filter_state, module, key, None)
     for handle in handles:
         undo.callback(handle.remove)
+    return [handle.id for handle in handles]

@@ -143,7 +143,7 @@ class GradientWatcher:
         self._parameters: dict[int, _ParameterWatch] = {}
         self._warned: set[str] = set()
         self._watched: set[str] = set()  # sites that registered a hook at least once
-        self._no_grad: dict[str, str] = {}  # site -> why, seen with grad mode off
+        self._unwatched: dict[str, str] = {}  # site -> why a call could not watch it
         # The reentrant checkpoint calls whose forward deferred a site, by autograd context.
         self._checkpoints: weakref.WeakKeyDictionary[Any, _Checkpoint] = weakref.WeakKeyDictionary()
         # Per running backward: the parameters of recomputed regions recorded when it ends.
@@ -156,10 +156,11 @@ class GradientWatcher:
         `iteration` is the iteration of the forward that produced `value`.
         A value that cannot receive a gradient (not a tensor, a tensor that
         does not require grad, a parameter used under `torch.no_grad()`)
-        records nothing and warns once per site (not for the `quiet` sites given
-        at construction, nor the keys below them); with grad mode off (an
-        evaluation under `torch.no_grad()`) only at `close`, and only if
-        the site never received a gradient hook (`mode="any"` runs that also train).
+        records nothing and warns once per site at `close` (not for the `quiet` sites
+        given at construction, nor the keys below them), and only if the site never
+        received a gradient hook: a GAN's discriminator input has no gradient when the
+        discriminator sees real data, and one when it sees the generator's output;
+        `mode="any"` runs evaluate under `torch.no_grad()` and also train.
         Inside the forward of a reentrant activation checkpoint, a value without a
         gradient yet waits for `recomputed`.
         """
@@ -226,12 +227,12 @@ class GradientWatcher:
     def close(self) -> None:
         """Remove every hook this watcher registered; later backwards record nothing.
 
-        Warns for the sites seen only with grad mode off.
+        Warns for the sites that never received a gradient hook, saying why.
         """
-        for site, reason in self._no_grad.items():
+        for site, reason in self._unwatched.items():
             if site not in self._watched:
                 self._say(site, reason)
-        self._no_grad.clear()
+        self._unwatched.clear()
         with self._lock:
             self._closed = True
             handles = list(self._handles.values())
@@ -263,7 +264,7 @@ class GradientWatcher:
                 call = self._checkpoints[innermost[0]] = _Checkpoint(iteration)
             call.sites.add(site)
         used = "the parameter was used" if parameter else "it was computed"
-        self._no_grad.setdefault(site, _CHECKPOINTED.format(used))  # at close, if never watched
+        self._unwatched.setdefault(site, _CHECKPOINTED.format(used))  # at close, if never watched
         return True
 
     # -- tensors computed by the forward ------------------------------------------------------
@@ -348,12 +349,10 @@ class GradientWatcher:
     # -- warnings -------------------------------------------------------------------------------
 
     def _warn(self, site: str, reason: str) -> None:
-        if _below(site, self._quiet):
-            return
-        if torch.is_grad_enabled():
-            self._say(site, reason)
-        else:  # decided at close: a training step may still record it
-            self._no_grad.setdefault(site, reason)
+        """Note why `site` got no gradient at this call: said at close if no call of it
+        ever did (another call, another step may still record it)."""
+        if not _below(site, self._quiet):
+            self._unwatched.setdefault(site, reason)
 
     def _say(self, site: str, reason: str) -> None:
         if site in self._warned:

@@ -23,7 +23,10 @@ Example:
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
+import textwrap
 from collections.abc import Sequence
 from types import CodeType
 from typing import Any
@@ -31,6 +34,7 @@ from typing import Any
 from torch import nn
 
 from vartrace._support.warnings import warn
+from vartrace.engine.code import CALLEE_SEPARATOR
 from vartrace.engine.paths import LINE_MARK, parse
 from vartrace.tracing.sites import Target
 
@@ -181,12 +185,24 @@ class SilenceWatch:
             methods = ", ".join(sorted({f"{t.path or '<root>'}.{t.method.name}" for t in targets}))
             return f"its method was never called ({methods})" + self._parameter_hint(sites, suffix)
         functions = {
-            name: ran.ran[0]
+            name: (ran.ran[0], target)
             for target in targets
             for name, ran in target.functions.items()
             if any(site == name or site.startswith(f"{name}.") for site in sites)
         }
-        if functions and not any(functions.values()):
+        if functions and not any(ran for ran, _ in functions.values()):
+            passed = sorted(name for name, (_, t) in functions.items() if _passed_on(name, t))
+            if passed:
+                method = passed[0].partition(CALLEE_SEPARATOR)[0]
+                function = passed[0].partition(CALLEE_SEPARATOR)[2]
+                return (
+                    f"{method} never calls {function} itself: it only passes it on (as an "
+                    f"argument: FlexAttention's score_mod), and the function that calls it "
+                    "runs it where vartrace does not read its frames (not called straight "
+                    f"from {method}: under torch.compile, torch.func.vmap, a library's "
+                    f"loop); record what that call returns, or call {function} from "
+                    f"{method.rpartition('.')[2]} itself"
+                )
             return f"the function it is in was never called ({', '.join(sorted(functions))})"
         for t in targets:
             code = _other_code(self._held[id(t)], t)
@@ -228,6 +244,21 @@ class SilenceWatch:
             f"{used[0]} without calling its module (TRL's fused LM head reads lm_head.weight), "
             f"name it through the model's forward instead: 'forward.self.{used[0]}{suffix}'"
         )
+
+
+def _passed_on(called: str, target: Target) -> bool:
+    """Whether the method of `target` names the function of `called`
+    (`attn.forward>rel_bias`) without calling it by that name: it passes it on."""
+    name = called.rpartition(CALLEE_SEPARATOR)[2]
+    function = target.method.function
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))  # type: ignore[arg-type]
+    except (OSError, TypeError, SyntaxError):  # no source: nothing to tell
+        return False
+    return not any(
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+        for node in ast.walk(tree)
+    )
 
 
 def _binding(line: int) -> re.Pattern[str]:

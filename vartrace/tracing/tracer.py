@@ -18,6 +18,7 @@ undoing it, iterations, and the record path up to admission.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import weakref
@@ -33,7 +34,7 @@ from vartrace._support import forks as _forks
 from vartrace._support import warnings as _warnings
 from vartrace.distributed import gathers as distributed
 from vartrace.engine.frames import set_change_test
-from vartrace.engine.patching import Hook, attach, detach
+from vartrace.engine.patching import Hook, Probe, attach, detach
 from vartrace.engine.structures import leaves
 from vartrace.errors import CallbackError
 from vartrace.markers import DROP
@@ -63,11 +64,12 @@ from vartrace.tracing.counting import CallsBeforeStart, counting_hooks, never_st
 from vartrace.tracing.display import TracerSummary
 from vartrace.tracing.eager import eager
 from vartrace.tracing.gradients import GradientWatcher
+from vartrace.tracing.graphs import GraphOutputs, in_fullgraph
 from vartrace.tracing.handover import HandOver, callback_error, gathers_at_start, run_callbacks
 from vartrace.tracing.hooks import SinkHooks
 from vartrace.tracing.iterations import IterationCounter
 from vartrace.tracing.manual import subscribe, unsubscribe
-from vartrace.tracing.modules import fullgraph_regions
+from vartrace.tracing.outputs import OutputWatch
 from vartrace.tracing.results import Results
 from vartrace.tracing.silence import SilenceWatch
 from vartrace.tracing.sites import Target, resolve, wildcard_grad_sites
@@ -238,6 +240,9 @@ class ModelTracer:
         self._hooks = SinkHooks()  # the callbacks' hooks, looked up at start
         self._hand_over: HandOver | None = None  # made at start
         self._patched: list[tuple[Target, Hook]] = []
+        self._outputs = OutputWatch()  # module outputs, after the modules' forward hooks
+        self._graph_outputs = GraphOutputs()  # those inside fullgraph regions
+        self._in_graph: set[int] = set()  # the targets recorded so, by id
         self._undo = contextlib.ExitStack()  # every undo of start, closed by _release
         # The counting hooks of the root's parts, until the root is first called.
         self._parts: contextlib.ExitStack | None = contextlib.ExitStack()
@@ -502,35 +507,26 @@ class ModelTracer:
 
     def _attach(self) -> None:
         # A frame tracer sees nothing inside compiled code: traced methods always run
-        # eagerly, whether the model is compiled before or after the tracer starts.
-        # Under fullgraph=True nothing may leave the graph, and Dynamo raises inside the
-        # step at the first hook or traced method there: refused before the step.
-        found = [*self._config.fullgraph, *fullgraph_regions(self.model)]
-        regions = list({id(module): (path, module) for path, module in found}.values())
-        inside = {id(module) for _, region in regions for module in region.modules()}
-        blocked = [t for t in self._targets if id(t.module) in inside]
-        if blocked or id(self.model) in inside:
-            names = ", ".join(f"{t.path or '<root>'}.{t.method.name}" for t in blocked)
-            if id(self.model) in inside:  # then every traced method is inside too
-                names += " and the model, whose calls count iterations"
-            raise ValueError(
-                f"cannot trace under torch.compile(fullgraph=True): "
-                f"{', '.join(path or '<root>' for path, _ in regions)} compiled with "
-                f"fullgraph=True hold the traced methods {names}, which must "
-                "run eagerly, outside the graph; compile without fullgraph=True while tracing "
-                "(only the traced methods leave the graph), or trace sites outside those modules"
-            )
+        # eagerly, whether the model is compiled before or after the tracer starts; inside
+        # fullgraph=True regions only module outputs are recorded, from the graph.
+        in_graph = self._in_graph = in_fullgraph(self.model, self._config.fullgraph, self._targets)
         undo = self._undo
         undo.callback(self._gradients.close)
         if self._compiled:
             self._warn_compiled()
         counter = self._iterations
         undo.callback(self._patched.clear)
+        counting: dict[int, list[int]] = {}  # the counting forward hooks, by module
         for target in self._targets:
+            if id(target) in in_graph:
+                hook = Hook(target.probe(), self._capture)
+                self._graph_outputs.attach(undo, target, hook)
+                self._patched.append((target, hook))
+                continue
             # The root's own forward counts even when called as ``model.forward(x)``.
             is_root = target.module is self.model and target.method.name == "forward"
             enter = functools.partial(self._enter_root, False) if is_root else self._enter_method
-            hook = Hook(target.probe(), self._capture, enter, counter.exit)
+            hook = Hook(self._probe(target, counting), self._capture, enter, counter.exit)
             attach(target.module, target.method.name, target.method.code, hook, eager)
             undo.callback(detach, target.module, target.method.name, hook)
             self._patched.append((target, hook))
@@ -547,15 +543,27 @@ class ModelTracer:
         def after(module: nn.Module, args: Any, output: Any) -> None:
             leave(module)
 
-        counting_hooks(undo, self.model, self, before_root, after)
+        counting[id(self.model)] = counting_hooks(undo, self.model, self, before_root, after)
         assert self._parts is not None  # closed only once the root runs
         parts = undo.enter_context(self._parts)
         for part in self._counting_parts():
-            counting_hooks(parts, part, self, before_part, after)
+            counting[id(part)] = counting_hooks(parts, part, self, before_part, after)
         if self._config.optimizer is not None:
             counter.follow_steps()
             handle = self._config.optimizer.register_step_post_hook(lambda *_: counter.stepped())
             undo.callback(handle.remove)
+
+    def _probe(self, target: Target, counting: dict[int, list[int]]) -> Probe:
+        """What to capture from `target`; a module's output (the return value of its
+        `forward`) as its caller receives it, after its forward hooks, which run before
+        the `counting` hooks of the module that end an iteration."""
+        probe = target.probe()
+        module = target.module
+        if target.method.name != "forward" or not probe.returns:
+            return probe
+        self._outputs.attach(self._undo, module, lambda: counting.get(id(module), []))
+        returns = tuple(self._outputs.defer(module, s) for s in probe.returns)
+        return dataclasses.replace(probe, returns=returns)
 
     def _counting_parts(self) -> list[nn.Module]:
         """The root's children that hold traced sites: their outermost calls count until
@@ -564,7 +572,13 @@ class ModelTracer:
         return [child for name, child in self.model.named_children() if name in heads]
 
     def _warn_compiled(self) -> None:
-        names = ", ".join(f"{t.path or '<root>'}.{t.method.name}" for t in self._targets)
+        names = ", ".join(
+            f"{t.path or '<root>'}.{t.method.name}"
+            for t in self._targets
+            if id(t) not in self._in_graph
+        )
+        if not names:
+            return  # every traced site is a module output recorded from a graph
         _warnings.warn(
             f"vartrace: the model is compiled; these traced methods run eagerly while "
             f"tracing (excluded from torch.compile): {names}",
