@@ -159,3 +159,27 @@ def test_a_cell_that_starts_a_tracer_run_twice_in_a_jupyter_kernel(
     assert "<strong>Run " in shown[0] and "<td>head.forward.input</td><td>1</td>" in shown[0]
     assert "<strong>Site head.forward.input</strong>" in shown[1]
     assert "<th>min cosine</th>" in shown[2] and "first divergence: none" in shown[2]
+
+
+def test_stop_all_stops_the_others_when_one_fails() -> None:
+    def broken(name: str, trace: Any) -> None:
+        raise OSError("disk gone")
+
+    model = TinyTransformer()
+    failing = vartrace.ModelTracer(model, ["head.forward.input"], post_trace_callbacks=[broken])
+    failing.start()
+    other = vartrace.ModelTracer(TinyTransformer(), ["forward.x"]).start()
+    model(tokens(0))
+    with pytest.raises(vartrace.CallbackError, match="disk gone"):
+        vartrace.stop_all()
+    assert vartrace.active_tracers() == []
+    assert repr(other).startswith("<ModelTracer stopped")
+
+
+def test_the_documented_filter_silences_two_tracers_on_purpose() -> None:
+    model = TinyTransformer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", "vartrace: .* running tracer")
+        with vartrace.ModelTracer(model, ["head"]), vartrace.ModelTracer(model, ["head"]):
+            model(tokens(0))

@@ -384,6 +384,7 @@ def test_stack_tensors_leaves_ragged_records_unstacked_with_a_warning() -> None:
     vartrace.stack_tensors("site", Trace([1.0, 2.0], [1, 2], [0, 0], [1, 2]))
 
 
+@pytest.mark.filterwarnings("ignore:vartrace. 1 running tracer")  # two on purpose
 @pytest.mark.warnings_as_errors
 def test_manual_record() -> None:
     vartrace.record("nothing.active", torch.ones(1))  # a no-op without tracers
@@ -423,6 +424,7 @@ def test_restores_model_and_propagates_exceptions() -> None:
     assert tracer.results["forward.y"].iterations == [1], "records before the error are kept"
 
 
+@pytest.mark.filterwarnings("ignore:vartrace. 1 running tracer")  # two on purpose
 def test_two_tracers_stop_in_any_order() -> None:
     model = TinyTransformer()
     a = ModelTracer(model, ["head", "layers.0.attn.forward.scores"]).start()

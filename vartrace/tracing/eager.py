@@ -30,10 +30,10 @@ def dynamo_context() -> type | None:
 class _Eager:
     """`fn`, run under `torch._dynamo.disable` once `torch._dynamo` is imported."""
 
-    __slots__ = ("__wrapped__", "_disabled", "_fn")
+    __slots__ = ("_disabled", "_fn")
 
     def __init__(self, fn: Callable[..., Any]) -> None:
-        self._fn = self.__wrapped__ = fn
+        self._fn = fn
         self._disabled: Callable[..., Any] | None = None
         self._prepare()
 

@@ -92,8 +92,14 @@ def stop_all() -> list[ModelTracer]:
     ```
     """
     stopped = active_tracers()[::-1]
+    failures = []
     for tracer in stopped:
-        tracer.stop()
+        try:  # one failing (a kept warning raised under -W error) stops the others too
+            tracer.stop()
+        except Exception as error:
+            failures.append(error)
+    if failures:
+        raise failures[0]
     return stopped
 
 
