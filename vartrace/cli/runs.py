@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from vartrace._support.series import pattern_matches
 from vartrace._support.text import close_matches
 from vartrace.cli.output import UserError, message_of, print_safe
 
@@ -52,7 +53,7 @@ def open_path(path: str, allow_pickle: bool = False) -> Any:
 
 
 def site_of(run: Any, path: str, name: str) -> Any:
-    if name not in run.names:
+    if name not in run:  # (a plain name reads as its @every series: run.series)
         close = ", ".join(close_matches(name, run.names))
         hint = f"; did you mean {close}?" if close else f" (see vartrace ls {path})"
         raise UserError(f"{path} has no site {name!r}{hint}")
@@ -60,17 +61,14 @@ def site_of(run: Any, path: str, name: str) -> Any:
 
 
 def matching(run: Any, path: str, patterns: Sequence[str]) -> list[str]:
-    """The sites named by `patterns` (exact names or globs), in execution order."""
-    import fnmatch
-
-    for pattern in patterns:
-        if pattern not in run.names and not fnmatch.filter(run.names, pattern):
+    """The sites named by `patterns` (exact names or globs, see `pattern_matches`), in
+    execution order."""
+    series = run.series
+    wanted = [site_of(run, path, p).name if p in run else p for p in patterns]
+    for pattern in wanted:
+        if not any(pattern_matches(name, pattern, series) for name in run.names):
             site_of(run, path, pattern)
-    return [
-        name
-        for name in run.names
-        if any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)
-    ]
+    return [name for name in run.names if any(pattern_matches(name, p, series) for p in wanted)]
 
 
 def is_run_path(text: str) -> bool:

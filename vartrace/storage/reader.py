@@ -39,6 +39,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from vartrace._support.series import every_series, series_read_as
 from vartrace._support.text import missing_site, numbers_text
 from vartrace._support.warnings import warn
 from vartrace.storage.files import open_file, read_tree
@@ -315,39 +316,69 @@ class Run:
         return dict(self._catalogue[1])
 
     @cached_property
+    def series(self) -> dict[str, list[str]]:
+        """`@every` series -> its line sites, in execution order: `run["forward.h@every"]`
+        (and `run["forward.h"]` when `h` was recorded only `@every`) reads every value `h`
+        took, each line site a site of its own too.
+
+        Example: `run.series  # {"forward.h@every": ["forward.h@every:L27", ...]}`.
+        """
+        links, aliases = self._catalogue
+        groups = every_series([*links, *aliases])
+        return {series: sorted(lines, key=self._order_key) for series, lines in groups.items()}
+
+    def _order_key(self, name: str) -> tuple[int, str]:
+        """Where site `name` (or an alias of one) ran first, for sorting by execution."""
+        links, aliases = self._catalogue
+        return _first_order(links[aliases.get(name, name)]), name
+
+    @cached_property
     def names(self) -> list[str]:
         """The site names in execution order: by the capture order of each site's first record.
 
         `blocks.2` comes before `blocks.10` when the model ran it first.
-        Ties (sites of shards with independent counters) go by name.
+        Ties (sites of shards with independent counters) go by name.  An `@every` series
+        (`series`) comes right before its first line site.
         """
         links, aliases = self._catalogue
-
-        def key(name: str) -> tuple[int, str]:
-            return _first_order(links[aliases.get(name, name)]), name
-
-        return sorted([*links, *aliases], key=key)
+        stored = sorted([*links, *aliases], key=self._order_key)
+        firsts = {lines[0]: name for name, lines in self.series.items()}
+        return [found for name in stored for found in (firsts.get(name), name) if found]
 
     def __getitem__(self, name: str) -> Site:
         site = self._sites.get(name)
         if site is None:
             links, aliases = self._catalogue
             parts = links.get(aliases.get(name, name))
-            if parts is None:
-                raise missing_site(name, [*links, *aliases], self._describe())
-            site = self._sites[name] = Site(name, parts, self.allow_pickle, run=self)
+            if parts is not None:
+                site = Site(name, parts, self.allow_pickle, run=self)
+            else:
+                series = series_read_as(name, self.series, links.keys() | aliases.keys())
+                if series is None:
+                    raise missing_site(name, self.names, self._describe())
+                site = self._sites.get(series) or self._series_site(series)
+            self._sites[name] = self._sites[site.name] = site
         return site
+
+    def _series_site(self, series: str) -> Site:
+        """The site reading every record of `series`' line sites, in execution order."""
+        links, aliases = self._catalogue
+        lines = {aliases.get(line, line) for line in self.series[series]}
+        parts = [part for line in sorted(lines) for part in links[line]]
+        return Site(series, parts, self.allow_pickle, run=self)
 
     def __contains__(self, name: object) -> bool:
         links, aliases = self._catalogue
-        return name in links or name in aliases
+        if name in links or name in aliases:
+            return True
+        return series_read_as(name, self.series, links.keys() | aliases.keys()) is not None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
     def __len__(self) -> int:
         links, aliases = self._catalogue
-        return len(links) + len(aliases)
+        return len(links) + len(aliases) + len(self.series)
 
     @cached_property
     def meta(self) -> dict[str, Any]:
@@ -373,7 +404,9 @@ class Run:
         statistics records (`q0.5`; records of [`vartrace.stats`][vartrace.stats] give their
         stored fields) or a callable receiving each record's value as
         [`Site.get`][vartrace.Site.get] returns it; a list of names gives a column each
-        (`run.to_frame(["absmax", "nan"])`).
+        (`run.to_frame(["absmax", "nan"])`).  Without `names`, every stored site: an
+        `@every` series' records are the rows of its line sites (name the series in `names`
+        for its rows under its name).
 
         `scheduler` computes it on Dask, a task per file: the same frame (see
         [`compare`][vartrace.compare] and the "Big runs" how-to).
@@ -387,7 +420,8 @@ class Run:
         from vartrace.analysis.sources.frames import FrameSite, records_frame
 
         def sites() -> Iterator[FrameSite]:
-            for name in self.names if names is None else names:
+            every = self.series  # their records are rows of their line sites already
+            for name in [n for n in self.names if n not in every] if names is None else names:
                 site = self[name]
                 describe = functools.partial(described, site)
                 yield FrameSite(name, site.iterations, site.ranks, site.order, describe)

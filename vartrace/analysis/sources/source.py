@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from vartrace._support.series import EVERY, listed_series
 from vartrace.analysis.sources.chunk_maps import FileMaps
 from vartrace.analysis.sources.views import FileSiteView, MemorySiteView, SiteView
 
@@ -16,7 +17,9 @@ class Source:
     """A run in any form: its site names and a `SiteView` per site.
 
     `aliases` maps the names a `**` pattern stored once to the site each reads
-    as (see `vartrace.tracing.aliases`).
+    as (see `vartrace.tracing.aliases`); `series` holds the names of `@every` series
+    (`forward.h@every`, whose records are those of its line sites), which `site` also
+    reads by their plain names (`forward.h`) when nothing else has them.
 
     A source opened from a path closes its file on `close` (or when
     used as a context manager); one wrapping an object the caller opened
@@ -47,12 +50,21 @@ class Source:
         self._view = view
         self._close = close
         self._known = set(self.names)
+        self.series = listed_series(self.names)
+
+    def named(self, name: str) -> str | None:
+        """The site `name` reads as: itself, the series `<name>@every` for the plain name
+        of a variable recorded only `@every`, or `None` when there is no such site."""
+        if name in self._known:
+            return name
+        return name + EVERY if name + EVERY in self.series else None
 
     def site(self, name: str) -> SiteView:
         """The view of site `name`; `KeyError` naming the run when it has no such site."""
-        if name not in self._known:
+        found = self.named(name)
+        if found is None:
             raise KeyError(f"{self.label} has no site {name!r}")
-        return self._view(name)
+        return self._view(found)
 
     def close(self) -> None:
         """Close the file this source opened (no-op otherwise)."""
