@@ -3,8 +3,9 @@
 A recurrence rebinds `h` on three lines (the first before a loop, one in it, one after,
 changing its dtype and its axes); the line sites stay, and `forward.h@every` (or the
 plain `forward.h`, since `h` was recorded only `@every`) reads every value `h` took, as
-computed by hand: in `tracer.results`, in a real HDF5 file, through `in`, `names`,
-`get`, `to_frame`, `plot` and the real CLI's `ls`, `show`, `plot` and `compare`.
+computed by hand: in `tracer.results`, in a real HDF5 file, through `in`, `names=`,
+`get`, `to_frame`, `plot` and the real CLI's `show`, `plot` and `compare`.  The names
+list each record once, under its line site.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _assert_series(values: list, iterations: list[int], expected: list[list[torc
 def test_results_read_every_binding_as_one_series_in_execution_order() -> None:
     model, tracer = _traced()
     results = tracer.results
-    assert list(results) == [SERIES, *LINES]
+    assert list(results) == LINES  # each record listed once: under its line site
     assert results.series == {SERIES: LINES}
     assert SERIES in results and "forward.h" in results and "forward.g" not in results
     series = results[SERIES]
@@ -119,9 +120,9 @@ def test_a_run_file_reads_the_series_exactly_with_its_dtypes_and_axes(tmp_path: 
     model, _ = _traced(path)
     expected = _by_hand(model)
     with vartrace.open(path) as run:
-        assert run.names == [SERIES, *LINES]
+        assert run.names == LINES
         assert run.series == {SERIES: LINES}
-        assert SERIES in run and "forward.h" in run and len(run) == 4
+        assert SERIES in run and "forward.h" in run and len(run) == 3
         site = run["forward.h"]
         assert site.name == SERIES and run[SERIES] is site and len(site) == 12
         records = [site.record(i) for i in range(len(site))]
@@ -135,13 +136,15 @@ def test_a_run_file_reads_the_series_exactly_with_its_dtypes_and_axes(tmp_path: 
         frame = site.to_frame("max")
         assert frame["site"].unique().tolist() == [SERIES] and frame["dtype"].tolist()[3] == "int64"
         assert sorted(run.to_frame()["site"].unique()) == sorted(LINES)
+        named = run.to_frame("max", names=[SERIES])
+        assert named["order"].tolist() == site.order.tolist()
 
 
 def test_a_plain_name_that_another_timing_stored_keeps_its_own_records(tmp_path: Path) -> None:
     path = tmp_path / "run.h5"
     _traced(path, ("forward.h", "forward.h@every"))
     with vartrace.open(path) as run:
-        assert run.names[0] == SERIES and "forward.h" in run.names
+        assert run.names == [*LINES, "forward.h"] and run.series == {SERIES: LINES}
         assert len(run["forward.h"]) == 3 and run["forward.h"].name == "forward.h"
         assert len(run[SERIES]) == 12
     _, tracer = _traced(None, ("forward.h", "forward.h@every"))
@@ -164,7 +167,7 @@ def test_the_command_line_lists_shows_plots_and_compares_the_series(tmp_path: Pa
     path = tmp_path / "run.h5"
     _traced(path)
     listed = _cli("ls", path)
-    assert all(name in listed for name in (SERIES, *LINES)), listed
+    assert all(name in listed for name in LINES), listed
     shown = _cli("show", path, "forward.h", "--iteration", "2")
     assert f"{SERIES} @ iteration 2" in shown, shown
     lines_shown = _cli("show", path, "forward.*", "--iteration", "2")

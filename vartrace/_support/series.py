@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 __all__ = [
     "EVERY",
     "every_series",
     "line_of",
-    "listed_series",
-    "pattern_matches",
+    "picked",
     "series_of",
     "series_read_as",
 ]
@@ -64,13 +63,6 @@ def every_series(names: Iterable[str]) -> dict[str, list[str]]:
     return groups
 
 
-def listed_series(names: Iterable[str]) -> set[str]:
-    """The series among `names` (a run's names, which list each series before its line
-    sites): the names that line sites among them belong to."""
-    names = list(names)
-    return {series for name in names if (series := series_of(name)) is not None} & set(names)
-
-
 def series_read_as(
     name: object, series: Mapping[str, list[str]], names: Container[str]
 ) -> str | None:
@@ -85,13 +77,16 @@ def series_read_as(
     return None
 
 
-def pattern_matches(name: str, pattern: str, series: Container[str]) -> bool:
-    """Whether site `name` is one `pattern` (a name or an fnmatch glob) picks.  A series
-    (one of `series`) is picked by its name, or by a glob ending in `@every`
-    (`layers.*.forward.h@every`): any other glob (`forward.*`) picks its line sites,
-    which hold the same records."""
-    if name == pattern:
-        return True
-    if name in series and not pattern.endswith(EVERY):
-        return False
-    return fnmatch.fnmatchcase(name, pattern)
+def picked(pattern: str, names: Sequence[str], series: Mapping[str, list[str]]) -> list[str]:
+    """The sites `pattern` names among a run's `names` and its `series`: a name (a series
+    by its name, or by its plain name when no site has that name), else the names an
+    fnmatch glob matches; a glob ending in `@every` (`layers.*.forward.h@every`) matches
+    series too, any other glob (`forward.*`) the line sites only (the same records)."""
+    known = set(names)
+    if pattern in known:
+        return [pattern]
+    found = series_read_as(pattern, series, known)
+    if found is not None:
+        return [found]
+    pool = [*names, *series] if pattern.endswith(EVERY) else names
+    return [name for name in pool if fnmatch.fnmatchcase(name, pattern)]

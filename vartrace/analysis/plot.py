@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vartrace._support.series import pattern_matches
 from vartrace.analysis.sources import Source, open_source, record_stats, stat_function
 from vartrace.analysis.sources.views import STATISTICS
 from vartrace.statistics.named import COUNTS
@@ -52,11 +51,7 @@ def _expand(source: Source, sites: str | Sequence[str]) -> list[str]:
         raise ValueError("name at least one site to plot")
     names: list[str] = []
     for pattern in wanted:
-        exact = source.named(pattern)
-        if exact is not None:
-            matched = [exact]
-        else:
-            matched = [n for n in source.names if pattern_matches(n, pattern, source.series)]
+        matched = source.pick(pattern)
         if not matched:
             raise KeyError(f"{source.label} has no site {pattern!r}")
         names.extend(n for n in matched if n not in names)

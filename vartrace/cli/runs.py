@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from vartrace._support.series import pattern_matches
+from vartrace._support.series import picked
 from vartrace._support.text import close_matches
 from vartrace.cli.output import UserError, message_of, print_safe
 
@@ -61,14 +61,16 @@ def site_of(run: Any, path: str, name: str) -> Any:
 
 
 def matching(run: Any, path: str, patterns: Sequence[str]) -> list[str]:
-    """The sites named by `patterns` (exact names or globs, see `pattern_matches`), in
-    execution order."""
-    series = run.series
-    wanted = [site_of(run, path, p).name if p in run else p for p in patterns]
-    for pattern in wanted:
-        if not any(pattern_matches(name, pattern, series) for name in run.names):
+    """The sites named by `patterns` (exact names or globs, see `picked`: an `@every`
+    series by its name), in execution order."""
+    names, series = run.names, run.series
+    for pattern in patterns:
+        if not picked(pattern, names, series):
             site_of(run, path, pattern)
-    return [name for name in run.names if any(pattern_matches(name, p, series) for p in wanted)]
+    chosen = {name for pattern in patterns for name in picked(pattern, names, series)}
+    firsts = {lines[0]: name for name, lines in series.items()}  # a series before its lines
+    ordered = [found for name in names for found in (firsts.get(name), name) if found]
+    return [name for name in ordered if name in chosen]
 
 
 def is_run_path(text: str) -> bool:

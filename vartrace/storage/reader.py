@@ -337,13 +337,11 @@ class Run:
         """The site names in execution order: by the capture order of each site's first record.
 
         `blocks.2` comes before `blocks.10` when the model ran it first.
-        Ties (sites of shards with independent counters) go by name.  An `@every` series
-        (`series`) comes right before its first line site.
+        Ties (sites of shards with independent counters) go by name.  An `@every`
+        variable is listed by its line sites; `series` names what reads them as one.
         """
         links, aliases = self._catalogue
-        stored = sorted([*links, *aliases], key=self._order_key)
-        firsts = {lines[0]: name for name, lines in self.series.items()}
-        return [found for name in stored for found in (firsts.get(name), name) if found]
+        return sorted([*links, *aliases], key=self._order_key)
 
     def __getitem__(self, name: str) -> Site:
         site = self._sites.get(name)
@@ -355,7 +353,7 @@ class Run:
             else:
                 series = series_read_as(name, self.series, links.keys() | aliases.keys())
                 if series is None:
-                    raise missing_site(name, self.names, self._describe())
+                    raise missing_site(name, [*self.series, *self.names], self._describe())
                 site = self._sites.get(series) or self._series_site(series)
             self._sites[name] = self._sites[site.name] = site
         return site
@@ -378,7 +376,7 @@ class Run:
 
     def __len__(self) -> int:
         links, aliases = self._catalogue
-        return len(links) + len(aliases) + len(self.series)
+        return len(links) + len(aliases)
 
     @cached_property
     def meta(self) -> dict[str, Any]:
@@ -404,9 +402,8 @@ class Run:
         statistics records (`q0.5`; records of [`vartrace.stats`][vartrace.stats] give their
         stored fields) or a callable receiving each record's value as
         [`Site.get`][vartrace.Site.get] returns it; a list of names gives a column each
-        (`run.to_frame(["absmax", "nan"])`).  Without `names`, every stored site: an
-        `@every` series' records are the rows of its line sites (name the series in `names`
-        for its rows under its name).
+        (`run.to_frame(["absmax", "nan"])`).  `names` may name an `@every` series
+        (`series`): its records under its name, in execution order.
 
         `scheduler` computes it on Dask, a task per file: the same frame (see
         [`compare`][vartrace.compare] and the "Big runs" how-to).
@@ -420,8 +417,7 @@ class Run:
         from vartrace.analysis.sources.frames import FrameSite, records_frame
 
         def sites() -> Iterator[FrameSite]:
-            every = self.series  # their records are rows of their line sites already
-            for name in [n for n in self.names if n not in every] if names is None else names:
+            for name in self.names if names is None else names:
                 site = self[name]
                 describe = functools.partial(described, site)
                 yield FrameSite(name, site.iterations, site.ranks, site.order, describe)

@@ -6,7 +6,7 @@ time a site is read: lists of records are concatenated, stacked tensors
 are concatenated along the record dimension (zero-padded to the largest
 shape, with `shapes` keeping the true ones).  The line sites of an `@every`
 variable (`forward.h@every:L27`, ...) also read as one series, `forward.h@every`
-(an [`EverySeries`][vartrace.tracing.results.EverySeries]: every binding in
+(an `EverySeries`: every binding in
 execution order).
 """
 
@@ -111,10 +111,12 @@ class Results(Mapping[str, Trace]):
     """Site name -> [`Trace`][vartrace.Trace] of everything kept in memory.
 
     The names include the aliases of `**` patterns (`aliases`): a name that held a
-    tensor another site stored reads as that site's records.  They include each `@every`
-    series (`series`), listed before its line sites: `results["forward.h@every"]` is an
-    [`EverySeries`][vartrace.tracing.results.EverySeries] of every value `h` took, and the
-    plain `results["forward.h"]` reads the same when `h` was recorded only `@every`.
+    tensor another site stored reads as that site's records.  An `@every` variable's
+    values are keys of their line sites (`forward.h@every:L27`, ...), and its series
+    reads them all (`series`, not among the keys: each record is listed once):
+    `results["forward.h@every"]` is an `EverySeries` of every value `h` took, and the
+    plain `results["forward.h"]` reads the same when `h` was recorded only `@every`;
+    `in` knows both.
 
     Example:
         ```python
@@ -169,7 +171,7 @@ class Results(Mapping[str, Trace]):
     @property
     def series(self) -> dict[str, list[str]]:
         """`@every` series -> its line sites (`{"forward.h@every": ["forward.h@every:L27",
-        ...]}`), each line site a key of its own too."""
+        ...]}`): `results[series]` reads them as one."""
         return every_series(self._names())
 
     def _names(self) -> list[str]:
@@ -185,7 +187,7 @@ class Results(Mapping[str, Trace]):
             groups = self.series
             series = series_read_as(name, groups, set(self._names()))
             if series is None:
-                raise missing_site(name, self, "the tracer's results")
+                raise missing_site(name, [*groups, *self], "the tracer's results")
             return EverySeries(series, [(line, self[line]) for line in groups[series]])
         if len(pieces) > 1:
             pieces[:] = [join_traces(pieces)]
@@ -203,13 +205,10 @@ class Results(Mapping[str, Trace]):
         return self[name] if name in self else default  # noqa: SIM401 (this is get)
 
     def __iter__(self) -> Iterator[str]:
-        names = self._names()
-        firsts = {lines[0]: series for series, lines in every_series(names).items()}
-        return iter([found for name in names for found in (firsts.get(name), name) if found])
+        return iter(self._names())
 
     def __len__(self) -> int:
-        names = self._names()
-        return len(names) + len(every_series(names))
+        return len(self._names())
 
     def __repr__(self) -> str:
         return f"<Results sites={len(self)}>"

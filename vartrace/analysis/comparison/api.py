@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from vartrace._support.series import listed_series, pattern_matches
 from vartrace.analysis.comparison.engine import compare_views
 from vartrace.analysis.comparison.lines import pair_sites
 from vartrace.analysis.comparison.report import Comparison
@@ -23,13 +22,13 @@ from vartrace.analysis.sources import Source, open_source
 __all__ = ["compare"]
 
 
-def _select(names: Sequence[str], patterns: Sequence[str] | None) -> list[str]:
-    """The names `patterns` select; an `@every` series only when named (its records are
-    its line sites', compared under their own names): see `pattern_matches`."""
-    series = listed_series(names)
+def _select(source: Source, patterns: Sequence[str] | None) -> list[str]:
+    """The names of `source` that `patterns` pick (`Source.pick`: an `@every` series only
+    when named, since its records are its line sites', compared under their own names)."""
     if patterns is None:
-        return [n for n in names if n not in series]
-    return [n for n in names if any(pattern_matches(n, p, series) for p in patterns)]
+        return list(source.names)
+    chosen = {name for pattern in patterns for name in source.pick(pattern)}
+    return [name for name in [*source.names, *source.series] if name in chosen]
 
 
 def _stored(a: Source, b: Source, common: list[str]) -> list[str]:
@@ -89,9 +88,8 @@ def compare(
         raise ValueError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}")
     patterns = [names] if isinstance(names, str) else (None if names is None else list(names))
     with open_source(a) as source_a, open_source(b) as source_b:
-        named = patterns and [source_a.named(p) or source_b.named(p) or p for p in patterns]
-        names_a = _select(source_a.names, named)
-        names_b = _select(source_b.names, named)
+        names_a = _select(source_a, patterns)
+        names_b = _select(source_b, patterns)
         if patterns is not None and not names_a and not names_b:
             raise ValueError(f"no site matches {', '.join(map(repr, patterns))} in either run")
         pairs = pair_sites(names_a, names_b)

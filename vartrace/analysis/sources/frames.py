@@ -133,9 +133,7 @@ def results_frame(results: Mapping[str, Trace] | Any, stat: Stat | Sequence[str]
     or any mapping of site name -> [`Trace`][vartrace.Trace]).  The columns
     and the statistics are those of `Run.to_frame` (see `records_frame`):
     `site`, `iteration`, `rank`, `order`, `shape` (a tuple; `()` for
-    non-array values), `dtype` and one column named after `stat`.  The `@every` series
-    of `tracer.results` (`results.series`) are left out: their records are the rows of
-    their line sites.
+    non-array values), `dtype` and one column named after `stat`.
 
     Example:
         ```python
@@ -144,7 +142,6 @@ def results_frame(results: Mapping[str, Trace] | Any, stat: Stat | Sequence[str]
         ```
     """
     results = getattr(results, "results", results)
-    series = getattr(results, "series", {})  # their records are rows of their line sites
     sites = (
         FrameSite(
             name,
@@ -153,8 +150,6 @@ def results_frame(results: Mapping[str, Trace] | Any, stat: Stat | Sequence[str]
             _tag_array(trace.order),
             functools.partial(_described, trace),
         )
-        for name in results
-        if name not in series
-        for trace in (results[name],)
+        for name, trace in results.items()
     )
     return records_frame(sites, stat, caller="results_frame()")
