@@ -177,3 +177,15 @@ def test_a_glob_compares_the_line_sites_not_the_series_again(tmp_path: Path, pat
     _record(_module(tmp_path, "before"), before)
     report = vartrace.compare(before, before, names=pattern)
     assert len(report.sites) == 3 and all("@every:L" in s.site for s in report.sites)
+
+
+def test_a_scheduler_pairs_moved_lines_as_in_process(tmp_path: Path) -> None:
+    pytest.importorskip("dask")
+    before, after = tmp_path / "before.h5", tmp_path / "after.h5"
+    _record(_module(tmp_path, "before"), before)
+    _record(_module(tmp_path, "after", inserted=_COMMENTS, softmax=_CHANGED), after)
+    in_process = vartrace.compare(before, after)
+    on_dask = vartrace.compare(before, after, scheduler="threads")
+    assert on_dask.notes == in_process.notes and on_dask.moved_lines == in_process.moved_lines
+    assert on_dask.first_divergence == in_process.first_divergence
+    assert list(on_dask.rows()) == list(in_process.rows())
