@@ -43,7 +43,11 @@ class ValuesView:
     def __init__(
         self, parts: list[Part], where: list[tuple[int, int]], fitting: list[bool]
     ) -> None:
-        datasets = [part.values for part, fits in zip(parts, fitting, strict=True) if fits]
+        datasets = [
+            part.values
+            for part, fits in zip(parts, fitting, strict=True)
+            if fits and part.values is not None
+        ]
         self._parts = parts
         self._where = [(part, row) if fitting[part] else (-1, row) for part, row in where]
         self.dtype = datasets[0].dtype

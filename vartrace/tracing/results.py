@@ -57,11 +57,9 @@ class EverySeries(Trace):
             """`found` (a list, or a tensor / array along records) in execution order."""
             return [found[i] for i in perm] if isinstance(found, list) else found[perm]
 
-        super().__init__(
-            ordered(joined.values),
-            *(ordered(getattr(joined, field)) for field in fields),
-            shapes=None if joined.shapes is None else ordered(list(joined.shapes)),
-        )
+        iterations, ranks, order = (ordered(getattr(joined, field)) for field in fields)
+        shapes = None if joined.shapes is None else ordered(list(joined.shapes))
+        super().__init__(ordered(joined.values), iterations, ranks, order, shapes)
         self.name = name
         sites = [site for site, trace in lines for _ in range(len(trace))]
         self.sites = [sites[i] for i in perm]
