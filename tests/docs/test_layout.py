@@ -105,6 +105,7 @@ LAZY_CONVENIENCES: frozenset[tuple[str, str]] = frozenset(
         ("vartrace.storage.reader", "vartrace.analysis.dask_frames"),  # to_frame(scheduler=)
         ("vartrace.storage.reader", "vartrace.analysis.dask_arrays"),  # Run.to_dask
         ("vartrace.storage.sites", "vartrace.analysis.dask_arrays"),  # to_xarray(chunks=)
+        ("vartrace.storage.sites", "vartrace.analysis.sources.frames"),  # Site.to_frame
     }
 )
 MAX_LINES = 700

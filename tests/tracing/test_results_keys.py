@@ -1,8 +1,8 @@
 """A name `tracer.results` lacks: its KeyError says what is there, as a run file's does.
 
-`@every` stores each value under the line that bound it (`forward.h@every:L<line>`), so
-the plain name a pattern was written with is not a key: reading it names the per-line
-keys.  Real tracers, a real HDF5 file for the run's wording.
+`@every` stores each value under the line that bound it (`forward.h@every:L<line>`); the
+name a pattern was written with is no key but reads them all as one series, which names
+its per-line keys.  Real tracers, a real HDF5 file for the run's wording.
 """
 
 from __future__ import annotations
@@ -51,12 +51,13 @@ def test_a_plain_every_name_names_its_per_line_keys() -> None:
     tracer = _traced()
     keys = _every_keys()
     assert sorted(tracer.results) == sorted(keys) and len(keys) == 2
+    assert tracer.results["forward.h@every"].sites == keys
     with pytest.raises(KeyError) as caught:
-        tracer.results["forward.h@every"]
+        tracer.results["forward.g@every"]
     message = caught.value.args[0]
-    assert message.startswith("no site 'forward.h@every' in the tracer's results; close matches: ")
-    assert sorted(message.split("close matches: ")[1].split(", ")) == sorted(keys)
-    assert "forward.h@every" not in tracer.results and keys[0] in tracer.results
+    assert message.startswith("no site 'forward.g@every' in the tracer's results; close matches: ")
+    assert set(message.split("close matches: ")[1].split(", ")) == {"forward.h@every", *keys}
+    assert "forward.h@every" in tracer.results and keys[0] in tracer.results
 
 
 def test_a_name_like_nothing_there_says_only_that_it_is_missing() -> None:
@@ -70,8 +71,8 @@ def test_the_results_and_the_run_file_name_the_same_close_matches(tmp_path: Path
     path = tmp_path / "run.h5"
     _traced(path)  # the saver takes the records: the file holds what results would
     with vartrace.open(path) as run, pytest.raises(KeyError) as in_file:
-        run["forward.h@every"]
+        run["forward.g@every"]
     with pytest.raises(KeyError) as in_memory:
-        _traced().results["forward.h@every"]
+        _traced().results["forward.g@every"]
     place = "the tracer's results"
     assert in_file.value.args[0] == in_memory.value.args[0].replace(place, str(path), 1)

@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 from collections.abc import Sequence
@@ -52,10 +51,7 @@ def _expand(source: Source, sites: str | Sequence[str]) -> list[str]:
         raise ValueError("name at least one site to plot")
     names: list[str] = []
     for pattern in wanted:
-        if pattern in source.names:
-            matched = [pattern]
-        else:
-            matched = [n for n in source.names if fnmatch.fnmatchcase(n, pattern)]
+        matched = source.pick(pattern)
         if not matched:
             raise KeyError(f"{source.label} has no site {pattern!r}")
         names.extend(n for n in matched if n not in names)

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from vartrace._support.series import picked
 from vartrace._support.text import close_matches
 from vartrace.cli.output import UserError, message_of, print_safe
 
@@ -52,7 +53,7 @@ def open_path(path: str, allow_pickle: bool = False) -> Any:
 
 
 def site_of(run: Any, path: str, name: str) -> Any:
-    if name not in run.names:
+    if name not in run:  # (a plain name reads as its @every series: run.series)
         close = ", ".join(close_matches(name, run.names))
         hint = f"; did you mean {close}?" if close else f" (see vartrace ls {path})"
         raise UserError(f"{path} has no site {name!r}{hint}")
@@ -60,17 +61,16 @@ def site_of(run: Any, path: str, name: str) -> Any:
 
 
 def matching(run: Any, path: str, patterns: Sequence[str]) -> list[str]:
-    """The sites named by `patterns` (exact names or globs), in execution order."""
-    import fnmatch
-
+    """The sites named by `patterns` (exact names or globs, see `picked`: an `@every`
+    series by its name), in execution order."""
+    names, series = run.names, run.series
     for pattern in patterns:
-        if pattern not in run.names and not fnmatch.filter(run.names, pattern):
+        if not picked(pattern, names, series):
             site_of(run, path, pattern)
-    return [
-        name
-        for name in run.names
-        if any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)
-    ]
+    chosen = {name for pattern in patterns for name in picked(pattern, names, series)}
+    firsts = {lines[0]: name for name, lines in series.items()}  # a series before its lines
+    ordered = [found for name in names for found in (firsts.get(name), name) if found]
+    return [name for name in ordered if name in chosen]
 
 
 def is_run_path(text: str) -> bool:

@@ -40,6 +40,7 @@ import h5py
 import numpy as np
 
 from vartrace._support.html import block
+from vartrace._support.series import every_series, series_read_as
 from vartrace._support.text import missing_site, numbers_text
 from vartrace._support.warnings import warn
 from vartrace.storage.files import open_file, read_tree
@@ -279,32 +280,60 @@ class Run:
         return dict(self._catalogue[1])
 
     @cached_property
+    def series(self) -> dict[str, list[str]]:
+        """`@every` series -> its line sites, in execution order: `run["forward.h@every"]`
+        (and `run["forward.h"]` when `h` was recorded only `@every`) reads every value `h`
+        took, each line site a site of its own too.
+
+        Example: `run.series  # {"forward.h@every": ["forward.h@every:L27", ...]}`.
+        """
+        links, aliases = self._catalogue
+        groups = every_series([*links, *aliases])
+        return {series: sorted(lines, key=self._order_key) for series, lines in groups.items()}
+
+    def _order_key(self, name: str) -> tuple[int, str]:
+        """Where site `name` (or an alias of one) ran first, for sorting by execution."""
+        links, aliases = self._catalogue
+        return _first_order(links[aliases.get(name, name)]), name
+
+    @cached_property
     def names(self) -> list[str]:
         """The site names in execution order: by the capture order of each site's first record.
 
         `blocks.2` comes before `blocks.10` when the model ran it first.
-        Ties (sites of shards with independent counters) go by name.
+        Ties (sites of shards with independent counters) go by name.  An `@every`
+        variable is listed by its line sites; `series` names what reads them as one.
         """
         links, aliases = self._catalogue
-
-        def key(name: str) -> tuple[int, str]:
-            return _first_order(links[aliases.get(name, name)]), name
-
-        return sorted([*links, *aliases], key=key)
+        return sorted([*links, *aliases], key=self._order_key)
 
     def __getitem__(self, name: str) -> Site:
         site = self._sites.get(name)
         if site is None:
             links, aliases = self._catalogue
             parts = links.get(aliases.get(name, name))
-            if parts is None:
-                raise missing_site(name, [*links, *aliases], self._describe())
-            site = self._sites[name] = Site(name, parts, self.allow_pickle, run=self)
+            if parts is not None:
+                site = Site(name, parts, self.allow_pickle, run=self)
+            else:
+                series = series_read_as(name, self.series, links.keys() | aliases.keys())
+                if series is None:
+                    raise missing_site(name, [*self.series, *self.names], self._describe())
+                site = self._sites.get(series) or self._series_site(series)
+            self._sites[name] = self._sites[site.name] = site
         return site
+
+    def _series_site(self, series: str) -> Site:
+        """The site reading every record of `series`' line sites, in execution order."""
+        links, aliases = self._catalogue
+        lines = {aliases.get(line, line) for line in self.series[series]}
+        parts = [part for line in sorted(lines) for part in links[line]]
+        return Site(series, parts, self.allow_pickle, run=self)
 
     def __contains__(self, name: object) -> bool:
         links, aliases = self._catalogue
-        return name in links or name in aliases
+        if name in links or name in aliases:
+            return True
+        return series_read_as(name, self.series, links.keys() | aliases.keys()) is not None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -337,7 +366,8 @@ class Run:
         statistics records (`q0.5`; records of [`vartrace.stats`][vartrace.stats] give their
         stored fields) or a callable receiving each record's value as
         [`Site.get`][vartrace.Site.get] returns it; a list of names gives a column each
-        (`run.to_frame(["absmax", "nan"])`).
+        (`run.to_frame(["absmax", "nan"])`).  `names` may name an `@every` series
+        (`series`): its records under its name, in execution order.
 
         `scheduler` computes it on Dask, a task per file: the same frame (see
         [`compare`][vartrace.compare] and the "Big runs" how-to).

@@ -41,10 +41,16 @@ class ValuesView:
     and `numpy.asarray`; records are zero-padded to the largest shape.
     """
 
-    def __init__(self, parts: list[Part], where: list[tuple[int, int]]) -> None:
-        datasets = [part.values for part in parts if part.values is not None]
+    def __init__(
+        self, parts: list[Part], where: list[tuple[int, int]], fitting: list[bool]
+    ) -> None:
+        datasets = [
+            part.values
+            for part, fits in zip(parts, fitting, strict=True)
+            if fits and part.values is not None
+        ]
         self._parts = parts
-        self._where = where
+        self._where = [(part, row) if fitting[part] else (-1, row) for part, row in where]
         self.dtype = datasets[0].dtype
         padded = np.max([dataset.shape[1:] for dataset in datasets], axis=0).astype(int)
         self.shape = (len(where), *(int(size) for size in padded))
@@ -67,14 +73,16 @@ class ValuesView:
                 )
         out = np.zeros((rows.size, *self.shape[1:]), self.dtype)
         where = [self._where[record] for record in rows.reshape(-1)]
-        parts = {part for part, _ in where}
+        parts = {part for part, _ in where}  # -1: a record of another dtype or rank, not here
         located = np.array([row for _, row in where], int)
         stored: list[Any] = [part.values for part in self._parts]  # (a site view has values)
-        if len(parts) == 1 and located.size and (np.diff(located) == 1).all():
+        if len(parts) == 1 and -1 not in parts and located.size and (np.diff(located) == 1).all():
             block = stored[where[0][0]][located[0] : located[-1] + 1]
             out[(slice(None), *(slice(0, size) for size in block.shape[1:]))] = block
         else:
             for position, (part, row) in enumerate(where):
+                if part < 0:
+                    continue
                 data = stored[part][row]
                 cut: tuple[int | slice, ...] = (position, *(slice(0, size) for size in data.shape))
                 out[cut] = data
@@ -197,12 +205,30 @@ class Site:
         single = self._parts[0].values if len(self._parts) == 1 else None
         if single is not None and single.shape[0] == len(self):
             return single
-        return ValuesView(self._parts, self._where)
+        return ValuesView(self._parts, self._where, self._fitting)
+
+    @cached_property
+    def _fitting(self) -> list[bool]:
+        """Per part: whether its `values` are rows of the site's (the first part's with
+        values: same dtype, as many axes).  The records of another part (the line sites of
+        an `@every` series binding another dtype or rank) are read by `record` alone."""
+        first = next((part for part in self._parts if part.values is not None), None)
+        return [
+            first is not None
+            and part.values is not None
+            and part.storage == first.storage
+            and part.dtype == first.dtype
+            and part.values.ndim == first.values.ndim  # type: ignore[union-attr]
+            for part in self._parts
+        ]
 
     @cached_property
     def shapes(self) -> np.ndarray:
         """The true shape of each record, (records, ndim); -1 rows: record not in `values`."""
-        shapes = [part.shapes for part in self._parts]
+        shapes = [
+            part.shapes if fits else np.full((part.rows, 0), -1, np.int64)
+            for part, fits in zip(self._parts, self._fitting, strict=True)
+        ]
         if len(shapes) == 1:
             return shapes[0]
         width = max(s.shape[1] for s in shapes)
@@ -224,7 +250,11 @@ class Site:
         False for None records and for records that did not fit `values`
         (another dtype or kind than the site's first), which `record` reads.
         """
-        return in_values(self._kinds)
+        found = in_values(self._kinds)
+        if all(self._fitting):
+            return found
+        fits = np.asarray(self._fitting)[[part for part, _ in self._where]]
+        return found & fits
 
     @property
     def dtype(self) -> str:
@@ -337,6 +367,15 @@ class Site:
         else:  # as numpy compares them
             tagged = np.asarray(rows, np.int64)[np.asarray(iterations) == iteration].tolist()
         return [self.record(r) for r in tagged]
+
+    def to_frame(self, stat: str | Callable[[Any], Any] = "mean") -> Any:
+        """The site's records as `Run.to_frame` gives them: a pandas DataFrame, one row per
+        record, with the statistic `stat` (`run["forward.h@every"].to_frame("std")`)."""
+        from vartrace.analysis.sources.frames import FrameSite, records_frame
+
+        describe = functools.partial(described, self)
+        site = FrameSite(self.name, self.iterations, self.ranks, self.order, describe)
+        return records_frame([site], stat, caller="Site.to_frame()")
 
     def to_xarray(self, chunks: int | str | None = None) -> Any:
         """The site's records as an xarray `DataArray` named after the site.

@@ -10,11 +10,11 @@ Example:
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vartrace.analysis.comparison.engine import compare_views
+from vartrace.analysis.comparison.lines import pair_sites
 from vartrace.analysis.comparison.report import Comparison
 from vartrace.analysis.comparison.rows import SiteRows, assemble
 from vartrace.analysis.sources import Source, open_source
@@ -22,10 +22,13 @@ from vartrace.analysis.sources import Source, open_source
 __all__ = ["compare"]
 
 
-def _select(names: Iterable[str], patterns: Sequence[str] | None) -> list[str]:
+def _select(source: Source, patterns: Sequence[str] | None) -> list[str]:
+    """The names of `source` that `patterns` pick (`Source.pick`: an `@every` series only
+    when named, since its records are its line sites', compared under their own names)."""
     if patterns is None:
-        return list(names)
-    return [n for n in names if any(n == p or fnmatch.fnmatchcase(n, p) for p in patterns)]
+        return list(source.names)
+    chosen = {name for pattern in patterns for name in source.pick(pattern)}
+    return [name for name in [*source.names, *source.series] if name in chosen]
 
 
 def _stored(a: Source, b: Source, common: list[str]) -> list[str]:
@@ -56,7 +59,11 @@ def compare(
     ([`vartrace.open`][vartrace.open]), a [`ModelTracer`][vartrace.ModelTracer] (its
     `results`) or a mapping of site name -> [`Trace`][vartrace.Trace].
     Records are matched by site, iteration, rank and occurrence within that
-    iteration and rank; `b` is the reference of the relative tolerance,
+    iteration and rank; the `@every` line sites of one variable
+    (`forward.h@every:L27`) are paired by their rank in its binding order, so
+    that lines moved by an edit are compared as the same statements and said so in
+    `notes` (when the runs bind it on different numbers of lines, its line sites
+    are listed as present in one run only); `b` is the reference of the relative tolerance,
     as in `numpy.isclose`.  `names` restricts the comparison to
     these site names or glob patterns.  Sites present in one run only are
     listed in `only_in_a` / `only_in_b` and do not make the comparison
@@ -81,21 +88,24 @@ def compare(
         raise ValueError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}")
     patterns = [names] if isinstance(names, str) else (None if names is None else list(names))
     with open_source(a) as source_a, open_source(b) as source_b:
-        names_a = _select(source_a.names, patterns)
-        names_b = _select(source_b.names, patterns)
+        names_a = _select(source_a, patterns)
+        names_b = _select(source_b, patterns)
         if patterns is not None and not names_a and not names_b:
             raise ValueError(f"no site matches {', '.join(map(repr, patterns))} in either run")
-        in_a, in_b = set(names_a), set(names_b)
-        only_a = [n for n in names_a if n not in in_b]
-        only_b = [n for n in names_b if n not in in_a]
-        common = _stored(source_a, source_b, [n for n in names_a if n in in_b])
+        pairs = pair_sites(names_a, names_b)
+        common = _stored(source_a, source_b, pairs.common)
         results: list[SiteRows] | None = None
         if scheduler is not None:
             from vartrace.analysis.comparison.on_dask import compare_on
 
             results = compare_on(scheduler, source_a, source_b, common, atol, rtol, progress)
-        if results is None:
-            views = ((n, source_a.site(n), source_b.site(n)) for n in common)
-            results = list(compare_views(views, atol, rtol, count=len(common), progress=progress))
+        named = [] if results is not None else [(n, n) for n in common]
+        named += pairs.moved.items()
+        views = ((a, source_a.site(a), source_b.site(b)) for a, b in named)
+        count = len(named)
+        found = list(compare_views(views, atol, rtol, count=count, progress=progress))
+        results = [*(results or []), *found]
     labels = labels or (source_a.label, source_b.label)
-    return assemble(results, only_a, only_b, atol, rtol, labels)
+    comparison = assemble(results, pairs.only_a, pairs.only_b, atol, rtol, labels)
+    comparison.moved_lines, comparison.notes = dict(pairs.moved), pairs.notes
+    return comparison

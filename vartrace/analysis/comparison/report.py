@@ -140,6 +140,10 @@ class Comparison:
         first_divergence: the earliest differing record in execution order
             (iteration, then capture order), or `None`.
         only_in_a / only_in_b: sites present in one run only.
+        moved_lines: a's `@every` line site -> b's, for the bindings whose line moved
+            between the runs (compared under a's name).
+        notes: what the report says about pairing the sites (lines moved, bindings not
+            paired); printed, and in `to_frame().attrs["notes"]`.
         sites: a `SiteSummary` per compared site, in execution order.
         atol / rtol: the tolerances used.
     """
@@ -164,6 +168,8 @@ class Comparison:
         self._columns = columns
         self.first_divergence = first_divergence
         self.ok = first_divergence is None
+        self.moved_lines: dict[str, str] = {}
+        self.notes: list[str] = []
 
     def __len__(self) -> int:
         """Number of rows: record pairs plus records present on one side only."""
@@ -188,6 +194,7 @@ class Comparison:
         records' dtypes differ (`dtype_a`, `dtype_b`: `float32` against
         `bfloat16`); a record present in one run only has `status`
         `"only in a"`/`"only in b"`, NaN statistics and `False` matches.
+        The frame's `attrs` hold `notes` and `moved_lines` (see the attributes).
         """
         try:
             import pandas as pd
@@ -195,7 +202,9 @@ class Comparison:
             raise ImportError(
                 "Comparison.to_frame() needs pandas: pip install 'torch-vartrace[pandas]'"
             ) from exc
-        return pd.DataFrame(self._columns, columns=list(COLUMNS))
+        frame = pd.DataFrame(self._columns, columns=list(COLUMNS))
+        frame.attrs.update(notes=list(self.notes), moved_lines=dict(self.moved_lines))
+        return frame
 
     def to_csv(self, path: str | os.PathLike[str]) -> Path:
         """Write one row per record pair to `path` (works without pandas); return the path."""
@@ -276,6 +285,7 @@ class Comparison:
             lines.append(f"only in a ({len(self.only_in_a)}): " + ", ".join(self.only_in_a))
         if self.only_in_b:
             lines.append(f"only in b ({len(self.only_in_b)}): " + ", ".join(self.only_in_b))
+        lines.extend(f"note: {note}" for note in self.notes)
         return lines
 
 

@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from vartrace._support.series import picked, series_read_as
 from vartrace.analysis.sources.chunk_maps import FileMaps
 from vartrace.analysis.sources.views import FileSiteView, MemorySiteView, SiteView
 
@@ -16,7 +17,9 @@ class Source:
     """A run in any form: its site names and a `SiteView` per site.
 
     `aliases` maps the names a `**` pattern stored once to the site each reads
-    as (see `vartrace.tracing.aliases`).
+    as (see `vartrace.tracing.aliases`); `series` maps each `@every` series
+    (`forward.h@every`) to its line sites among `names`: `site` reads one by its name, or
+    by its plain name (`forward.h`) when no site has that name.
 
     A source opened from a path closes its file on `close` (or when
     used as a context manager); one wrapping an object the caller opened
@@ -39,6 +42,7 @@ class Source:
         close: Callable[[], None] | None = None,
         aliases: Mapping[str, str] | None = None,
         run: Any = None,
+        series: Mapping[str, list[str]] | None = None,
     ) -> None:
         self.names = list(names)
         self.run = run
@@ -47,12 +51,25 @@ class Source:
         self._view = view
         self._close = close
         self._known = set(self.names)
+        self.series = dict(series or {})
+
+    def named(self, name: str) -> str | None:
+        """The site `name` reads as: itself, an `@every` series (by its name, or its plain
+        name), or `None` when there is no such site."""
+        if name in self._known:
+            return name
+        return series_read_as(name, self.series, self._known)
+
+    def pick(self, pattern: str) -> list[str]:
+        """The sites a name or glob `pattern` names (see `vartrace._support.series.picked`)."""
+        return picked(pattern, self.names, self.series)
 
     def site(self, name: str) -> SiteView:
         """The view of site `name`; `KeyError` naming the run when it has no such site."""
-        if name not in self._known:
+        found = self.named(name)
+        if found is None:
             raise KeyError(f"{self.label} has no site {name!r}")
-        return self._view(name)
+        return self._view(found)
 
     def close(self) -> None:
         """Close the file this source opened (no-op otherwise)."""
@@ -81,7 +98,12 @@ def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
     """
     if isinstance(source, Source):
         return Source(
-            source.names, source.site, source.label, aliases=source.aliases, run=source.run
+            source.names,
+            source.site,
+            source.label,
+            aliases=source.aliases,
+            run=source.run,
+            series=source.series,
         )
     if isinstance(source, (str, os.PathLike)):
         from vartrace.storage.reader import open_run
@@ -95,6 +117,7 @@ def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
             run.close,
             run.aliases,
             run,
+            run.series,
         )
     if hasattr(type(source), "names") and hasattr(type(source), "meta"):  # reads neither
         paths = [os.fspath(p) for p in getattr(source, "paths", [])] or ["run"]
@@ -106,6 +129,7 @@ def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
             label,
             aliases=getattr(source, "aliases", None),
             run=source,
+            series=getattr(source, "series", None),
         )
     results = getattr(source, "results", source)
     if isinstance(results, Mapping):
@@ -117,6 +141,7 @@ def open_source(source: Any, *, allow_pickle: bool = False) -> Source:
             lambda n: MemorySiteView(n, results[n], reductions.get(aliases.get(n, n))),
             label,
             aliases=aliases,
+            series=getattr(results, "series", None),
         )
     raise TypeError(
         "expected a path, an open run, a ModelTracer or a mapping of site name -> Trace, "
