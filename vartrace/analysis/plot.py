@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vartrace._support.progress import progress_bar
 from vartrace.analysis.sources import Source, open_source, record_stats, stat_function
 from vartrace.analysis.sources.views import STATISTICS
 from vartrace.statistics.named import COUNTS
@@ -172,12 +173,10 @@ def plot_stat(
     for stat in stat_names:
         if not stat.startswith(("q", "log2|x|")):  # those are fields of statistics records
             stat_function(stat)
-    from tqdm.auto import tqdm
-
     with open_source(run) as source:
         names = _expand(source, sites)
         curves = []
-        for name in tqdm(names, desc="plot", unit="site", disable=not progress, delay=1.0):
+        for name in progress_bar(names, show=progress, desc="plot", unit="site"):
             view = source.site(name)
             if all(shape is None for shape in view.shapes) and STATISTICS not in view.dtypes:
                 raise ValueError(f"site {name!r} holds no numeric values to plot")

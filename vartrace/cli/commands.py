@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vartrace.cli.output import UserError, message_of, print_safe, progress
+from vartrace.cli.output import UserError, message_of, print_safe
 from vartrace.cli.runs import is_run_path, matches_pattern, matching, open_path, site_of
 
 
@@ -170,7 +170,7 @@ def cmd_tensorboard(args: argparse.Namespace) -> int:
         options: dict[str, Any] = {"histograms": not args.no_histograms}
         if stats is not None:
             options["stats"] = stats
-        written = export_run(run, args.logdir, names=progress(names, "tensorboard"), **options)
+        written = export_run(run, args.logdir, names=names, progress=sys.stderr.isatty(), **options)
     print_safe(
         f"wrote {written} record(s) of {len(names)} site(s) to {args.logdir}",
         f"view them with: tensorboard --logdir {args.logdir}",

@@ -93,7 +93,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows = []
         total_records = 0
         total_bytes = 0
-        for name in source.names:
+        for name in progress(source.names, "ls"):
             view = source.site(name)
             nbytes = None if name in aliases else _site_bytes(run[name])
             if name not in aliases:
