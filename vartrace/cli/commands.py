@@ -151,9 +151,18 @@ def cmd_plot(args: argparse.Namespace) -> int:
             for name in rest:
                 if name not in run.names and not any(matches_pattern(n, name) for n in run.names):
                     site_of(run, first, name)
-            stats = args.stat or "mean,std"
-            figure = plot_stat(run, rest, stats, args.output, progress=sys.stderr.isatty())
+            figure = plot_stat(
+                run,
+                rest,
+                args.stat,
+                args.output,
+                progress=sys.stderr.isatty(),
+                title=args.title,
+                ylabel=args.ylabel,
+                logy=args.logy,
+            )
             lines = len(figure.axes[0].get_lines())
+            stats = args.stat or ",".join(ax.get_ylabel() for ax in figure.axes if ax.get_lines())
             what = f"{stats} over iterations, {lines} line(s) per statistic"
     finally:
         run.close()
