@@ -53,9 +53,10 @@ def _natural_key(name: str) -> list[str | int]:
 
 
 def _expand(source: Source, sites: str | Sequence[str]) -> list[str]:
-    """Site names and glob patterns -> site names of `source`, in name order (numbers as
-    numbers): a site keeps its colour and legend place from one figure to the next, the
-    gradients of the layers (`@grad`, run backwards) as their forward values."""
+    """Site names and glob patterns -> site names of `source`: the patterns in the order
+    given, the sites a glob matches in name order (numbers as numbers), so a site keeps its
+    colour and legend place from one figure to the next, the gradients of the layers
+    (`@grad`, run backwards) as their forward values."""
     wanted = [sites] if isinstance(sites, str) else list(sites)
     if not wanted:
         raise ValueError("name at least one site to plot")
@@ -65,10 +66,11 @@ def _expand(source: Source, sites: str | Sequence[str]) -> list[str]:
             matched = [pattern]
         else:
             matched = [n for n in source.names if fnmatch.fnmatchcase(n, pattern)]
+            matched.sort(key=_natural_key)
         if not matched:
             raise KeyError(f"{source.label} has no site {pattern!r}")
         names.extend(n for n in matched if n not in names)
-    return sorted(names, key=_natural_key)
+    return names
 
 
 def _x_positions(iterations: np.ndarray, ranks: np.ndarray, order: np.ndarray) -> np.ndarray:
@@ -168,8 +170,9 @@ def plot_stat(
     reaches 0 or below, so no point disappears).  Sites are ordered and coloured by
     name, numbers as numbers (`layers.2` before `layers.10`): a layer keeps its colour
     and legend place from one figure to the next, its gradients (`@grad`, recorded
-    backwards) as its forward values.  Beyond 10 sites, the colours run from blue to
-    red; up to 16 sites get a legend, more a colour bar naming them.  Statistics sites
+    backwards) as its forward values (several patterns: in the order given).  Beyond 10
+    sites, the colours run from blue to red; up to 16 sites get a legend, more a colour
+    bar naming them.  Statistics sites
     ([`vartrace.stats`][vartrace.stats]) plot their stored fields (`absmax`, `nan`,
     `q0.5`...); every statistic is over the finite values, NaN, +inf and -inf
     being counted by `nan`, `posinf`, `neginf`.  A record holding values at
