@@ -113,7 +113,7 @@ def test_plot_stat_of_forty_sites_names_them_on_a_colour_bar_in_execution_order(
     assert_png(path)
     assert not fig.legends, "a 40-entry legend would be cut off"
     bar = fig.axes[-1]
-    assert bar.get_ylabel() == "40 sites, in execution order"
+    assert bar.get_ylabel() == "40 sites, in name order"
     labels = [tick.get_text() for tick in bar.get_yticklabels()]
     assert labels[0] == "layers.0.attn.forward.scores"
     assert labels[-1] == "layers.39.attn.forward.scores"

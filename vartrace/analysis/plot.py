@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vartrace._support.progress import progress_bar
 from vartrace.analysis.sources import Source, open_source, record_stats, stat_function
 from vartrace.analysis.sources.views import STATISTICS
 from vartrace.statistics.named import COUNTS
@@ -44,14 +46,24 @@ def _matplotlib() -> Any:
     return Figure
 
 
+def _natural_key(name: str) -> list[str | int]:
+    """Sort key of a site name with its numbers as numbers: `layers.2` before `layers.10`."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def _expand(source: Source, sites: str | Sequence[str]) -> list[str]:
-    """Site names and glob patterns -> site names of `source`, in the order given."""
+    """Site names and glob patterns -> site names of `source`: the patterns in the order
+    given, the sites a glob matches in name order (numbers as numbers), so a site keeps its
+    colour and legend place from one figure to the next, the gradients of the layers
+    (`@grad`, run backwards) as their forward values."""
     wanted = [sites] if isinstance(sites, str) else list(sites)
     if not wanted:
         raise ValueError("name at least one site to plot")
     names: list[str] = []
     for pattern in wanted:
         matched = source.pick(pattern)
+        if len(matched) > 1:  # a glob's sites in name order, numbers as numbers
+            matched.sort(key=_natural_key)
         if not matched:
             raise KeyError(f"{source.label} has no site {pattern!r}")
         names.extend(n for n in matched if n not in names)
@@ -74,7 +86,7 @@ def _x_positions(iterations: np.ndarray, ranks: np.ndarray, order: np.ndarray) -
 
 
 def _colors(count: int) -> list[Any]:
-    """Distinct colours for few lines (tab10); beyond, a gradient by execution order (depth)."""
+    """Distinct colours for few lines (tab10); beyond, a gradient in name order (depth)."""
     from matplotlib import colormaps
 
     if count <= 10:
@@ -82,12 +94,12 @@ def _colors(count: int) -> list[Any]:
     return [colormaps["turbo"](x) for x in np.linspace(0.0, 1.0, count)]
 
 
-#: Beyond this many sites a plot colours them by execution order, with a colour bar, not a legend.
+#: Beyond this many sites a plot names them on a colour bar (in name order), not a legend.
 _LEGEND_SITES = 16
 
 
 def _site_colour_bar(fig: Any, axes: Any, names: list[str]) -> None:
-    """A colour bar naming sites by execution order (first, some between, last)."""
+    """A colour bar naming sites in name order (first, some between, last)."""
     from matplotlib import colormaps
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
@@ -97,7 +109,7 @@ def _site_colour_bar(fig: Any, axes: Any, names: list[str]) -> None:
     spread = np.linspace(0, len(names) - 1, min(len(names), 12)).round().astype(int)
     ticks = sorted(set(spread.tolist()))
     bar.set_ticks(ticks, labels=[names[t] for t in ticks], fontsize=7)
-    bar.set_label(f"{len(names)} sites, in execution order")
+    bar.set_label(f"{len(names)} sites, in name order")
 
 
 def _short(label: str) -> str:
@@ -133,20 +145,31 @@ def _at_dtype_limits(dtypes: Sequence[str], low: np.ndarray, high: np.ndarray) -
 def plot_stat(
     run: Any,
     sites: str | Sequence[str],
-    stats: str | Sequence[str] = ("mean", "std"),
+    stats: str | Sequence[str] | None = None,
     path: str | os.PathLike[str] | None = None,
     *,
     progress: bool = False,
+    title: str | None = None,
+    ylabel: str | None = None,
+    logy: bool = False,
 ) -> Figure:
     """A statistic of each record over iterations: one subplot per statistic, a line per rank.
 
     `run` is a path (or shard glob), an open run, a ModelTracer or its
     results; `sites` names sites or glob patterns; `stats` are names from
-    `vartrace.analysis.sources.STATS` (`"mean,std"` works too).  Saves to
-    `path` when given and returns the figure; `progress` shows tqdm bars
-    on stderr for work that takes more than a second.  Beyond 10 sites, lines
-    are coloured by execution order (depth: first blue, last red); up to 16 get
-    a legend, more a colour bar naming them.  Statistics sites
+    `vartrace.analysis.sources.STATS` (`"mean,std"` works too; default `mean,std`, or,
+    when every record is a scalar, such as a loss or an entropy reduced in the model,
+    the value itself, labelled by the sites' name: `entropy` for `layers.*.entropy`).
+    Saves to `path` when given and returns the figure; `progress` shows tqdm bars
+    on stderr for work that takes more than a second.  `title` replaces the title (which
+    otherwise names the statistics and the file), `ylabel` the y label (of several
+    statistics: `ylabel (stat)`), and `logy` scales y logarithmically (symlog where a curve
+    reaches 0 or below, so no point disappears).  Sites are ordered and coloured by
+    name, numbers as numbers (`layers.2` before `layers.10`): a layer keeps its colour
+    and legend place from one figure to the next, its gradients (`@grad`, recorded
+    backwards) as its forward values (several patterns: in the order given).  Beyond 10
+    sites, the colours run from blue to red; up to 16 sites get a legend, more a colour
+    bar naming them.  Statistics sites
     ([`vartrace.stats`][vartrace.stats]) plot their stored fields (`absmax`, `nan`,
     `q0.5`...); every statistic is over the finite values, NaN, +inf and -inf
     being counted by `nan`, `posinf`, `neginf`.  A record holding values at
@@ -162,21 +185,19 @@ def plot_stat(
         ```
     """
     Figure = _matplotlib()
-    stat_names = [s.strip() for s in stats.split(",")] if isinstance(stats, str) else list(stats)
-    if not stat_names:
-        raise ValueError("name at least one statistic")
-    for stat in stat_names:
-        if not stat.startswith(("q", "log2|x|")):  # those are fields of statistics records
-            stat_function(stat)
-    from tqdm.auto import tqdm
-
+    stat_names = _stat_names(("mean", "std") if stats is None else stats)
     with open_source(run) as source:
         names = _expand(source, sites)
-        curves = []
-        for name in tqdm(names, desc="plot", unit="site", disable=not progress, delay=1.0):
-            view = source.site(name)
+        views = [source.site(name) for name in names]
+        for name, view in zip(names, views, strict=True):
             if all(shape is None for shape in view.shapes) and STATISTICS not in view.dtypes:
                 raise ValueError(f"site {name!r} holds no numeric values to plot")
+        labels = {stat: stat for stat in stat_names}
+        if stats is None and all(_scalars_only(view) for view in views):
+            stat_names, labels = ["mean"], {"mean": _proper_name(names)}
+        curves = []
+        pairs = list(zip(names, views, strict=True))
+        for name, view in progress_bar(pairs, show=progress, desc="plot", unit="site"):
             wanted = list(dict.fromkeys([*stat_names, "min", "max"]))
             values = record_stats(view, wanted, progress=progress)
             extreme = _at_dtype_limits(view.dtypes, values["min"], values["max"])
@@ -214,13 +235,19 @@ def plot_stat(
                     linewidth=1.2,
                     label=f"{name} [rank {rank}]" if multi_rank else name,
                 )
-        ax.set_ylabel(stat)
+        if ylabel is None:
+            ax.set_ylabel(labels[stat])
+        else:
+            ax.set_ylabel(ylabel if len(stat_names) == 1 else f"{ylabel} ({labels[stat]})")
+        if logy:
+            ax.set_yscale("log" if _all_positive(ax) else "symlog")
         ax.grid(True, alpha=0.3)
         if off_scale:
             _mark_off_scale(ax, off_scale)
     axes[-1].set_xlabel("iteration")
     axes[-1].xaxis.get_major_locator().set_params(integer=True)
-    axes[0].set_title(f"{', '.join(stat_names)} over iterations — {_short(label)}")
+    shown = ", ".join(labels[stat] for stat in stat_names)
+    axes[0].set_title(f"{shown} over iterations — {_short(label)}" if title is None else title)
     if many:  # a legend of that many entries would be cut off
         _site_colour_bar(fig, axes, [name for name, *_ in curves])
     else:  # beside the plots, so it never hides a curve
@@ -228,6 +255,40 @@ def plot_stat(
     if path is not None:
         fig.savefig(os.fspath(path), dpi=120)
     return fig
+
+
+def _stat_names(stats: str | Sequence[str]) -> list[str]:
+    """The statistics asked for (`"mean,std"` or a list), each checked to exist."""
+    names = [s.strip() for s in stats.split(",")] if isinstance(stats, str) else list(stats)
+    if not names:
+        raise ValueError("name at least one statistic")
+    for stat in names:
+        if not stat.startswith(("q", "log2|x|")):  # those are fields of statistics records
+            stat_function(stat)
+    return names
+
+
+def _scalars_only(view: Any) -> bool:
+    """Whether every record of a site is one number (a loss, a norm, an entropy)."""
+    return all(shape is not None and math.prod(shape) == 1 for shape in view.shapes)
+
+
+def _proper_name(names: list[str]) -> str:
+    """What scalar sites hold, by their name: the last part they share (`entropy` of
+    `layers.0.entropy`, `layers.1.entropy`), else the one site's name, else `value`."""
+    if len(names) == 1:
+        return names[0]
+    leaves = {name.rsplit(".", 1)[-1] for name in names}
+    return leaves.pop() if len(leaves) == 1 else "value"
+
+
+def _all_positive(ax: Any) -> bool:
+    """Whether every finite value drawn on `ax` is above 0 (a log scale shows them all)."""
+    for line in ax.get_lines():
+        y = np.asarray(line.get_ydata(), dtype=np.float64)
+        if (y[np.isfinite(y)] <= 0).any():
+            return False
+    return True
 
 
 def _kept_points(curves: list[tuple[Any, ...]], stat: str) -> bool:

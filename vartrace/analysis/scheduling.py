@@ -106,19 +106,12 @@ def run_calls(
         dask = dask_module("dask", "scheduler=")
         return list(dask.compute(*graph, scheduler=engine))
     from distributed import as_completed
-    from tqdm.auto import tqdm
+
+    from vartrace._support.progress import progress_bar
 
     futures = engine.compute(graph)
     try:
-        with tqdm(
-            total=len(futures),
-            unit="task",
-            desc=desc,
-            disable=not progress,
-            file=sys.stderr,
-            leave=False,
-            delay=1.0,
-        ) as bar:
+        with progress_bar(show=progress, total=len(futures), desc=desc, unit="task") as bar:
             for _ in as_completed(futures, loop=engine.loop):
                 bar.update(1)
         return list(engine.gather(futures))

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vartrace._support.progress import progress_bar
 from vartrace.statistics.named import STATS, reduce_block, value_as_array
 from vartrace.trace import RunContext, Trace
 
@@ -202,12 +203,15 @@ def export_run(
     names: Iterable[str] | None = None,
     stats: Sequence[str] = DEFAULT_STATS,
     histograms: bool = True,
+    progress: bool = False,
 ) -> int:
     """Write a finished run's records to TensorBoard event files in `logdir`.
 
     Same tags and steps as [`TensorBoardCallback`][vartrace.TensorBoardCallback]; returns
     the number of records written.  `run` is an open [`vartrace.Run`][] or what
     [`vartrace.open`][] takes (a file, a glob of shards); `names` the sites to write (default: all).
+    `progress` shows a tqdm bar of the records written on stderr when that takes more than a
+    second.
 
     Example:
         ```python
@@ -218,15 +222,23 @@ def export_run(
 
     if not isinstance(run, Run):
         with open_run(run) as opened:
-            return export_run(opened, logdir, names=names, stats=stats, histograms=histograms)
+            return export_run(
+                opened, logdir, names=names, stats=stats, histograms=histograms, progress=progress
+            )
     ranks = {int(r) for name in run.names for r in np.unique(run[name].ranks)}
+    chosen = list(run.names if names is None else names)
+    total = sum(len(run[name]) for name in chosen)
     written = 0
-    with TensorBoardCallback(
-        logdir, stats=stats, histograms=histograms, per_rank=len(ranks) > 1
-    ) as board:
-        for name in run.names if names is None else names:
+    with (
+        TensorBoardCallback(
+            logdir, stats=stats, histograms=histograms, per_rank=len(ranks) > 1
+        ) as board,
+        progress_bar(show=progress, total=total, desc="tensorboard", unit="record") as bar,
+    ):
+        for name in chosen:
             site = run[name]
             for index in range(len(site)):
                 iteration, rank = int(site.iterations[index]), int(site.ranks[index])
                 written += board.write(name, site.record(index), iteration, rank)
+                bar.update(1)
     return written

@@ -9,7 +9,7 @@ vartrace meta RUN [KEY]                 command, packages, git state, ...
 vartrace sites MODULE:FACTORY [PATTERN] capturable sites of a model
 vartrace compare A B [--atol --rtol --csv OUT --names PATTERN ...]
                  [--workers N | --scheduler tcp://host:8786]   on Dask
-vartrace plot RUN SITE... [--stat mean,std] -o out.png
+vartrace plot RUN SITE... [--stat mean,std] -o out.png [--title --ylabel --logy]
 vartrace plot A B -o out.png            similarity heat map
 ```
 
@@ -157,9 +157,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plot",
         help="plot statistics over iterations, or a similarity heat map of two runs",
-        usage="%(prog)s RUN SITE... [--stat STAT] -o OUTPUT [--allow-pickle]\n"
+        usage="%(prog)s RUN SITE... [--stat STAT] -o OUTPUT [--title T] [--ylabel Y] [--logy]\n"
         "       %(prog)s A B -o OUTPUT [--atol ATOL] [--rtol RTOL] [--allow-pickle]",
-        description="RUN SITE...: statistics of sites over iterations, one line per rank.  "
+        description="RUN SITE...: statistics of sites over iterations, one line per rank, "
+        "sites ordered and coloured by name (layers.2 before layers.10).  "
         "A B: a heat map of the similarity of two runs, sites x iterations.",
     )
     p.add_argument(
@@ -170,10 +171,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--stat",
-        help="statistics, comma separated (default mean,std; also var, min, max, absmax, norm, "
-        "nan, posinf, neginf, zeros, count; q0.5... of statistics records), over finite values",
+        help="statistics, comma separated (default mean,std, or the value of sites of scalars; "
+        "also var, min, max, absmax, norm, nan, posinf, neginf, zeros, count; q0.5... of "
+        "statistics records), over finite values",
     )
     p.add_argument("-o", "--output", required=True, help="image file to write (.png, .pdf, .svg)")
+    p.add_argument(
+        "--title", help="the figure's title (default: the statistics and the run's file name)"
+    )
+    p.add_argument("--ylabel", help="the y axis label (default: the statistic)")
+    p.add_argument(
+        "--logy", action="store_true", help="a logarithmic y axis (symlog where values reach 0)"
+    )
     p.add_argument("--atol", type=float, default=1e-8, help="similarity map: absolute tolerance")
     p.add_argument("--rtol", type=float, default=1e-5, help="similarity map: relative tolerance")
     p.add_argument("--allow-pickle", action="store_true", help=_PICKLE_HELP)

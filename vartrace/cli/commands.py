@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vartrace.cli.output import UserError, message_of, print_safe, progress
+from vartrace.cli.output import UserError, message_of, print_safe
 from vartrace.cli.runs import is_run_path, matches_pattern, matching, open_path, site_of
 
 
@@ -151,9 +151,18 @@ def cmd_plot(args: argparse.Namespace) -> int:
             for name in rest:
                 if name not in run.names and not any(matches_pattern(n, name) for n in run.names):
                     site_of(run, first, name)
-            stats = args.stat or "mean,std"
-            figure = plot_stat(run, rest, stats, args.output, progress=sys.stderr.isatty())
+            figure = plot_stat(
+                run,
+                rest,
+                args.stat,
+                args.output,
+                progress=sys.stderr.isatty(),
+                title=args.title,
+                ylabel=args.ylabel,
+                logy=args.logy,
+            )
             lines = len(figure.axes[0].get_lines())
+            stats = args.stat or ",".join(ax.get_ylabel() for ax in figure.axes if ax.get_lines())
             what = f"{stats} over iterations, {lines} line(s) per statistic"
     finally:
         run.close()
@@ -170,7 +179,7 @@ def cmd_tensorboard(args: argparse.Namespace) -> int:
         options: dict[str, Any] = {"histograms": not args.no_histograms}
         if stats is not None:
             options["stats"] = stats
-        written = export_run(run, args.logdir, names=progress(names, "tensorboard"), **options)
+        written = export_run(run, args.logdir, names=names, progress=sys.stderr.isatty(), **options)
     print_safe(
         f"wrote {written} record(s) of {len(names)} site(s) to {args.logdir}",
         f"view them with: tensorboard --logdir {args.logdir}",

@@ -20,6 +20,7 @@ import numpy as np
 from vartrace._support.text import size_text
 from vartrace.cli.output import UserError, print_safe, progress, table_lines
 from vartrace.cli.runs import matching, open_path
+from vartrace.statistics.fields import COUNTS
 
 #: Values with more elements than this are previewed by ``show`` (edge items only).
 _FULL_PRINT = 100
@@ -93,7 +94,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows = []
         total_records = 0
         total_bytes = 0
-        for name in source.names:
+        for name in progress(source.names, "ls"):
             view = source.site(name)
             nbytes = None if name in aliases else _site_bytes(run[name])
             if name not in aliases:
@@ -125,14 +126,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _format_value(value: Any, dtype: str) -> list[str]:
-    """Lines showing one record: the full value when small, a summary when big."""
+def _format_value(value: Any, dtype: str, reduced_from: Any = None) -> list[str]:
+    """Lines showing one record: the full value when small, a summary when big; a
+    statistics record with the dtype and shape of what it summarises (`reduced_from`)."""
     from vartrace.analysis.sources import Unreadable, value_as_array
 
     if isinstance(value, Unreadable):
         return ["  a pickled object: pass --allow-pickle to read it (it runs code from the file)"]
     if dtype == _STATISTICS:
-        return _statistics_lines(value)
+        return _statistics_lines(value, reduced_from)
     array = value_as_array(value)
     if array is None:
         text = _value_text(value)
@@ -162,6 +164,8 @@ _FINITE_LABEL = "over finite values"
 #: Counts of the values the statistics leave out, with their labels.
 _NONFINITE = (("nan", "NaN"), ("posinf", "+inf"), ("neginf", "-inf"))
 _STATISTICS = "statistics"
+#: The prefix of the histogram fields of a statistics record (`log2|x|=3`).
+_BINS = "log2|x|"
 
 
 def _value_text(value: Any) -> str:
@@ -191,12 +195,47 @@ def _stats_text(array: np.ndarray) -> str:
     return "  ".join([*parts, f"({_FINITE_LABEL})", *counts])
 
 
-def _statistics_lines(value: Any) -> list[str]:
-    """A statistics record (vartrace.stats): its fields, a few a line."""
+def _statistics_lines(value: Any, reduced_from: Any) -> list[str]:
+    """A statistics record (vartrace.stats): what it summarises, then its fields, a few a
+    line."""
     items = [f"{name} {number:.6g}" for name, number in value.items()]
     lines = [f"  statistics record ({_FINITE_LABEL}; {len(items)} fields)"]
+    if reduced_from is not None:
+        lines.append(f"  of shape {reduced_from.shape_text}  dtype {reduced_from.dtype}")
     lines += ["  " + "  ".join(items[i : i + 6]) for i in range(0, len(items), 6)]
     return lines
+
+
+def _statistics_table(view: Any, rows: np.ndarray) -> list[str]:
+    """A table of statistics records, a column per field (the histogram's bins left to
+    `show --iteration`), the shape of what each summarises in the shape column."""
+    records = view.objects(rows)
+    fields = list(dict.fromkeys(name for record in records for name in record))
+    columns = [name for name in fields if not name.startswith(_BINS)]
+    shape = "-" if view.reduced_from is None else view.reduced_from.shape_text
+    header = ("iteration", "rank", "shape", *columns)
+    body = [
+        (
+            str(view.iterations[r]),
+            str(view.ranks[r]),
+            shape,
+            *(_field_text(record.statistic(name), name) for name in columns),
+        )
+        for r, record in zip(rows.tolist(), records, strict=True)
+    ]
+    lines = [f"(statistics {_FINITE_LABEL}; nan, posinf, neginf count the others)"]
+    lines += table_lines(header, body, right=range(len(header)))
+    bins = len(fields) - len(columns)
+    if bins:
+        lines.append(f"(and {bins} histogram bins: show --iteration I prints them)")
+    return lines
+
+
+def _field_text(number: float, name: str) -> str:
+    """A statistics field as `show` prints it: counts whole, the rest to 6 digits."""
+    if math.isnan(number):
+        return "-" if name in COUNTS else "nan"
+    return f"{number:.0f}" if name in COUNTS else f"{number:.6g}"
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -204,11 +243,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     with open_path(args.run, args.allow_pickle) as run, open_source(run) as source:
         names = matching(run, args.run, args.sites)
+        horizon = _Horizon(source, run.live)
         shown = 0
         for name in progress(names, "show"):
             if len(names) > 1 and shown:
                 print_safe("")
-            shown += _show_site(source.site(name), name, args, single=len(names) == 1)
+            shown += _show_site(source.site(name), name, args, horizon, single=len(names) == 1)
         if not shown:
             raise UserError(
                 f"no site of {', '.join(args.sites)} has a record at or before iteration "
@@ -217,7 +257,41 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _show_site(view: Any, name: str, args: argparse.Namespace, single: bool) -> int:
+class _Horizon:
+    """How far a run goes: whether its writer still runs, and per rank its last iteration
+    (of any site: what a live file holds as of its last flush), read when first asked."""
+
+    def __init__(self, source: Any, live: bool) -> None:
+        self.live = live
+        self._source = source
+        self._last: dict[int, int] | None = None
+
+    def last(self, rank: int) -> int:
+        if self._last is None:
+            self._last = {}
+            for name in self._source.names:
+                view = self._source.site(name)
+                for r in np.unique(view.ranks).tolist():
+                    at = int(view.iterations[view.ranks == r].max())
+                    self._last[r] = max(at, self._last.get(r, at))
+        return self._last.get(rank, -1)
+
+    def why_unchanged(self, iteration: int, rank: int, since: int) -> str:
+        """Why a site holds at `iteration` what it held at `since`: it did not change, or
+        the run has not flushed that iteration yet (live), or it ended before it."""
+        last = self.last(rank)
+        if iteration <= last:
+            return f"unchanged since iteration {since}"
+        if self.live:
+            return (
+                f"not flushed yet (live; last flush at {last}); its last record: iteration {since}"
+            )
+        return f"after the run's last iteration ({last}); its last record: iteration {since}"
+
+
+def _show_site(
+    view: Any, name: str, args: argparse.Namespace, horizon: _Horizon, single: bool
+) -> int:
     """Print one site (a table of its records, or its value as of an iteration); 1 if printed."""
     from vartrace.analysis.sources import record_stats
 
@@ -233,6 +307,7 @@ def _show_site(view: Any, name: str, args: argparse.Namespace, single: bool) -> 
         print_safe(*_record_table(view, rows, record_stats))
         return 1
     printed = 0
+    origin = view.reduced_from
     for rank in ranks:
         mine = np.flatnonzero(view.ranks == rank)
         mine = mine[np.lexsort((view.order[mine], view.iterations[mine]))]
@@ -243,14 +318,15 @@ def _show_site(view: Any, name: str, args: argparse.Namespace, single: bool) -> 
             for call, r in enumerate(at, 1):
                 count = f", call {call} of {len(at)}" if len(at) > 1 else ""
                 print_safe(f"{label}{count} (capture order {view.order[r]})")
-                print_safe(*_format_value(_record_value(view, int(r)), view.dtypes[r]))
+                print_safe(*_format_value(_record_value(view, int(r)), view.dtypes[r], origin))
         elif len(before):
             r = before[-1]
+            why = horizon.why_unchanged(args.iteration, rank, int(view.iterations[r]))
             print_safe(
-                f"{name} @ iteration {args.iteration}, rank {rank}: unchanged since "
-                f"iteration {view.iterations[r]} (capture order {view.order[r]})"
+                f"{name} @ iteration {args.iteration}, rank {rank}: {why} "
+                f"(capture order {view.order[r]})"
             )
-            print_safe(*_format_value(_record_value(view, int(r)), view.dtypes[r]))
+            print_safe(*_format_value(_record_value(view, int(r)), view.dtypes[r], origin))
         else:
             continue
         printed = 1
@@ -275,6 +351,8 @@ def _record_value(view: Any, row: int) -> Any:
 
 
 def _record_table(view: Any, rows: np.ndarray, record_stats: Any) -> list[str]:
+    if all(view.dtypes[r] == _STATISTICS for r in rows):
+        return _statistics_table(view, rows)
     statistics = any(view.dtypes[r] == _STATISTICS for r in rows)
     numeric = statistics or any(view.shapes[r] is not None for r in rows)
     small = (
@@ -318,7 +396,9 @@ def _record_table(view: Any, rows: np.ndarray, record_stats: Any) -> list[str]:
         (
             str(view.iterations[r]),
             str(view.ranks[r]),
-            _STATISTICS if view.dtypes[r] == _STATISTICS else _record_shape(view.shapes[r]),
+            _record_shape(
+                view.shapes[r], view.reduced_from if view.dtypes[r] == _STATISTICS else None
+            ),
             *(f"{stats[s][i]:.6g}" for s in _TABLE_STATS),
             *(f"{stats[n][i]:.0f}" for n, _ in counted),
         )
@@ -330,7 +410,10 @@ def _record_table(view: Any, rows: np.ndarray, record_stats: Any) -> list[str]:
     return [f"(statistics {_FINITE_LABEL}; NaN and infinities counted)", *table]
 
 
-def _record_shape(shape: Sequence[int] | None) -> str:
+def _record_shape(shape: Sequence[int] | None, reduced_from: Any = None) -> str:
+    """A record's shape; of a statistics record, the shape of what it summarises."""
+    if reduced_from is not None:
+        return str(reduced_from.shape_text)
     return "-" if shape is None else _shape_text(shape)
 
 

@@ -72,9 +72,9 @@ def table_lines(
 
 def progress(items: Sequence[Any], what: str) -> Any:
     """`items` with a progress bar on a terminal's stderr, shown after one second."""
-    from tqdm.auto import tqdm
+    from vartrace._support.progress import progress_bar
 
-    return tqdm(items, desc=what, disable=not sys.stderr.isatty(), delay=1.0, leave=False)
+    return progress_bar(items, show=sys.stderr.isatty(), desc=what)
 
 
 def message_of(exc: BaseException) -> str:

@@ -13,7 +13,6 @@ import concurrent.futures
 import itertools
 import math
 import os
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -338,17 +337,9 @@ def _reduce_all(
 
 def _progress(show: bool, total: int, desc: str, unit: str) -> Any:
     """A tqdm bar on stderr, shown only when `show` and the work lasts over a second."""
-    from tqdm.auto import tqdm
+    from vartrace._support.progress import progress_bar
 
-    return tqdm(
-        total=total,
-        unit=unit,
-        desc=desc,
-        disable=not show or not total,
-        file=sys.stderr,
-        leave=False,
-        delay=1.0,
-    )
+    return progress_bar(show=show and total > 0, total=total, desc=desc, unit=unit)
 
 
 def compare_views(

@@ -52,6 +52,7 @@ COLUMNS: tuple[str, ...] = (
     "var_a",
     "var_b",
     "var_diff",
+    "first_differing_iteration",
 )
 FLOAT_COLUMNS = (
     "max_abs_diff",
@@ -94,6 +95,9 @@ class SiteSummary:
             differ (an fp32 run against a bf16 one), both, `"float32 vs bfloat16"`
             (several such pairs are joined by `", "`); `""` with no pair.
         dtype_match: every record pair has the same dtype on both sides.
+        first_differing_iteration: the iteration of the site's first record pair beyond
+            tolerance (or shape mismatch, or record without a partner), `None` when none:
+            read down the sites, it says in which order a difference propagated.
     """
 
     site: str
@@ -106,6 +110,7 @@ class SiteSummary:
     status: str
     dtypes: str
     dtype_match: bool
+    first_differing_iteration: int | None = None
 
 
 def _fmt(x: float) -> str:
@@ -114,10 +119,14 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _fmt_cosine(x: float) -> str:
-    """Six decimals, so 0.9999995 does not read as a perfect 1."""
+def _fmt_cosine(x: float, differs: bool) -> str:
+    """Six decimals; of a differing site, a cosine six decimals would round to 1 as its
+    distance from 1 (`1-3.2e-09`, or `1` when exactly 1: b a multiple of a), so a site
+    marked DIFFERS never reads as a perfect 1.000000."""
     if math.isnan(x):
         return "-"
+    if differs and f"{x:.6f}" == "1.000000":
+        return "1" if x == 1.0 else f"1-{1.0 - x:.2g}"
     return f"{x:.6f}"
 
 
@@ -190,6 +199,11 @@ class Comparison:
     def to_frame(self) -> Any:
         """A pandas DataFrame with one row per record pair (columns `COLUMNS`).
 
+        `first_differing_iteration` is, on each row, that of its site (see `SiteSummary`;
+        -1 where the site never differs, as `order_a` is -1 where a has no record):
+        `frame.groupby("site", sort=False).first_differing_iteration.first()` says in
+        which order the sites diverged.
+
         `*_diff` columns are `a - b`; `dtype_match` is `False` where the two
         records' dtypes differ (`dtype_a`, `dtype_b`: `float32` against
         `bfloat16`); a record present in one run only has `status`
@@ -236,6 +250,7 @@ class Comparison:
             "pairs",
             "differing",
             "unpaired",
+            "first differing",
             "max abs diff",
             "max rel diff",
             "min cosine",
@@ -248,9 +263,10 @@ class Comparison:
                 str(s.records),
                 str(s.differing),
                 str(s.unpaired),
+                "-" if s.first_differing_iteration is None else str(s.first_differing_iteration),
                 _fmt(s.max_abs_diff),
                 _fmt(s.max_rel_diff),
-                _fmt_cosine(s.min_cosine),
+                _fmt_cosine(s.min_cosine, s.status not in (STATUS_OK, STATUS_SKIPPED)),
                 s.dtypes,
                 s.status if s.status == STATUS_OK else s.status.upper(),
             )
@@ -262,7 +278,7 @@ class Comparison:
         """The readable report, line by line (`str(report)` joins them): a site name
         holding a newline stays on its line."""
         header, body = self._table()
-        lines = [self._title(), *table(header, body, right=(1, 2, 3, 4, 5, 6)), ""]
+        lines = [self._title(), *table(header, body, right=(1, 2, 3, 4, 5, 6, 7)), ""]
         return lines + self._summary_lines()
 
     def _summary_lines(self) -> list[str]:

@@ -98,6 +98,7 @@ class SiteRows:
 
     def summary(self) -> SiteSummary:
         bad = self._failing()
+        first = self.first_key()
         statuses = set(self.status.tolist())
         status = STATUS_OK
         for candidate in (
@@ -120,6 +121,7 @@ class SiteRows:
             status=status,
             dtypes=self.dtype_names(),
             dtype_match=bool(self.dtype_match()[: self.n_pairs].all()),
+            first_differing_iteration=None if first is None else first[0],
         )
 
     def dtype_match(self) -> np.ndarray:
@@ -201,6 +203,8 @@ def _columns(results: list[SiteRows]) -> dict[str, list[Any]]:
         columns["shape_match"].extend(r.shape_match.tolist())
         columns["dtype_match"].extend(r.dtype_match().tolist())
         columns["allclose"].extend(r.allclose.tolist())
+        first = r.first_key()  # the site's, on each of its rows
+        columns["first_differing_iteration"].extend([-1 if first is None else first[0]] * n)
         for name in FLOAT_COLUMNS:
             columns[name].extend(r.floats[name].tolist())
         for stat in ("mean", "std", "var"):

@@ -327,7 +327,7 @@ def record_stats(
             stds = record_stats(run.site("layers.0.out"), "std")["std"]
         ```
     """
-    from tqdm.auto import tqdm
+    from vartrace._support.progress import progress_bar
 
     names = [stats] if isinstance(stats, str) else list(stats)
     computed = [name for name in names if not _field_name(name)]
@@ -341,9 +341,7 @@ def record_stats(
 
     groups = numeric_groups(view)
     total = sum(len(rows) for rows in groups.values())
-    with tqdm(
-        total=total, unit="record", desc=view.name, disable=not progress, delay=1.0, leave=False
-    ) as bar:
+    with progress_bar(show=progress, total=total, desc=view.name, unit="record") as bar:
         for shape, rows in groups.items():
             per_block = max(1, BLOCK_BYTES // max(8, 8 * int(np.prod(shape, dtype=np.int64))))
             for start in range(0, len(rows), per_block):
