@@ -69,7 +69,6 @@ def _slot_huge(handle: h5py.File) -> None:
 
 def _last_tags_of_two(handle: h5py.File) -> None:
     handle.attrs[LAST_TAGS] = np.array([3, 3], np.int64)
-    handle["vars/v"].attrs["slot"] = 1 << 30  # (read when last_tags is not trusted)
 
 
 def _last_tags_near_int64_end(handle: h5py.File) -> None:
@@ -85,7 +84,7 @@ DAMAGES: dict[str, tuple[Callable[[h5py.File], None], str]] = {
     "slot not an integer": (_slot_not_an_integer, "no integer 'slot'"),
     "slot negative": (_slot_negative, "has the slot -1"),
     "slot 2**24": (_slot_huge, f"has the slot {1 << 24}"),
-    "last_tags of two values": (_last_tags_of_two, f"has the slot {1 << 30}"),
+    "last_tags of two values": (_last_tags_of_two, "last_tags is not 3 integers"),
     "last_tags near 2**63": (_last_tags_near_int64_end, "pass int64's largest"),
 }
 
@@ -141,3 +140,29 @@ def test_an_append_beside_a_killed_writers_uncounted_sites_goes_on(tmp_path: Pat
     assert path.stat().st_size < 2 * size
     with vartrace.open(path) as run:
         assert sorted(run.names) == ["a", "v", "w"] and len(run["w"]) == 4
+
+
+def test_an_append_to_a_file_whose_last_tags_are_stale_reads_the_tags(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    _base(path)
+    with h5py.File(path, "r+") as handle:  # (as a writer without last_tags leaves them)
+        handle.attrs[LAST_TAGS] = np.array([1, 1, 999], np.int64)
+    with H5PYSaverCallback(path, append=True, metadata=False) as saver:
+        saver("w", Trace([torch.zeros(4)], [4], [0], [4]))
+    with vartrace.open(path) as run:
+        assert run["w"].iterations.tolist() == [1, 2, 3, 4]
+        assert run["w"].order.tolist() == [0, 1, 2, 4]
+
+
+def test_a_crafted_slot_met_walking_the_tags_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    _base(path)
+    with h5py.File(path, "r+") as handle:
+        handle.attrs[LAST_TAGS] = np.array([1, 1, 999], np.int64)
+        handle["vars/v"].attrs["slot"] = 1 << 30
+    before = _digest(path)
+    saver = H5PYSaverCallback(path, append=True, metadata=False)
+    with pytest.raises(RunFileError, match=f"has the slot {1 << 30}"):
+        saver("w", Trace([torch.zeros(4)], [4], [0], [4]))
+    saver.close()
+    assert _digest(path) == before

@@ -38,7 +38,7 @@ from vartrace.storage.layout import (
     has_write_flags,
     unescape,
 )
-from vartrace.storage.swmr import open_swmr, opened_live
+from vartrace.storage.swmr import open_swmr
 
 __all__ = [
     "checked_version",
@@ -80,11 +80,14 @@ def _open_hdf5(path: Path) -> h5py.File:
     file is retried a few times before it is called damaged.
     """
     plain: OSError | None = None
-    if not opened_live(path):  # (a plain open would share that handle's view: see open_swmr)
-        try:
-            return h5py.File(path, "r")
-        except OSError as error:
-            plain = error
+    try:
+        handle = h5py.File(path, "r")
+    except OSError as error:
+        plain = error
+    else:
+        if not handle.id.get_intent() & h5py.h5f.ACC_SWMR_READ:
+            return handle
+        handle.close()  # it shares a live run's earlier handle, and its view: see open_swmr
     # Only a file a writer holds (or held when killed) is worth SWMR mode, where HDF5 retries
     # each unreadable piece of the file (see open_swmr).
     tries = _OPEN_TRIES if plain is None or has_write_flags(path) else 0

@@ -339,8 +339,13 @@ def last_tags(handle: h5py.File) -> tuple[int, int] | None:
     that appended records would pass int64's largest are a `RunFileError`.
     """
     counts = committed_counts(handle)
-    held = np.asarray(handle.attrs.get(LAST_TAGS, ()))
-    if held.shape == (3,) and held.dtype.kind == "i" and int(held[2]) == int(counts.sum()):
+    held = np.asarray(handle.attrs.get(LAST_TAGS, np.zeros(3, np.int64) - 1))
+    if held.shape != (3,) or held.dtype.kind != "i":  # (rewritten at each flush: as 3 integers)
+        raise RunFileError(
+            f"{file_name(handle.id)}: the root attribute {LAST_TAGS} is not 3 integers: "
+            "a damaged file"
+        )
+    if int(held[2]) == int(counts.sum()):
         last = (int(held[0]), int(held[1])) if held[2] else None
     else:
         last = _walked_tags(handle, counts)

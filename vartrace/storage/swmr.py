@@ -7,6 +7,9 @@ a killed writer left damaged (a SIGKILL mid-flush) or one damaged later. h5py do
 not expose `H5Pset_metadata_read_attempts`, so it is called through ctypes on the
 HDF5 library h5py itself runs on (found among the process's loaded libraries, or
 in h5py's own folder on platforms without `/proc`).
+
+A file this process has open in SWMR mode already is opened again through another
+driver, so that the new handle sees the writer's last flush (see `open_swmr`).
 """
 
 from __future__ import annotations
@@ -77,36 +80,16 @@ def open_swmr(path: Path) -> h5py.File:
             RuntimeWarning,
             stacklevel=3,
         )
-    if opened_live(path):
-        fapl.set_fapl_log(os.devnull.encode(), 0, 0)  # sec2's reads, logging nothing
     flags = h5py.h5f.ACC_RDONLY | h5py.h5f.ACC_SWMR_READ
-    return h5py.File(h5py.h5f.open(bytes(path), flags, fapl=fapl))
-
-
-def opened_live(path: Path) -> bool:
-    """Whether this process has `path` open in SWMR mode through HDF5's default driver
-    (sec2) already.
-
-    HDF5 shares one open file between the handles of a process that open it through
-    the same driver, metadata cache and open objects included: a live run reopened
-    beside an earlier handle (a notebook's `run`) would be shown the extents and chunk
-    indexes that the earlier handle read, beside a newer `/committed`.  Such a file is
-    opened through the log driver (sec2's reads, here logging nothing), which HDF5
-    does not share with sec2's handles: the reopened run sees the writer's last flush.
-    """
-    try:
-        wanted = os.stat(path)
-    except OSError:
-        return False
-    for fid in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_FILE):
-        try:
-            if fid.get_access_plist().get_driver() != h5py.h5fd.SEC2:
-                continue
-            if not fid.get_intent() & h5py.h5f.ACC_SWMR_READ:
-                continue
-            held = os.fstat(fid.get_vfd_handle())
-        except (OSError, RuntimeError, TypeError, ValueError):
-            continue
-        if (held.st_dev, held.st_ino) == (wanted.st_dev, wanted.st_ino):
-            return True
-    return False
+    fid = h5py.h5f.open(bytes(path), flags, fapl=fapl)
+    if h5py.h5f.get_obj_count(fid, h5py.h5f.OBJ_FILE) > 1:
+        # HDF5 shares one open file between the handles of a process that open it
+        # through the same driver, metadata cache and open objects included: a live run
+        # reopened beside an earlier handle (a notebook's `run`) would be shown the
+        # extents and chunk indexes the earlier one read, beside a newer `/committed`.
+        # The log driver (sec2's reads, here logging nothing) is not shared with sec2's
+        # handles: the reopened run sees the writer's last flush.
+        fid.close()
+        fapl.set_fapl_log(os.devnull.encode(), 0, 0)
+        fid = h5py.h5f.open(bytes(path), flags, fapl=fapl)
+    return h5py.File(fid)
