@@ -32,13 +32,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from vartrace._support.warnings import warn
 from vartrace.engine.patching import Hook
 from vartrace.engine.structures import select
 from vartrace.tracing.counting import counting_hooks
 from vartrace.tracing.modules import fullgraph_regions
 from vartrace.tracing.sites import Target
 
-__all__ = ["GraphOutputs", "graph_recordable", "in_fullgraph"]
+__all__ = ["GraphOutputs", "graph_recordable", "in_fullgraph", "warn_compiled"]
 
 
 @dataclass(frozen=True)
@@ -186,3 +187,16 @@ class GraphOutputs:
                         torch.ops.vartrace.record_output(part, key, index)
 
         counting_hooks(undo, target.module, self, before, after)
+
+
+def warn_compiled(targets: Sequence[Target], in_graph: set[int]) -> None:
+    """Warn that a compiled model runs the traced methods of `targets` eagerly (all but
+    those recorded from inside a fullgraph region, `in_graph` by id)."""
+    names = ", ".join(
+        f"{t.path or '<root>'}.{t.method.name}" for t in targets if id(t) not in in_graph
+    )
+    if names:  # else every traced site is a module output recorded from a graph
+        warn(
+            "vartrace: the model is compiled; these traced methods run eagerly while "
+            f"tracing (excluded from torch.compile): {names}"
+        )

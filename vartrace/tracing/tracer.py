@@ -64,7 +64,7 @@ from vartrace.tracing.counting import CallsBeforeStart, counting_hooks, never_st
 from vartrace.tracing.display import TracerSummary
 from vartrace.tracing.eager import eager
 from vartrace.tracing.gradients import GradientWatcher
-from vartrace.tracing.graphs import GraphOutputs, in_fullgraph
+from vartrace.tracing.graphs import GraphOutputs, in_fullgraph, warn_compiled
 from vartrace.tracing.handover import HandOver, callback_error, gathers_at_start, run_callbacks
 from vartrace.tracing.hooks import SinkHooks
 from vartrace.tracing.iterations import IterationCounter
@@ -513,7 +513,7 @@ class ModelTracer:
         undo = self._undo
         undo.callback(self._gradients.close)
         if self._compiled:
-            self._warn_compiled()
+            warn_compiled(self._targets, self._in_graph)
         counter = self._iterations
         undo.callback(self._patched.clear)
         counting: dict[int, list[int]] = {}  # the counting forward hooks, by module
@@ -571,20 +571,6 @@ class ModelTracer:
         heads = {t.path.split(".", 1)[0] for t in self._targets if t.path}
         return [child for name, child in self.model.named_children() if name in heads]
 
-    def _warn_compiled(self) -> None:
-        names = ", ".join(
-            f"{t.path or '<root>'}.{t.method.name}"
-            for t in self._targets
-            if id(t) not in self._in_graph
-        )
-        if not names:
-            return  # every traced site is a module output recorded from a graph
-        _warnings.warn(
-            f"vartrace: the model is compiled; these traced methods run eagerly while "
-            f"tracing (excluded from torch.compile): {names}",
-            stacklevel=3,
-        )
-
     # -- iterations (rules: vartrace.tracing.iterations) --------------------------------------
 
     def _set_enabled(self, enabled: bool) -> None:
@@ -596,7 +582,7 @@ class ModelTracer:
     def _enter_root(self, compiling: bool, module: nn.Module | None = None) -> bool:
         if compiling and not self._compiled:
             self._compiled = True  # compiled after the tracer started
-            self._warn_compiled()
+            warn_compiled(self._targets, self._in_graph)
         if module is None and self._iterations.nested():
             return False  # the root's patched forward, inside the call its module hooks counted
         parts, self._parts = self._parts, None
