@@ -130,8 +130,8 @@ def in_fullgraph(
     model: nn.Module, seen: Sequence[tuple[str, nn.Module]], targets: Sequence[Target]
 ) -> set[int]:
     """The ids of the `targets` inside `model`'s fullgraph regions (those `seen` on a
-    compile wrapper before unwrapping, and those found now), each a module output
-    recorded from the graph.
+    compile wrapper before unwrapping, and those found now), each recorded from the
+    graph (see `graph_recordable`).
 
     Raises `ValueError` before the step for any other target inside one, where Dynamo
     would raise at the first traced method, and for a model compiled whole so, whose
@@ -153,7 +153,8 @@ def in_fullgraph(
             f"fullgraph=True hold the traced methods {names}, which must "
             "run eagerly, outside the graph; compile without fullgraph=True while tracing "
             "(only the traced methods leave the graph), or trace sites outside those modules "
-            "(a module's whole output is recorded from inside the graph: name the module)"
+            "(a module's whole output is recorded from inside the graph, and so are its "
+            "parameters and their @grad: name the module or the parameter)"
         )
     return {id(t) for t in in_graph}
 
