@@ -210,3 +210,43 @@ def test_a_gradient_of_a_block_output_is_still_refused() -> None:
     _compile_blocks_in_place(model)
     with pytest.raises(ValueError, match=r"the traced methods layers\.0\.forward,"):
         ModelTracer(model, ["layers.0@grad"]).start()
+
+
+class DictBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        h = self.fc(x)
+        return {"hidden": h, "pair": (h * 2, torch.relu(h))}
+
+
+class DictNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DictBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)["pair"][1]
+        return x
+
+
+def test_a_structured_block_output_is_recorded_leaf_by_leaf_from_the_graph() -> None:
+    """Dicts and tuples of tensors (a ModelOutput): each tensor under its keys, as eager."""
+
+    def run(compiled: bool) -> dict[str, tuple[list[int], list[torch.Tensor]]]:
+        torch.manual_seed(0)
+        model = DictNet()
+        if compiled:
+            for layer in model.layers:
+                layer.compile(fullgraph=True, backend="aot_eager")
+        return _train(model, ["layers.*"])
+
+    expected, recorded = run(False), run(True)
+    assert sorted(recorded) == sorted(expected) and len(expected) == 6
+    assert "layers.1.forward.pair.0" in recorded
+    for name, (iterations, values) in expected.items():
+        assert recorded[name][0] == iterations == [1, 2, 3]
+        assert all(torch.equal(a, b) for a, b in zip(recorded[name][1], values, strict=True))

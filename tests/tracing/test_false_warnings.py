@@ -131,3 +131,19 @@ def test_a_function_only_passed_on_is_not_said_never_called(model: nn.Module, pa
 def test_a_function_called_by_name_on_a_branch_not_taken_is_still_never_called() -> None:
     [message] = _stop_warnings(Branchy(), "forward>_scaled.half")
     assert "the function it is in was never called (forward>_scaled)" in message
+
+
+class Aliased(nn.Module):
+    """Binds the function to a local and calls it through that (HF's attention_interface),
+    on a branch the run does not take."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        interface = _scaled
+        if x.abs().max() > 1e9:
+            return interface(x)
+        return x
+
+
+def test_a_function_called_through_a_local_is_not_said_passed_on() -> None:
+    [message] = _stop_warnings(Aliased(), "forward>_scaled.half")
+    assert "the function it is in was never called (forward>_scaled)" in message

@@ -57,16 +57,16 @@ _KEYS = itertools.count()
 
 
 @torch.library.custom_op("vartrace::record_output", mutates_args=())
-def _record_output(value: torch.Tensor, key: int, index: int) -> None:
-    """Hand `value`, the `index`-th tensor of a module's output (-1: the output itself),
-    to the hook registered under `key`."""
+def _record_output(value: torch.Tensor, key: int, below: str) -> None:
+    """Hand `value`, a tensor of a module's output, to the hook registered under `key`;
+    `below` is its key in the output (`.0`, `.logits`; empty: the output itself)."""
     recorder = _RECORDERS.get(key)
     if recorder is None or recorder.output is None:
         return  # the tracer stopped; a graph compiled while it ran may still call this
     hook = recorder.hook
-    hook.calls += index <= 0
+    hook.calls += 1
     if hook.enabled:
-        hook.sink(recorder.output if index < 0 else f"{recorder.output}.{index}", value, False)
+        hook.sink(recorder.output + below, value, False)
 
 
 @torch.library.custom_op("vartrace::record_read", mutates_args=())
@@ -86,7 +86,7 @@ def _record_read(value: torch.Tensor, key: int, index: int, grad_mode: bool) -> 
 
 
 @_record_output.register_fake
-def _(value: torch.Tensor, key: int, index: int) -> None:
+def _(value: torch.Tensor, key: int, below: str) -> None:
     return None
 
 
@@ -131,8 +131,8 @@ def in_fullgraph(
     model: nn.Module, seen: Sequence[tuple[str, nn.Module]], targets: Sequence[Target]
 ) -> set[int]:
     """The ids of the `targets` inside `model`'s fullgraph regions (those `seen` on a
-    compile wrapper before unwrapping, and those found now), each a module output
-    recorded from the graph.
+    compile wrapper before unwrapping, and those found now), each recorded from the
+    graph (see `graph_recordable`).
 
     Raises `ValueError` before the step for any other target inside one, where Dynamo
     would raise at the first traced method, and for a model compiled whole so, whose
@@ -154,9 +154,27 @@ def in_fullgraph(
             f"fullgraph=True hold the traced methods {names}, which must "
             "run eagerly, outside the graph; compile without fullgraph=True while tracing "
             "(only the traced methods leave the graph), or trace sites outside those modules "
-            "(a module's whole output is recorded from inside the graph: name the module)"
+            "(a module's whole output is recorded from inside the graph, and so are its "
+            "parameters and their @grad: name the module or the parameter)"
         )
     return {id(t) for t in in_graph}
+
+
+_MAX_DEPTH = 4
+
+
+def _record_tensors(value: Any, key: int, below: str, depth: int) -> None:
+    """Record the tensors of a module's output from the graph: a tensor, and those in
+    tuples, lists and dicts (a `ModelOutput`), named by their keys as in eager mode;
+    Dynamo unrolls the walk when it traces the hook."""
+    if isinstance(value, torch.Tensor):
+        torch.ops.vartrace.record_output(value, key, below)
+    elif depth < _MAX_DEPTH and isinstance(value, (tuple, list)):
+        for index, part in enumerate(value):
+            _record_tensors(part, key, f"{below}.{index}", depth + 1)
+    elif depth < _MAX_DEPTH and isinstance(value, dict):
+        for name, part in value.items():
+            _record_tensors(part, key, f"{below}.{name}", depth + 1)
 
 
 class GraphOutputs:
@@ -177,14 +195,8 @@ class GraphOutputs:
                 torch.ops.vartrace.record_read(tensor, key, index, torch.is_grad_enabled())
 
         def after(module: nn.Module, args: Any, output: Any) -> None:
-            if not returns:
-                return
-            if isinstance(output, torch.Tensor):
-                torch.ops.vartrace.record_output(output, key, -1)
-            elif isinstance(output, (tuple, list)):
-                for index, part in enumerate(output):
-                    if isinstance(part, torch.Tensor):
-                        torch.ops.vartrace.record_output(part, key, index)
+            if returns:
+                _record_tensors(output, key, "", 0)
 
         counting_hooks(undo, target.module, self, before, after)
 

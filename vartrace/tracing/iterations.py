@@ -21,8 +21,9 @@ iteration number chosen by the first rule that applies:
    (a helper the loop calls after `model(x)`) records with the latest iteration.
 
 Module hooks run inside a compiled region: under `torch.compile(fullgraph=True)`,
-where no graph break may leave the region for eager code, they cannot count, and the
-traced methods inside cannot record (`vartrace.tracing.sites.fullgraph_regions`).
+where no graph break may leave the region for eager code, they cannot count (a model
+compiled whole so is refused), and inside the region only module outputs and parameters
+are recorded, from the graph, with the iteration counted outside (`vartrace.tracing.graphs`).
 
 "Outermost" is per thread: two threads calling the model at once make two
 iterations, and each thread's records carry its own call's number.  A model

@@ -247,18 +247,23 @@ class SilenceWatch:
 
 
 def _passed_on(called: str, target: Target) -> bool:
-    """Whether the method of `target` names the function of `called`
-    (`attn.forward>rel_bias`) without calling it by that name: it passes it on."""
+    """Whether the method of `target` only passes the function of `called`
+    (`attn.forward>rel_bias`) on: as an argument of a call, never called by its name
+    (nor bound to a local, HF's `attention_interface = eager_attention_forward`)."""
     name = called.rpartition(CALLEE_SEPARATOR)[2]
     function = target.method.function
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))  # type: ignore[arg-type]
     except (OSError, TypeError, SyntaxError):  # no source: nothing to tell
         return False
-    return not any(
-        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
-        for node in ast.walk(tree)
-    )
+    passed = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Name) and node.func.id == name:
+                return False
+            values = [*node.args, *(keyword.value for keyword in node.keywords)]
+            passed |= any(isinstance(v, ast.Name) and v.id == name for v in values)
+    return passed
 
 
 def _binding(line: int) -> re.Pattern[str]:
