@@ -26,11 +26,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from vartrace.engine.patching import Selector, Sink
 from vartrace.tracing.counting import counting_hooks
+from vartrace.tracing.eager import eager
 
 __all__ = ["Deferred", "OutputWatch"]
 
@@ -64,7 +64,6 @@ class OutputWatch:
         """Watch `module`'s calls (hooks left out of its copies, removed by `undo`);
         `trailing()` gives the ids of forward hooks that must still run after the output
         is emitted (the tracer's counting hook, which ends an iteration)."""
-        eager = torch._dynamo.disable
         last: list[int] = []  # the id of `after`, once registered
 
         def before(module: nn.Module, args: Any) -> None:
