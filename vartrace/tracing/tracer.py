@@ -40,7 +40,9 @@ from vartrace.markers import DROP
 from vartrace.reduced import Reductions
 from vartrace.staging import BlockingStaging, OnFull, Stager, Staging, StagingStats
 from vartrace.tensors import (
+    is_distributed,
     is_transformed,
+    local_shard,
     snapshot,
     split_object,
     unchanged,
@@ -606,6 +608,8 @@ class ModelTracer:
 
     def _store(self, site: str, value: Any, iteration: int, *, saved: bool = False) -> None:
         """Record `value` at `site`; `saved`: the pre-save callbacks already ran."""
+        if isinstance(value, torch.Tensor) and is_distributed(value):
+            value = local_shard(value, site)  # a DTensor: this rank's shard, no collective
         if isinstance(value, torch.Tensor) and is_transformed(value):
             with torch._C._DisableFuncTorch():  # copies made under torch.func stay plain
                 plain = untransformed(value, site, self._transformed_warned)

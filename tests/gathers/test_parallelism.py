@@ -1,0 +1,54 @@
+"""Tracing under parallelism beyond plain DDP, on real gloo process groups.
+
+Tensor parallelism (`parallelize_module` on a `DeviceMesh`) and process sub-groups
+(`new_group`), each on 2 or 4 spawned ranks running a scenario of
+``tests/_parallel_workers.py``, with the hard deadline of ``test_distributed._launch``:
+a hang is a failure, never a stuck CI.  Values are compared bit for bit with what the
+model's own hooks and tensors held on each rank.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import vartrace
+from tests.gathers.test_distributed import _run_ok
+
+workers = importlib.import_module("tests._parallel_workers")
+
+pytestmark = pytest.mark.slow
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
+    assert isinstance(got, torch.Tensor), f"{where}: {got!r}"
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got} != {want}"
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"{where}: {got} != {want}"
+
+
+def test_tensor_parallel_records_each_ranks_local_shard_bit_exact(tmp_path: Path) -> None:
+    """A DTensor record once killed the process (its bytes read at address 0) or raised
+    in the saver; now each rank records its local shard, with a warning naming the
+    placement, and the step is the untraced one."""
+    pytest.importorskip("torch.distributed.tensor.parallel")
+    world = 2
+    results = _run_ok("tests._parallel_workers:tensor_parallel", world, tmp_path)
+    for staging in ("sync", "async"):
+        with vartrace.open(tmp_path / f"tp-{staging}.h5") as run:
+            for rank, found in enumerate(results):
+                assert found[f"losses-{staging}"] == found["untraced"]
+                truth = found[f"truth-{staging}"]
+                for name in workers.TP_SITES:
+                    site = run[name if "." in name else f"{name}.forward"]
+                    for step, want in enumerate(truth[name], start=1):
+                        where = f"{staging} {name} rank {rank} iteration {step}"
+                        _same_bits(site.get(step, rank=rank), want, where)
+            assert set(run["a.weight"].ranks.tolist()) == {0, 1}
+    warned = " ".join(results[0]["warnings-sync"])  # once a site in a process: the first run
+    assert "a.weight is a DTensor of shape (8, 4) placed (Shard(dim=0))" in warned
+    assert "b.weight is a DTensor of shape (4, 8) placed (Shard(dim=1))" in warned
+    assert "b.forward is a DTensor of shape (2, 4) placed (Partial(sum))" in warned
+    assert "local shard, of shape (4, 4) here" in warned
