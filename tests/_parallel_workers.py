@@ -97,3 +97,86 @@ def tensor_parallel(rank: int, world: int, out: Path) -> dict[str, Any]:
         found[f"truth-{staging}"] = truth
         found[f"warnings-{staging}"] = [str(w.message) for w in seen if "DTensor" in str(w.message)]
     return found
+
+
+GROUP_SITES = ["forward.x", "a", "a.weight"]
+
+
+def _group_train(model: nn.Module, rank: int, truth: dict[str, list[torch.Tensor]]) -> list[float]:
+    """`STEPS` SGD steps on inputs of this rank's own; each step's values in `truth`."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    bare = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+    def hook(_: nn.Module, __: Any, output: torch.Tensor) -> None:
+        truth["a"].append(output.detach().clone())
+
+    handle = bare.a.register_forward_hook(hook)
+    losses = []
+    for step in range(1, STEPS + 1):
+        x = torch.arange(8.0).reshape(2, 4) * step + 100 * rank
+        truth["forward.x"].append(x.clone())
+        truth["a.weight"].append(bare.a.weight.detach().clone())
+        opt.zero_grad()
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    handle.remove()
+    return losses
+
+
+def _pairs() -> list[Any]:
+    """The groups of ranks {0, 1} and {2, 3} (made on every rank, as `new_group` asks)."""
+    import torch.distributed as dist
+
+    return [dist.new_group([0, 1]), dist.new_group([2, 3])]
+
+
+def _traced_group(rank: int, path: Path, *, ddp: Any, group: Any, staging: str) -> dict:
+    """One traced training of this rank's group, into `path` (the group's first rank's)."""
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    torch.manual_seed(0)
+    model = _TwoLayers()
+    traced = model if ddp is None else nn.parallel.DistributedDataParallel(model, process_group=ddp)
+    truth: dict[str, list[torch.Tensor]] = {name: [] for name in GROUP_SITES}
+    options = {"staging": staging, **({} if group is None else {"group": group})}
+    with (
+        H5PYSaverCallback(path) as saver,
+        ModelTracer(traced, GROUP_SITES, post_gather_callbacks=[saver], **options),
+    ):
+        losses = _group_train(traced, rank, truth)
+    return {"truth": truth, "losses": losses}
+
+
+def model_on_two_of_four(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """A DDP model on ranks 0 and 1 of 4; ranks 2 and 3 trace nothing and wait at the
+    closing barrier of the default group."""
+    pairs = _pairs()
+    if rank >= 2:
+        return {}
+    return _traced_group(rank, out / "pair.h5", ddp=pairs[0], group=None, staging="sync")
+
+
+def two_data_parallel_groups(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Two data-parallel groups, {0, 1} and {2, 3}, each tracing into its own file: DDP
+    on each group (the tracer takes DDP's group), then a bare model with `group=` and
+    asynchronous staging."""
+    from vartrace import ModelTracer
+
+    pairs = _pairs()
+    mine = pairs[rank // 2]
+    refused = ""
+    try:
+        ModelTracer(_TwoLayers(), GROUP_SITES, group=mine, gather="node")
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "refused": refused,
+        "ddp": _traced_group(
+            rank, out / f"ddp{rank // 2}.h5", ddp=mine, group=None, staging="sync"
+        ),
+        "option": _traced_group(
+            rank, out / f"option{rank // 2}.h5", ddp=None, group=mine, staging="async"
+        ),
+    }

@@ -52,3 +52,36 @@ def test_tensor_parallel_records_each_ranks_local_shard_bit_exact(tmp_path: Path
     assert "b.weight is a DTensor of shape (4, 8) placed (Shard(dim=1))" in warned
     assert "b.forward is a DTensor of shape (2, 4) placed (Partial(sum))" in warned
     assert "local shard, of shape (4, 4) here" in warned
+
+
+def _check_group_file(path: Path, results: list[dict], ranks: list[int]) -> None:
+    """`path` holds, bit for bit, the records of `ranks` (each rank's ground truth) and
+    no other rank's."""
+    with vartrace.open(path) as run:
+        for name in workers.GROUP_SITES:
+            site = run[name if "." in name else f"{name}.forward"]
+            assert sorted(set(site.ranks.tolist())) == ranks, (path, name)
+            for rank in ranks:
+                for step, want in enumerate(results[rank]["truth"][name], start=1):
+                    _same_bits(site.get(step, rank=rank), want, f"{path.name} {name} {rank}")
+
+
+def test_a_model_on_two_ranks_of_four_gathers_within_its_ddp_group(tmp_path: Path) -> None:
+    """Gathers once used every rank: the model's gather paired with the idle ranks'
+    barrier and all four hung.  Now the tracer gathers within DDP's process group."""
+    results = _run_ok("tests._parallel_workers:model_on_two_of_four", 4, tmp_path, pg_timeout=30.0)
+    _check_group_file(tmp_path / "pair.h5", results, [0, 1])
+
+
+def test_two_data_parallel_groups_write_a_file_each(tmp_path: Path) -> None:
+    """Each group's first rank writes its group's records, and only those: by DDP's
+    process group, and by `group=` with asynchronous staging (a gloo group of the
+    group's ranks, made by them alone)."""
+    results = _run_ok(
+        "tests._parallel_workers:two_data_parallel_groups", 4, tmp_path, pg_timeout=30.0
+    )
+    assert "gather='node' gathers within each node's ranks" in results[0]["refused"]
+    for kind in ("ddp", "option"):
+        found = [result[kind] for result in results]
+        _check_group_file(tmp_path / f"{kind}0.h5", found, [0, 1])
+        _check_group_file(tmp_path / f"{kind}1.h5", found, [2, 3])

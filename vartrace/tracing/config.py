@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from vartrace._support import warnings as _warnings
+from vartrace.distributed.groups import gather_group
 from vartrace.staging import OnFull, check_device_bytes
 from vartrace.statistics.records import stats
 from vartrace.trace import Trace
@@ -51,7 +52,8 @@ class TracerConfig:
     `model` is the unwrapped model (no DDP / compile wrapper); `fullgraph` the
     `fullgraph=True` regions seen on the wrapper before unwrapping; `staging` is
     `"async"` or `"sync"` (never `"auto"`); `pre_save_callbacks` begins with the
-    reducer that `statistics=` asked for.
+    reducer that `statistics=` asked for; `group` is the process group the gathers
+    use (`group=`, or the DDP wrapper's; `None`: every rank).
     """
 
     model: nn.Module
@@ -74,6 +76,7 @@ class TracerConfig:
     on_full: OnFull
     max_host_bytes: int
     max_device_bytes: int | None
+    group: Any = None
 
     @classmethod
     def from_options(
@@ -98,6 +101,7 @@ class TracerConfig:
         max_host_bytes: int | None,
         max_device_bytes: int | None,
         statistics: bool | PreSave,
+        group: Any = None,
     ) -> TracerConfig:
         """Check every option of `ModelTracer(...)` (see its docstring) and resolve the
         defaults; raise `TypeError` or `ValueError` naming the first wrong one."""
@@ -130,6 +134,13 @@ class TracerConfig:
             else _positive("max_host_bytes", max_host_bytes)
         )
         max_device_bytes = check_device_bytes(max_device_bytes)
+        group = gather_group(model, group)  # the DDP wrapper's, seen before unwrap
+        if group is not None and gather == "node":
+            raise ValueError(
+                "gather='node' gathers within each node's ranks; it takes no process group "
+                "(group=, or a DistributedDataParallel wrapper's process_group): pass "
+                "gather=True to gather within the group"
+            )
         fullgraph = tuple(fullgraph_regions(model))  # seen on the wrapper, before unwrap
         unwrapped = unwrap(model)
         pre_save = (*_statistics_reducer(statistics), *pre_save_callbacks)
@@ -166,6 +177,7 @@ class TracerConfig:
             on_full=on_full,
             max_host_bytes=max_host_bytes,
             max_device_bytes=max_device_bytes,
+            group=group,
         )
 
     @property

@@ -16,6 +16,7 @@ from typing import Any
 from vartrace._support import warnings as _warnings
 from vartrace._support.memory import held_bytes
 from vartrace.distributed import gathers as distributed
+from vartrace.distributed.groups import check_member, group_ranks
 from vartrace.distributed.nodes import node_of_this_rank
 from vartrace.errors import CallbackError
 from vartrace.markers import Unstored
@@ -35,16 +36,26 @@ def gathers_at_start(config: TracerConfig) -> tuple[Any, RunContext]:
     the callbacks' `on_start`; called by the tracer's `start`, on every rank.
 
     A collective where it makes a group: with `gather="node"`, each node's group (see
-    `vartrace.distributed.nodes`); with asynchronous staging, a gloo group of every rank,
-    for gathers on the stager's thread, never on the group the training thread's
-    collectives (DDP's NCCL all-reduces) use, and never on a device.  With one rank (or
-    no process group yet) `gather="node"` gathers nothing, as `gather=True`.
+    `vartrace.distributed.nodes`); with asynchronous staging, a gloo group of every rank
+    (of the tracer's group, `config.group`), for gathers on the stager's thread, never on
+    the group the training thread's collectives (DDP's NCCL all-reduces) use, and never
+    on a device.  With one rank (or no process group yet) `gather="node"` gathers
+    nothing, as `gather=True`.  With a group, the context is the group's: `rank` is this
+    rank's place in it and `world_size` its size, so that its first rank writes the
+    group's file.
     """
     rank, world = distributed.rank(), distributed.world_size()
     if config.gather == "node" and world > 1:
         node = node_of_this_rank()
         context = RunContext(rank, world, node=node.index, nodes=node.count, node_ranks=node.ranks)
         return node.group, context
+    if config.group is not None and config.gather:
+        check_member(config.group)
+        ranks = group_ranks(config.group)
+        context = RunContext(distributed.rank(config.group), len(ranks))
+        if config.staging == "async" and len(ranks) > 1:
+            return distributed.new_host_group(ranks), context
+        return config.group, context
     group = None
     if config.staging == "async" and config.gather and world > 1:
         group = distributed.new_host_group()
@@ -83,7 +94,7 @@ class HandOver:
         config: the tracer's options (the callbacks, `gather`, `max_host_bytes`).
         hooks: the sinks' hooks (`flush`, `alias`, `reduced`).
         group: the gathers' process group (`None`: the default group; a node's group
-            with `gather="node"`).
+            with `gather="node"`; the tracer's `group=`, or a gloo group of its ranks).
     """
 
     def __init__(
@@ -122,7 +133,7 @@ class HandOver:
             *(("alias", name, target) for name, target in self._aliases.taken()),
             *(("reduced", name, origin) for name, origin in self._reductions.taken()),
         ]
-        if not chunk and not facts and distributed.world_size() == 1:
+        if not chunk and not facts and distributed.world_size(self._group) == 1:
             return  # nothing to hand on, and no other rank waits for this gather
         self._declare(facts)
         known = len(facts)  # the facts declared; a gather appends the other ranks'

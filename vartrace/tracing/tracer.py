@@ -142,6 +142,9 @@ class ModelTracer:
             rank's records on that rank (shard files, `run.rank3.h5`); `"node"` gathers
             each node's ranks to the node's first rank, which writes the node's shard
             (`run.node1.h5`, on that node's disk): nothing crosses nodes (docs/distributed.md).
+        group: the process group to gather within (`dist.new_group(...)`), to its first
+            rank, which runs the post-gather callbacks; default: the `process_group` of a
+            `DistributedDataParallel` model, else every rank.
         strict: raise (`True`) or warn (`False`) on patterns matching nothing.
         staging: how records of accelerator tensors leave the step.
             `"async"`: a clone on the device and an event at capture, and
@@ -202,6 +205,7 @@ class ModelTracer:
         max_host_bytes: int | None = None,
         max_device_bytes: int | None = None,
         statistics: bool | Callable[[str, Any, int], Any] = False,
+        group: Any = None,
     ) -> None:
         self._config = config = TracerConfig.from_options(
             model,
@@ -223,6 +227,7 @@ class ModelTracer:
             max_host_bytes=max_host_bytes,
             max_device_bytes=max_device_bytes,
             statistics=statistics,
+            group=group,
         )
         self._compiled = config.compiled
         self._aliases = Aliases()
