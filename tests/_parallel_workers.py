@@ -180,3 +180,132 @@ def two_data_parallel_groups(rank: int, world: int, out: Path) -> dict[str, Any]
             rank, out / f"option{rank // 2}.h5", ddp=None, group=mine, staging="async"
         ),
     }
+
+
+class _Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.tanh(h)
+
+
+PIPE_SITES = ["forward.x", "forward.h"]
+MICROBATCHES = 2
+
+
+def _new_stage(rank: int) -> _Stage:
+    torch.manual_seed(rank)
+    return _Stage()
+
+
+def _pipeline_train(
+    rank: int, kind: str, module: _Stage, truth: dict[str, list[torch.Tensor]] | None
+) -> list[list[float]]:
+    """`STEPS` steps of a two-stage schedule (`kind`: `"gpipe"` or `"1f1b"`), `module`
+    this rank's stage; with `truth`, each microbatch's input and `h` from a hook."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    if truth is not None:
+
+        def hook(_: nn.Module, args: Any, output: torch.Tensor) -> None:
+            truth["forward.x"].append(args[0].detach().clone())
+            truth["forward.h"].append(output.detach().clone())
+
+        module.lin.register_forward_hook(hook)
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+    kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    schedule = kinds[kind](stage, MICROBATCHES, loss_fn=lambda out, y: (out - y).pow(2).sum())
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    losses: list[list[float]] = []
+    for step in range(1, STEPS + 1):
+        opt.zero_grad()
+        x = torch.arange(16.0).reshape(4, 4) / 16 * step
+        if rank == 0:
+            schedule.step(x)
+        else:
+            found: list[torch.Tensor] = []
+            schedule.step(target=torch.ones(4, 4), losses=found)
+            losses.append([loss.item() for loss in found])
+        opt.step()
+    return losses
+
+
+def pipeline_schedules(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """GPipe and 1F1B without `optimizer=` (each microbatch's call an iteration), traced
+    with the gathers on the training thread and with asynchronous staging."""
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    found: dict[str, Any] = {}
+    for kind in ("gpipe", "1f1b"):
+        found[f"untraced-{kind}"] = _pipeline_train(rank, kind, _new_stage(rank), None)
+        for staging in ("sync", "async"):
+            truth: dict[str, list[torch.Tensor]] = {name: [] for name in PIPE_SITES}
+            key = f"{kind}-{staging}"
+            stage = _new_stage(rank)
+            with (
+                warnings.catch_warnings(record=True) as seen,
+                H5PYSaverCallback(out / f"{key}.h5") as saver,
+                ModelTracer(stage, PIPE_SITES, post_gather_callbacks=[saver], staging=staging),
+            ):
+                warnings.simplefilter("always")
+                found[f"losses-{key}"] = _pipeline_train(rank, kind, stage, truth)
+            found[f"truth-{key}"] = truth
+            found[f"warnings-{key}"] = [str(w.message) for w in seen]
+    return found
+
+
+def _join_train(rank: int, ddp: nn.Module, truth: dict[str, list[torch.Tensor]]) -> list[float]:
+    """Uneven inputs under `Join`: rank 0 runs 2 steps, rank 1 runs `STEPS + 2`."""
+    from torch.distributed.algorithms.join import Join
+
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    losses = []
+    with Join([ddp]):
+        for step in range(1, (2 if rank == 0 else STEPS + 2) + 1):
+            x = torch.arange(8.0).reshape(2, 4) * step + 100 * rank
+            truth["forward.x"].append(x.clone())
+            truth["a.weight"].append(ddp.module.a.weight.detach().clone())
+            opt.zero_grad()
+            loss = ddp(x).pow(2).sum()
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+    return losses
+
+
+def _join_ddp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.parallel.DistributedDataParallel(_TwoLayers())
+
+
+def join_uneven_inputs(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """A traced `Join` with uneven inputs, the tracer outside it (both stagings), and a
+    tracer started inside a `Join`, refused at its start."""
+    from torch.distributed.algorithms.join import Join
+
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    sites = ["forward.x", "a.weight"]
+    found: dict[str, Any] = {"untraced": _join_train(rank, _join_ddp(), {s: [] for s in sites})}
+    for staging in ("sync", "async"):
+        ddp = _join_ddp()
+        truth: dict[str, list[torch.Tensor]] = {name: [] for name in sites}
+        with (
+            warnings.catch_warnings(record=True) as seen,
+            H5PYSaverCallback(out / f"join-{staging}.h5") as saver,
+            ModelTracer(ddp, sites, post_gather_callbacks=[saver], staging=staging),
+        ):
+            warnings.simplefilter("always")
+            found[f"losses-{staging}"] = _join_train(rank, ddp, truth)
+        found[f"truth-{staging}"] = truth
+        found[f"warnings-{staging}"] = [str(w.message) for w in seen]
+    ddp = _join_ddp()
+    with Join([ddp]):
+        try:
+            ModelTracer(ddp, sites).start()
+        except ValueError as error:
+            found["refused"] = str(error)
+    return found

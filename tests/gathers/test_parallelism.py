@@ -85,3 +85,46 @@ def test_two_data_parallel_groups_write_a_file_each(tmp_path: Path) -> None:
         found = [result[kind] for result in results]
         _check_group_file(tmp_path / f"{kind}0.h5", found, [0, 1])
         _check_group_file(tmp_path / f"{kind}1.h5", found, [2, 3])
+
+
+def test_pipeline_schedules_without_an_optimizer_never_hang(tmp_path: Path) -> None:
+    """Each microbatch's call of a stage is an iteration; its gather, on the training
+    thread, once landed between the stage's forward and the send of its activations and
+    both ranks died at the group's timeout."""
+    pytest.importorskip("torch.distributed.pipelining")
+    results = _run_ok("tests._parallel_workers:pipeline_schedules", 2, tmp_path, pg_timeout=30.0)
+    for kind in ("gpipe", "1f1b"):
+        for staging in ("sync", "async"):
+            key = f"{kind}-{staging}"
+            assert results[1][f"losses-{key}"] == results[1][f"untraced-{kind}"], key
+            with vartrace.open(tmp_path / f"{key}.h5") as run:
+                for name in workers.PIPE_SITES:
+                    site = run[name]
+                    for rank, found in enumerate(results):
+                        want = found[f"truth-{key}"][name]  # and the shape inference's call
+                        assert len(want) >= workers.STEPS * workers.MICROBATCHES
+                        for step, value in enumerate(want, start=1):
+                            _same_bits(site.get(step, rank=rank), value, f"{key} {name} {rank}")
+    for kind in ("gpipe", "1f1b"):
+        warned = " ".join(results[0][f"warnings-{kind}-sync"])
+        assert "runs inside a torch.distributed.pipelining schedule" in warned
+
+
+def test_join_with_uneven_inputs_never_hangs(tmp_path: Path) -> None:
+    """Gathers once paired with Join's shadow collectives and no rank left.  Under a
+    Join built after the tracer started, the gathers wait for the tracer's stop; a
+    tracer started inside a Join is refused at its start, naming the fixes."""
+    results = _run_ok("tests._parallel_workers:join_uneven_inputs", 2, tmp_path, pg_timeout=30.0)
+    for staging in ("sync", "async"):
+        with vartrace.open(tmp_path / f"join-{staging}.h5") as run:
+            for rank, found in enumerate(results):
+                assert found[f"losses-{staging}"] == found["untraced"]
+                for name in ("forward.x", "a.weight"):
+                    for step, want in enumerate(found[f"truth-{staging}"][name], start=1):
+                        _same_bits(run[name].get(step, rank=rank), want, f"{staging} {name}")
+            assert len(run["forward.x"].ranks) == 2 + workers.STEPS + 2
+        warned = " ".join(results[0][f"warnings-{staging}"])
+        assert "a torch.distributed.algorithms.Join shadows the collectives" in warned
+    for found in results:
+        assert "start the tracer outside the Join" in found["refused"]
+        assert "gather=False" in found["refused"]

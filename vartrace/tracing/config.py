@@ -53,7 +53,8 @@ class TracerConfig:
     `fullgraph=True` regions seen on the wrapper before unwrapping; `staging` is
     `"async"` or `"sync"` (never `"auto"`); `pre_save_callbacks` begins with the
     reducer that `statistics=` asked for; `group` is the process group the gathers
-    use (`group=`, or the DDP wrapper's; `None`: every rank).
+    use (`group=`, or the DDP wrapper's; `None`: every rank); `joinable` the wrapper
+    a `torch.distributed.algorithms.Join` may take (DDP), else `None`.
     """
 
     model: nn.Module
@@ -77,6 +78,7 @@ class TracerConfig:
     max_host_bytes: int
     max_device_bytes: int | None
     group: Any = None
+    joinable: Any = None
 
     @classmethod
     def from_options(
@@ -178,6 +180,7 @@ class TracerConfig:
             max_host_bytes=max_host_bytes,
             max_device_bytes=max_device_bytes,
             group=group,
+            joinable=model if hasattr(model, "_join_config") else None,
         )
 
     @property

@@ -16,6 +16,7 @@ from typing import Any
 from vartrace._support import warnings as _warnings
 from vartrace._support.memory import held_bytes
 from vartrace.distributed import gathers as distributed
+from vartrace.distributed.collisions import in_pipeline_schedule, join_enabled
 from vartrace.distributed.groups import check_member, group_ranks
 from vartrace.distributed.nodes import node_of_this_rank
 from vartrace.errors import CallbackError
@@ -45,6 +46,14 @@ def gathers_at_start(config: TracerConfig) -> tuple[Any, RunContext]:
     group's file.
     """
     rank, world = distributed.rank(), distributed.world_size()
+    if config.gather and world > 1 and join_enabled(config.joinable):
+        raise ValueError(
+            "ModelTracer(gather=...) inside torch.distributed.algorithms.Join: the tracer's "
+            "final gather would wait, on a rank out of inputs, for ranks that wait for its "
+            "Join; start the tracer outside the Join (`with tracer: with Join([ddp]): ...`, "
+            "built after the tracer starts) or pass gather=False (a shard a rank, no "
+            "communication)"
+        )
     if config.gather == "node" and world > 1:
         node = node_of_this_rank()
         context = RunContext(rank, world, node=node.index, nodes=node.count, node_ranks=node.ranks)
@@ -120,6 +129,7 @@ class HandOver:
         self._group = group
         self._held = 0  # bytes of the records kept in the results
         self._warned_held: bool | str = False
+        self._warned_colliding = False
 
     def __call__(self, *, final: bool = False) -> None:
         """Hand the chunk through the gather callbacks to the results.
@@ -128,6 +138,8 @@ class HandOver:
         still running (see `vartrace.distributed.gathers.final_gathers`).
         """
         config = self._config
+        if not final and self._colliding():
+            return  # the records wait in the chunk for the final gather
         chunk = self._chunk.take()
         facts: list[distributed.Fact] = [
             *(("alias", name, target) for name, target in self._aliases.taken()),
@@ -160,6 +172,32 @@ class HandOver:
             return
         for flush in self._flushes:
             flush()
+
+    def _colliding(self) -> bool:
+        """Whether a gather now would collide with the training's own communication (see
+        `vartrace.distributed.collisions`): on the training thread inside a pipeline
+        schedule, or under a Join started after the tracer.  Every rank then holds its
+        periodic gathers back (each rank's calls are inside the schedule, and every rank
+        built the Join at one point), so the gathers still pair; the records wait in the
+        chunk for the final gather, with a warning once."""
+        if not self._config.gather or distributed.world_size(self._group) == 1:
+            return False
+        if join_enabled(self._config.joinable):
+            why = "a torch.distributed.algorithms.Join shadows the collectives of the ranks"
+        elif in_pipeline_schedule():
+            why = "each call of the stage runs inside a torch.distributed.pipelining schedule"
+        else:
+            return False
+        if not self._warned_colliding:
+            self._warned_colliding = True
+            _warnings.warn(
+                f"vartrace: {why}, where a gather would wait for a rank that waits for this "
+                "one: the records are held on each rank and gathered when the tracer stops.  "
+                "To gather as training goes, pass optimizer= (an iteration ends at its step, "
+                "after the schedule's) or gather=False (a shard a rank, no communication)",
+                RuntimeWarning,
+            )
+        return True
 
     def _retag(self, chunk: dict[str, Trace]) -> None:
         """Tag `chunk` with this process's rank, if the process group started after the
