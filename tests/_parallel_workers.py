@@ -309,3 +309,29 @@ def join_uneven_inputs(rank: int, world: int, out: Path) -> dict[str, Any]:
         except ValueError as error:
             found["refused"] = str(error)
     return found
+
+
+def fsdp2_bf16(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """FSDP2 (`fully_shard`, a bf16 `MixedPrecisionPolicy`): what a parameter's records
+    are (the unsharded bf16 compute copy, and its gradient before the reduce-scatter),
+    next to the full fp32 parameter and the sharded fp32 `.grad` the optimizer uses."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from vartrace import ModelTracer
+
+    torch.manual_seed(0)
+    model = _TwoLayers()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model.a, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    truth: dict[str, list[torch.Tensor]] = {"full": [], "sharded_grad": []}
+    with ModelTracer(model, ["a.weight", "a.weight@grad"]) as tracer:
+        for step in range(1, STEPS + 1):
+            truth["full"].append(model.a.weight.full_tensor().detach().clone())
+            opt.zero_grad()
+            model(torch.arange(8.0).reshape(2, 4) * step + rank).pow(2).sum().backward()
+            truth["sharded_grad"].append(model.a.weight.grad.to_local().clone())
+            opt.step()
+    records = {name: tracer.results[name] for name in tracer.results} if rank == 0 else {}
+    return {"truth": truth, "records": records}

@@ -128,3 +128,28 @@ def test_join_with_uneven_inputs_never_hangs(tmp_path: Path) -> None:
     for found in results:
         assert "start the tracer outside the Join" in found["refused"]
         assert "gather=False" in found["refused"]
+
+
+def test_fsdp2_parameter_records_are_the_unsharded_compute_copy_and_its_gradient(
+    tmp_path: Path,
+) -> None:
+    """What docs/distributed.md says FSDP2 records: a parameter's value is the unsharded
+    bf16 copy the forward computes with, its `@grad` that copy's gradient before the
+    reduce-scatter; the sharded fp32 `.grad` the optimizer uses is the mean of the ranks'
+    records, cut along dimension 0."""
+    pytest.importorskip("torch.distributed.fsdp")
+    results = _run_ok("tests._parallel_workers:fsdp2_bf16", 2, tmp_path, pg_timeout=30.0)
+    records = results[0]["records"]
+    values, grads = records["a.weight"], records["a.weight@grad"]
+    for step in range(1, workers.STEPS + 1):
+        for rank, found in enumerate(results):
+            tags = zip(values.iterations, values.ranks, strict=True)
+            last = [i for i, (it, r) in enumerate(tags) if it == step and r == rank][-1]
+            full = found["truth"]["full"][step - 1].bfloat16()
+            _same_bits(values.values[last], full, f"a.weight {step} {rank}")
+        mine = [grads.values[i] for i, it in enumerate(grads.iterations) if it == step]
+        assert [(g.shape, g.dtype) for g in mine] == [((8, 4), torch.bfloat16)] * 2
+        mean = (mine[0].float() + mine[1].float()) / 2
+        for rank, found in enumerate(results):
+            sharded = found["truth"]["sharded_grad"][step - 1]
+            torch.testing.assert_close(mean.chunk(2)[rank], sharded, rtol=1e-6, atol=1e-6)
