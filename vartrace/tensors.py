@@ -55,6 +55,7 @@ _IMMUTABLE: frozenset[type] = frozenset(
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _uncopyable_warned: set[str] = set()  # the sites whose value could not be copied (or reduced)
 _sharded_warned: set[str] = set()  # the sites whose DTensor was recorded as its local shard
+_DTENSOR: list[type] = []  # the DTensor class, once torch.distributed.tensor is imported
 _MAX_EXPANDED_BYTES = 1 << 30
 _NO_STORAGE = "a tensor subclass wrapping other tensors, with no storage of its own"
 # Compared with ``==``: reading ``device.type`` builds a str, about a microsecond a record.
@@ -206,9 +207,15 @@ def _unwrapped(value: torch.Tensor) -> tuple[torch.Tensor, int] | None:
 def is_distributed(value: torch.Tensor) -> bool:
     """Whether `value` is a `torch.distributed.tensor.DTensor` (no DTensor exists
     before that module is imported, so nothing is imported here)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None)
-    return dtensor is not None and isinstance(value, dtensor)
+    kind = type(value)
+    if kind is torch.Tensor:  # the common case: one comparison a record
+        return False
+    if not _DTENSOR:
+        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        if dtensor is None:
+            return False
+        _DTENSOR.append(dtensor)
+    return issubclass(kind, _DTENSOR[0])
 
 
 def local_shard(value: torch.Tensor, site: str) -> torch.Tensor:

@@ -126,7 +126,7 @@ def test_join_with_uneven_inputs_never_hangs(tmp_path: Path) -> None:
         warned = " ".join(results[0][f"warnings-{staging}"])
         assert "a torch.distributed.algorithms.Join shadows the collectives" in warned
     for found in results:
-        assert "start the tracer outside the Join" in found["refused"]
+        assert "start the tracer first and build the Join inside it" in found["refused"]
         assert "gather=False" in found["refused"]
 
 

@@ -48,11 +48,11 @@ def gathers_at_start(config: TracerConfig) -> tuple[Any, RunContext]:
     rank, world = distributed.rank(), distributed.world_size()
     if config.gather and world > 1 and join_enabled(config.joinable):
         raise ValueError(
-            "ModelTracer(gather=...) inside torch.distributed.algorithms.Join: the tracer's "
-            "final gather would wait, on a rank out of inputs, for ranks that wait for its "
-            "Join; start the tracer outside the Join (`with tracer: with Join([ddp]): ...`, "
-            "built after the tracer starts) or pass gather=False (a shard a rank, no "
-            "communication)"
+            "ModelTracer(gather=...) of a model given to a torch.distributed.algorithms.Join "
+            "before the tracer started: inside the Join, the tracer's final gather would "
+            "wait, on a rank out of inputs, for ranks that wait for its Join; start the "
+            "tracer first and build the Join inside it (`with tracer: with Join([ddp]): "
+            "...`) or pass gather=False (a shard a rank, no communication)"
         )
     if config.gather == "node" and world > 1:
         node = node_of_this_rank()
@@ -184,8 +184,14 @@ class HandOver:
             return False
         if join_enabled(self._config.joinable):
             why = "a torch.distributed.algorithms.Join shadows the collectives of the ranks"
+            fixes = "pass gather=False (a shard a rank, no communication)"
         elif in_pipeline_schedule():
             why = "each call of the stage runs inside a torch.distributed.pipelining schedule"
+            fixes = (
+                "pass optimizer= (an iteration ends at its step, after the schedule's), "
+                "staging='async' (gathers on the tracer's own thread and group) or "
+                "gather=False (a shard a rank, no communication)"
+            )
         else:
             return False
         if not self._warned_colliding:
@@ -193,8 +199,7 @@ class HandOver:
             _warnings.warn(
                 f"vartrace: {why}, where a gather would wait for a rank that waits for this "
                 "one: the records are held on each rank and gathered when the tracer stops.  "
-                "To gather as training goes, pass optimizer= (an iteration ends at its step, "
-                "after the schedule's) or gather=False (a shard a rank, no communication)",
+                f"To gather as training goes, {fixes}",
                 RuntimeWarning,
             )
         return True
