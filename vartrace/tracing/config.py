@@ -136,13 +136,13 @@ class TracerConfig:
             else _positive("max_host_bytes", max_host_bytes)
         )
         max_device_bytes = check_device_bytes(max_device_bytes)
-        group = gather_group(model, group)  # the DDP wrapper's, seen before unwrap
         if group is not None and gather == "node":
             raise ValueError(
-                "gather='node' gathers within each node's ranks; it takes no process group "
-                "(group=, or a DistributedDataParallel wrapper's process_group): pass "
+                "gather='node' gathers within each node's ranks; it takes no group=: pass "
                 "gather=True to gather within the group"
             )
+        # The DDP wrapper's group, seen before unwrap; gather="node" makes groups of its own.
+        group = None if gather == "node" else gather_group(model, group)
         fullgraph = tuple(fullgraph_regions(model))  # seen on the wrapper, before unwrap
         unwrapped = unwrap(model)
         pre_save = (*_statistics_reducer(statistics), *pre_save_callbacks)
