@@ -28,6 +28,16 @@ class _TwoLayers(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+class _ScaledWeight(_TwoLayers):
+    """Binds `w`, a DTensor computed from `a.weight`, twice in its `forward` (for
+    `forward.w@every`: each binding compared with the last, never by collectives)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.a.weight * 2
+        w = w + 1
+        return self.b(torch.relu(self.a(x))) + 0 * w.to_local().sum()
+
+
 def _tensor_parallel() -> nn.Module:
     """`a` column-wise and `b` row-wise over every rank (the same initial weights on each)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -40,7 +50,7 @@ def _tensor_parallel() -> nn.Module:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     plan = {"a": ColwiseParallel(), "b": RowwiseParallel()}
-    return parallelize_module(_TwoLayers(), mesh, plan)
+    return parallelize_module(_ScaledWeight(), mesh, plan)
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -90,7 +100,12 @@ def tensor_parallel(rank: int, world: int, out: Path) -> dict[str, Any]:
         with (
             warnings.catch_warnings(record=True) as seen,
             H5PYSaverCallback(path) as saver,
-            ModelTracer(model, TP_SITES, post_gather_callbacks=[saver], staging=staging),
+            ModelTracer(
+                model,
+                [*TP_SITES, "forward.w@every"],
+                post_gather_callbacks=[saver],
+                staging=staging,
+            ),
         ):
             warnings.simplefilter("always")
             found[f"losses-{staging}"] = _tp_train(model, truth)

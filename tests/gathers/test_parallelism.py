@@ -47,6 +47,12 @@ def test_tensor_parallel_records_each_ranks_local_shard_bit_exact(tmp_path: Path
                         where = f"{staging} {name} rank {rank} iteration {step}"
                         _same_bits(site.get(step, rank=rank), want, where)
             assert set(run["a.weight"].ranks.tolist()) == {0, 1}
+            bindings = sorted(name for name in run.names if name.startswith("forward.w@every"))
+            assert len(bindings) == 2, run.names
+            for rank, found in enumerate(results):
+                for step, weight in enumerate(found[f"truth-{staging}"]["a.weight"], start=1):
+                    for site, want in zip(bindings, (weight * 2, weight * 2 + 1), strict=True):
+                        _same_bits(run[site].get(step, rank=rank), want, f"{site} {rank}")
     warned = " ".join(results[0]["warnings-sync"])  # once a site in a process: the first run
     assert "a.weight is a DTensor of shape (8, 4) placed (Shard(dim=0))" in warned
     assert "b.weight is a DTensor of shape (4, 8) placed (Shard(dim=1))" in warned
