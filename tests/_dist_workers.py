@@ -41,7 +41,7 @@ def entry(rank: int, world: int, port: int, out_dir: str, scenario: str, pg_time
             world_size=world,
             timeout=timedelta(seconds=pg_timeout),
         )
-        result = SCENARIOS[scenario](rank, world, out)
+        result = _scenario(scenario)(rank, world, out)
         torch.save(result, out / f"result{rank}.pt")
         if scenario not in UNSYNCED:
             dist.barrier()  # the safe shutdown order: no rank tears down while another works
@@ -51,6 +51,15 @@ def entry(rank: int, world: int, port: int, out_dir: str, scenario: str, pg_time
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _scenario(name: str) -> Callable[[int, int, Path], Any]:
+    """The scenario named ``name``: one of ``SCENARIOS``, or ``"module:function"`` (the
+    scenarios of another worker module, e.g. ``tests._parallel_workers``)."""
+    if ":" not in name:
+        return SCENARIOS[name]
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def _wait_for_files(out: Path, names: list[str], *, create: str = "", limit: float = 60.0) -> None:

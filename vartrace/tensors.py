@@ -12,13 +12,16 @@ the last one recorded for the site, bit for bit: in-place writes that do
 not bump a tensor's version counter (BatchNorm running statistics, writes
 through `.data`) are still seen, a NaN equals only a NaN of the same
 payload, and `-0.0` differs from `0.0`, for tensors, numpy arrays and
-scalars and Python floats alike.
+scalars and Python floats alike.  A `DTensor` (tensor parallelism) is recorded
+as its rank's local shard (`local_shard`), and a tensor subclass without
+storage of its own is compared through torch, never byte by byte.
 """
 
 from __future__ import annotations
 
 import copy
 import struct
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -26,6 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from vartrace._support.memory import MAP_FROM, map_large_blocks, memcmp
 from vartrace._support.text import size_text
@@ -35,7 +39,9 @@ from vartrace.markers import Unstored
 
 __all__ = [
     "copy_leaf",
+    "is_distributed",
     "is_transformed",
+    "local_shard",
     "same",
     "snapshot",
     "split_object",
@@ -48,7 +54,10 @@ _IMMUTABLE: frozenset[type] = frozenset(
 )
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _uncopyable_warned: set[str] = set()  # the sites whose value could not be copied (or reduced)
+_sharded_warned: set[str] = set()  # the sites whose DTensor was recorded as its local shard
+_DTENSOR: list[type] = []  # the DTensor class, once torch.distributed.tensor is imported
 _MAX_EXPANDED_BYTES = 1 << 30
+_NO_STORAGE = "a tensor subclass wrapping other tensors, with no storage of its own"
 # Compared with ``==``: reading ``device.type`` builds a str, about a microsecond a record.
 _CPU = torch.device("cpu")
 _MAX_STATE_DEPTH = 8
@@ -195,6 +204,50 @@ def _unwrapped(value: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return tensor, len(dims)
 
 
+def is_distributed(value: torch.Tensor) -> bool:
+    """Whether `value` is a `torch.distributed.tensor.DTensor` (no DTensor exists
+    before that module is imported, so nothing is imported here)."""
+    kind = type(value)
+    if kind is torch.Tensor:  # the common case: one comparison a record
+        return False
+    if not _DTENSOR:
+        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        if dtensor is None:
+            return False
+        _DTENSOR.append(dtensor)
+    return issubclass(kind, _DTENSOR[0])
+
+
+def local_shard(value: torch.Tensor, site: str) -> torch.Tensor:
+    """This rank's local shard of the DTensor `value`, detached, with a warning once per
+    site naming its placement.
+
+    A DTensor (`parallelize_module`, FSDP2's sharded parameters) has no storage of
+    its own: reading its bytes would crash the process, and copying it whole would
+    run collectives in the step.  Each rank records its local shard (tagged with
+    its rank as every record); the placement on the device mesh tells how the
+    ranks' records make the full tensor: `Shard(d)` concatenates them along `d`
+    in mesh order, `Replicate()` holds the whole tensor on every rank, `Partial()`
+    sums them.
+
+    Example:
+        ```python
+        local_shard(colwise_weight, "a.weight").shape  # (8 // world, 4)
+        ```
+    """
+    shard = value.detach().to_local()
+    if site not in _sharded_warned:
+        _sharded_warned.add(site)
+        placements = ", ".join(map(repr, value.placements))
+        warn(
+            f"vartrace: {site} is a DTensor of shape {tuple(value.shape)} placed "
+            f"({placements}) on a device mesh of shape {tuple(value.device_mesh.shape)}; "
+            f"each rank records its local shard, of shape {tuple(shard.shape)} here",
+            stacklevel=3,
+        )
+    return shard
+
+
 _FLOAT = struct.Struct("<d")
 _COMPLEX = struct.Struct("<dd")
 
@@ -205,6 +258,8 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     A value that cannot be copied gives a [`vartrace.Unstored`][vartrace.Unstored] marker
     instead, never an exception in the step, with one warning per site (the
     first time the process meets it): an object that refuses `deepcopy`, a
+    tensor subclass that wraps other tensors and has no storage of its own (a
+    `DTensor` gives its local shard instead: `local_shard`), a
     tensor whose dtype torch cannot copy (the sub-byte `torch.uint4`,
     `torch.int1` ... `torch.int7`, `torch.quint4x2`), one the device
     has no memory for.  An expanded view
@@ -220,6 +275,11 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     """
     if isinstance(value, torch.Tensor):
         detached = value.detach()
+        if type(detached) is not torch.Tensor:
+            if is_distributed(detached):
+                detached = local_shard(detached, site)
+            elif is_traceable_wrapper_subclass(detached):
+                return _uncopyable(site, _tensor_text(detached), _NO_STORAGE)
         if (  # nbytes is refused for sparse and nested tensors
             detached.layout is torch.strided
             and not detached.is_nested
@@ -287,8 +347,10 @@ def _uncopyable(site: str, what: str, why: str, verb: str = "copy") -> Unstored:
 
 
 def _tensor_text(tensor: torch.Tensor) -> str:
-    """A tensor as a marker names it: `"torch.uint4 tensor of shape (2, 3)"`."""
-    return f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}"
+    """A tensor as a marker names it: `"torch.uint4 tensor of shape (2, 3)"`, a
+    subclass by its class (`"torch.float32 TwoTensor of shape (3,)"`)."""
+    kind = "tensor" if type(tensor) is torch.Tensor else type(tensor).__name__
+    return f"{tensor.dtype} {kind} of shape {tuple(tensor.shape)}"
 
 
 def _first_line(error: BaseException) -> str:
@@ -368,7 +430,9 @@ def same(a: Any, b: Any) -> bool:
             # The common case, two dense CPU records: memcmp stops at the first differing
             # byte, where torch.equal on integer views costs two views and a dispatch.  The
             # fewest tensor attribute reads first: each costs about a microsecond in a step.
-            a.is_cpu
+            # A tensor subclass may have no storage (data_ptr() is 0): torch compares it.
+            type(a) is torch.Tensor
+            and a.is_cpu
             and b.is_cpu
             and memcmp is not None
             and dtype not in _NOT_BYTEWISE
@@ -451,6 +515,8 @@ def snapshot(value: Any) -> Any:
     ```
     """
     if isinstance(value, torch.Tensor):
+        if is_distributed(value):
+            value = value.to_local()  # what a record of it holds: never a collective
         if is_transformed(value):
             return _transformed_snapshot(value)
         if value.is_cpu or value.is_meta:
@@ -497,6 +563,8 @@ def unchanged(old: Any, value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         if not isinstance(old, torch.Tensor):
             return False
+        if is_distributed(value):
+            value = value.to_local()
         if is_transformed(value):
             unwrapped = _unwrapped(value)
             with torch._C._DisableFuncTorch():

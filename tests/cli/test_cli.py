@@ -438,3 +438,18 @@ def test_existing_paths_and_site_globs_are_not_taken_for_other_things(
     plotted = vartrace("plot", "run[1].h5", "layers.*", "-o", "out.png", cwd=tmp_path)
     assert plotted.returncode == 0, plotted.stderr
     assert "over iterations" in plotted.stdout and (tmp_path / "out.png").is_file()
+
+
+def test_ls_counts_the_bytes_of_shards_in_several_directories(runs: Path, tmp_path: Path) -> None:
+    """The shards of one run, listed by a glob across directories or in one, or named one
+    by one: their records' bytes (6 float32 records of 2), never "0 bytes" and "-"."""
+    for rank in (0, 1):
+        folder = tmp_path / f"node{rank}"
+        folder.mkdir()
+        shutil.copy(runs / f"shard.rank{rank}.h5", folder)
+    nodes = [tmp_path / f"node{rank}" / f"shard.rank{rank}.h5" for rank in (0, 1)]
+    for patterns in ([runs / "shard.rank*.h5"], [tmp_path / "node*" / "shard.rank*.h5"], nodes):
+        result = vartrace("ls", *patterns)
+        assert result.returncode == 0, result.stderr
+        assert "1 sites, 6 records, 48 bytes" in result.stdout
+        assert result.stdout.splitlines()[-1].split()[-2:] == ["48", "bytes"]

@@ -241,3 +241,33 @@ def test_under_warnings_as_errors_a_record_stats_cannot_reduce_breaks_no_step() 
     assert steps == 3
     values = tracer.results["forward.nibbles"].values
     assert len(values) == 3 and all(isinstance(v, vartrace.Unstored) for v in values)
+
+
+class _Wrapped(nn.Module):
+    """Builds, in its ``forward``, a tensor subclass that wraps two tensors and has no
+    storage of its own (``data_ptr()`` is 0), both as a local and line by line."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+        pair = two_tensor.TwoTensor(x * 2, x * 3)
+        return x + pair.a
+
+
+def test_a_tensor_subclass_without_storage_is_a_marker_never_a_crash(tmp_path: Path) -> None:
+    """Change detection once read such a record's bytes at address 0 (SIGSEGV at the
+    site's second record) and the saver called ``.numpy()`` on it (an error in the step)."""
+    model = _Wrapped()
+    path = tmp_path / "wrapped.h5"
+    with (
+        _recording() as caught,
+        H5PYSaverCallback(path) as saver,
+        ModelTracer(model, ["forward.pair", "forward.pair@every"], post_gather_callbacks=[saver]),
+    ):
+        for step in range(3):
+            model(torch.full((3,), float(step)))
+    run = vartrace.open(path)
+    for site in ("forward.pair", *(name for name in run.names if "@every" in name)):
+        values = [run[site].get(step) for step in (1, 2, 3)]
+        assert all(isinstance(value, vartrace.Unstored) for value in values), values
+        assert "TwoTensor of shape (3,): cannot copy it (a tensor subclass" in str(values[0])
+    assert sum("TwoTensor" in str(w.message) for w in caught) >= 1

@@ -400,3 +400,8 @@ def test_recorded_nothing_tells_a_function_never_called_from_a_variable_never_bo
         assert len(messages) == 2, messages
         assert "'forward.huge' recorded nothing: the variable was never bound" in messages[0]
         assert f"'forward>_clipped.rare' recorded nothing: {reason}" in messages[1]
+
+
+def test_a_group_that_is_not_a_process_group_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"group must be a torch.distributed process group"):
+        ModelTracer(Net(), ["body"], group=[0, 1])

@@ -86,7 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     sub.required = True
 
     p = sub.add_parser("ls", help="list the sites of a run, in execution order")
-    p.add_argument("run", metavar="RUN", help=_RUN_HELP)
+    p.add_argument(
+        "run",
+        metavar="RUN",
+        nargs="+",
+        help=_RUN_HELP + "; several: the shards of one run in several directories",
+    )
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser(

@@ -116,7 +116,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     summary = f"{stored} sites, {total_records} records, {size_text(total_bytes)}"
     if aliases:
         summary += f"; {len(aliases)} aliases"
-    print_safe(f"{args.run}: {summary}{live}")
+    print_safe(f"{' '.join(args.run)}: {summary}{live}")
     if rows:
         header = ("site", "records", "shape", "dtype", "iterations", "ranks", "bytes")
         print_safe(*table_lines(header, rows, right=(1, 6)))

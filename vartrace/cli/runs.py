@@ -26,21 +26,24 @@ def _is_url(text: str) -> bool:
     return "://" in text
 
 
-def open_path(path: str, allow_pickle: bool = False) -> Any:
-    """Open a run (a path, a glob, a directory or a URL), turning the usual failures into
-    one-line messages."""
+def open_path(path: str | Sequence[str], allow_pickle: bool = False) -> Any:
+    """Open a run (a path, a glob, a directory or a URL, or several of them: the shards of
+    one run in several directories), turning the usual failures into one-line messages."""
     from vartrace.storage.reader import open_run
 
-    # An existing path is a path, even with [ ] or * in it; a URL is looked up by fsspec.
-    if not _is_url(path) and not os.path.exists(path):
-        if not glob.has_magic(path):
-            raise UserError(f"no such file: {path}")
-        if not glob.glob(path):
-            raise UserError(f"no file matches {path}")
+    paths = [path] if isinstance(path, str) else list(path)
+    for one in paths:
+        # An existing path is a path, even with [ ] or * in it; a URL is looked up by fsspec.
+        if not _is_url(one) and not os.path.exists(one):
+            if not glob.has_magic(one):
+                raise UserError(f"no such file: {one}")
+            if not glob.glob(one):
+                raise UserError(f"no file matches {one}")
+    path = paths[0] if len(paths) == 1 else " ".join(paths)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            run = open_run(path, allow_pickle=allow_pickle)
+            run = open_run(paths[0] if len(paths) == 1 else paths, allow_pickle=allow_pickle)
     except ValueError as exc:  # not a vartrace file, a newer format, shards of several runs
         raise UserError(message_of(exc)) from exc
     except ImportError as exc:  # a URL without fsspec

@@ -163,22 +163,27 @@ def world_size(group: Any = None) -> int:
     return dist.get_world_size(group) if _active() else 1
 
 
-def new_host_group() -> Any:
-    """A gloo process group of every rank, for gathers that run beside the training's own.
+def new_host_group(ranks: list[int] | None = None) -> Any:
+    """A gloo process group of every rank (or of `ranks`), for gathers that run beside
+    the training's own.
 
     Collectives on one group must come in the same order on every rank: a
     thread gathering on the group that DDP's all-reduces use could interleave
     with them.  A group of its own, on the host, also never stages through
-    device memory.  A collective call: every rank must make it, at the same
-    point.  Its timeout is the default group's (``init_process_group(...,
-    timeout=)``), which so bounds the gathers' waits as it bounds the training's.
+    device memory.  A collective call: every rank must make it (with `ranks`, every
+    rank of `ranks`, and only those: the tracer of a model on some ranks is started
+    on those alone), at the same point.  Its timeout is the default group's
+    (``init_process_group(..., timeout=)``), which so bounds the gathers' waits as it
+    bounds the training's.
     Example:
         ```python
         group = new_host_group()
         merged = gather_chunk(chunk, group)
         ```
     """
-    return dist.new_group(backend="gloo", timeout=_timeout())
+    return dist.new_group(
+        ranks, backend="gloo", timeout=_timeout(), use_local_synchronization=ranks is not None
+    )
 
 
 def new_host_subgroups(ranks_per_group: list[list[int]]) -> Any:

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 from collections.abc import Callable, Sequence
 from functools import cached_property
@@ -58,6 +59,17 @@ class ValuesView:
 
     def __len__(self) -> int:
         return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the records as the files store them (each at its part's padded
+        shape, uncompressed), as `h5py.Dataset.nbytes` counts a single file's."""
+        rows = collections.Counter(part for part, _ in self._where)
+        return sum(
+            count * int(np.prod(values.shape[1:], dtype=object)) * values.dtype.itemsize
+            for part, count in rows.items()
+            if (values := self._parts[part].values) is not None
+        )
 
     def __getitem__(self, key: Any) -> np.ndarray:
         index, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from vartrace._support import warnings as _warnings
+from vartrace.distributed.groups import gather_group
 from vartrace.staging import OnFull, check_device_bytes
 from vartrace.statistics.records import stats
 from vartrace.trace import Trace
@@ -51,7 +52,9 @@ class TracerConfig:
     `model` is the unwrapped model (no DDP / compile wrapper); `fullgraph` the
     `fullgraph=True` regions seen on the wrapper before unwrapping; `staging` is
     `"async"` or `"sync"` (never `"auto"`); `pre_save_callbacks` begins with the
-    reducer that `statistics=` asked for.
+    reducer that `statistics=` asked for; `group` is the process group the gathers
+    use (`group=`, or the DDP wrapper's; `None`: every rank); `joinable` the wrapper
+    a `torch.distributed.algorithms.Join` may take (DDP), else `None`.
     """
 
     model: nn.Module
@@ -74,6 +77,8 @@ class TracerConfig:
     on_full: OnFull
     max_host_bytes: int
     max_device_bytes: int | None
+    group: Any = None
+    joinable: Any = None
 
     @classmethod
     def from_options(
@@ -98,6 +103,7 @@ class TracerConfig:
         max_host_bytes: int | None,
         max_device_bytes: int | None,
         statistics: bool | PreSave,
+        group: Any = None,
     ) -> TracerConfig:
         """Check every option of `ModelTracer(...)` (see its docstring) and resolve the
         defaults; raise `TypeError` or `ValueError` naming the first wrong one."""
@@ -130,6 +136,13 @@ class TracerConfig:
             else _positive("max_host_bytes", max_host_bytes)
         )
         max_device_bytes = check_device_bytes(max_device_bytes)
+        if group is not None and gather == "node":
+            raise ValueError(
+                "gather='node' gathers within each node's ranks; it takes no group=: pass "
+                "gather=True to gather within the group"
+            )
+        # The DDP wrapper's group, seen before unwrap; gather="node" makes groups of its own.
+        group = None if gather == "node" else gather_group(model, group)
         fullgraph = tuple(fullgraph_regions(model))  # seen on the wrapper, before unwrap
         unwrapped = unwrap(model)
         pre_save = (*_statistics_reducer(statistics), *pre_save_callbacks)
@@ -166,6 +179,8 @@ class TracerConfig:
             on_full=on_full,
             max_host_bytes=max_host_bytes,
             max_device_bytes=max_device_bytes,
+            group=group,
+            joinable=model if hasattr(model, "_join_config") else None,
         )
 
     @property

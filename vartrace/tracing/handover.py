@@ -16,6 +16,8 @@ from typing import Any
 from vartrace._support import warnings as _warnings
 from vartrace._support.memory import held_bytes
 from vartrace.distributed import gathers as distributed
+from vartrace.distributed.collisions import in_pipeline_schedule, join_enabled
+from vartrace.distributed.groups import check_member, group_ranks
 from vartrace.distributed.nodes import node_of_this_rank
 from vartrace.errors import CallbackError
 from vartrace.markers import Unstored
@@ -35,16 +37,34 @@ def gathers_at_start(config: TracerConfig) -> tuple[Any, RunContext]:
     the callbacks' `on_start`; called by the tracer's `start`, on every rank.
 
     A collective where it makes a group: with `gather="node"`, each node's group (see
-    `vartrace.distributed.nodes`); with asynchronous staging, a gloo group of every rank,
-    for gathers on the stager's thread, never on the group the training thread's
-    collectives (DDP's NCCL all-reduces) use, and never on a device.  With one rank (or
-    no process group yet) `gather="node"` gathers nothing, as `gather=True`.
+    `vartrace.distributed.nodes`); with asynchronous staging, a gloo group of every rank
+    (of the tracer's group, `config.group`), for gathers on the stager's thread, never on
+    the group the training thread's collectives (DDP's NCCL all-reduces) use, and never
+    on a device.  With one rank (or no process group yet) `gather="node"` gathers
+    nothing, as `gather=True`.  With a group, the context is the group's: `rank` is this
+    rank's place in it and `world_size` its size, so that its first rank writes the
+    group's file.
     """
     rank, world = distributed.rank(), distributed.world_size()
+    if config.gather and world > 1 and join_enabled(config.joinable):
+        raise ValueError(
+            "ModelTracer(gather=...) of a model given to a torch.distributed.algorithms.Join "
+            "before the tracer started: inside the Join, the tracer's final gather would "
+            "wait, on a rank out of inputs, for ranks that wait for its Join; start the "
+            "tracer first and build the Join inside it (`with tracer: with Join([ddp]): "
+            "...`) or pass gather=False (a shard a rank, no communication)"
+        )
     if config.gather == "node" and world > 1:
         node = node_of_this_rank()
         context = RunContext(rank, world, node=node.index, nodes=node.count, node_ranks=node.ranks)
         return node.group, context
+    if config.group is not None and config.gather:
+        check_member(config.group)
+        ranks = group_ranks(config.group)
+        context = RunContext(distributed.rank(config.group), len(ranks))
+        if config.staging == "async" and len(ranks) > 1:
+            return distributed.new_host_group(ranks), context
+        return config.group, context
     group = None
     if config.staging == "async" and config.gather and world > 1:
         group = distributed.new_host_group()
@@ -83,7 +103,7 @@ class HandOver:
         config: the tracer's options (the callbacks, `gather`, `max_host_bytes`).
         hooks: the sinks' hooks (`flush`, `alias`, `reduced`).
         group: the gathers' process group (`None`: the default group; a node's group
-            with `gather="node"`).
+            with `gather="node"`; the tracer's `group=`, or a gloo group of its ranks).
     """
 
     def __init__(
@@ -109,6 +129,7 @@ class HandOver:
         self._group = group
         self._held = 0  # bytes of the records kept in the results
         self._warned_held: bool | str = False
+        self._warned_colliding = False
 
     @property
     def held(self) -> int:
@@ -122,12 +143,14 @@ class HandOver:
         still running (see `vartrace.distributed.gathers.final_gathers`).
         """
         config = self._config
+        if not final and self._colliding():
+            return  # the records wait in the chunk for the final gather
         chunk = self._chunk.take()
         facts: list[distributed.Fact] = [
             *(("alias", name, target) for name, target in self._aliases.taken()),
             *(("reduced", name, origin) for name, origin in self._reductions.taken()),
         ]
-        if not chunk and not facts and distributed.world_size() == 1:
+        if not chunk and not facts and distributed.world_size(self._group) == 1:
             return  # nothing to hand on, and no other rank waits for this gather
         self._declare(facts)
         known = len(facts)  # the facts declared; a gather appends the other ranks'
@@ -154,6 +177,37 @@ class HandOver:
             return
         for flush in self._flushes:
             flush()
+
+    def _colliding(self) -> bool:
+        """Whether a gather now would collide with the training's own communication (see
+        `vartrace.distributed.collisions`): on the training thread inside a pipeline
+        schedule, or under a Join started after the tracer.  Every rank then holds its
+        periodic gathers back (each rank's calls are inside the schedule, and every rank
+        built the Join at one point), so the gathers still pair; the records wait in the
+        chunk for the final gather, with a warning once."""
+        if not self._config.gather or distributed.world_size(self._group) == 1:
+            return False
+        if join_enabled(self._config.joinable):
+            why = "a torch.distributed.algorithms.Join shadows the collectives of the ranks"
+            fixes = "pass gather=False (a shard a rank, no communication)"
+        elif in_pipeline_schedule():
+            why = "each call of the stage runs inside a torch.distributed.pipelining schedule"
+            fixes = (
+                "pass optimizer= (an iteration ends at its step, after the schedule's), "
+                "staging='async' (gathers on the tracer's own thread and group) or "
+                "gather=False (a shard a rank, no communication)"
+            )
+        else:
+            return False
+        if not self._warned_colliding:
+            self._warned_colliding = True
+            _warnings.warn(
+                f"vartrace: {why}, where a gather would wait for a rank that waits for this "
+                "one: the records are held on each rank and gathered when the tracer stops.  "
+                f"To gather as training goes, {fixes}",
+                RuntimeWarning,
+            )
+        return True
 
     def _retag(self, chunk: dict[str, Trace]) -> None:
         """Tag `chunk` with this process's rank, if the process group started after the

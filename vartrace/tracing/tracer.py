@@ -41,7 +41,9 @@ from vartrace.markers import DROP
 from vartrace.reduced import Reductions
 from vartrace.staging import BlockingStaging, OnFull, Stager, Staging, StagingStats
 from vartrace.tensors import (
+    is_distributed,
     is_transformed,
+    local_shard,
     snapshot,
     split_object,
     unchanged,
@@ -145,6 +147,9 @@ class ModelTracer:
             rank's records on that rank (shard files, `run.rank3.h5`); `"node"` gathers
             each node's ranks to the node's first rank, which writes the node's shard
             (`run.node1.h5`, on that node's disk): nothing crosses nodes (docs/distributed.md).
+        group: the process group to gather within (`dist.new_group(...)`), to its first
+            rank, which runs the post-gather callbacks; default: the `process_group` of a
+            `DistributedDataParallel` model, else every rank.
         strict: raise (`True`) or warn (`False`) on patterns matching nothing.
         staging: how records of accelerator tensors leave the step.
             `"async"`: a clone on the device and an event at capture, and
@@ -205,6 +210,7 @@ class ModelTracer:
         max_host_bytes: int | None = None,
         max_device_bytes: int | None = None,
         statistics: bool | Callable[[str, Any, int], Any] = False,
+        group: Any = None,
     ) -> None:
         self._config = config = TracerConfig.from_options(
             model,
@@ -226,6 +232,7 @@ class ModelTracer:
             max_host_bytes=max_host_bytes,
             max_device_bytes=max_device_bytes,
             statistics=statistics,
+            group=group,
         )
         self._compiled = config.compiled
         self._aliases = Aliases()
@@ -625,6 +632,8 @@ class ModelTracer:
 
     def _store(self, site: str, value: Any, iteration: int, *, saved: bool = False) -> None:
         """Record `value` at `site`; `saved`: the pre-save callbacks already ran."""
+        if isinstance(value, torch.Tensor) and is_distributed(value):
+            value = local_shard(value, site)  # a DTensor: this rank's shard, no collective
         if isinstance(value, torch.Tensor) and is_transformed(value):
             with torch._C._DisableFuncTorch():  # copies made under torch.func stay plain
                 plain = untransformed(value, site, self._transformed_warned)

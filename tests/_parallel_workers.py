@@ -1,0 +1,352 @@
+"""Scenarios of modern parallelism for ``tests/gathers/test_parallelism.py``.
+
+Run by ``tests._dist_workers.entry`` (scenario ``"tests._parallel_workers:<name>"``) on
+spawned gloo ranks; each returns what its rank saw, the ground truth from the model's
+own hooks and tensors next to what vartrace recorded.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+STEPS = 3
+TP_SITES = ["a.weight", "a.weight@grad", "b.weight", "b.weight@grad", "a", "b"]
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+class _ScaledWeight(_TwoLayers):
+    """Binds `w`, a DTensor computed from `a.weight`, twice in its `forward` (for
+    `forward.w@every`: each binding compared with the last, never by collectives)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.a.weight * 2
+        w = w + 1
+        return self.b(torch.relu(self.a(x))) + 0 * w.to_local().sum()
+
+
+def _tensor_parallel() -> nn.Module:
+    """`a` column-wise and `b` row-wise over every rank (the same initial weights on each)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    plan = {"a": ColwiseParallel(), "b": RowwiseParallel()}
+    return parallelize_module(_ScaledWeight(), mesh, plan)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.detach().to_local().clone()
+
+
+def _tp_train(model: nn.Module, truth: dict[str, list[torch.Tensor]] | None) -> list[float]:
+    """`STEPS` SGD steps; with `truth`, each step's local shards from the model's own
+    tensors and from hooks that run before tensor parallelism's output hooks."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handles = []
+    if truth is not None:
+        for name in ("a", "b"):
+
+            def hook(_: nn.Module, __: Any, output: torch.Tensor, name: str = name) -> None:
+                truth[name].append(_local(output))
+
+            handles.append(getattr(model, name).register_forward_hook(hook, prepend=True))
+    losses = []
+    for step in range(1, STEPS + 1):
+        if truth is not None:
+            for layer in ("a", "b"):
+                truth[f"{layer}.weight"].append(_local(getattr(model, layer).weight))
+        opt.zero_grad()
+        loss = model(torch.arange(8.0).reshape(2, 4) * step).pow(2).sum()
+        loss.backward()
+        losses.append(loss.item())
+        if truth is not None:
+            for layer in ("a", "b"):
+                truth[f"{layer}.weight@grad"].append(_local(getattr(model, layer).weight.grad))
+        opt.step()
+    for handle in handles:
+        handle.remove()
+    return losses
+
+
+def tensor_parallel(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Colwise/rowwise `parallelize_module` traced (both stagings), into a file on rank
+    0: every parameter, its `@grad` and each layer's output are DTensors."""
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    found: dict[str, Any] = {"untraced": _tp_train(_tensor_parallel(), None)}
+    for staging in ("sync", "async"):
+        model = _tensor_parallel()
+        truth: dict[str, list[torch.Tensor]] = {name: [] for name in TP_SITES}
+        path = out / f"tp-{staging}.h5"
+        with (
+            warnings.catch_warnings(record=True) as seen,
+            H5PYSaverCallback(path) as saver,
+            ModelTracer(
+                model,
+                [*TP_SITES, "forward.w@every"],
+                post_gather_callbacks=[saver],
+                staging=staging,
+            ),
+        ):
+            warnings.simplefilter("always")
+            found[f"losses-{staging}"] = _tp_train(model, truth)
+        found[f"truth-{staging}"] = truth
+        found[f"warnings-{staging}"] = [str(w.message) for w in seen if "DTensor" in str(w.message)]
+    return found
+
+
+GROUP_SITES = ["forward.x", "a", "a.weight"]
+
+
+def _group_train(model: nn.Module, rank: int, truth: dict[str, list[torch.Tensor]]) -> list[float]:
+    """`STEPS` SGD steps on inputs of this rank's own; each step's values in `truth`."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    bare = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+    def hook(_: nn.Module, __: Any, output: torch.Tensor) -> None:
+        truth["a"].append(output.detach().clone())
+
+    handle = bare.a.register_forward_hook(hook)
+    losses = []
+    for step in range(1, STEPS + 1):
+        x = torch.arange(8.0).reshape(2, 4) * step + 100 * rank
+        truth["forward.x"].append(x.clone())
+        truth["a.weight"].append(bare.a.weight.detach().clone())
+        opt.zero_grad()
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    handle.remove()
+    return losses
+
+
+def _pairs() -> list[Any]:
+    """The groups of ranks {0, 1} and {2, 3} (made on every rank, as `new_group` asks)."""
+    import torch.distributed as dist
+
+    return [dist.new_group([0, 1]), dist.new_group([2, 3])]
+
+
+def _traced_group(rank: int, path: Path, *, ddp: Any, group: Any, staging: str) -> dict:
+    """One traced training of this rank's group, into `path` (the group's first rank's)."""
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    torch.manual_seed(0)
+    model = _TwoLayers()
+    traced = model if ddp is None else nn.parallel.DistributedDataParallel(model, process_group=ddp)
+    truth: dict[str, list[torch.Tensor]] = {name: [] for name in GROUP_SITES}
+    options = {"staging": staging, **({} if group is None else {"group": group})}
+    with (
+        H5PYSaverCallback(path) as saver,
+        ModelTracer(traced, GROUP_SITES, post_gather_callbacks=[saver], **options),
+    ):
+        losses = _group_train(traced, rank, truth)
+    return {"truth": truth, "losses": losses}
+
+
+def model_on_two_of_four(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """A DDP model on ranks 0 and 1 of 4; ranks 2 and 3 trace nothing and wait at the
+    closing barrier of the default group."""
+    pairs = _pairs()
+    if rank >= 2:
+        return {}
+    return _traced_group(rank, out / "pair.h5", ddp=pairs[0], group=None, staging="sync")
+
+
+def two_data_parallel_groups(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Two data-parallel groups, {0, 1} and {2, 3}, each tracing into its own file: DDP
+    on each group (the tracer takes DDP's group), then a bare model with `group=` and
+    asynchronous staging."""
+    from vartrace import ModelTracer
+
+    pairs = _pairs()
+    mine = pairs[rank // 2]
+    refused = ""
+    try:
+        ModelTracer(_TwoLayers(), GROUP_SITES, group=mine, gather="node")
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "refused": refused,
+        "ddp": _traced_group(
+            rank, out / f"ddp{rank // 2}.h5", ddp=mine, group=None, staging="sync"
+        ),
+        "option": _traced_group(
+            rank, out / f"option{rank // 2}.h5", ddp=None, group=mine, staging="async"
+        ),
+    }
+
+
+class _Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.tanh(h)
+
+
+PIPE_SITES = ["forward.x", "forward.h"]
+MICROBATCHES = 2
+
+
+def _new_stage(rank: int) -> _Stage:
+    torch.manual_seed(rank)
+    return _Stage()
+
+
+def _pipeline_train(
+    rank: int, kind: str, module: _Stage, truth: dict[str, list[torch.Tensor]] | None
+) -> list[list[float]]:
+    """`STEPS` steps of a two-stage schedule (`kind`: `"gpipe"` or `"1f1b"`), `module`
+    this rank's stage; with `truth`, each microbatch's input and `h` from a hook."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    if truth is not None:
+
+        def hook(_: nn.Module, args: Any, output: torch.Tensor) -> None:
+            truth["forward.x"].append(args[0].detach().clone())
+            truth["forward.h"].append(output.detach().clone())
+
+        module.lin.register_forward_hook(hook)
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+    kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    schedule = kinds[kind](stage, MICROBATCHES, loss_fn=lambda out, y: (out - y).pow(2).sum())
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    losses: list[list[float]] = []
+    for step in range(1, STEPS + 1):
+        opt.zero_grad()
+        x = torch.arange(16.0).reshape(4, 4) / 16 * step
+        if rank == 0:
+            schedule.step(x)
+        else:
+            found: list[torch.Tensor] = []
+            schedule.step(target=torch.ones(4, 4), losses=found)
+            losses.append([loss.item() for loss in found])
+        opt.step()
+    return losses
+
+
+def pipeline_schedules(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """GPipe and 1F1B without `optimizer=` (each microbatch's call an iteration), traced
+    with the gathers on the training thread and with asynchronous staging."""
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    found: dict[str, Any] = {}
+    for kind in ("gpipe", "1f1b"):
+        found[f"untraced-{kind}"] = _pipeline_train(rank, kind, _new_stage(rank), None)
+        for staging in ("sync", "async"):
+            truth: dict[str, list[torch.Tensor]] = {name: [] for name in PIPE_SITES}
+            key = f"{kind}-{staging}"
+            stage = _new_stage(rank)
+            with (
+                warnings.catch_warnings(record=True) as seen,
+                H5PYSaverCallback(out / f"{key}.h5") as saver,
+                ModelTracer(stage, PIPE_SITES, post_gather_callbacks=[saver], staging=staging),
+            ):
+                warnings.simplefilter("always")
+                found[f"losses-{key}"] = _pipeline_train(rank, kind, stage, truth)
+            found[f"truth-{key}"] = truth
+            found[f"warnings-{key}"] = [str(w.message) for w in seen]
+    return found
+
+
+def _join_train(rank: int, ddp: nn.Module, truth: dict[str, list[torch.Tensor]]) -> list[float]:
+    """Uneven inputs under `Join`: rank 0 runs 2 steps, rank 1 runs `STEPS + 2`."""
+    from torch.distributed.algorithms.join import Join
+
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    losses = []
+    with Join([ddp]):
+        for step in range(1, (2 if rank == 0 else STEPS + 2) + 1):
+            x = torch.arange(8.0).reshape(2, 4) * step + 100 * rank
+            truth["forward.x"].append(x.clone())
+            truth["a.weight"].append(ddp.module.a.weight.detach().clone())
+            opt.zero_grad()
+            loss = ddp(x).pow(2).sum()
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+    return losses
+
+
+def _join_ddp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.parallel.DistributedDataParallel(_TwoLayers())
+
+
+def join_uneven_inputs(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """A traced `Join` with uneven inputs, the tracer outside it (both stagings), and a
+    tracer started inside a `Join`, refused at its start."""
+    from torch.distributed.algorithms.join import Join
+
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    sites = ["forward.x", "a.weight"]
+    found: dict[str, Any] = {"untraced": _join_train(rank, _join_ddp(), {s: [] for s in sites})}
+    for staging in ("sync", "async"):
+        ddp = _join_ddp()
+        truth: dict[str, list[torch.Tensor]] = {name: [] for name in sites}
+        with (
+            warnings.catch_warnings(record=True) as seen,
+            H5PYSaverCallback(out / f"join-{staging}.h5") as saver,
+            ModelTracer(ddp, sites, post_gather_callbacks=[saver], staging=staging),
+        ):
+            warnings.simplefilter("always")
+            found[f"losses-{staging}"] = _join_train(rank, ddp, truth)
+        found[f"truth-{staging}"] = truth
+        found[f"warnings-{staging}"] = [str(w.message) for w in seen]
+    ddp = _join_ddp()
+    with Join([ddp]):
+        try:
+            ModelTracer(ddp, sites).start()
+        except ValueError as error:
+            found["refused"] = str(error)
+    return found
+
+
+def fsdp2_bf16(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """FSDP2 (`fully_shard`, a bf16 `MixedPrecisionPolicy`): what a parameter's records
+    are (the unsharded bf16 compute copy, and its gradient before the reduce-scatter),
+    next to the full fp32 parameter and the sharded fp32 `.grad` the optimizer uses."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from vartrace import ModelTracer
+
+    torch.manual_seed(0)
+    model = _TwoLayers()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model.a, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    truth: dict[str, list[torch.Tensor]] = {"full": [], "sharded_grad": []}
+    with ModelTracer(model, ["a.weight", "a.weight@grad"]) as tracer:
+        for step in range(1, STEPS + 1):
+            truth["full"].append(model.a.weight.full_tensor().detach().clone())
+            opt.zero_grad()
+            model(torch.arange(8.0).reshape(2, 4) * step + rank).pow(2).sum().backward()
+            truth["sharded_grad"].append(model.a.weight.grad.to_local().clone())
+            opt.step()
+    records = {name: tracer.results[name] for name in tracer.results} if rank == 0 else {}
+    return {"truth": truth, "records": records}

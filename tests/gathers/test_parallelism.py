@@ -1,0 +1,161 @@
+"""Tracing under parallelism beyond plain DDP, on real gloo process groups.
+
+Tensor parallelism (`parallelize_module` on a `DeviceMesh`) and process sub-groups
+(`new_group`), each on 2 or 4 spawned ranks running a scenario of
+``tests/_parallel_workers.py``, with the hard deadline of ``test_distributed._launch``:
+a hang is a failure, never a stuck CI.  Values are compared bit for bit with what the
+model's own hooks and tensors held on each rank.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import vartrace
+from tests.gathers.test_distributed import _run_ok
+
+workers = importlib.import_module("tests._parallel_workers")
+
+pytestmark = pytest.mark.slow
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
+    assert isinstance(got, torch.Tensor), f"{where}: {got!r}"
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got} != {want}"
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"{where}: {got} != {want}"
+
+
+def test_tensor_parallel_records_each_ranks_local_shard_bit_exact(tmp_path: Path) -> None:
+    """A DTensor record once killed the process (its bytes read at address 0) or raised
+    in the saver; now each rank records its local shard, with a warning naming the
+    placement, and the step is the untraced one."""
+    pytest.importorskip("torch.distributed.tensor.parallel")
+    world = 2
+    results = _run_ok("tests._parallel_workers:tensor_parallel", world, tmp_path)
+    for staging in ("sync", "async"):
+        with vartrace.open(tmp_path / f"tp-{staging}.h5") as run:
+            for rank, found in enumerate(results):
+                assert found[f"losses-{staging}"] == found["untraced"]
+                truth = found[f"truth-{staging}"]
+                for name in workers.TP_SITES:
+                    site = run[name if "." in name else f"{name}.forward"]
+                    for step, want in enumerate(truth[name], start=1):
+                        where = f"{staging} {name} rank {rank} iteration {step}"
+                        _same_bits(site.get(step, rank=rank), want, where)
+            assert set(run["a.weight"].ranks.tolist()) == {0, 1}
+            bindings = sorted(name for name in run.names if name.startswith("forward.w@every"))
+            assert len(bindings) == 2, run.names
+            for rank, found in enumerate(results):
+                for step, weight in enumerate(found[f"truth-{staging}"]["a.weight"], start=1):
+                    for site, want in zip(bindings, (weight * 2, weight * 2 + 1), strict=True):
+                        _same_bits(run[site].get(step, rank=rank), want, f"{site} {rank}")
+    warned = " ".join(results[0]["warnings-sync"])  # once a site in a process: the first run
+    assert "a.weight is a DTensor of shape (8, 4) placed (Shard(dim=0))" in warned
+    assert "b.weight is a DTensor of shape (4, 8) placed (Shard(dim=1))" in warned
+    assert "b.forward is a DTensor of shape (2, 4) placed (Partial(sum))" in warned
+    assert "local shard, of shape (4, 4) here" in warned
+
+
+def _check_group_file(path: Path, results: list[dict], ranks: list[int]) -> None:
+    """`path` holds, bit for bit, the records of `ranks` (each rank's ground truth) and
+    no other rank's."""
+    with vartrace.open(path) as run:
+        for name in workers.GROUP_SITES:
+            site = run[name if "." in name else f"{name}.forward"]
+            assert sorted(set(site.ranks.tolist())) == ranks, (path, name)
+            for rank in ranks:
+                for step, want in enumerate(results[rank]["truth"][name], start=1):
+                    _same_bits(site.get(step, rank=rank), want, f"{path.name} {name} {rank}")
+
+
+def test_a_model_on_two_ranks_of_four_gathers_within_its_ddp_group(tmp_path: Path) -> None:
+    """Gathers once used every rank: the model's gather paired with the idle ranks'
+    barrier and all four hung.  Now the tracer gathers within DDP's process group."""
+    results = _run_ok("tests._parallel_workers:model_on_two_of_four", 4, tmp_path, pg_timeout=30.0)
+    _check_group_file(tmp_path / "pair.h5", results, [0, 1])
+
+
+def test_two_data_parallel_groups_write_a_file_each(tmp_path: Path) -> None:
+    """Each group's first rank writes its group's records, and only those: by DDP's
+    process group, and by `group=` with asynchronous staging (a gloo group of the
+    group's ranks, made by them alone)."""
+    results = _run_ok(
+        "tests._parallel_workers:two_data_parallel_groups", 4, tmp_path, pg_timeout=30.0
+    )
+    assert "gather='node' gathers within each node's ranks" in results[0]["refused"]
+    for kind in ("ddp", "option"):
+        found = [result[kind] for result in results]
+        _check_group_file(tmp_path / f"{kind}0.h5", found, [0, 1])
+        _check_group_file(tmp_path / f"{kind}1.h5", found, [2, 3])
+
+
+def test_pipeline_schedules_without_an_optimizer_never_hang(tmp_path: Path) -> None:
+    """Each microbatch's call of a stage is an iteration; its gather, on the training
+    thread, once landed between the stage's forward and the send of its activations and
+    both ranks died at the group's timeout."""
+    pytest.importorskip("torch.distributed.pipelining")
+    results = _run_ok("tests._parallel_workers:pipeline_schedules", 2, tmp_path, pg_timeout=30.0)
+    for kind in ("gpipe", "1f1b"):
+        for staging in ("sync", "async"):
+            key = f"{kind}-{staging}"
+            assert results[1][f"losses-{key}"] == results[1][f"untraced-{kind}"], key
+            with vartrace.open(tmp_path / f"{key}.h5") as run:
+                for name in workers.PIPE_SITES:
+                    site = run[name]
+                    for rank, found in enumerate(results):
+                        want = found[f"truth-{key}"][name]  # and the shape inference's call
+                        assert len(want) >= workers.STEPS * workers.MICROBATCHES
+                        for step, value in enumerate(want, start=1):
+                            _same_bits(site.get(step, rank=rank), value, f"{key} {name} {rank}")
+    for kind in ("gpipe", "1f1b"):
+        warned = " ".join(results[0][f"warnings-{kind}-sync"])
+        assert "runs inside a torch.distributed.pipelining schedule" in warned
+
+
+def test_join_with_uneven_inputs_never_hangs(tmp_path: Path) -> None:
+    """Gathers once paired with Join's shadow collectives and no rank left.  Under a
+    Join built after the tracer started, the gathers wait for the tracer's stop; a
+    tracer started inside a Join is refused at its start, naming the fixes."""
+    results = _run_ok("tests._parallel_workers:join_uneven_inputs", 2, tmp_path, pg_timeout=30.0)
+    for staging in ("sync", "async"):
+        with vartrace.open(tmp_path / f"join-{staging}.h5") as run:
+            for rank, found in enumerate(results):
+                assert found[f"losses-{staging}"] == found["untraced"]
+                for name in ("forward.x", "a.weight"):
+                    for step, want in enumerate(found[f"truth-{staging}"][name], start=1):
+                        _same_bits(run[name].get(step, rank=rank), want, f"{staging} {name}")
+            assert len(run["forward.x"].ranks) == 2 + workers.STEPS + 2
+        warned = " ".join(results[0][f"warnings-{staging}"])
+        assert "a torch.distributed.algorithms.Join shadows the collectives" in warned
+    for found in results:
+        assert "start the tracer first and build the Join inside it" in found["refused"]
+        assert "gather=False" in found["refused"]
+
+
+def test_fsdp2_parameter_records_are_the_unsharded_compute_copy_and_its_gradient(
+    tmp_path: Path,
+) -> None:
+    """What docs/distributed.md says FSDP2 records: a parameter's value is the unsharded
+    bf16 copy the forward computes with, its `@grad` that copy's gradient before the
+    reduce-scatter; the sharded fp32 `.grad` the optimizer uses is the mean of the ranks'
+    records, cut along dimension 0."""
+    pytest.importorskip("torch.distributed.fsdp")
+    results = _run_ok("tests._parallel_workers:fsdp2_bf16", 2, tmp_path, pg_timeout=30.0)
+    records = results[0]["records"]
+    values, grads = records["a.weight"], records["a.weight@grad"]
+    for step in range(1, workers.STEPS + 1):
+        for rank, found in enumerate(results):
+            tags = zip(values.iterations, values.ranks, strict=True)
+            last = [i for i, (it, r) in enumerate(tags) if it == step and r == rank][-1]
+            full = found["truth"]["full"][step - 1].bfloat16()
+            _same_bits(values.values[last], full, f"a.weight {step} {rank}")
+        mine = [grads.values[i] for i, it in enumerate(grads.iterations) if it == step]
+        assert [(g.shape, g.dtype) for g in mine] == [((8, 4), torch.bfloat16)] * 2
+        mean = (mine[0].float() + mine[1].float()) / 2
+        for rank, found in enumerate(results):
+            sharded = found["truth"]["sharded_grad"][step - 1]
+            torch.testing.assert_close(mean.chunk(2)[rank], sharded, rtol=1e-6, atol=1e-6)
