@@ -20,7 +20,7 @@ from vartrace.distributed.collisions import in_pipeline_schedule, join_enabled
 from vartrace.distributed.groups import check_member, group_ranks
 from vartrace.distributed.nodes import node_of_this_rank
 from vartrace.errors import CallbackError
-from vartrace.markers import Unstored
+from vartrace.markers import DROP, Unstored
 from vartrace.reduced import Reductions
 from vartrace.trace import RunContext, Trace
 from vartrace.tracing.aliases import Aliases
@@ -77,6 +77,28 @@ def callback_error(stage: str, callback: object, site: str, error: Exception) ->
         f"{stage} callback {callback_name(callback)} raised on site {site!r}: "
         f"{type(error).__name__}: {error}"
     )
+
+
+def pre_saved(
+    callbacks: Sequence[tuple[Callable[[str, Any, int], Any], bool]],
+    site: str,
+    value: Any,
+    iteration: int,
+) -> tuple[Any, bool]:
+    """`value` through the pre-save `callbacks` in order (`DROP` as soon as one drops it),
+    and whether the last callback that replaced it makes new tensors (nothing to clone)."""
+    fresh = False
+    for callback, makes_fresh in callbacks:
+        try:
+            result = callback(site, value, iteration)
+        except Exception as error:
+            raise callback_error("pre_save", callback, site, error) from error
+        if result is DROP:
+            return DROP, False
+        if result is not value:
+            fresh = makes_fresh
+        value = result
+    return value, fresh
 
 
 def run_callbacks(stage: str, callbacks: Sequence[GatherCallback], name: str, trace: Trace) -> None:

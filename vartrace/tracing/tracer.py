@@ -67,7 +67,7 @@ from vartrace.tracing.display import TracerSummary
 from vartrace.tracing.eager import eager
 from vartrace.tracing.gradients import GradientWatcher
 from vartrace.tracing.graphs import GraphOutputs, in_fullgraph, warn_compiled
-from vartrace.tracing.handover import HandOver, callback_error, gathers_at_start, run_callbacks
+from vartrace.tracing.handover import HandOver, gathers_at_start, pre_saved, run_callbacks
 from vartrace.tracing.hooks import SinkHooks
 from vartrace.tracing.iterations import IterationCounter
 from vartrace.tracing.manual import subscribe, unsubscribe
@@ -643,16 +643,9 @@ class ModelTracer:
         pre_save = self._hooks.pre_save
         if not saved and pre_save:
             captured = value
-            for callback, makes_fresh in pre_save:
-                try:
-                    result = callback(site, value, iteration)
-                except Exception as error:
-                    raise callback_error("pre_save", callback, site, error) from error
-                if result is DROP:
-                    return
-                if result is not value:
-                    fresh = makes_fresh
-                value = result
+            value, fresh = pre_saved(pre_save, site, value, iteration)
+            if value is DROP:
+                return
             if not isinstance(value, torch.Tensor):
                 # What a callback returns is split like a captured value: a dict of
                 # tensors gives the leaves <site>.<key>.
