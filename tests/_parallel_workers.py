@@ -59,16 +59,17 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 
 def _tp_train(model: nn.Module, truth: dict[str, list[torch.Tensor]] | None) -> list[float]:
     """`STEPS` SGD steps; with `truth`, each step's local shards from the model's own
-    tensors and from hooks that run before tensor parallelism's output hooks."""
+    tensors, and each layer's output as its caller receives it: from hooks that run
+    after tensor parallelism's output hooks (a local tensor; `b`'s all-reduced)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     handles = []
     if truth is not None:
         for name in ("a", "b"):
 
             def hook(_: nn.Module, __: Any, output: torch.Tensor, name: str = name) -> None:
-                truth[name].append(_local(output))
+                truth[name].append(torch.Tensor.clone(output).detach())
 
-            handles.append(getattr(model, name).register_forward_hook(hook, prepend=True))
+            handles.append(getattr(model, name).register_forward_hook(hook))
     losses = []
     for step in range(1, STEPS + 1):
         if truth is not None:

@@ -55,7 +55,7 @@ _IMMUTABLE: frozenset[type] = frozenset(
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _uncopyable_warned: set[str] = set()  # the sites whose value could not be copied (or reduced)
 _sharded_warned: set[str] = set()  # the sites whose DTensor was recorded as its local shard
-_DTENSOR: list[type] = []  # the DTensor class, once torch.distributed.tensor is imported
+_DISTRIBUTED: tuple[type, ...] = ()  # DTensor and AsyncCollectiveTensor, once both are imported
 _MAX_EXPANDED_BYTES = 1 << 30
 _NO_STORAGE = "a tensor subclass wrapping other tensors, with no storage of its own"
 # Compared with ``==``: reading ``device.type`` builds a str, about a microsecond a record.
@@ -205,22 +205,39 @@ def _unwrapped(value: torch.Tensor) -> tuple[torch.Tensor, int] | None:
 
 
 def is_distributed(value: torch.Tensor) -> bool:
-    """Whether `value` is a `torch.distributed.tensor.DTensor` (no DTensor exists
-    before that module is imported, so nothing is imported here)."""
+    """Whether `value` is a `torch.distributed.tensor.DTensor` or an
+    `AsyncCollectiveTensor` (a functional collective's result, awaited at its first
+    use).  Neither exists before its module is imported: nothing is imported here."""
     kind = type(value)
     if kind is torch.Tensor:  # the common case: one comparison a record
         return False
-    if not _DTENSOR:
-        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-        if dtensor is None:
-            return False
-        _DTENSOR.append(dtensor)
-    return issubclass(kind, _DTENSOR[0])
+    return issubclass(kind, _distributed_kinds())
+
+
+def _distributed_kinds() -> tuple[type, ...]:
+    """The classes of `is_distributed` imported so far (kept once both are)."""
+    global _DISTRIBUTED
+    if len(_DISTRIBUTED) == 2:
+        return _DISTRIBUTED
+    found = (
+        getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None),
+        getattr(
+            sys.modules.get("torch.distributed._functional_collectives"),
+            "AsyncCollectiveTensor",
+            None,
+        ),
+    )
+    kinds = tuple(kind for kind in found if kind is not None)
+    if len(kinds) == 2:
+        _DISTRIBUTED = kinds
+    return kinds
 
 
 def local_shard(value: torch.Tensor, site: str) -> torch.Tensor:
-    """This rank's local shard of the DTensor `value`, detached, with a warning once per
-    site naming its placement.
+    """This rank's part of the distributed tensor `value`, detached: a DTensor's local
+    shard, with a warning once per site naming its placement, or an
+    `AsyncCollectiveTensor`'s result (awaited, as the first op of whoever receives it
+    would: on an accelerator the stream waits, not the host).
 
     A DTensor (`parallelize_module`, FSDP2's sharded parameters) has no storage of
     its own: reading its bytes would crash the process, and copying it whole would
@@ -235,6 +252,8 @@ def local_shard(value: torch.Tensor, site: str) -> torch.Tensor:
         local_shard(colwise_weight, "a.weight").shape  # (8 // world, 4)
         ```
     """
+    if not hasattr(value, "to_local"):  # an AsyncCollectiveTensor
+        return value.trigger_wait().detach()
     shard = value.detach().to_local()
     if site not in _sharded_warned:
         _sharded_warned.add(site)
