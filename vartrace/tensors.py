@@ -219,14 +219,14 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
         ```
     """
     if isinstance(value, torch.Tensor):
-        detached = value.detach()
-        if (  # nbytes is refused for sparse and nested tensors
-            detached.layout is torch.strided
-            and not detached.is_nested
-            and detached.nbytes >= MAP_FROM
-        ):
-            map_large_blocks()  # no glibc heap holes from records this large: see _support.memory
-        try:
+        try:  # every operation on the value: a subclass may implement only a few ops
+            detached = value.detach()
+            if (  # nbytes is refused for sparse and nested tensors
+                detached.layout is torch.strided
+                and not detached.is_nested
+                and detached.nbytes >= MAP_FROM
+            ):
+                map_large_blocks()  # no glibc heap holes from records this large: _support.memory
             refused = refused_copy(detached, site)
             if refused is not None:
                 return refused
@@ -240,7 +240,7 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
                 return detached.clone(memory_format=torch.contiguous_format)
             return detached.to(device, copy=True, memory_format=torch.contiguous_format)
         except Exception as error:  # an uncopyable dtype, no memory left: never the step's error
-            return failed_copy(detached, site, error)
+            return failed_copy(value, site, error)
     if type(value) in _IMMUTABLE:
         return value
     if isinstance(value, np.ndarray) and not value.dtype.hasobject:
@@ -287,8 +287,20 @@ def _uncopyable(site: str, what: str, why: str, verb: str = "copy") -> Unstored:
 
 
 def _tensor_text(tensor: torch.Tensor) -> str:
-    """A tensor as a marker names it: `"torch.uint4 tensor of shape (2, 3)"`."""
-    return f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}"
+    """A tensor as a marker names it: `"torch.uint4 tensor of shape (2, 3)"`; what it
+    cannot tell (a nested tensor's shape, anything a subclass refuses) is left out."""
+    dtype = _told(lambda: str(tensor.dtype), type(tensor).__qualname__)
+    kind = _told(lambda: "nested tensor" if tensor.is_nested else "tensor", "tensor")
+    shape = _told(lambda: f" of shape {tuple(int(size) for size in tensor.shape)}", "")
+    return f"{dtype} {kind}{shape}"
+
+
+def _told(tell: Callable[[], str], otherwise: str) -> str:
+    """What `tell()` says of a value, or `otherwise` if it raises."""
+    try:
+        return tell()
+    except Exception:
+        return otherwise
 
 
 def _first_line(error: BaseException) -> str:
@@ -367,7 +379,9 @@ def same(a: Any, b: Any) -> bool:
             # The common case, two dense CPU records: memcmp stops at the first differing
             # byte, where torch.equal on integer views costs two views and a dispatch.  The
             # fewest tensor attribute reads first: each costs about a microsecond in a step.
-            a.is_cpu
+            # A subclass's data may be no storage at all (a wrapper's data_ptr() is 0).
+            type(a) is torch.Tensor
+            and a.is_cpu
             and b.is_cpu
             and memcmp is not None
             and dtype not in _NOT_BYTEWISE
@@ -385,7 +399,7 @@ def same(a: Any, b: Any) -> bool:
             return True  # no data: shape and dtype are all there is
         try:
             return torch.equal(_bits(a), _bits(b))
-        except RuntimeError:
+        except Exception:  # no kernel, an op a tensor subclass lacks: not known equal, kept
             return False
     if isinstance(a, (np.ndarray, np.generic)) and not a.dtype.hasobject:
         return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
@@ -496,11 +510,14 @@ def unchanged(old: Any, value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         if not isinstance(old, torch.Tensor):
             return False
-        if is_transformed(value):
-            unwrapped = _unwrapped(value)
-            with torch._C._DisableFuncTorch():
-                return unwrapped is not None and same(old, unwrapped[0])
-        return same(old, value.detach())
+        try:
+            if is_transformed(value):
+                unwrapped = _unwrapped(value)
+                with torch._C._DisableFuncTorch():
+                    return unwrapped is not None and same(old, unwrapped[0])
+            return same(old, value.detach())
+        except Exception:  # an op a tensor subclass lacks: a candidate, its copy guarded
+            return False
     if type(value) in (list, tuple):
         return (
             type(old) is type(value)
