@@ -108,13 +108,16 @@ class Reductions:
 
         A nested tensor's ragged axes read -1, as axes whose size differed do."""
         dtype = value.dtype
-        shape = _sizes(value)
+        try:
+            shape = value.shape
+        except Exception:  # a strided nested tensor has no one shape: described each time
+            shape = None
         last = self._last.get(site)
-        if last is not None and last[0] == dtype and last[1] == shape:
+        if shape is not None and last is not None and last[0] == dtype and last[1] == shape:
             return  # the common case, record after record: as before
         with self._lock:
             self._last[site] = (dtype, shape)
-            described = ReducedFrom(_dtype_name(dtype), shape)
+            described = ReducedFrom(_dtype_name(dtype), _sizes(value))
             if self._widen(site, described):
                 self._changed[site] = None
 
