@@ -109,7 +109,10 @@ def split_object(site: str, value: Any, warned: set[type]) -> Iterator[tuple[str
     if type(value) in _IMMUTABLE or isinstance(value, (torch.Tensor, np.ndarray)):
         yield site, value
         return
-    tensors = list(_tensor_state(value, site, 0, set()))
+    try:
+        tensors = list(_tensor_state(value, site, 0, set()))
+    except Exception:  # a container or attribute that raises when read: the object as it is
+        tensors = []  # (its copy, or a marker)
     if not tensors:
         yield site, value
         return

@@ -232,3 +232,21 @@ def test_a_container_whose_iteration_raises_is_a_marker(
         )
         x = run["forward.w.x"].get(iteration=1)
         assert (x["mean"] == 1.0) if statistics else x.tolist() == [1.0, 1.0, 1.0]
+
+
+class Holder:
+    """A plain object holding a tensor and a container that refuses to be listed."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        self.odd = RefusesIteration(a=0)
+
+
+def test_an_object_holding_a_container_whose_iteration_raises_never_breaks_the_step() -> None:
+    """Its tensors cannot all be found: the object is recorded as itself (a copy, or a
+    marker when the copy fails too)."""
+    model = Wraps(Holder)
+    with ModelTracer(model, ["forward.w"]) as tracer:
+        model(torch.ones(3))
+    (record,) = tracer.results["forward.w"].values
+    assert isinstance(record, (Holder, vartrace.Unstored))
