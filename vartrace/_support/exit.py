@@ -83,7 +83,10 @@ def _at_exit() -> None:
     previous = signal.getsignal(signal.SIGINT)
     ours = previous is signal.default_int_handler  # not one the program set, nor SIG_IGN
     if ours:
-        signal.signal(signal.SIGINT, _interrupted)
+        try:
+            signal.signal(signal.SIGINT, _interrupted)
+        except ValueError:  # run by hand on another thread than the main one
+            ours = False
     try:
         while _watched:
             _watched.pop()._stop_at_exit()
