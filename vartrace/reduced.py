@@ -63,6 +63,26 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _sizes(value: Any) -> tuple[int, ...] | None:
+    """`value`'s shape, -1 on an axis without one size (a nested tensor's ragged axes);
+    `None` when it cannot tell its axes."""
+    try:
+        return tuple(int(size) for size in value.shape)
+    except Exception:  # a nested tensor has no one shape
+        pass
+    try:
+        axes = range(value.dim())
+    except Exception:
+        return None
+    sizes = []
+    for axis in axes:
+        try:
+            sizes.append(int(value.size(axis)))
+        except Exception:  # ragged
+            sizes.append(-1)
+    return tuple(sizes)
+
+
 class Reductions:
     """The descriptions of one tracer's replaced values, site by site.
 
@@ -84,14 +104,20 @@ class Reductions:
         self._lock = threading.Lock()
 
     def note(self, site: str, value: Any) -> None:
-        """Note that a pre-save callback replaced `value` (a tensor or an array) at `site`."""
-        dtype, shape = value.dtype, value.shape
+        """Note that a pre-save callback replaced `value` (a tensor or an array) at `site`.
+
+        A nested tensor's ragged axes read -1, as axes whose size differed do."""
+        dtype = value.dtype
+        try:
+            shape = value.shape
+        except Exception:  # a strided nested tensor has no one shape: described each time
+            shape = None
         last = self._last.get(site)
-        if last is not None and last[0] == dtype and last[1] == shape:
+        if shape is not None and last is not None and last[0] == dtype and last[1] == shape:
             return  # the common case, record after record: as before
         with self._lock:
             self._last[site] = (dtype, shape)
-            described = ReducedFrom(_dtype_name(dtype), tuple(int(size) for size in shape))
+            described = ReducedFrom(_dtype_name(dtype), _sizes(value))
             if self._widen(site, described):
                 self._changed[site] = None
 

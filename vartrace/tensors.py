@@ -118,7 +118,10 @@ def split_object(site: str, value: Any, warned: set[type]) -> Iterator[tuple[str
     if type(value) in _IMMUTABLE or isinstance(value, (torch.Tensor, np.ndarray)):
         yield site, value
         return
-    tensors = list(_tensor_state(value, site, 0, set()))
+    try:
+        tensors = list(_tensor_state(value, site, 0, set()))
+    except Exception:  # a container or attribute that raises when read: the object as it is
+        tensors = []  # (its copy, or a marker)
     if not tensors:
         yield site, value
         return
@@ -253,8 +256,8 @@ def local_shard(value: torch.Tensor, site: str) -> torch.Tensor:
         ```
     """
     if not hasattr(value, "to_local"):  # an AsyncCollectiveTensor
-        return value.trigger_wait().detach()
-    shard = value.detach().to_local()
+        return _local_part(value).detach()
+    shard = _local_part(value.detach())
     if site not in _sharded_warned:
         _sharded_warned.add(site)
         placements = ", ".join(map(repr, value.placements))
@@ -265,6 +268,11 @@ def local_shard(value: torch.Tensor, site: str) -> torch.Tensor:
             stacklevel=3,
         )
     return shard
+
+
+def _local_part(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, an `AsyncCollectiveTensor`'s awaited result."""
+    return value.to_local() if hasattr(value, "to_local") else value.trigger_wait()
 
 
 _FLOAT = struct.Struct("<d")
@@ -293,19 +301,19 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
         ```
     """
     if isinstance(value, torch.Tensor):
-        detached = value.detach()
-        if type(detached) is not torch.Tensor:
-            if is_distributed(detached):
-                detached = local_shard(detached, site)
-            elif is_traceable_wrapper_subclass(detached):
-                return _uncopyable(site, _tensor_text(detached), _NO_STORAGE)
-        if (  # nbytes is refused for sparse and nested tensors
-            detached.layout is torch.strided
-            and not detached.is_nested
-            and detached.nbytes >= MAP_FROM
-        ):
-            map_large_blocks()  # no glibc heap holes from records this large: see _support.memory
-        try:
+        try:  # every operation on the value: a subclass may implement only a few ops
+            detached = value.detach()
+            if type(detached) is not torch.Tensor:
+                if is_distributed(detached):
+                    detached = local_shard(detached, site)
+                elif is_traceable_wrapper_subclass(detached):
+                    return _uncopyable(site, _tensor_text(detached), _NO_STORAGE)
+            if (  # nbytes is refused for sparse and nested tensors
+                detached.layout is torch.strided
+                and not detached.is_nested
+                and detached.nbytes >= MAP_FROM
+            ):
+                map_large_blocks()  # no glibc heap holes from records this large: _support.memory
             refused = refused_copy(detached, site)
             if refused is not None:
                 return refused
@@ -319,7 +327,7 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
                 return detached.clone(memory_format=torch.contiguous_format)
             return detached.to(device, copy=True, memory_format=torch.contiguous_format)
         except Exception as error:  # an uncopyable dtype, no memory left: never the step's error
-            return failed_copy(detached, site, error)
+            return failed_copy(value, site, error)
     if type(value) in _IMMUTABLE:
         return value
     if isinstance(value, np.ndarray) and not value.dtype.hasobject:
@@ -366,10 +374,27 @@ def _uncopyable(site: str, what: str, why: str, verb: str = "copy") -> Unstored:
 
 
 def _tensor_text(tensor: torch.Tensor) -> str:
-    """A tensor as a marker names it: `"torch.uint4 tensor of shape (2, 3)"`, a
-    subclass by its class (`"torch.float32 TwoTensor of shape (3,)"`)."""
-    kind = "tensor" if type(tensor) is torch.Tensor else type(tensor).__name__
-    return f"{tensor.dtype} {kind} of shape {tuple(tensor.shape)}"
+    """A tensor as a marker names it: `"torch.uint4 tensor of shape (2, 3)"`, a subclass
+    by its class (`"torch.float32 TwoTensor of shape (3,)"`); what it cannot tell (a
+    nested tensor's shape, anything a subclass refuses) is left out."""
+    dtype = _told(lambda: str(tensor.dtype), type(tensor).__qualname__)
+    kind = _told(lambda: _kind(tensor), "tensor")
+    shape = _told(lambda: f" of shape {tuple(int(size) for size in tensor.shape)}", "")
+    return f"{dtype} {kind}{shape}"
+
+
+def _kind(tensor: torch.Tensor) -> str:
+    if tensor.is_nested:
+        return "nested tensor"
+    return "tensor" if type(tensor) is torch.Tensor else type(tensor).__name__
+
+
+def _told(tell: Callable[[], str], otherwise: str) -> str:
+    """What `tell()` says of a value, or `otherwise` if it raises."""
+    try:
+        return tell()
+    except Exception:
+        return otherwise
 
 
 def _first_line(error: BaseException) -> str:
@@ -449,7 +474,7 @@ def same(a: Any, b: Any) -> bool:
             # The common case, two dense CPU records: memcmp stops at the first differing
             # byte, where torch.equal on integer views costs two views and a dispatch.  The
             # fewest tensor attribute reads first: each costs about a microsecond in a step.
-            # A tensor subclass may have no storage (data_ptr() is 0): torch compares it.
+            # A subclass's data may be no storage at all (a wrapper's data_ptr() is 0).
             type(a) is torch.Tensor
             and a.is_cpu
             and b.is_cpu
@@ -469,7 +494,7 @@ def same(a: Any, b: Any) -> bool:
             return True  # no data: shape and dtype are all there is
         try:
             return torch.equal(_bits(a), _bits(b))
-        except RuntimeError:
+        except Exception:  # no kernel, an op a tensor subclass lacks: not known equal, kept
             return False
     if isinstance(a, (np.ndarray, np.generic)) and not a.dtype.hasobject:
         return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
@@ -582,13 +607,16 @@ def unchanged(old: Any, value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         if not isinstance(old, torch.Tensor):
             return False
-        if is_distributed(value):
-            value = value.to_local()
-        if is_transformed(value):
-            unwrapped = _unwrapped(value)
-            with torch._C._DisableFuncTorch():
-                return unwrapped is not None and same(old, unwrapped[0])
-        return same(old, value.detach())
+        try:
+            if is_distributed(value):
+                value = _local_part(value)
+            if is_transformed(value):
+                unwrapped = _unwrapped(value)
+                with torch._C._DisableFuncTorch():
+                    return unwrapped is not None and same(old, unwrapped[0])
+            return same(old, value.detach())
+        except Exception:  # an op a tensor subclass lacks: a candidate, its copy guarded
+            return False
     if type(value) in (list, tuple):
         return (
             type(old) is type(value)

@@ -455,3 +455,50 @@ def test_secrets_of_commands_in_diff_argv_environment_and_packages_never_reach_t
     assert meta["env"]["VARTRACE_CMD"] == "mysql -u root -p<redacted>"
     assert meta["env"]["SLURM_JOB_COMMENT"] == "curl -u dan:<redacted> https://x"
     assert "<redacted>==0.1" in meta["packages"]
+
+
+# Secrets in a pair after other pairs, as connection strings and URL queries hold them:
+# (argument, secret, the argument as /meta records it).
+AFTER_PAIRS = [
+    (
+        "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=Azure-Key-7310==;"
+        "EndpointSuffix=core.windows.net",
+        "Azure-Key-7310==",
+        "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=<redacted>",
+    ),
+    (
+        "Server=db.local;Password=Odbc-Pw-4471;",
+        "Odbc-Pw-4471",
+        "Server=db.local;Password=<redacted>",
+    ),
+    (
+        "jdbc:postgresql://h/db?user=bob&password=Jdbc-Pw-8823",
+        "Jdbc-Pw-8823",
+        "jdbc:postgresql://h/db?user=bob&password=<redacted>",
+    ),
+    (
+        "https://api.example.com/v1/runs?token=Query-Tok-5519",
+        "Query-Tok-5519",
+        "https://api.example.com/v1/runs?token=<redacted>",
+    ),
+    ("user=bob;password=Semi-Pw-3362", "Semi-Pw-3362", "user=bob;password=<redacted>"),
+    ("user=bob,password=Comma-Pw-2280", "Comma-Pw-2280", "user=bob,password=<redacted>"),
+    ("--conn=AccountKey=Opt-Key-6604", "Opt-Key-6604", "--conn=AccountKey=<redacted>"),
+]
+
+
+def test_secrets_after_other_pairs_never_reach_the_file(tmp_path: Path) -> None:
+    """A pair's unquoted value does not swallow the secret pair after it: every shape,
+    planted through the real command line (alone and after an option), is nowhere in the
+    file, and the pairs before it are kept."""
+    args = [part for argument, _, _ in AFTER_PAIRS for part in (argument, "--conn", argument)]
+    path = tmp_path / "run.h5"
+    _write_in_subprocess(path, tmp_path, {}, [*args, "--epochs", "3"])
+    secrets = [secret for _, secret, _ in AFTER_PAIRS]
+    _assert_absent(path.read_bytes(), secrets)
+    with open_run(path) as run:
+        meta = run.meta
+    for text in _strings(meta):
+        assert not [secret for secret in secrets if secret in text], text
+    kept = [part for _, _, text in AFTER_PAIRS for part in (text, "--conn", text)]
+    assert meta["command"][2:] == [*kept, "--epochs", "3"]

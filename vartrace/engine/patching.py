@@ -39,7 +39,7 @@ import wrapt
 from vartrace._support.warnings import warn
 from vartrace.engine.frames import Callee, FrameCore, default_core
 from vartrace.engine.paths import Pattern, States
-from vartrace.engine.structures import children, leaf_types, select
+from vartrace.engine.structures import is_leaf, leaf_types, select
 
 __all__ = [
     "Hook",
@@ -102,7 +102,7 @@ class Selector:
         of a probe may select the same leaf; `None` where they cannot.
         """
         # The common case: one leaf (a tensor), as it is.
-        if self.whole and (type(value) in leaf_types or children(value) is None):
+        if self.whole and (type(value) in leaf_types or is_leaf(value)):
             name = self.site + self.suffix
             if seen is not None:
                 if name in seen:

@@ -40,7 +40,15 @@ from vartrace._support.warnings import warn
 from vartrace.engine.paths import Pattern, States
 from vartrace.markers import Unstored
 
-__all__ = ["Unstored", "children", "leaf_types", "leaves", "register_container", "select"]
+__all__ = [
+    "Unstored",
+    "children",
+    "is_leaf",
+    "leaf_types",
+    "leaves",
+    "register_container",
+    "select",
+]
 
 Children = Callable[[Any], Iterable[tuple[str, Any]]]
 
@@ -60,6 +68,7 @@ captured tensor, on every traced call)."""
 
 
 _warned_markers: set[str] = set()
+_warned_listing: set[str] = set()  # sites whose container raised while listed
 
 
 class _Walk:
@@ -172,25 +181,60 @@ def _classify(cls: type) -> Children | None:
     return None
 
 
-def children(value: Any) -> Iterable[tuple[str, Any]] | None:
-    """The `(key, child)` pairs of a container, or `None` for a leaf."""
-    cls = type(value)
+def _kind(cls: type) -> Children | None:
     try:
-        kind = _kind_cache[cls]
+        return _kind_cache[cls]
     except KeyError:
         kind = _kind_cache[cls] = _classify(cls)
         if kind is None:
             leaf_types.add(cls)
+        return kind
+
+
+def children(value: Any) -> Iterable[tuple[str, Any]] | None:
+    """The `(key, child)` pairs of a container, or `None` for a leaf."""
+    kind = _kind(type(value))
     return None if kind is None else kind(value)
+
+
+def is_leaf(value: Any) -> bool:
+    """Whether `value` is a leaf, judged by its type alone (nothing of it is called)."""
+    return _kind(type(value)) is None
+
+
+def _listed(value: Any, path: str) -> list[tuple[str, Any]] | Unstored | None:
+    """`value`'s `(key, child)` pairs, listed now; `None` for a leaf.  A container that
+    raises while listed (a dict subclass whose `__iter__` raises) is a marker naming it,
+    with a warning the first time its site gives one: never the step's error."""
+    kind = _kind(type(value))
+    if kind is None:
+        return None
+    try:
+        return list(kind(value))
+    except Exception as error:
+        lines = str(error).strip().splitlines()
+        why = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+        marker = Unstored(f"{type(value).__qualname__}: cannot list its items ({why})")
+        if path not in _warned_listing:
+            _warned_listing.add(path)
+            warn(
+                f"vartrace: site {path!r}: cannot list the items of a "
+                f"{type(value).__qualname__} ({why}); recording the marker {marker!r} instead",
+                RuntimeWarning,
+            )
+        return marker
 
 
 def leaves(
     value: Any, path: str, _depth: int = 0, _walk: _Walk | None = None
 ) -> Iterator[tuple[str, Any]]:
     """Yield `(site, leaf)` for every leaf below `value`, named from `path`."""
-    kids = children(value) if _depth < _MAX_DEPTH else None
+    kids = _listed(value, path) if _depth < _MAX_DEPTH else None
     if kids is None:
         yield path, value
+        return
+    if isinstance(kids, Unstored):
+        yield path, kids
         return
     walk = _Walk(path) if _walk is None else _walk
     key = (id(value), None)
@@ -236,7 +280,10 @@ def select(
         return
     if _depth >= _MAX_DEPTH or not pattern.alive(states):
         return
-    kids = children(value)
+    kids = _listed(value, path)
+    if isinstance(kids, Unstored):
+        yield path, kids
+        return
     seen: set[str] = set()
     if kids is not None:
         key = (id(value), states)

@@ -347,6 +347,8 @@ class StatsReducer:
     def _reduce(self, value: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(value, torch.Tensor):
+            if value.is_nested:
+                value = _elements(value)
             if value.layout is not torch.strided or value.is_meta or value.is_quantized:
                 return value
             if value.numel() == 1:  # a scalar (a loss): its value says more than 11 numbers
@@ -470,6 +472,17 @@ _NUMPY_DTYPES = frozenset(
 def _step(size: int, reducer: StatsReducer) -> int:
     """Stride of the quantile sample: at most `reducer.sample` values, evenly spread."""
     return max(1, -(-size // reducer.sample))
+
+
+def _elements(nested: Any) -> Any:
+    """A nested tensor's elements (strided or jagged layout) as one flat tensor: its
+    components' elements one after the other, reduced together."""
+    import torch
+
+    parts = [part.reshape(-1) for part in nested.detach().unbind()]
+    if not parts:
+        return torch.empty(0, dtype=nested.dtype, device=nested.device)
+    return torch.cat(parts)
 
 
 def _numbers(tensor: Any) -> np.ndarray:

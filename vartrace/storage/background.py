@@ -22,7 +22,6 @@ raise it in the caller's thread as `vartrace.storage.WorkerError`.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import functools
@@ -31,6 +30,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
+from vartrace._support import exit as _exit
 from vartrace._support import memory as _memory
 from vartrace._support.memory import held_bytes
 from vartrace.errors import WorkerError
@@ -60,7 +60,11 @@ class _Worker:
         self._jobs: queue.Queue[Callable[[], None] | object] = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._inline = False  # no thread: jobs run in the caller's thread
+        try:
+            self._thread.start()
+        except RuntimeError:  # Python 3.12+ starts no thread at interpreter shutdown
+            self._inline = True
 
     def _run(self) -> None:
         while True:
@@ -68,12 +72,17 @@ class _Worker:
             try:
                 if job is _STOP:
                     return
-                if self._error is None:
-                    job()  # type: ignore[operator]
-            except BaseException as exc:  # kept and raised in the caller's thread
-                self._error = exc
+                self._one(job)  # type: ignore[arg-type]
             finally:
                 self._jobs.task_done()
+
+    def _one(self, job: Callable[[], None]) -> None:
+        """Run `job` unless an earlier one failed; keep its exception for the caller."""
+        if self._error is None:
+            try:
+                job()
+            except BaseException as exc:  # kept and raised in the caller's thread
+                self._error = exc
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -82,6 +91,9 @@ class _Worker:
     def submit(self, job: Callable[[], None]) -> None:
         """Queue `job`; raise the error of an earlier job instead, if one failed."""
         self._raise()
+        if self._inline:
+            self._one(job)
+            return
         if not self._thread.is_alive():
             raise RuntimeError("the worker is stopped")
         self._jobs.put(job)
@@ -148,7 +160,7 @@ class BackgroundWriter:
         if self._worker is None:
             self._worker = _Worker(name)
             self._at_exit = at_exit
-            atexit.register(at_exit)
+            _exit.close_at_exit(at_exit)
         jobs = collections.deque(batch)
         batch.clear()
         sizes = collections.deque(
@@ -215,7 +227,7 @@ class BackgroundWriter:
         if self._worker is not None:
             worker, self._worker = self._worker, None
             if self._at_exit is not None:
-                atexit.unregister(self._at_exit)
+                _exit.keep_open_at_exit(self._at_exit)
                 self._at_exit = None
             worker.stop()
 

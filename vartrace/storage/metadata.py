@@ -8,10 +8,10 @@ one function, `redact`, replaces the credentials found in every other text by
 `<redacted>`, the same way in the command line, the variables' values, the git
 status and diff and the packages list: values of secret-looking options (`--pw x`,
 `-p x`, `-px`, `curl -u user:pw`, `openssl -k x`), `.netrc` passwords,
-`user:password@` in URLs, `password=...` pairs, `password: ...` lines of a
-config, tokens of well-known shapes and private keys.  The diff can be left out
-alone: `collect_metadata(git_diff=False)`, or
-`H5PYSaverCallback(path, metadata={"git_diff": False})`.
+`user:password@` in URLs, `password=...` pairs (also after other pairs, as in
+connection strings and URL queries), `password: ...` lines of a config, tokens
+of well-known shapes and private keys.  The diff can be left out alone:
+`collect_metadata(git_diff=False)`, or `H5PYSaverCallback(path, metadata={"git_diff": False})`.
 
 Example:
     ```python
@@ -98,9 +98,10 @@ _TOKEN = re.compile(
     r"|hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|xox[abposr]-[A-Za-z0-9-]{10,}"
     r"|AKIA[0-9A-Z]{16}|npm_[A-Za-z0-9]{20,}|pypi-AgE[A-Za-z0-9_-]{16,})\b"
 )
-# ``name = value`` / ``name: value`` pairs (code, configs, YAML, JSON, shell): the value of a
-# secret-looking name, quoted or to the end of the line, is redacted.  ``==`` compares (a
-# requirement ``keyring==25.6``, ``token == x``): no pair.
+# ``name = value`` / ``name: value`` pairs (code, configs, YAML, JSON, shell, connection
+# strings, URL queries): the value of a secret-looking name, quoted or to the end of the line,
+# is redacted; pairs inside another's value are found (see `_redact_pairs`).  ``==`` compares
+# (a requirement ``keyring==25.6``, ``token == x``): no pair.
 _PAIR = re.compile(
     r"""(?P<name>[A-Za-z_][\w.-]*)(?P<sep>["']?[ \t]*(?::|=(?!=))[ \t]*)"""
     r"""(?P<value>"[^"\n]*"?|'[^'\n]*'?|[^\s"'][^\n]*)"""
@@ -141,7 +142,8 @@ def redact(text: str) -> str:
     the password of `-u user:password` (curl), of `-k x` after `openssl`
     and of `password x` in a `.netrc` line, also inside a quoted list
     (`["sshpass", "-p", "x"]`); the value of a `name=value` or
-    `name: value` pair whose name looks secret (code, configs, YAML, JSON),
+    `name: value` pair whose name looks secret (code, configs, YAML, JSON), also after
+    other pairs (`Server=x;Password=y`, `?user=bob&password=y`, `user=bob,token=y`),
     `Bearer` tokens, credentials in URLs (`https://user:password@host` ->
     `https://<redacted>@host`) and tokens of well-known shapes (GitHub,
     GitLab, Hugging Face, OpenAI, Slack, AWS, npm, PyPI).
@@ -167,7 +169,7 @@ def _redact_line(line: str) -> str:
             pieces += [line[end:start], word]
             end = stop
         line = "".join([*pieces, line[end:]])
-    line = _PAIR.sub(_redact_value, line)
+    line = _redact_pairs(line)
     line = _BEARER.sub(lambda match: f"{match.group(1)} {_REDACTED}", line)
     line = _URL_USERINFO.sub(lambda match: f"{match.group(1)}{_REDACTED}@", line)
     return _TOKEN.sub(_REDACTED, line)
@@ -246,13 +248,22 @@ def _password_of(value: str) -> str:
     return f"{user}:{_REDACTED}" if colon else value
 
 
-def _redact_value(match: re.Match[str]) -> str:
-    """A matched pair with its value redacted when its name looks secret (quotes kept)."""
-    name, separator, value = match.group("name", "sep", "value")
-    if not looks_secret(name.lstrip("-")):
-        return match.group()
-    quote = value[0] if value[0] in "\"'" else ""
-    return f"{name}{separator}{quote}{_REDACTED}{quote}"
+def _redact_pairs(line: str) -> str:
+    """`line` with the value of each pair whose name looks secret redacted (quotes kept;
+    unquoted, to the end of the line).  The value of any other pair is searched for pairs
+    too: in `Protocol=https;AccountKey=x`, `db?user=bob&password=x` or `user=bob,token=x`
+    the first pair's value holds the secret one."""
+    pieces: list[str] = []
+    kept = search = 0  # line[:kept] is in pieces; the next pair starts at search or later
+    while (match := _PAIR.search(line, search)) is not None:
+        if not looks_secret(match.group("name").lstrip("-")):
+            search = match.start("value")
+            continue
+        value = match.group("value")
+        quote = value[0] if value[0] in "\"'" else ""
+        pieces += [line[kept : match.start("value")], f"{quote}{_REDACTED}{quote}"]
+        kept = search = match.end()
+    return "".join([*pieces, line[kept:]])
 
 
 def _environment() -> dict[str, str]:

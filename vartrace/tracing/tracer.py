@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from vartrace._support import exit as _exit
 from vartrace._support import forks as _forks
@@ -421,7 +422,11 @@ class ModelTracer:
 
     def _stop_at_exit(self) -> None:
         """At interpreter exit, a tracer left running hands its last records on (see
-        `vartrace._support.exit`); a failure then is a warning, the exit goes on."""
+        `vartrace._support.exit`); a failure then is a warning, the exit goes on.  A call
+        of the model after this stop (a daemon thread still training) is said once: it is
+        recorded nowhere."""
+        late: list[RemovableHandle] = []
+        late.append(self.model.register_forward_pre_hook(functools.partial(self._late, late)))
         try:
             self._finish(flush=True)
         except Exception as error:
@@ -430,6 +435,20 @@ class ModelTracer:
                 f"{type(error).__name__}: {error}",
                 RuntimeWarning,
             )
+
+    def _late(self, handle: list[RemovableHandle], module: nn.Module, args: Any) -> None:
+        if not self._finished:
+            return  # the stop at exit has not begun
+        try:
+            handle.pop().remove()  # said once, whichever thread calls first
+        except IndexError:
+            return
+        _warnings.warn(
+            "vartrace: the model was called after the tracer left running was stopped at "
+            "interpreter exit (a daemon thread still training?): no step from here on "
+            "is recorded",
+            RuntimeWarning,
+        )
 
     def _finish(self, flush: bool) -> None:
         """`stop` without emitting the warnings kept during the steps."""
