@@ -306,7 +306,7 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
             if type(detached) is not torch.Tensor:
                 if is_distributed(detached):
                     detached = local_shard(detached, site)
-                elif is_traceable_wrapper_subclass(detached):
+                elif is_traceable_wrapper_subclass(detached) and not detached.is_nested:
                     return _uncopyable(site, _tensor_text(detached), _NO_STORAGE)
             if (  # nbytes is refused for sparse and nested tensors
                 detached.layout is torch.strided
