@@ -208,6 +208,33 @@ def test_a_copyable_tensor_subclass_is_compared_without_breaking_the_step(stagin
     assert len(values) == 3 and all(type(value) is Copyable for value in values)
 
 
+@pytest.mark.warnings_as_errors
+@pytest.mark.parametrize("staging", ["sync", "async"])
+def test_a_copyable_storage_less_subclass_is_a_marker_in_the_file(
+    tmp_path: Path, staging: str
+) -> None:
+    """The tracer keeps its copies, but a file cannot hold a wrapper with no memory of its
+    own: the saver stores a marker with one warning, never an error in the step."""
+    model = Wraps(lambda x: Copyable(x) * 2)
+    steps = 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with (
+            H5PYSaverCallback(tmp_path / "run.h5", metadata=False) as saver,
+            ModelTracer(model, ["forward.w"], post_gather_callbacks=[saver], staging=staging),
+        ):
+            for _ in range(3):
+                model(torch.ones(3))
+                steps += 1
+    assert steps == 3
+    said = [str(w.message) for w in seen if "Copyable tensor: cannot store it" in str(w.message)]
+    assert len(said) <= 1  # once a class in a process (the first case of the two says it)
+    with vartrace.open(tmp_path / "run.h5") as run:
+        markers = [run["forward.w"].get(iteration=i) for i in (1, 2, 3)]
+    assert all(isinstance(m, vartrace.Unstored) for m in markers), markers
+    assert all("Copyable tensor: cannot store it" in m for m in markers)
+
+
 @pytest.mark.parametrize("refuses", [RefusesIteration, RefusesIterationList])
 @pytest.mark.parametrize("statistics", [False, True])
 def test_a_container_whose_iteration_raises_is_a_marker(

@@ -33,6 +33,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from vartrace._support.warnings import warn
 from vartrace.errors import PickleNotAllowedError
 from vartrace.markers import Unstored
 
@@ -194,6 +195,11 @@ def _encode_tensor(value: Any, float_dtype: Any, int_dtype: Any) -> Leaf:
     import torch
 
     tensor = value.detach()
+    if type(tensor) is not torch.Tensor and not tensor.is_nested:
+        plain = _plain(tensor, torch)
+        if plain is None:
+            return _storage_less(tensor)
+        tensor = plain
     if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested or tensor.is_meta:
         buffer = io.BytesIO()
         torch.save(tensor if tensor.is_meta else tensor.cpu(), buffer)
@@ -212,6 +218,31 @@ def _encode_tensor(value: Any, float_dtype: Any, int_dtype: Any) -> Leaf:
     signed = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[bits]
     raw = tensor.view(signed).numpy().view(f"u{bits // 8}")
     return Leaf(Kind.TENSOR_RAW, raw, name)
+
+
+def _plain(tensor: Any, torch: Any) -> Any:
+    """A tensor subclass as a plain tensor of the same memory, or `None` when it has no
+    memory of its own (a wrapper of other tensors, e.g. one a library's
+    `__torch_dispatch__` makes) or refuses to be viewed so."""
+    try:
+        if tensor.numel() and not tensor.data_ptr():
+            return None
+        return tensor.as_subclass(torch.Tensor)
+    except Exception:
+        return None
+
+
+_storage_less_warned: set[str] = set()  # the subclasses said unstorable, by name
+
+
+def _storage_less(tensor: Any) -> Leaf:
+    """The marker of a tensor subclass the file cannot hold, with a warning once a class."""
+    kind = type(tensor).__qualname__
+    text = f"a {kind} tensor: cannot store it (a tensor subclass with no memory of its own)"
+    if kind not in _storage_less_warned:
+        _storage_less_warned.add(kind)
+        warn(f"vartrace: {text}; its records are stored as Unstored markers", RuntimeWarning)
+    return Leaf(Kind.UNSTORED, text)
 
 
 _NUMPY_OF_TORCH = frozenset(
