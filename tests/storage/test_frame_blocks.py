@@ -9,6 +9,8 @@ real saver, two shards of one run, and read back with `vartrace.open`.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +107,18 @@ def test_one_statistic_or_several_give_the_same_columns(tmp_path: Path) -> None:
             alone = run.to_frame(stat)
             assert alone.drop(columns=stat).equals(together.drop(columns=NAMES)), stat
             assert _same(alone[stat].tolist(), together[stat].tolist()), stat
+
+
+def test_the_frame_benchmark_prints_its_figure() -> None:
+    """`tools/bench_frame.py` writes its shards and times to_frame of seven statistics (a
+    smoke test of the benchmark: its figures are the README's)."""
+    tool = Path(__file__).resolve().parents[2] / "tools" / "bench_frame.py"
+    done = subprocess.run(
+        [sys.executable, str(tool), "--shards", "2", "--mib", "1", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "to_frame of 7 statistics, 2 shards" in done.stdout, done.stdout
