@@ -55,7 +55,7 @@ from vartrace.storage.layout import (
     unescape,
 )
 from vartrace.storage.locations import Location, is_url, resolve
-from vartrace.storage.shard import Shard, planned
+from vartrace.storage.shard import Shard, close_shards, planned
 from vartrace.storage.site_reader import Part, ReadAhead
 from vartrace.storage.sites import Site, described
 
@@ -441,8 +441,7 @@ class Run:
 
     def close(self) -> None:
         """Close the files."""
-        for shard in self._shards:
-            shard.close()
+        close_shards(self._shards)
         self._shards = []
 
     def __enter__(self) -> Run:
