@@ -79,9 +79,9 @@ def describe(part: Part, stats: Sequence[Stat], allow_pickle: bool, name: str) -
             dtypes[row], shapes[row] = str(value.dtype).removeprefix("torch."), tuple(value.shape)
         else:
             dtypes[row], shapes[row] = KIND_NAMES[kind], ()
-        numeric = _numeric(value)
+        as_numbers = _numeric(value)
         for column, stat in enumerate(stats):
-            columns[column][row] = _apply(stat, value, numeric)
+            columns[column][row] = _apply(stat, value, as_numbers)
     return columns, dtypes, shapes
 
 
