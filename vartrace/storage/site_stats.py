@@ -160,8 +160,8 @@ def _fields(
     for column, stat in named:
         if stat in fields:
             columns[column][rows] = numeric[stat][at]
-        elif stat == "var" and "std" in fields:
-            columns[column][rows] = numeric["std"][at].astype(np.float64) ** 2
+        elif stat == "var" and "std" in fields:  # as `Statistics.statistic`: Python's pow
+            columns[column][rows] = [float(std) ** 2 for std in numeric["std"][at].tolist()]
 
 
 def _reduced(
