@@ -226,6 +226,7 @@ class Run:
         #: reopening a shard by its URL passes them again.
         self.storage_options: dict[str, Any] = dict(storage_options or {})
         self._shards: list[Shard] = []
+        self._sites: dict[str, Site] = {}
         try:
             for path, manifest in zip(
                 self.paths, planned(self.paths, self.storage_options, stacklevel=3), strict=True
@@ -237,7 +238,6 @@ class Run:
         except BaseException:
             self.close()
             raise
-        self._sites: dict[str, Site] = {}
         self._ahead = ReadAhead()
 
     @property
@@ -441,6 +441,8 @@ class Run:
 
     def close(self) -> None:
         """Close the files."""
+        self._sites.clear()  # (their datasets, released first: fewer objects for HDF5 to go over)
+        self.__dict__.pop("_catalogue", None)
         close_shards(self._shards)
         self._shards = []
 

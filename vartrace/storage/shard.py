@@ -243,6 +243,8 @@ def close_shards(shards: Sequence[Shard]) -> None:
     file opened by another `Run` keeps its own) and the files are closed as h5py closes
     them, and the dead identifiers are looked for once.
     """
+    for shard in shards:  # its groups released: HDF5 goes over the objects still open
+        shard.__dict__.pop("vars", None)
     handles = [s._handle for s in shards if s._handle is not None and s._handle.id.valid]
     if len(handles) > 1:
         with h5py._objects.phil:
