@@ -4,11 +4,11 @@ Writes the shards of an N-rank run (default 1,000) with the saver, as
 `ModelTracer(gather=False)` writes them (`run.rank<r>.h5`, each with its `shard` attribute
 and its manifest `run.rank<r>.h5.manifest.json`): 13 sites of small float32 records over
 4 gathers a shard.  Then, in this process, it times `vartrace.open` of the directory,
-`run.names`, and `run.to_frame("mean")`: once with the manifests, then again with
-them deleted, and prints a small table with the ratios (files / manifests: above 1, the
-manifests are faster).  With manifests the files are opened by `to_frame` instead of
-by `open`: the total, not `to_frame` alone, compares the two.  The bar (issue 43): open and list
-1,000 shards with manifests in at most 1 s.
+`run.names`, `run.to_frame("mean")` and `run.close()` (every file open by then): once with
+the manifests, then again with them deleted, and prints a small table with the ratios
+(files / manifests: above 1, the manifests are faster).  With manifests the files are
+opened by `to_frame` instead of by `open`: the total, not `to_frame` alone, compares the
+two.  The bar (issue 43): open and list 1,000 shards with manifests in at most 1 s.
 
 With `--workers N` (N > 0, needs `pip install 'torch-vartrace[dask]'`) it then times
 `run.to_frame("mean")` and `vartrace.compare(run, run)` in this process and on a Dask
@@ -66,18 +66,19 @@ def _timed(step: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def measure(folder: Path) -> dict[str, float]:
-    """Seconds of open, names and to_frame("mean") of the run in `folder`."""
+    """Seconds of open, names, to_frame("mean") and close of the run in `folder`."""
     opened, run = _timed(lambda: vartrace.open(folder))
-    with run:
-        listed, names = _timed(lambda: run.names)
-        framed, frame = _timed(lambda: run.to_frame("mean"))
+    listed, names = _timed(lambda: run.names)
+    framed, frame = _timed(lambda: run.to_frame("mean"))
+    closed, _ = _timed(run.close)
     assert len(names) == SITES and len(frame) == SITES * GATHERS * len(run.paths)
     return {
         "open": opened,
         "names": listed,
         "open+names": opened + listed,
         "to_frame": framed,
-        "total": opened + listed + framed,
+        "close": closed,
+        "total": opened + listed + framed + closed,
     }
 
 

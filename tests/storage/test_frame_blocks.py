@@ -9,6 +9,8 @@ real saver, two shards of one run, and read back with `vartrace.open`.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ pytest.importorskip("pandas")
 
 NAMES = ["mean", "std", "var", "min", "max", "absmax", "norm", "nan", "posinf", "zeros"]
 FIELDS = ["count", "q0.5"]  # a field of statistics records; NaN for values
+STD = 6.883963713291409  # a std whose square by Python's pow is not std * std
 
 
 def _values(rank: int, iteration: int) -> dict[str, list[Any]]:
@@ -35,10 +38,12 @@ def _values(rank: int, iteration: int) -> dict[str, list[Any]]:
     ragged[0, 0] = math.nan if iteration % 2 else math.inf
     whole = torch.randn((4, 5), generator=generator)
     stats = vartrace.stats(histogram=True, quantiles=(0.5,))
+    odd = stats("stats", whole, iteration)
+    odd[3] = STD  # its std
     return {
         "ragged": [ragged, ragged[:1] * 2],
         "bf16": [torch.randn((3, 7), generator=generator).bfloat16()],
-        "stats": [stats("stats", whole, iteration), stats("stats", -whole, iteration)],
+        "stats": [stats("stats", whole, iteration), stats("stats", -whole, iteration), odd],
         "mixed": [
             whole.double(),
             Unstored("generator: cannot pickle 'generator' object"),
@@ -88,8 +93,8 @@ def test_to_frame_of_many_statistics_is_each_record_reduced_alone(tmp_path: Path
             assert _same(frame[stat].tolist(), [float(v) for v in alone["stat"]]), stat
         stats = frame[frame["site"] == "stats"]
         assert (stats["count"] == 20).all() and stats["q0.5"].notna().all()
-        var = stats["std"].to_numpy() ** 2
-        assert np.array_equal(stats["var"].to_numpy(), var)
+        assert stats["var"].tolist() == [std**2 for std in stats["std"].tolist()]
+        assert STD**2 != STD * STD and STD**2 in stats["var"].tolist()
         assert frame.loc[frame["site"] == "bf16", "dtype"].unique().tolist() == ["bfloat16"]
         mixed = frame[frame["site"] == "mixed"]
         dtypes = ["float64", "unstored", "none", "int", "str", "float32"]
@@ -105,3 +110,18 @@ def test_one_statistic_or_several_give_the_same_columns(tmp_path: Path) -> None:
             alone = run.to_frame(stat)
             assert alone.drop(columns=stat).equals(together.drop(columns=NAMES)), stat
             assert _same(alone[stat].tolist(), together[stat].tolist()), stat
+
+
+def test_the_frame_benchmark_prints_its_figure() -> None:
+    """`tools/bench_frame.py` writes its shards and times to_frame of seven statistics (a
+    smoke test of the benchmark: its figures are the README's)."""
+    tool = Path(__file__).resolve().parents[2] / "tools" / "bench_frame.py"
+    done = subprocess.run(
+        [sys.executable, str(tool), "--shards", "2", "--mib", "1", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "to_frame of 7 statistics, 2 shards" in done.stdout, done.stdout

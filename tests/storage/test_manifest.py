@@ -215,4 +215,4 @@ def test_the_shards_benchmark_prints_its_table() -> None:
     )
     assert done.returncode == 0, done.stderr
     rows = {line.split()[0] for line in done.stdout.splitlines()[2:]}
-    assert rows == {"open", "names", "open+names", "to_frame", "total"}, done.stdout
+    assert rows == {"open", "names", "open+names", "to_frame", "close", "total"}, done.stdout

@@ -254,3 +254,33 @@ def test_a_live_run_answers_as_of_its_opening_and_a_reopen_sees_more(tmp_path: P
     finally:
         process.kill()
         process.wait(timeout=60)
+
+
+def test_closing_a_run_of_shards_closes_its_objects_and_no_other_runs(tmp_path: Path) -> None:
+    """A run's shards close together (their objects, then the files, then h5py's dead
+    identifiers looked for once): the run's datasets are closed with it, while another run
+    of the same files, open at the same time, keeps reading."""
+    for rank in range(3):
+        saver = H5PYSaverCallback(tmp_path / "run.h5", metadata=False)
+        saver.on_start(RunContext(rank=rank, world_size=3, sharded=True))
+        for site in ("a", "b"):
+            saver(site, Trace([torch.full((4,), float(rank))], [1], [rank], [0]))
+        saver.close()
+    for manifest in tmp_path.glob("*.manifest.json"):
+        manifest.unlink()  # every file opened at once
+    before = _open_objects()
+    closed, kept = vartrace.open(tmp_path), vartrace.open(tmp_path)
+    assert sorted(closed["a"].get(1, rank=r)[0].item() for r in range(3)) == [0.0, 1.0, 2.0]
+    both = _open_objects()
+    closed.close()
+    with kept:
+        assert before < _open_objects() < both
+        assert sorted(kept["b"].get(1, rank=r)[0].item() for r in range(3)) == [0.0, 1.0, 2.0]
+        assert np.asarray(kept["a"].values[:]).shape == (3, 4)
+    assert _open_objects() == before
+
+
+def _open_objects() -> int:
+    """The HDF5 files and objects in files open in this process."""
+    kinds = h5py.h5f.OBJ_FILE | h5py.h5f.OBJ_DATASET | h5py.h5f.OBJ_GROUP | h5py.h5f.OBJ_ATTR
+    return len(h5py.h5f.get_obj_ids(h5py.h5f.OBJ_ALL, kinds))

@@ -53,7 +53,7 @@ from vartrace.storage.layout import (
 from vartrace.storage.locations import Location, is_url, resolve
 from vartrace.storage.root_rows import Row, alias_rows, committed_counts
 from vartrace.storage.root_rows import indexed as index_rows
-from vartrace.storage.shard import Shard, planned
+from vartrace.storage.shard import Shard, close_shards, planned
 from vartrace.storage.site_reader import Part, ReadAhead
 from vartrace.storage.sites import Site, described
 
@@ -173,6 +173,7 @@ class Run:
         #: reopening a shard by its URL passes them again.
         self.storage_options: dict[str, Any] = dict(storage_options or {})
         self._shards: list[Shard] = []
+        self._sites: dict[str, Site] = {}
         try:
             for path, manifest in zip(
                 self.paths, planned(self.paths, self.storage_options, stacklevel=3), strict=True
@@ -184,7 +185,6 @@ class Run:
         except BaseException:
             self.close()
             raise
-        self._sites: dict[str, Site] = {}
         self._ahead = ReadAhead()
 
     @property
@@ -415,8 +415,9 @@ class Run:
 
     def close(self) -> None:
         """Close the files."""
-        for shard in self._shards:
-            shard.close()
+        self._sites.clear()  # (their datasets, released first: fewer objects for HDF5 to go over)
+        self.__dict__.pop("_catalogue", None)
+        close_shards(self._shards)
         self._shards = []
 
     def __enter__(self) -> Run:

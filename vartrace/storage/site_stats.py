@@ -79,9 +79,9 @@ def describe(part: Part, stats: Sequence[Stat], allow_pickle: bool, name: str) -
             dtypes[row], shapes[row] = str(value.dtype).removeprefix("torch."), tuple(value.shape)
         else:
             dtypes[row], shapes[row] = KIND_NAMES[kind], ()
-        numeric = _numeric(value)
+        as_numbers = _numeric(value)
         for column, stat in enumerate(stats):
-            columns[column][row] = _apply(stat, value, numeric)
+            columns[column][row] = _apply(stat, value, as_numbers)
     return columns, dtypes, shapes
 
 
@@ -160,8 +160,8 @@ def _fields(
     for column, stat in named:
         if stat in fields:
             columns[column][rows] = numeric[stat][at]
-        elif stat == "var" and "std" in fields:
-            columns[column][rows] = numeric["std"][at].astype(np.float64) ** 2
+        elif stat == "var" and "std" in fields:  # as `Statistics.statistic`: Python's pow
+            columns[column][rows] = [float(std) ** 2 for std in numeric["std"][at].tolist()]
 
 
 def _reduced(
