@@ -233,7 +233,7 @@ class Shard:
         self.__dict__.pop("vars", None)
 
 
-#: The h5py internals `close_shards` uses to close files together (h5py 3.9-3.16 have them;
+#: The h5py internals `close_shards` uses to close files together (checked on h5py 3.16;
 #: without them each file closes on its own: the same result, slower).
 _CLOSES_TOGETHER = hasattr(h5py._objects, "nonlocal_close") and hasattr(
     h5py.h5f.FileID, "_close_open_objects"
