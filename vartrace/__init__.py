@@ -75,6 +75,7 @@ _LAZY = {
     "TensorBoardCallback": "vartrace.analysis.tensorboard",
     "active_tracers": "vartrace.tracing.registry",
     "stop_all": "vartrace.tracing.registry",
+    "plot_stat": "vartrace.analysis.plot",
 }
 
 __all__ = [
@@ -97,6 +98,7 @@ __all__ = [
     "compare",
     "list_sites",
     "open",
+    "plot_stat",
     "record",
     "reduce_chunk",
     "sites_of_type",
@@ -108,6 +110,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from vartrace.analysis.comparison import Comparison, compare
+    from vartrace.analysis.plot import plot_stat
     from vartrace.analysis.tensorboard import TensorBoardCallback
     from vartrace.reduced import ReducedFrom
     from vartrace.statistics.records import Statistics, stats

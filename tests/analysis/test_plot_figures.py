@@ -100,3 +100,10 @@ def test_the_command_takes_title_ylabel_and_logy(tmp_path: Path) -> None:
         done.stdout.strip() == f"wrote {out} (norm over iterations, {LAYERS} line(s) per statistic)"
     )
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_plot_stat_is_at_the_top_level_too() -> None:
+    import vartrace
+    import vartrace.plot
+
+    assert vartrace.plot_stat is vartrace.plot.plot_stat is plot_stat
