@@ -168,6 +168,7 @@ def test_the_command_line_lists_shows_plots_and_compares_the_series(tmp_path: Pa
     _traced(path)
     listed = _cli("ls", path)
     assert all(name in listed for name in LINES), listed
+    assert f"  {SERIES} = {' + '.join(LINES)}" in listed, listed  # the series, named
     shown = _cli("show", path, "forward.h", "--iteration", "2")
     assert f"{SERIES} @ iteration 2" in shown, shown
     lines_shown = _cli("show", path, "forward.*", "--iteration", "2")

@@ -112,6 +112,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 )
             )
         live = " (live: its writer still runs; run again for newer records)" if run.live else ""
+        series: dict[str, list[str]] = getattr(run, "series", {})
     stored = len(rows) - len(aliases)
     summary = f"{stored} sites, {total_records} records, {size_text(total_bytes)}"
     if aliases:
@@ -123,6 +124,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if aliases:
         print_safe("", "aliases (a value stored once, under the site that held it first):")
         print_safe(*(f"  {name} -> {target}" for name, target in aliases.items()))
+    if series:
+        print_safe("", "series (every binding of a variable in execution order, read by name):")
+        print_safe(*(f"  {name} = {' + '.join(lines)}" for name, lines in series.items()))
     return 0
 
 
