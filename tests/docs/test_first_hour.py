@@ -99,7 +99,8 @@ def test_plot_help_shows_both_forms_in_its_usage() -> None:
     )
     usage = result.stdout.split("\n\n", 1)[0].splitlines()
     assert usage == [
-        "usage: vartrace plot RUN SITE... [--stat STAT] -o OUTPUT [--allow-pickle]",
+        "usage: vartrace plot RUN SITE... [--stat STAT] -o OUTPUT [--title T] [--ylabel Y] "
+        "[--logy] [--allow-pickle]",
         "       vartrace plot A B -o OUTPUT [--atol ATOL] [--rtol RTOL] [--allow-pickle]",
     ]
 

@@ -162,7 +162,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plot",
         help="plot statistics over iterations, or a similarity heat map of two runs",
-        usage="%(prog)s RUN SITE... [--stat STAT] -o OUTPUT [--title T] [--ylabel Y] [--logy]\n"
+        usage="%(prog)s RUN SITE... [--stat STAT] -o OUTPUT [--title T] [--ylabel Y] [--logy] "
+        "[--allow-pickle]\n"
         "       %(prog)s A B -o OUTPUT [--atol ATOL] [--rtol RTOL] [--allow-pickle]",
         description="RUN SITE...: statistics of sites over iterations, one line per rank, "
         "sites ordered and coloured by name (layers.2 before layers.10).  "

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -28,9 +29,10 @@ from typing import Any
 
 from torch import nn
 
-from vartrace.engine.patching import Selector, Sink
+from vartrace.engine.patching import Probe, Selector, Sink
 from vartrace.tracing.counting import counting_hooks
 from vartrace.tracing.eager import eager
+from vartrace.tracing.sites import Target
 
 __all__ = ["Deferred", "OutputWatch"]
 
@@ -84,6 +86,20 @@ class OutputWatch:
                 selector.emit(output, sink, seen)
 
         last.append(counting_hooks(undo, module, self, eager(before), eager(after))[1])
+
+    def probe(
+        self, undo: contextlib.ExitStack, target: Target, counting: dict[int, list[int]]
+    ) -> Probe:
+        """What to capture from `target`; a module's output (the return value of its
+        `forward`) as its caller receives it, after its forward hooks, which run before
+        the `counting` hooks of the module that end an iteration."""
+        probe = target.probe()
+        module = target.module
+        if target.method.name != "forward" or not probe.returns:
+            return probe
+        self.attach(undo, module, lambda: counting.get(id(module), []))
+        returns = tuple(self.defer(module, s) for s in probe.returns)
+        return dataclasses.replace(probe, returns=returns)
 
     def defer(self, module: nn.Module, selector: Selector) -> Selector:
         """`selector` (a return value of `module.forward`) emitting what `module(...)`

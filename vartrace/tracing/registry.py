@@ -7,7 +7,8 @@ when another running tracer patches the same modules, naming it;
 [`stop_all`][vartrace.stop_all] stops them.  At interpreter exit, before the tracers
 left running are stopped (`vartrace._support.exit`), each one that no object of the
 user's holds any more (only its own hooks on the model and vartrace's registries do)
-is named in a warning: it recorded all along, unseen.
+is named in a warning: it recorded all along, unseen.  A model called after that stop
+(a daemon thread still training) says so once (`say_late_calls`).
 
 Example:
     ```python
@@ -21,15 +22,18 @@ from __future__ import annotations
 import gc
 import threading
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from vartrace._support import warnings as _warnings
 
 if TYPE_CHECKING:
+    from torch import nn
+    from torch.utils.hooks import RemovableHandle
+
     from vartrace.tracing.tracer import ModelTracer
 
-__all__ = ["active_tracers", "enter", "leave", "stop_all"]
+__all__ = ["active_tracers", "enter", "leave", "say_late_calls", "stop_all"]
 
 # id(tracer) -> (the tracer, the ids of the modules it patches or counts calls of)
 _running: dict[int, tuple[ModelTracer, frozenset[int]]] = {}
@@ -133,3 +137,25 @@ def _name_lost() -> None:
                 "their .stop() or vartrace.stop_all(); vartrace.active_tracers() lists them",
                 RuntimeWarning,
             )
+
+
+def say_late_calls(model: nn.Module, finished: Callable[[], bool]) -> None:
+    """Warn once when `model` is called after its tracer, left running, was stopped at
+    interpreter exit (`finished()` true): a daemon thread still training records nothing."""
+    late: list[RemovableHandle] = []
+
+    def hook(module: nn.Module, args: object) -> None:
+        if not finished():
+            return  # the stop at exit has not begun
+        try:
+            late.pop().remove()  # said once, whichever thread calls first
+        except IndexError:
+            return
+        _warnings.warn(
+            "vartrace: the model was called after the tracer left running was stopped at "
+            "interpreter exit (a daemon thread still training?): no step from here on "
+            "is recorded",
+            RuntimeWarning,
+        )
+
+    late.append(model.register_forward_pre_hook(hook))

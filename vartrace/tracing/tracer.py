@@ -18,7 +18,6 @@ undoing it, iterations, and the record path up to admission.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import sys
 import weakref
@@ -28,14 +27,13 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from vartrace._support import exit as _exit
 from vartrace._support import forks as _forks
 from vartrace._support import warnings as _warnings
 from vartrace.distributed import gathers as distributed
 from vartrace.engine.frames import set_change_test
-from vartrace.engine.patching import Hook, Probe, attach, detach
+from vartrace.engine.patching import Hook, attach, detach
 from vartrace.engine.structures import leaves
 from vartrace.errors import CallbackError
 from vartrace.markers import DROP
@@ -425,8 +423,7 @@ class ModelTracer:
         `vartrace._support.exit`); a failure then is a warning, the exit goes on.  A call
         of the model after this stop (a daemon thread still training) is said once: it is
         recorded nowhere."""
-        late: list[RemovableHandle] = []
-        late.append(self.model.register_forward_pre_hook(functools.partial(self._late, late)))
+        registry.say_late_calls(self.model, lambda: self._finished)
         try:
             self._finish(flush=True)
         except Exception as error:
@@ -435,20 +432,6 @@ class ModelTracer:
                 f"{type(error).__name__}: {error}",
                 RuntimeWarning,
             )
-
-    def _late(self, handle: list[RemovableHandle], module: nn.Module, args: Any) -> None:
-        if not self._finished:
-            return  # the stop at exit has not begun
-        try:
-            handle.pop().remove()  # said once, whichever thread calls first
-        except IndexError:
-            return
-        _warnings.warn(
-            "vartrace: the model was called after the tracer left running was stopped at "
-            "interpreter exit (a daemon thread still training?): no step from here on "
-            "is recorded",
-            RuntimeWarning,
-        )
 
     def _finish(self, flush: bool) -> None:
         """`stop` without emitting the warnings kept during the steps."""
@@ -552,7 +535,8 @@ class ModelTracer:
             # The root's own forward counts even when called as ``model.forward(x)``.
             is_root = target.module is self.model and target.method.name == "forward"
             enter = functools.partial(self._enter_root, False) if is_root else self._enter_method
-            hook = Hook(self._probe(target, counting), self._capture, enter, counter.exit)
+            probe = self._outputs.probe(undo, target, counting)
+            hook = Hook(probe, self._capture, enter, counter.exit)
             attach(target.module, target.method.name, target.method.code, hook, eager)
             undo.callback(detach, target.module, target.method.name, hook)
             self._patched.append((target, hook))
@@ -578,18 +562,6 @@ class ModelTracer:
             counter.follow_steps()
             handle = self._config.optimizer.register_step_post_hook(lambda *_: counter.stepped())
             undo.callback(handle.remove)
-
-    def _probe(self, target: Target, counting: dict[int, list[int]]) -> Probe:
-        """What to capture from `target`; a module's output (the return value of its
-        `forward`) as its caller receives it, after its forward hooks, which run before
-        the `counting` hooks of the module that end an iteration."""
-        probe = target.probe()
-        module = target.module
-        if target.method.name != "forward" or not probe.returns:
-            return probe
-        self._outputs.attach(self._undo, module, lambda: counting.get(id(module), []))
-        returns = tuple(self._outputs.defer(module, s) for s in probe.returns)
-        return dataclasses.replace(probe, returns=returns)
 
     def _counting_parts(self) -> list[nn.Module]:
         """The root's children that hold traced sites: their outermost calls count until
