@@ -25,7 +25,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -236,7 +236,7 @@ def _distributed_kinds() -> tuple[type, ...]:
     return kinds
 
 
-def local_shard(value: torch.Tensor, site: str) -> torch.Tensor:
+def local_shard(value: Any, site: str) -> torch.Tensor:
     """This rank's part of the distributed tensor `value`, detached: a DTensor's local
     shard, with a warning once per site naming its placement, or an
     `AsyncCollectiveTensor`'s result (awaited, as the first op of whoever receives it
@@ -270,9 +270,10 @@ def local_shard(value: torch.Tensor, site: str) -> torch.Tensor:
     return shard
 
 
-def _local_part(value: torch.Tensor) -> torch.Tensor:
+def _local_part(value: Any) -> torch.Tensor:
     """A DTensor's local shard, an `AsyncCollectiveTensor`'s awaited result."""
-    return value.to_local() if hasattr(value, "to_local") else value.trigger_wait()
+    part = value.to_local() if hasattr(value, "to_local") else value.trigger_wait()
+    return cast(torch.Tensor, part)
 
 
 _FLOAT = struct.Struct("<d")
@@ -560,7 +561,7 @@ def snapshot(value: Any) -> Any:
     """
     if isinstance(value, torch.Tensor):
         if is_distributed(value):
-            value = value.to_local()  # what a record of it holds: never a collective
+            value = _local_part(value)  # what a record of it holds: never a collective
         if is_transformed(value):
             return _transformed_snapshot(value)
         if value.is_cpu or value.is_meta:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import FrameType
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ def in_pipeline_schedule() -> bool:
         schedule.step(x)  # a stage's forward, inside: in_pipeline_schedule() is True
         ```
     """
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename.startswith(_PIPELINING):
             return True

@@ -104,7 +104,7 @@ class RootIndex:
             for link, slot in self.slots.items():
                 count = int(self.counts[slot]) if slot < len(self.counts) else 0
                 group = self.vars[link]
-                order = (
+                order: np.ndarray | list[int] = (
                     (
                         leading_rows(group, TAGGED, 1)[:, TAGS.index("order")]
                         if TAGGED in group

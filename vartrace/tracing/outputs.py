@@ -69,7 +69,7 @@ class OutputWatch:
         last: list[int] = []  # the id of `after`, once registered
 
         def before(module: nn.Module, args: Any) -> None:
-            hooks = module._forward_hooks
+            hooks: Any = module._forward_hooks  # an OrderedDict
             for hook_id in (*last, *trailing()):
                 if hook_id in hooks and next(reversed(hooks)) != hook_id:
                     hooks.move_to_end(hook_id)

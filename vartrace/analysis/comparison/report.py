@@ -245,7 +245,7 @@ class Comparison:
 
     def _table(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
         """The report's table: its header and a row per site."""
-        header = (
+        header: tuple[str, ...] = (
             "site",
             "pairs",
             "differing",
@@ -257,7 +257,7 @@ class Comparison:
             "dtype",
             "status",
         )
-        body = [
+        body: list[tuple[str, ...]] = [
             (
                 s.site,
                 str(s.records),
