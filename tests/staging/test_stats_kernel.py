@@ -105,7 +105,7 @@ def test_a_record_is_one_op_on_the_stand_in_device_and_no_kernel_on_the_cpu() ->
 def test_a_record_allocates_one_float64_block_at_most_on_the_cpu() -> None:
     """No float64 copy of the record (today's numpy path made one: 32 MiB here): the
     kernel's temporaries are one block's buffers (float64, bool, bfloat16 widened, numpy's
-    casting buffer: under 16 bytes a value, 64 Ki values at most), 1 MiB at most."""
+    casting buffer: under 16 bytes a value, `BLOCK` values at most), 2 MiB at most."""
     for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
         x = torch.randn(4 << 20).to(dtype)
         SUMMARY("site", x, 1)  # the op registered, float8's table of 256 values made
