@@ -73,6 +73,11 @@ _CANCELLATION = 16.0
 Decoder = Callable[[np.ndarray, np.ndarray], None]
 
 _ones = np.ones(0)  # a small block's sum is a BLAS dot with ones (numpy's sum: 3x the cost)
+_min, _max = np.minimum.reduce, np.maximum.reduce  # (ndarray.min: a Python wrapper more)
+#: The dtypes whose large blocks torch upcasts (the others: numpy's cast).
+_TORCH_CASTS = frozenset(
+    np.dtype(name) for name in ("float16", "float32", "int8", "int16", "int32", "int64", "uint8")
+)
 
 
 def summarize_values(values: np.ndarray, decode: Decoder | None = None) -> np.ndarray:
@@ -94,8 +99,8 @@ def summarize_values(values: np.ndarray, decode: Decoder | None = None) -> np.nd
 def _fields(values: np.ndarray, decode: Decoder | None, *head: float) -> list[float]:
     """`head`, then the 11 summary fields of `values` (`summarize_values`).
 
-    Per block of `BLOCK` values: the sum and the sum of squares as two BLAS dots of the
-    float64 values (float32 squares are exact in float64), min, max and zeros of float32
+    Per block of `BLOCK` values: the sum and the sum of squares as float64 reductions of
+    the float64 values (float32 squares are exact in float64), min, max and zeros of float32
     or float64 values as they are (others in float64); the blocks' `(count, mean, M2)`
     merged by Chan, Golub and LeVeque's formula, the means relative to a shift (the first
     value, when finite).  One block is reduced with ~12 numpy calls, and only the values'
@@ -155,6 +160,7 @@ def _sums(block: np.ndarray, ones: np.ndarray) -> tuple[float, float]:
 
 
 def _upcast(source: np.ndarray, out: np.ndarray) -> None:
+    """`source` as float64 in `out` (complex values: their magnitudes)."""
     if source.dtype.kind == "c":
         np.abs(source, out=out)
     elif out.size >= _LARGE and source.dtype in _TORCH_CASTS and source.flags.writeable:
@@ -163,12 +169,6 @@ def _upcast(source: np.ndarray, out: np.ndarray) -> None:
         torch.from_numpy(out).copy_(torch.from_numpy(source))
     else:
         np.copyto(out, source, casting="unsafe")
-
-
-_min, _max = np.minimum.reduce, np.maximum.reduce  # (ndarray.min: a Python wrapper more)
-_TORCH_CASTS = frozenset(
-    np.dtype(name) for name in ("float16", "float32", "int8", "int16", "int32", "int64", "uint8")
-)
 
 
 def bfloat16_decoder(codes: np.ndarray, out: np.ndarray) -> None:
