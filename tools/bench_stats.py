@@ -4,6 +4,7 @@ Usage::
 
     python tools/bench_stats.py                          # both tables
     python tools/bench_stats.py --sizes 4096 65536 --rounds 3 --block 3
+    python tools/bench_stats.py --instructions           # statistics vs clone, under callgrind
 
 Per record, for each size and dtype (float32, bfloat16), in one process:
 
@@ -20,17 +21,39 @@ time of a record (the contenders' calls interleaved) and its time per element.
 Per step: the ``small`` model of ``tools/bench_overhead.py`` (forward, backward and SGD),
 untraced, recording ``layers.*`` and ``layers.*@grad`` whole, and reducing them with
 ``vartrace.stats()``, round-robin; each chunk is discarded after the gather.
+
+``--instructions`` counts instead of timing (time is noise on a loaded machine, instructions
+are not): the statistics record ``vartrace.stats()`` makes of a float32 tensor, and the
+clone that records it whole, for a 1 MiB record (262,144 values) and a tiny one (64), each
+in a child process of its own under callgrind (one torch thread), instrumented for its
+``CALLS`` calls only; then the same statistics timed per value in this process.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import os
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from _harness import Context, add_threads, parser, round_robin, set_threads, timed_calls, traced
+from _harness import (
+    Context,
+    add_threads,
+    handshake,
+    instructions,
+    need_callgrind,
+    parser,
+    round_robin,
+    set_threads,
+    table,
+    timed_calls,
+    traced,
+)
 from _model import training_step
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -38,6 +61,7 @@ import vartrace
 from vartrace.statistics.kernels import eager_summary
 
 SIZES = [1 << 12, 1 << 16, 1 << 20, 1 << 24]
+INSTRUCTION_SIZES = {1 << 18: 20, 64: 2000}  # float32 values of a record: calls counted
 DTYPES = [torch.float32, torch.bfloat16]
 STEP_PATHS = ["layers.*", "layers.*@grad"]
 
@@ -105,13 +129,74 @@ def step_table(rounds: int, block: int) -> str:
     return "\n".join(lines)
 
 
+def _record_calls(size: int) -> dict[str, Callable[[], object]]:
+    """``--instructions``' contenders on a float32 record of ``size`` values."""
+    x = torch.randn(size, generator=torch.Generator().manual_seed(0))
+    reducer = vartrace.stats()
+    return {"statistics": lambda: reducer("site", x, 1), "clone": x.clone}
+
+
+def instructions_child(name: str, size: int, calls: int) -> None:
+    """A contender's side of :func:`instruction_table`, under callgrind: warm up, then
+    ``calls`` calls between two handshakes (instrumentation on, then off)."""
+    torch.set_num_threads(1)
+    call = _record_calls(size)[name]
+    for _ in range(3):
+        call()
+    handshake()
+    for _ in range(calls):
+        call()
+    handshake()
+
+
+def instruction_table(budget: float) -> str:
+    """Instructions a call of each contender, per value, and statistics over clone; then
+    the statistics' time per value (median of interleaved calls, this process)."""
+    need_callgrind(control=True)
+    env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for size, calls in INSTRUCTION_SIZES.items():
+            counts = {}
+            for name in ("statistics", "clone"):
+                argv = [__file__, "--_instructions-child", name, str(size), str(calls)]
+                out = Path(folder) / f"{name}-{size}.out"
+                counts[name] = instructions(argv, out, env, switched=True) / calls
+            seconds = timed_calls(_record_calls(size), budget)["statistics"]
+            rows.append(
+                [
+                    f"{size:,}",
+                    *(f"{counts[name]:,.0f} ({counts[name] / size:.2f}/value)" for name in counts),
+                    f"{counts['statistics'] / counts['clone']:.2f}x",
+                    f"{seconds / size * 1e9:.2f} ns",
+                ]
+            )
+    header = ["float32 values", "statistics Ir", "clone Ir", "ratio", "statistics time/value"]
+    title = "a record's instructions under callgrind (one torch thread), and its time per value"
+    return "\n".join([title, *table(header, rows)])
+
+
 def main(argv: list[str] | None = None) -> int:
     arguments = parser(__doc__, rounds=5, block=4)
     add_threads(arguments, default=1)
     arguments.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="elements a record")
     arguments.add_argument("--budget", type=float, default=2.0, help="seconds per record row")
+    arguments.add_argument(
+        "--instructions", action="store_true", help="count instructions under callgrind"
+    )
+    arguments.add_argument(
+        "--_instructions-child", nargs=3, metavar=("NAME", "SIZE", "CALLS"), help=argparse.SUPPRESS
+    )
     args = arguments.parse_args(argv)
     set_threads(args.threads)
+    if args._instructions_child:
+        name, size, calls = args._instructions_child
+        instructions_child(name, int(size), int(calls))
+        return 0
+    if args.instructions:
+        print(f"torch {torch.__version__}, {args.threads} intra-op thread(s); CPU")
+        print(instruction_table(args.budget))
+        return 0
     print(f"torch {torch.__version__}, {args.threads} intra-op thread(s); CPU")
     print(record_table(args.sizes, args.budget))
     print(step_table(args.rounds, args.block))

@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -104,7 +105,7 @@ def test_a_record_is_one_op_on_the_stand_in_device_and_no_kernel_on_the_cpu() ->
 def test_a_record_allocates_one_float64_block_at_most_on_the_cpu() -> None:
     """No float64 copy of the record (today's numpy path made one: 32 MiB here): the
     kernel's temporaries are one block's buffers (float64, bool, bfloat16 widened, numpy's
-    casting buffer: under 16 bytes a value, 64 Ki values at most), 1 MiB at most."""
+    casting buffer: under 16 bytes a value, `BLOCK` values at most), 2 MiB at most."""
     for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
         x = torch.randn(4 << 20).to(dtype)
         SUMMARY("site", x, 1)  # the op registered, float8's table of 256 values made
@@ -178,6 +179,47 @@ def test_complex_values_are_reduced_by_magnitude() -> None:
     assert_matches(as_statistics(kernels.summary(z)), want)
     assert_matches(as_statistics(kernels.summary(z.conj())), want)
     assert_matches(Statistics.of(SUMMARY("site", z.numpy(), 1)), want)
+
+
+@pytest.mark.parametrize("size", [40, 5000, 300_001])  # numpy's BLAS, torch's, several blocks
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_plain_sums_give_way_to_centred_ones_where_they_would_cancel(
+    size: int, dtype: torch.dtype
+) -> None:
+    """A block's variance comes from its plain sums while mean**2 <= 15x the variance, from
+    its centred values past that: either side of the bound, and far past it, the fields
+    equal the float64 reference."""
+    generator = torch.Generator().manual_seed(size)
+    noise = torch.randn(size, dtype=torch.float64, generator=generator)
+    noise = (noise - noise.mean()) / noise.std(correction=0)  # mean 0, variance 1 exactly-ish
+    for ratio in (0.25, 14.0, 15.0, 16.0, 1e3, 1e12):
+        x = (math.sqrt(ratio) + noise).to(dtype)
+        assert_matches(as_statistics(kernels.summary(x)), expected(x))
+
+
+def test_float64_values_are_reduced_where_they_lie() -> None:
+    """No float64 copy of float64 values, not even a block's: their sums are read in place
+    (a bool block compares them with zero)."""
+    x = torch.randn(4 << 20, dtype=torch.float64)
+    SUMMARY("site", x, 1)
+    tracemalloc.start()
+    try:
+        SUMMARY("site", x, 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= kernels.BLOCK * 2, peak
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int32])
+def test_read_only_arrays_are_reduced_without_a_warning(dtype: type) -> None:
+    """torch reads only arrays it may write (and warns of the others): numpy reduces these."""
+    values = (np.arange(100_000) % 7 - 3).astype(dtype)
+    values.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        row = kernels.summarize_values(values)
+    assert_matches(as_statistics(torch.from_numpy(row)), expected(torch.from_numpy(values.copy())))
 
 
 # -- the CUDA kernels, in Triton's interpreter on CPU tensors ---------------------------------
@@ -382,6 +424,27 @@ def test_the_benchmark_prints_op_counts_times_and_the_step_ratio() -> None:
         eager, fused, clone = (int(cell.split()[0]) for cell in row.split("|")[1:4])
         assert eager > 30 and fused <= 8 and clone == 1, row  # fused: views for numpy
     assert "vartrace.stats()" in done.stdout and "1.000x" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (shutil.which("valgrind") and shutil.which("callgrind_control")),
+    reason="needs valgrind's callgrind",
+)
+def test_statistics_of_a_large_float32_record_cost_under_twenty_clones_of_it() -> None:
+    """Counted by callgrind (the same every run): 1 MiB of float32 values, statistics
+    against the clone that records them whole (33x before the BLAS sums, 14x since)."""
+    tool = Path(__file__).resolve().parents[2] / "tools" / "bench_stats.py"
+    done = subprocess.run(
+        [sys.executable, str(tool), "--instructions", "--budget", "0.05"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("262,144"))
+    ratio = float(next(cell for cell in row.split() if cell.endswith("x"))[:-1])
+    assert ratio < 20, row
 
 
 class _ShortOfMemory:

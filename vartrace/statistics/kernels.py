@@ -3,13 +3,18 @@
 `summarize_values` computes the 11 float64 fields of
 `SUMMARY_FIELDS` (count, mean, std, min, max,
 absmax, norm over the finite values; counts of NaN, +inf, -inf and exact zeros) of a
-numpy array without a float64 copy of it: the values are upcast one block of
-`BLOCK` elements at a time into a reused float64 buffer (the cache holds it),
-each block is reduced there, and the blocks' `(count, mean, M2)` are merged by Chan,
-Golub and LeVeque's formula.  Within a block the centred sum of squares is the two-pass
-one; across blocks the means are taken relative to a shift (the first value, when
-finite, refined by the centred values' sum), so a large mean with a tiny spread loses
-no digits.
+numpy array without a float64 copy of it, in blocks of `BLOCK` values.  A block's values
+are upcast into a reused float64 buffer (float64 values are read where they lie); its
+sum and sum of squares are float64 reductions (float32 squares are exact there): dots
+with ones and with itself in numpy's BLAS, or for blocks of 8 Ki values and more torch's
+cast, sum and dot (vectorised, on torch's threads); they also find NaN and infinities.
+Min, max and the zeros are read from float32 or float64 values as they are.  The
+centred sum of squares is the plain one less sum x mean while that cancels at most 4
+bits (mean**2 <= 15x the variance: an error at most 16x the two-pass formula's); past
+that the block, still in the cache, is centred on its mean and summed again (the
+two-pass sum, corrected by the centred values' sum).  The blocks' `(count, mean, M2)`
+are merged by Chan, Golub and LeVeque's formula, their means relative to a shift (the
+first value, when finite), so a large mean with a tiny spread loses no digits.
 
 `summary` is the same row for a tensor, on the tensor's device, as ONE torch op,
 `torch.ops.vartrace.summary` (a `torch.library` op, traceable by its fake kernel):
@@ -49,11 +54,30 @@ __all__ = [
     "table_decoder",
 ]
 
-#: Elements upcast and reduced at a time: their float64 buffer (512 KiB) stays in the cache.
-BLOCK = 1 << 16
+#: Elements upcast and reduced at a time: their float64 buffer (1 MiB) stays in the cache
+#: (64 Ki values: ~11% more instructions a value, ~15% more time, for the fixed costs).
+BLOCK = 1 << 17
+
+#: Blocks of at least this many values are upcast and summed by torch's vectorised kernels
+#: (numpy's cast loop costs ~2.8 instructions a value, torch's ~1.3; numpy's BLAS would
+#: start threads of its own past 10,000), smaller ones by numpy's (a smaller fixed cost).
+_LARGE = 1 << 13
+
+#: A block's centred sum of squares is its plain one less its sum times its mean while
+#: that cancels at most 4 bits (the plain sum at most 16x the centred one: mean**2 at most
+#: 15x the variance); past that the block, in the cache, is centred on its mean and summed
+#: again (a large mean with a tiny spread loses no digits).
+_CANCELLATION = 16.0
 
 #: Writes the float64 values of some codes into a buffer of their length (dtypes numpy lacks).
 Decoder = Callable[[np.ndarray, np.ndarray], None]
+
+_ones = np.ones(0)  # a small block's sum is a BLAS dot with ones (numpy's sum: 3x the cost)
+_min, _max = np.minimum.reduce, np.maximum.reduce  # (ndarray.min: a Python wrapper more)
+#: The dtypes whose large blocks torch upcasts (the others: numpy's cast).
+_TORCH_CASTS = frozenset(
+    np.dtype(name) for name in ("float16", "float32", "int8", "int16", "int32", "int64", "uint8")
+)
 
 
 def summarize_values(values: np.ndarray, decode: Decoder | None = None) -> np.ndarray:
@@ -69,36 +93,80 @@ def summarize_values(values: np.ndarray, decode: Decoder | None = None) -> np.nd
         summarize_values(np.array([[0.0, -np.inf], [2.0, 4.0]], np.float32))
         ```
     """
+    return np.array(_fields(values, decode))
+
+
+def _fields(values: np.ndarray, decode: Decoder | None, *head: float) -> list[float]:
+    """`head`, then the 11 summary fields of `values` (`summarize_values`).
+
+    Per block of `BLOCK` values: the sum and the sum of squares as float64 reductions of
+    the float64 values (float32 squares are exact in float64), min, max and zeros of float32
+    or float64 values as they are (others in float64); the blocks' `(count, mean, M2)`
+    merged by Chan, Golub and LeVeque's formula, the means relative to a shift (the first
+    value, when finite).  One block is reduced with ~12 numpy calls, and only the values'
+    float64 copy (none for float64 values) as a temporary."""
     flat = values.ravel(order="K")
     size = flat.size
-    buffer, flags = np.empty(min(size, BLOCK)), np.empty(min(size, BLOCK), bool)
-    upcast, many = decode or _upcast, size > BLOCK
+    # float64 values are reduced where they lie (torch reads only arrays it may write)
+    in_place = decode is None and flat.dtype == np.float64 and flat.flags.writeable
+    native = in_place or (decode is None and flat.dtype == np.float32)
+    buffer = None if in_place else np.empty(min(size, BLOCK))
+    upcast, ones = decode or _upcast, _ones_of(min(size, _LARGE))
     count = total = squares = offset = shift = 0.0
-    low, high, counted = math.inf, -math.inf, np.zeros(4)
-    with np.errstate(all="ignore"):
+    low, high, counted = math.inf, -math.inf, [0, 0, 0, 0]
+    with np.errstate(all="ignore"):  # NaN and infinities are counted, not warned of
         for start in range(0, size, BLOCK):
-            block = buffer[: min(BLOCK, size - start)]
-            upcast(flat[start : start + block.size], block)
-            if not start and math.isfinite(block[0]):
+            source = flat if size <= BLOCK else flat[start : start + BLOCK]
+            block = source if buffer is None else buffer[: source.size] if start else buffer
+            if buffer is not None:
+                upcast(source, block)
+            if size > BLOCK and not start and math.isfinite(block[0]):
                 shift = float(block[0])  # the block means are taken relative to it
-            n, s, q, m, lo, hi = _reduce(block, flags[: block.size], shift, counted, many)
+            values = source if native else block
+            n, s, q, m, lo, hi = _reduce(block, values, ones, counted, buffer is not None)
             if n:  # Chan, Golub and LeVeque's merge of (count, mean, M2)
-                delta = m - offset
+                delta = (m - shift) - offset
                 merged = count + n
                 squares += q + delta * delta * (count * n / merged)
                 offset += delta * (n / merged)
                 count, total = merged, total + s
                 low, high = min(low, lo), max(high, hi)
     if not count:
-        return np.array([size, math.nan, math.nan, math.nan, math.nan, math.nan, 0.0, *counted])
+        return [*head, size, math.nan, math.nan, math.nan, math.nan, math.nan, 0.0, *counted]
     mean, var = total / count, squares / count
     norm = math.sqrt(count * (var + mean * mean))
-    return np.array([size, mean, math.sqrt(var), low, high, max(-low, high), norm, *counted])
+    return [*head, size, mean, math.sqrt(var), low, high, max(-low, high), norm, *counted]
+
+
+def _ones_of(width: int) -> np.ndarray:
+    """`width` ones (float64, at least), shared and never written."""
+    global _ones
+    ones = _ones
+    if ones.size < width:
+        ones = _ones = np.ones(_LARGE)
+        ones.flags.writeable = False
+    return ones
+
+
+def _sums(block: np.ndarray, ones: np.ndarray) -> tuple[float, float]:
+    """The sum and the sum of squares of a float64 block: BLAS dots (float32 squares are
+    exact in float64), torch's for a large block."""
+    if block.size >= _LARGE:
+        import torch
+
+        values = torch.from_numpy(block)
+        return float(values.sum()), float(torch.dot(values, values))
+    return float(block.dot(ones[: block.size])), float(block.dot(block))  # (np.dot: 2x the call)
 
 
 def _upcast(source: np.ndarray, out: np.ndarray) -> None:
+    """`source` as float64 in `out` (complex values: their magnitudes)."""
     if source.dtype.kind == "c":
         np.abs(source, out=out)
+    elif out.size >= _LARGE and source.dtype in _TORCH_CASTS and source.flags.writeable:
+        import torch
+
+        torch.from_numpy(out).copy_(torch.from_numpy(source))
     else:
         np.copyto(out, source, casting="unsafe")
 
@@ -106,7 +174,7 @@ def _upcast(source: np.ndarray, out: np.ndarray) -> None:
 def bfloat16_decoder(codes: np.ndarray, out: np.ndarray) -> None:
     """bfloat16 bit patterns (uint16) as float64: the float32 of the same top 16 bits."""
     wide = np.left_shift(codes, 16, dtype=np.uint32)
-    np.copyto(out, wide.view(np.float32))
+    _upcast(wide.view(np.float32), out)
 
 
 def table_decoder(table: np.ndarray) -> Decoder:
@@ -121,39 +189,62 @@ def table_decoder(table: np.ndarray) -> Decoder:
 
 
 def _reduce(
-    block: np.ndarray, flags: np.ndarray, shift: float, counted: np.ndarray, refine: bool
+    block: np.ndarray, values: np.ndarray, ones: np.ndarray, counted: list[int], own: bool
 ) -> tuple[float, ...]:
-    """One float64 block (overwritten; `flags`: a bool buffer as long): finite count, sum,
-    centred sum of squares, mean minus `shift` (refined by the centred values' sum when
-    `refine`: blocks to merge), min, max; adds its NaN, +inf, -inf and zero counts to
-    `counted`."""
-    total = float(block.sum())  # NaN with a NaN or both infinities, +-inf with one of them
-    holes = None
-    if math.isfinite(total):
-        n, low, high = block.size, float(block.min()), float(block.max())
+    """One float64 block (`values`: the same values, maybe narrower, for min, max and
+    zeros; `ones`: as many ones at least; `own`: a buffer the block may be centred in):
+    finite count, sum, centred sum of squares, mean, min, max; adds its NaN, +inf, -inf
+    and zero counts to `counted`."""
+    # total: NaN with a NaN or both infinities, +-inf with one; plain: +inf with a square
+    # past float64 too
+    total, plain = _sums(block, ones)
+    n = block.size
+    if math.isfinite(total) and math.isfinite(plain):
+        low, high = _extremes(values)
         if low <= 0 <= high:  # else no value is zero: no pass to count them
-            counted[3] += np.count_nonzero(np.equal(block, 0, out=flags))
+            counted[3] += _zeros(values)
+        mean = total / n
+        squares = plain - total * mean
+        if plain <= _CANCELLATION * squares:
+            return n, total, squares, mean, low, high
+        finite = None
     else:
-        finite = np.isfinite(block, out=flags)
+        finite = np.isfinite(block)
         n = int(np.count_nonzero(finite))
         nan = int(np.count_nonzero(np.isnan(block)))
         posinf = int(np.count_nonzero(block == math.inf))
-        counted += (nan, posinf, block.size - n - nan - posinf, np.count_nonzero(block == 0))
+        zeros = _zeros(block)
+        for at, add in enumerate((nan, posinf, block.size - n - nan - posinf, zeros)):
+            counted[at] += add
         if not n:
             return 0.0, 0.0, 0.0, 0.0, math.inf, -math.inf
         low = float(np.min(block, where=finite, initial=math.inf))
         high = float(np.max(block, where=finite, initial=-math.inf))
-        holes = ~finite
-        np.putmask(block, holes, 0.0)
-        total = float(block.sum())
-    mean = total / n
-    centred = np.subtract(block, mean, out=block)
-    if holes is not None:
-        np.putmask(centred, holes, 0.0)
-    # einsum, not dot: BLAS threads would spin against torch's own in the training step
-    squares = float(np.einsum("i,i->", centred, centred))
-    offset = (mean - shift) + float(centred.sum()) / n if refine else mean - shift
-    return n, total, squares, offset, low, high
+        total = float(np.sum(block, where=finite))
+        mean = total / n
+    centred = np.subtract(block, mean, out=block if own else None)
+    if finite is not None:
+        np.putmask(centred, ~finite, 0.0)
+    correction, squares = _sums(centred, ones)
+    squares = max(0.0, squares - correction * correction / n)
+    return n, total, squares, mean + correction / n, low, high
+
+
+def _extremes(values: np.ndarray) -> tuple[float, float]:
+    """The min and the max of finite `values`: the ends of a sorted copy for a few hundred
+    (one call, not two)."""
+    if values.size < 512:
+        ordered = np.sort(values)
+        return float(ordered[0]), float(ordered[-1])
+    return float(_min(values)), float(_max(values))
+
+
+def _zeros(values: np.ndarray) -> int:
+    """How many of `values` equal zero: compared into a bool buffer past a few hundred
+    (numpy counts the non-zeros of numbers one at a time)."""
+    if values.size < 512:
+        return values.size - int(np.count_nonzero(values))
+    return int(np.count_nonzero(np.equal(values, 0)))
 
 
 def eager_summary(x: Any, header: float | None = None) -> Any:
@@ -201,14 +292,19 @@ def _headed(row: np.ndarray, header: float | None) -> np.ndarray:
     return out
 
 
-_NUMPY_DTYPES = frozenset(
-    f"torch.{name}"
-    for name in (
-        "float16", "float32", "float64", "complex64", "complex128", "bool",
-        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    )
+_NUMPY_DTYPES = (
+    "float16", "float32", "float64", "complex64", "complex128", "bool",
+    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
 )  # fmt: skip
+_numpy_dtypes: frozenset[Any] = frozenset()  # those torch dtypes, once torch is imported
 _decoders: dict[Any, Decoder] = {}
+
+
+def _as_torch_dtypes(torch: Any) -> frozenset[Any]:
+    """The torch dtypes of `_NUMPY_DTYPES` (kept in `_numpy_dtypes`)."""
+    global _numpy_dtypes
+    _numpy_dtypes = frozenset(getattr(torch, name) for name in _NUMPY_DTYPES)
+    return _numpy_dtypes
 
 
 def cpu_summary(x: Any, header: float | None = None) -> Any:
@@ -219,27 +315,30 @@ def cpu_summary(x: Any, header: float | None = None) -> Any:
     """
     import torch
 
-    return torch.from_numpy(_headed(_cpu_row(x), header))
+    head = () if header is None else (header,)
+    return torch.from_numpy(np.array(_cpu_fields(x, head)))
 
 
-def _cpu_row(x: Any) -> np.ndarray:
+def _cpu_fields(x: Any, head: tuple[float, ...]) -> Any:
+    """`head`, then the summary fields of CPU tensor `x` (a list, or an array)."""
     import torch
 
-    x = x.detach()
+    if x.requires_grad:
+        x = x.detach()
     if x.is_complex():
         x = x.resolve_conj().resolve_neg()
-    if str(x.dtype) in _NUMPY_DTYPES:
-        return summarize_values(x.numpy())
+    if x.dtype in (_numpy_dtypes or _as_torch_dtypes(torch)):
+        return _fields(x.numpy(), None, *head)
     if x.dtype == torch.bfloat16:
         codes = x.view(torch.int16).numpy().view(np.uint16)
-        return summarize_values(codes, bfloat16_decoder)
+        return _fields(codes, bfloat16_decoder, *head)
     if not x.is_floating_point() or x.element_size() != 1:
-        return eager_summary(x).numpy()
+        return eager_summary(x, *head).numpy()
     decode = _decoders.get(x.dtype)
     if decode is None:  # float8: its 256 bit patterns decoded once
         patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(x.dtype)
         decode = _decoders[x.dtype] = table_decoder(patterns.to(torch.float64).numpy())
-    return summarize_values(x.view(torch.uint8).numpy(), decode)
+    return _fields(x.view(torch.uint8).numpy(), decode, *head)
 
 
 _triton: Any = None  # vartrace.statistics.triton_kernel once imported; False without triton
