@@ -9,32 +9,11 @@ import sys
 from pathlib import Path
 
 import vartrace
-
-_TRAINER = """
-import sys
-import torch
-from vartrace.storage import H5PYSaverCallback
-from vartrace.trace import Trace
-saver = H5PYSaverCallback(sys.argv[1], metadata=False)
-step = 0
-while True:
-    step += 1
-    saver("x", Trace([torch.randn(64, 256)], [step], [0], [step]))
-    saver.flush()
-    if step == 3:
-        print("writing", flush=True)
-"""
+from tests._live import live_writer
 
 
 def test_a_live_run_reopens_beside_an_earlier_open_handle(tmp_path: Path) -> None:
-    path = tmp_path / "live.h5"
-    script = tmp_path / "trainer.py"
-    script.write_text(_TRAINER)
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert process.stdout is not None and process.stdout.readline() == "writing\n"
+    with live_writer(tmp_path / "live.h5") as path:
         with vartrace.open(path) as earlier:
             first = len(earlier["x"])
             counts = []
@@ -55,6 +34,3 @@ def test_a_live_run_reopens_beside_an_earlier_open_handle(tmp_path: Path) -> Non
         assert counts == sorted(counts) and counts[-1] > first
         assert compared.returncode in (0, 1), compared.stderr  # (1: the later open holds more)
         assert "damaged" not in compared.stderr, compared.stderr
-    finally:
-        process.kill()
-        process.wait(timeout=60)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import vartrace
+from tests._live import live_writer
 from vartrace import H5PYSaverCallback, ModelTracer
 
 
@@ -179,31 +180,9 @@ def test_an_int_beyond_4300_digits_reads_and_shows(tmp_path: Path) -> None:
     assert "after: 1 records" in shown.stdout  # show '*' goes on past the site
 
 
-_LIVE_TRAINER = """
-import sys
-import torch
-from vartrace.storage import H5PYSaverCallback
-from vartrace.trace import Trace
-saver = H5PYSaverCallback(sys.argv[1], compression="gzip", compression_opts=9, metadata=False)
-step = 0
-while True:
-    step += 1
-    saver("x", Trace([torch.randn(64, 256)], [step], [0], [step]))
-    saver.flush()
-    if step == 3:
-        print("writing", flush=True)
-"""
-
-
 def test_a_live_gzip_run_opens_every_time_and_says_it_is_live(tmp_path: Path) -> None:
-    path = tmp_path / "live.h5"
-    script = tmp_path / "trainer.py"
-    script.write_text(_LIVE_TRAINER)
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert process.stdout is not None and process.stdout.readline() == "writing\n"
+    options = ', compression="gzip", compression_opts=9'
+    with live_writer(tmp_path / "live.h5", options) as path:
         counts = []
         for _ in range(150):
             with vartrace.open(path) as run:
@@ -211,8 +190,5 @@ def test_a_live_gzip_run_opens_every_time_and_says_it_is_live(tmp_path: Path) ->
                 counts.append(len(run["x"]))
                 run["x"].record(len(run["x"]) - 1)
         assert counts == sorted(counts) and counts[-1] > counts[0]
-    finally:
-        process.kill()
-        process.wait(timeout=60)
     with vartrace.open(path) as run:
         assert not run.live  # its writer is gone
