@@ -323,7 +323,7 @@ def _cpu_fields(x: Any, head: tuple[float, ...]) -> Any:
     """`head`, then the summary fields of CPU tensor `x` (a list, or an array)."""
     import torch
 
-    if x.requires_grad:
+    if x.requires_grad or type(x) is not torch.Tensor:  # a subclass detached, as copies are
         x = x.detach()
     if x.is_complex():
         x = x.resolve_conj().resolve_neg()
