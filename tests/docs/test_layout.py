@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).parents[2] / "vartrace"
 
@@ -189,3 +193,33 @@ def test_no_module_is_over_700_lines_and_every_module_says_its_job() -> None:
             silent.append(name)
     assert not too_long, too_long
     assert not silent, f"modules without a docstring: {silent}"
+
+
+#: The only calls up a layer on a record's way to the file: callables handed down at start
+#: (the engine's hook calls the tracer's capture; a staging keeps records in the tracer's
+#: chunk and runs its hand-over).
+HANDED_DOWN = {
+    ("engine.patching", "tracing.tracer"),
+    ("staging.{}", "tracing.chunk"),
+    ("staging.{}", "tracing.handover"),
+}
+
+
+@pytest.mark.parametrize("staging", ["sync", "async"])
+def test_a_record_climbs_up_a_layer_only_through_callables_handed_down(staging: str) -> None:
+    """`tools/record_walk.py` walks one record from admission to the file, on every thread."""
+    tool = PACKAGE.parent / "tools" / "record_walk.py"
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", str(tool), "--staging", staging],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("calls from a lower")))
+    climbs = {(line.split()[0], line.split()[4]) for line in lines[start + 1 :] if " -> " in line}
+    room = "blocking" if staging == "sync" else "stager"
+    assert climbs == {(low.format(room), high) for low, high in HANDED_DOWN}, done.stdout
+    assert "storage.site_writer" in done.stdout  # the record reached the file's writer
