@@ -73,8 +73,8 @@ _LAZY = {
     "Statistics": "vartrace.statistics.records",
     "ReducedFrom": "vartrace.reduced",
     "TensorBoardCallback": "vartrace.analysis.tensorboard",
-    "active_tracers": "vartrace.tracing.registry",
-    "stop_all": "vartrace.tracing.registry",
+    "active_tracers": "vartrace.tracing.running",
+    "stop_all": "vartrace.tracing.running",
     "plot_stat": "vartrace.analysis.plot",
 }
 
@@ -118,8 +118,8 @@ if TYPE_CHECKING:
     from vartrace.storage.reader import open_run as open
     from vartrace.storage.writer import H5PYSaverCallback
     from vartrace.tracing.callbacks import reduce_chunk, stack_padded_tensors, stack_tensors
-    from vartrace.tracing.registry import active_tracers, stop_all
     from vartrace.tracing.results import Results
+    from vartrace.tracing.running import active_tracers, stop_all
     from vartrace.tracing.sites import list_sites, sites_of_type
     from vartrace.tracing.tracer import CallbackError, ModelTracer
 

@@ -14,14 +14,25 @@ PACKAGE = Path(__file__).parents[2] / "vartrace"
 
 
 def _imports(path: Path) -> set[str]:
-    """Every ``vartrace.*`` module a file imports, at any level (``TYPE_CHECKING`` included)."""
+    """Every ``vartrace.*`` module a file imports, at any level (``TYPE_CHECKING`` included):
+    ``from vartrace.tracing import registry`` imports ``vartrace.tracing.registry``."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vartrace"):
             found.add(node.module)
+            found.update(
+                f"{node.module}.{a.name}"
+                for a in node.names
+                if _is_module(f"{node.module}.{a.name}")
+            )
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("vartrace"))
     return found
+
+
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def _graph(package: str) -> dict[str, set[str]]:

@@ -23,7 +23,7 @@ import gc
 import threading
 import types
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vartrace._support import warnings as _warnings
 
@@ -31,18 +31,16 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.utils.hooks import RemovableHandle
 
-    from vartrace.tracing.tracer import ModelTracer
-
-__all__ = ["active_tracers", "enter", "leave", "say_late_calls", "stop_all"]
+__all__ = ["enter", "leave", "say_late_calls", "tracers"]
 
 # id(tracer) -> (the tracer, the ids of the modules it patches or counts calls of)
-_running: dict[int, tuple[ModelTracer, frozenset[int]]] = {}
+_running: dict[int, tuple[Any, frozenset[int]]] = {}  # (a ModelTracer, ...)
 _lock = threading.Lock()
 _at_exit = False
 _PLUMBING = (types.MethodType, tuple, types.FrameType)
 
 
-def enter(tracer: ModelTracer, modules: Iterable[object]) -> None:
+def enter(tracer: Any, modules: Iterable[object]) -> None:
     """`tracer` started on `modules`: warn if running tracers patch any of them too."""
     global _at_exit
     ids = frozenset(map(id, modules))
@@ -66,48 +64,19 @@ def enter(tracer: ModelTracer, modules: Iterable[object]) -> None:
         )
 
 
-def leave(tracer: ModelTracer) -> None:
+def leave(tracer: Any) -> None:
     """`tracer` stopped (or forgot its model in a forked child)."""
     with _lock:
         _running.pop(id(tracer), None)
 
 
-def active_tracers() -> list[ModelTracer]:
-    """The tracers started and not stopped yet in this process, oldest first.
-
-    One started by a notebook cell run twice, or whose variable was rebound, is
-    listed too:
-
-    ```python
-    for tracer in vartrace.active_tracers():
-        print(tracer)   # state, model, sites, records so far, where it was started
-    ```
-    """
+def tracers() -> list[Any]:
+    """The running tracers, oldest first ([`active_tracers`][vartrace.active_tracers])."""
     with _lock:
         return [tracer for tracer, _ in _running.values()]
 
 
-def stop_all() -> list[ModelTracer]:
-    """Stop every running tracer, newest first (each `stop()`: the model restored, its
-    last records handed to its callbacks), and return them.
-
-    ```python
-    stopped = vartrace.stop_all()   # after re-running a cell that started a tracer
-    ```
-    """
-    stopped = active_tracers()[::-1]
-    failures = []
-    for tracer in stopped:
-        try:  # one failing (a kept warning raised under -W error) stops the others too
-            tracer.stop()
-        except Exception as error:
-            failures.append(error)
-    if failures:
-        raise failures[0]
-    return stopped
-
-
-def _held_by_user(tracer: ModelTracer, ours: tuple[object, ...]) -> bool:
+def _held_by_user(tracer: object, ours: tuple[object, ...]) -> bool:
     """Whether an object other than the tracer's own plumbing refers to `tracer`.
 
     Its plumbing: its bound methods (the hooks on the model), argument tuples (its undo
