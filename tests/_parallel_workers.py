@@ -115,6 +115,92 @@ def tensor_parallel(rank: int, world: int, out: Path) -> dict[str, Any]:
     return found
 
 
+ASSEMBLED_SITES = [
+    "a.weight",
+    "a.weight@grad",
+    "a.bias",
+    "b.weight",
+    "b.weight@grad",
+    "b.bias",
+    "b.bias@grad",
+    "a",
+]
+
+
+def _full_train(model: nn.Module, truth: dict[str, list[torch.Tensor]]) -> list[float]:
+    """`STEPS` SGD steps of a model whose `a` keeps its DTensor output, with each site's
+    whole tensor in `truth` (`full_tensor()`: a collective every rank runs alike)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def hook(_: nn.Module, __: Any, output: Any) -> None:
+        truth["a"].append(output.full_tensor().detach().clone())
+
+    handle = model.a.register_forward_hook(hook)
+    losses = []
+    for step in range(1, STEPS + 1):
+        params = {name: p for name, p in model.named_parameters() if name in truth}
+        for name, param in params.items():
+            truth[name].append(param.full_tensor().detach().clone())
+        opt.zero_grad()
+        loss = model(torch.arange(8.0).reshape(2, 4) * step).pow(2).sum()
+        loss.backward()
+        losses.append(loss.item())
+        for name, param in params.items():
+            if f"{name}@grad" in truth:
+                truth[f"{name}@grad"].append(param.grad.full_tensor().detach().clone())
+        opt.step()
+    handle.remove()
+    return losses
+
+
+def tensor_parallel_assembled(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Colwise `a` keeping its DTensor output (`use_local_output=False`), rowwise `b`
+    (its bias `Replicate()`), traced into a file (both stagings) and in memory: the
+    whole tensors from `full_tensor()`, and rank 0's `vartrace.assemble` of the
+    tracer's results."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    import vartrace
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    found: dict[str, Any] = {}
+    for kind in ("sync", "async", "memory"):
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (world,))
+        plan = {"a": ColwiseParallel(use_local_output=False), "b": RowwiseParallel()}
+        model = parallelize_module(_TwoLayers(), mesh, plan)
+        truth: dict[str, list[torch.Tensor]] = {name: [] for name in ASSEMBLED_SITES}
+        savers = [] if kind == "memory" else [H5PYSaverCallback(out / f"assembled-{kind}.h5")]
+        staging = "sync" if kind == "memory" else kind
+        with (
+            warnings.catch_warnings(),
+            ModelTracer(
+                model, ASSEMBLED_SITES, post_gather_callbacks=savers, staging=staging
+            ) as tracer,
+        ):
+            warnings.simplefilter("ignore")  # the placements, named once a site
+            found[f"losses-{kind}"] = _full_train(model, truth)
+        for saver in savers:
+            saver.close()
+        found[f"truth-{kind}"] = truth
+    if rank == 0:  # the in-memory results, gathered on rank 0
+        results = tracer.results
+        found["placements"] = results.placements
+        found["assembled"] = {
+            name: [
+                vartrace.assemble(results[name if "." in name else f"{name}.forward"], step)
+                for step in range(1, STEPS + 1)
+            ]
+            for name in ASSEMBLED_SITES
+        }
+    return found
+
+
 GROUP_SITES = ["forward.x", "a", "a.weight"]
 
 

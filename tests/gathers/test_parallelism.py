@@ -62,6 +62,36 @@ def test_tensor_parallel_records_each_ranks_local_shard_bit_exact(tmp_path: Path
     assert "local shard, of shape (4, 4) here" in warned
 
 
+def test_tensor_parallel_records_assemble_into_the_whole_tensors_bit_exact(
+    tmp_path: Path,
+) -> None:
+    """A DTensor's records once kept only each rank's shard: no placement was stored, and
+    a reader could not tell how the shards join.  Now the site keeps its placement (in
+    the file and in memory) and `vartrace.assemble` gives, bit for bit, what
+    `full_tensor()` gave in the worker: `Shard(0)`, `Shard(1)`, `Shard(-1)` (a colwise
+    layer's DTensor output) and `Replicate()` (a rowwise layer's bias)."""
+    pytest.importorskip("torch.distributed.tensor.parallel")
+    results = _run_ok("tests._parallel_workers:tensor_parallel_assembled", 2, tmp_path)
+    found = results[0]
+    for step in range(workers.STEPS):
+        for name in workers.ASSEMBLED_SITES:
+            want = found["truth-memory"][name][step]
+            _same_bits(found["assembled"][name][step], want, f"memory {name} {step + 1}")
+    placement = vartrace.Placement(("Shard(dim=0)",), (2,), (0, 1), (8, 4))
+    assert found["placements"]["a.weight"] == placement
+    for staging in ("sync", "async"):
+        assert found[f"losses-{staging}"] == results[1][f"losses-{staging}"]
+        with vartrace.open(tmp_path / f"assembled-{staging}.h5") as run:
+            for name in workers.ASSEMBLED_SITES:
+                site = run[name if "." in name else f"{name}.forward"]
+                for step, want in enumerate(found[f"truth-{staging}"][name], start=1):
+                    where = f"{staging} {name} iteration {step}"
+                    _same_bits(vartrace.assemble(site, step), want, where)
+            assert run["a.weight"].placement == placement
+            assert run["b.weight@grad"].placement.placements == ("Shard(dim=1)",)
+            assert run["b.bias"].placement.placements == ("Replicate()",)
+
+
 def _check_group_file(path: Path, results: list[dict], ranks: list[int]) -> None:
     """`path` holds, bit for bit, the records of `ranks` (each rank's ground truth) and
     no other rank's."""

@@ -624,6 +624,7 @@ class ModelTracer:
     def _store(self, site: str, value: Any, iteration: int, *, saved: bool = False) -> None:
         """Record `value` at `site`; `saved`: the pre-save callbacks already ran."""
         if isinstance(value, torch.Tensor) and is_distributed(value):
+            self._hand_over.placements.note(site, value)  # how the ranks' shards join
             value = local_shard(value, site)  # a DTensor: this rank's shard, no collective
         if isinstance(value, torch.Tensor) and is_transformed(value):
             with torch._C._DisableFuncTorch():  # copies made under torch.func stay plain
