@@ -415,8 +415,8 @@ def join_uneven_inputs(rank: int, world: int, out: Path) -> dict[str, Any]:
 
 def fsdp2_bf16(rank: int, world: int, out: Path) -> dict[str, Any]:
     """FSDP2 (`fully_shard`, a bf16 `MixedPrecisionPolicy`): what a parameter's records
-    are (the unsharded bf16 compute copy, and its gradient before the reduce-scatter),
-    next to the full fp32 parameter and the sharded fp32 `.grad` the optimizer uses."""
+    are (the unsharded bf16 compute copy, and the sharded fp32 `.grad` the optimizer
+    uses), next to the full fp32 parameter and that `.grad` read in the step."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from vartrace import ModelTracer
@@ -437,3 +437,69 @@ def fsdp2_bf16(rank: int, world: int, out: Path) -> dict[str, Any]:
             opt.step()
     records = {name: tracer.results[name] for name in tracer.results} if rank == 0 else {}
     return {"truth": truth, "records": records}
+
+
+FSDP_GRADS = ["a.weight", "a.bias", "b.weight"]
+
+
+class _Checkpointed(_TwoLayers):
+    """`a` under non-reentrant activation checkpointing (recomputed in the backward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.b(torch.relu(checkpoint(self.a, x, use_reentrant=False)))
+
+
+def _fsdp2_model() -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = _Checkpointed()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model.a, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def _fsdp2_train(model: nn.Module, rank: int, truth: dict[str, list] | None) -> list[float]:
+    """`STEPS` SGD steps; with `truth`, each parameter's sharded `.grad` (its local shard
+    and the whole tensor) read before the optimizer's step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = dict(model.named_parameters())
+    losses = []
+    for step in range(1, STEPS + 1):
+        opt.zero_grad()
+        loss = model(torch.arange(8.0).reshape(2, 4) * step + rank).pow(2).sum()
+        loss.backward()
+        losses.append(loss.item())
+        if truth is not None:
+            for name in FSDP_GRADS:
+                grad = params[name].grad
+                truth[f"{name}@grad"].append(grad.to_local().clone())
+                truth[f"{name}@grad whole"].append(grad.full_tensor().clone())
+        opt.step()
+    return losses
+
+
+def fsdp2_sharded_grad(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """FSDP2 (`fully_shard`, a bf16 `MixedPrecisionPolicy`, `a` checkpointed): each
+    parameter's `@grad` traced into a file (both stagings), next to the sharded fp32
+    `.grad` the optimizer uses, read in the step."""
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    found: dict[str, Any] = {"untraced": _fsdp2_train(_fsdp2_model(), rank, None)}
+    sites = [f"{name}@grad" for name in FSDP_GRADS]
+    for staging in ("sync", "async"):
+        model = _fsdp2_model()
+        truth: dict[str, list] = {f"{n}@grad{w}": [] for n in FSDP_GRADS for w in ("", " whole")}
+        with (
+            warnings.catch_warnings(record=True) as seen,
+            H5PYSaverCallback(out / f"fsdp2-{staging}.h5") as saver,
+            ModelTracer(model, sites, post_gather_callbacks=[saver], staging=staging),
+        ):
+            warnings.simplefilter("always")
+            found[f"losses-{staging}"] = _fsdp2_train(model, rank, truth)
+        found[f"truth-{staging}"] = truth
+        found[f"warnings-{staging}"] = [str(w.message) for w in seen]
+    return found

@@ -267,7 +267,9 @@ class ModelTracer:
         self._finished = False
         self._where = ""  # the user's line that started it
         self._first_seen = False  # the first traced iteration ended
-        self._gradients = GradientWatcher(self._store, wildcard_grad_sites(self._targets))
+        self._gradients = GradientWatcher(
+            self._store, wildcard_grad_sites(self._targets), self.model
+        )
         counter = CallsBeforeStart()
         self._unstarted = weakref.finalize(
             self,
