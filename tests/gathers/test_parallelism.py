@@ -68,8 +68,8 @@ def test_tensor_parallel_records_assemble_into_the_whole_tensors_bit_exact(
     """A DTensor's records once kept only each rank's shard: no placement was stored, and
     a reader could not tell how the shards join.  Now the site keeps its placement (in
     the file and in memory) and `vartrace.assemble` gives, bit for bit, what
-    `full_tensor()` gave in the worker: `Shard(0)`, `Shard(1)`, `Shard(-1)` (a colwise
-    layer's DTensor output) and `Replicate()` (a rowwise layer's bias)."""
+    `full_tensor()` gave in the worker: `Shard(0)`, `Shard(1)` (also a colwise layer's
+    DTensor output) and `Replicate()` (a rowwise layer's bias and its gradient)."""
     pytest.importorskip("torch.distributed.tensor.parallel")
     results = _run_ok("tests._parallel_workers:tensor_parallel_assembled", 2, tmp_path)
     found = results[0]
@@ -90,6 +90,42 @@ def test_tensor_parallel_records_assemble_into_the_whole_tensors_bit_exact(
             assert run["a.weight"].placement == placement
             assert run["b.weight@grad"].placement.placements == ("Shard(dim=1)",)
             assert run["b.bias"].placement.placements == ("Replicate()",)
+            assert run["a.forward"].placement.placements == ("Shard(dim=1)",)
+            assert run["a.forward"].placement.shape == (2, 8)
+
+
+def test_placements_of_a_two_dimensional_mesh_assemble_and_partial_sums_are_refused() -> None:
+    """`Shard` on both dimensions of a 2 x 2 mesh (the same tensor dimension twice: the
+    second mesh dimension shards the first one's pieces, as torch does), `Replicate`
+    on one of them; a `Partial` sum, or a site that recorded no DTensor, is refused
+    with a message saying why."""
+    whole = torch.arange(64.0).reshape(8, 8)
+
+    def pieces(first: int, second: int | None) -> dict[int, torch.Tensor]:
+        """The local shard of each rank of the mesh [[3, 1], [0, 2]]."""
+        grid = [[3, 1], [0, 2]]
+        found = {}
+        for i, j in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+            piece = whole.chunk(2, first)[i]
+            found[grid[i][j]] = piece if second is None else piece.chunk(2, second)[j]
+        return found
+
+    for placements, first, second in [
+        (("Shard(dim=0)", "Shard(dim=1)"), 0, 1),
+        (("Shard(dim=0)", "Shard(dim=0)"), 0, 0),
+        (("Shard(dim=-1)", "Replicate()"), -1, None),
+    ]:
+        placement = vartrace.Placement(placements, (2, 2), (3, 1, 0, 2), (8, 8))
+        _same_bits(placement.assemble(pieces(first, second).__getitem__), whole, str(placement))
+    partial = vartrace.Placement(("Partial(sum)",), (2,), (0, 1), (8, 8))
+    with pytest.raises(ValueError, match=r"cannot be assembled: Partial\(sum\): each rank holds"):
+        partial.assemble(lambda rank: whole)
+    records = vartrace.Trace([whole], [1], [0], [0])
+    with pytest.raises(ValueError, match="recorded no DTensor"):
+        vartrace.assemble(records, 1)
+    records.placement = vartrace.Placement(("Shard(dim=1)",), (2,), (0, 1), (8, 8))
+    with pytest.raises(KeyError, match="on rank 1"):
+        vartrace.assemble(records, 1)
 
 
 def _check_group_file(path: Path, results: list[dict], ranks: list[int]) -> None:
