@@ -212,10 +212,11 @@ class Placement(NamedTuple):
             if axis == len(self.mesh_shape):
                 return shard(self.mesh_ranks[flat])
             stride = math.prod(self.mesh_shape[axis + 1 :])
-            if dims[axis] is None:  # Replicate(): every coordinate holds the same
+            dim = dims[axis]
+            if dim is None:  # Replicate(): every coordinate holds the same
                 return joined(flat, axis + 1)
             parts = [joined(flat + i * stride, axis + 1) for i in range(self.mesh_shape[axis])]
-            return torch.cat(parts, dim=dims[axis])
+            return torch.cat(parts, dim=dim)
 
         whole = joined(0, 0)
         if tuple(whole.shape) != self.shape:

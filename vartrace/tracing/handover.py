@@ -121,7 +121,8 @@ class HandOver:
     Args:
         chunk: the records since the last gather.
         results: where the gathered records are kept.
-        aliases, reductions: the facts about sites that travel with the records.
+        aliases, facts: the facts about sites that travel with the records (`facts`:
+            what pre-save callbacks reduced, the placements of DTensors).
         config: the tracer's options (the callbacks, `gather`, `max_host_bytes`).
         hooks: the sinks' hooks (`flush`, `alias`, `reduced`, `placed`).
         group: the gathers' process group (`None`: the default group; a node's group
@@ -133,7 +134,7 @@ class HandOver:
         chunk: Chunk,
         results: Results,
         aliases: Aliases,
-        reductions: Reductions,
+        facts: tuple[Reductions, Placements],
         config: TracerConfig,
         hooks: SinkHooks,
         group: Any = None,
@@ -141,8 +142,7 @@ class HandOver:
         self._chunk = chunk
         self._results = results
         self._aliases = aliases
-        self._reductions = reductions
-        self.placements = Placements()  # the record path notes each DTensor's here
+        self._reductions, self._placements = facts
         self._config = config
         self._flushes = hooks.flush
         self._sinks: dict[str, tuple[Callable[[str, Any], None], ...]] = {
@@ -173,7 +173,7 @@ class HandOver:
         facts: list[distributed.Fact] = [
             *(("alias", name, target) for name, target in self._aliases.taken()),
             *(("reduced", name, origin) for name, origin in self._reductions.taken()),
-            *(("placed", name, placed) for name, placed in self.placements.taken()),
+            *(("placed", name, placed) for name, placed in self._placements.taken()),
         ]
         if not chunk and not facts and distributed.world_size(self._group) == 1:
             return  # nothing to hand on, and no other rank waits for this gather
@@ -278,7 +278,7 @@ class HandOver:
                     adopted.append((method, name, widened))
                 continue
             if method == "placed":
-                if self.placements.adopt(name, fact) is not None:
+                if self._placements.adopt(name, fact) is not None:
                     adopted.append((method, name, fact))
                 continue
             known = name in self._aliases
