@@ -155,7 +155,8 @@ def _full_train(model: nn.Module, truth: dict[str, list[torch.Tensor]]) -> list[
 
 def tensor_parallel_assembled(rank: int, world: int, out: Path) -> dict[str, Any]:
     """Colwise `a` keeping its DTensor output (`use_local_output=False`), rowwise `b`
-    (its bias `Replicate()`), traced into a file (both stagings) and in memory: the
+    (its bias `Replicate()`), traced into a file (both stagings), a file a rank
+    (`gather=False`) and in memory: the
     whole tensors from `full_tensor()`, and rank 0's `vartrace.assemble` of the
     tracer's results."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -169,18 +170,22 @@ def tensor_parallel_assembled(rank: int, world: int, out: Path) -> dict[str, Any
     from vartrace import H5PYSaverCallback, ModelTracer
 
     found: dict[str, Any] = {}
-    for kind in ("sync", "async", "memory"):
+    for kind in ("sync", "async", "shards", "memory"):
         torch.manual_seed(0)
         mesh = init_device_mesh("cpu", (world,))
         plan = {"a": ColwiseParallel(use_local_output=False), "b": RowwiseParallel()}
         model = parallelize_module(_TwoLayers(), mesh, plan)
         truth: dict[str, list[torch.Tensor]] = {name: [] for name in ASSEMBLED_SITES}
         savers = [] if kind == "memory" else [H5PYSaverCallback(out / f"assembled-{kind}.h5")]
-        staging = "sync" if kind == "memory" else kind
+        staging = "async" if kind == "async" else "sync"
         with (
             warnings.catch_warnings(),
             ModelTracer(
-                model, ASSEMBLED_SITES, post_gather_callbacks=savers, staging=staging
+                model,
+                ASSEMBLED_SITES,
+                post_gather_callbacks=savers,
+                staging=staging,
+                gather=kind != "shards",  # "shards": each rank's file, its placements
             ) as tracer,
         ):
             warnings.simplefilter("ignore")  # the placements, named once a site

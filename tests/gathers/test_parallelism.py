@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+import h5py
 import pytest
 import torch
 
@@ -79,9 +80,10 @@ def test_tensor_parallel_records_assemble_into_the_whole_tensors_bit_exact(
             _same_bits(found["assembled"][name][step], want, f"memory {name} {step + 1}")
     placement = vartrace.Placement(("Shard(dim=0)",), (2,), (0, 1), (8, 4))
     assert found["placements"]["a.weight"] == placement
-    for staging in ("sync", "async"):
+    for staging in ("sync", "async", "shards"):
         assert found[f"losses-{staging}"] == results[1][f"losses-{staging}"]
-        with vartrace.open(tmp_path / f"assembled-{staging}.h5") as run:
+        files = "assembled-shards.rank*.h5" if staging == "shards" else f"assembled-{staging}.h5"
+        with vartrace.open(tmp_path / files) as run:
             for name in workers.ASSEMBLED_SITES:
                 site = run[name if "." in name else f"{name}.forward"]
                 for step, want in enumerate(found[f"truth-{staging}"][name], start=1):
@@ -92,6 +94,15 @@ def test_tensor_parallel_records_assemble_into_the_whole_tensors_bit_exact(
             assert run["b.bias"].placement.placements == ("Replicate()",)
             assert run["a.forward"].placement.placements == ("Shard(dim=1)",)
             assert run["a.forward"].placement.shape == (2, 8)
+    for rank in range(2):  # each rank's own file says how the shards join (docs/format.md)
+        with h5py.File(tmp_path / f"assembled-shards.rank{rank}.h5", "r") as file:
+            attrs = file["vars"]["a.weight"].attrs
+            assert attrs["placements"] == "Shard(dim=0)"
+            assert [attrs[k].tolist() for k in ("mesh_shape", "mesh_ranks", "global_shape")] == [
+                [2],
+                [0, 1],
+                [8, 4],
+            ]
 
 
 def test_placements_of_a_two_dimensional_mesh_assemble_and_partial_sums_are_refused() -> None:
