@@ -155,7 +155,8 @@ def _full_train(model: nn.Module, truth: dict[str, list[torch.Tensor]]) -> list[
 
 def tensor_parallel_assembled(rank: int, world: int, out: Path) -> dict[str, Any]:
     """Colwise `a` keeping its DTensor output (`use_local_output=False`), rowwise `b`
-    (its bias `Replicate()`), traced into a file (both stagings), a file a rank
+    (its bias `Replicate()`), `w` a DTensor bound twice (`forward.w@every`), traced
+    into a file (both stagings), a file a rank
     (`gather=False`) and in memory: the
     whole tensors from `full_tensor()`, and rank 0's `vartrace.assemble` of the
     tracer's results."""
@@ -174,7 +175,7 @@ def tensor_parallel_assembled(rank: int, world: int, out: Path) -> dict[str, Any
         torch.manual_seed(0)
         mesh = init_device_mesh("cpu", (world,))
         plan = {"a": ColwiseParallel(use_local_output=False), "b": RowwiseParallel()}
-        model = parallelize_module(_TwoLayers(), mesh, plan)
+        model = parallelize_module(_ScaledWeight(), mesh, plan)
         truth: dict[str, list[torch.Tensor]] = {name: [] for name in ASSEMBLED_SITES}
         savers = [] if kind == "memory" else [H5PYSaverCallback(out / f"assembled-{kind}.h5")]
         staging = "async" if kind == "async" else "sync"
@@ -182,7 +183,7 @@ def tensor_parallel_assembled(rank: int, world: int, out: Path) -> dict[str, Any
             warnings.catch_warnings(),
             ModelTracer(
                 model,
-                ASSEMBLED_SITES,
+                [*ASSEMBLED_SITES, "forward.w@every"],
                 post_gather_callbacks=savers,
                 staging=staging,
                 gather=kind != "shards",  # "shards": each rank's file, its placements
@@ -201,7 +202,7 @@ def tensor_parallel_assembled(rank: int, world: int, out: Path) -> dict[str, Any
                 vartrace.assemble(results[name if "." in name else f"{name}.forward"], step)
                 for step in range(1, STEPS + 1)
             ]
-            for name in ASSEMBLED_SITES
+            for name in [*ASSEMBLED_SITES, "forward.w@every"]
         }
     return found
 

@@ -70,7 +70,8 @@ def test_tensor_parallel_records_assemble_into_the_whole_tensors_bit_exact(
     a reader could not tell how the shards join.  Now the site keeps its placement (in
     the file and in memory) and `vartrace.assemble` gives, bit for bit, what
     `full_tensor()` gave in the worker: `Shard(0)`, `Shard(1)` (also a colwise layer's
-    DTensor output) and `Replicate()` (a rowwise layer's bias and its gradient)."""
+    DTensor output) and `Replicate()` (a rowwise layer's bias and its gradient), and an
+    `@every` series of DTensor bindings, in memory as in the file."""
     pytest.importorskip("torch.distributed.tensor.parallel")
     results = _run_ok("tests._parallel_workers:tensor_parallel_assembled", 2, tmp_path)
     found = results[0]
@@ -78,6 +79,8 @@ def test_tensor_parallel_records_assemble_into_the_whole_tensors_bit_exact(
         for name in workers.ASSEMBLED_SITES:
             want = found["truth-memory"][name][step]
             _same_bits(found["assembled"][name][step], want, f"memory {name} {step + 1}")
+        weight = found["truth-memory"]["a.weight"][step]  # `w`'s last binding: weight * 2 + 1
+        _same_bits(found["assembled"]["forward.w@every"][step], weight * 2 + 1, f"w {step}")
     placement = vartrace.Placement(("Shard(dim=0)",), (2,), (0, 1), (8, 4))
     assert found["placements"]["a.weight"] == placement
     for staging in ("sync", "async", "shards"):
@@ -89,6 +92,9 @@ def test_tensor_parallel_records_assemble_into_the_whole_tensors_bit_exact(
                 for step, want in enumerate(found[f"truth-{staging}"][name], start=1):
                     where = f"{staging} {name} iteration {step}"
                     _same_bits(vartrace.assemble(site, step), want, where)
+                    if name == "a.weight":
+                        got = vartrace.assemble(run["forward.w@every"], step)
+                        _same_bits(got, want * 2 + 1, f"w {where}")
             assert run["a.weight"].placement == placement
             assert run["b.weight@grad"].placement.placements == ("Shard(dim=1)",)
             assert run["b.bias"].placement.placements == ("Replicate()",)

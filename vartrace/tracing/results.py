@@ -205,7 +205,10 @@ class Results(Mapping[str, Trace]):
             series = series_read_as(name, groups, set(self._names()))
             if series is None:
                 raise missing_site(name, [*groups, *self], "the tracer's results")
-            return EverySeries(series, [(line, self[line]) for line in groups[series]])
+            found = EverySeries(series, [(line, self[line]) for line in groups[series]])
+            placed = (self._placements.get(line) for line in groups[series])
+            found.placement = next((p for p in placed if p is not None), None)
+            return found
         if len(pieces) > 1:
             pieces[:] = [join_traces(pieces)]
         pieces[0].placement = self._placements.get(self._aliases.get(name, name))
