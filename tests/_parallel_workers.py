@@ -449,19 +449,25 @@ FSDP_GRADS = ["a.weight", "a.bias", "b.weight"]
 
 
 class _Checkpointed(_TwoLayers):
-    """`a` under non-reentrant activation checkpointing (recomputed in the backward)."""
+    """`a` under activation checkpointing (recomputed in the backward); a reentrant
+    checkpoint's input requires grad, or its parameters would get none."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
-        return self.b(torch.relu(checkpoint(self.a, x, use_reentrant=False)))
+        x = x.detach().requires_grad_(self.reentrant)
+        return self.b(torch.relu(checkpoint(self.a, x, use_reentrant=self.reentrant)))
 
 
-def _fsdp2_model() -> nn.Module:
+def _fsdp2_model(reentrant: bool = False) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
-    model = _Checkpointed()
+    model = _Checkpointed(reentrant)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     fully_shard(model.a, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -490,19 +496,27 @@ def _fsdp2_train(model: nn.Module, rank: int, truth: dict[str, list] | None) -> 
 
 def fsdp2_sharded_grad(rank: int, world: int, out: Path) -> dict[str, Any]:
     """FSDP2 (`fully_shard`, a bf16 `MixedPrecisionPolicy`, `a` checkpointed): each
-    parameter's `@grad` traced into a file (both stagings), next to the sharded fp32
+    parameter's `@grad` traced into a file (both stagings; and with `a` under a
+    reentrant checkpoint, whose forward runs under `torch.no_grad()`: its parameters'
+    `@grad` are watched when the backward recomputes it), next to the sharded fp32
     `.grad` the optimizer uses, read in the step."""
     from vartrace import H5PYSaverCallback, ModelTracer
 
     found: dict[str, Any] = {"untraced": _fsdp2_train(_fsdp2_model(), rank, None)}
+    found["untraced-reentrant"] = _fsdp2_train(_fsdp2_model(reentrant=True), rank, None)
     sites = [f"{name}@grad" for name in FSDP_GRADS]
-    for staging in ("sync", "async"):
-        model = _fsdp2_model()
+    for staging in ("sync", "async", "reentrant"):
+        model = _fsdp2_model(reentrant=staging == "reentrant")
         truth: dict[str, list] = {f"{n}@grad{w}": [] for n in FSDP_GRADS for w in ("", " whole")}
         with (
             warnings.catch_warnings(record=True) as seen,
             H5PYSaverCallback(out / f"fsdp2-{staging}.h5") as saver,
-            ModelTracer(model, sites, post_gather_callbacks=[saver], staging=staging),
+            ModelTracer(
+                model,
+                sites,
+                post_gather_callbacks=[saver],
+                staging="async" if staging == "async" else "sync",
+            ),
         ):
             warnings.simplefilter("always")
             found[f"losses-{staging}"] = _fsdp2_train(model, rank, truth)

@@ -251,14 +251,15 @@ def test_fsdp2_parameter_grad_is_the_sharded_grad_the_optimizer_uses(tmp_path: P
     """A parameter's `@grad` under FSDP2 was the unsharded bf16 gradient before the
     reduce-scatter; now it is the sharded fp32 `.grad` the optimizer uses (bit for bit
     each rank's `p.grad.to_local()`, read before `optimizer.step()`), under activation
-    checkpointing and a bf16 policy, and its placement joins the ranks' records into
-    `p.grad.full_tensor()`."""
+    checkpointing (non-reentrant and reentrant) and a bf16 policy, and its placement joins
+    the ranks' records into `p.grad.full_tensor()`."""
     pytest.importorskip("torch.distributed.fsdp")
     results = _run_ok("tests._parallel_workers:fsdp2_sharded_grad", 2, tmp_path, pg_timeout=30.0)
-    for staging in ("sync", "async"):
+    for staging in ("sync", "async", "reentrant"):
         with vartrace.open(tmp_path / f"fsdp2-{staging}.h5") as run:
             for rank, found in enumerate(results):
-                assert found[f"losses-{staging}"] == found["untraced"]
+                untraced = found["untraced-reentrant" if staging == "reentrant" else "untraced"]
+                assert found[f"losses-{staging}"] == untraced
                 truth = found[f"truth-{staging}"]
                 for name in workers.FSDP_GRADS:
                     site = run[f"{name}@grad"]

@@ -165,6 +165,8 @@ class GradientWatcher:
     ) -> None:
         self._store = store
         self._model = model  # where FSDP2's sharded parameters are looked up
+        # id of a parameter -> (it, weakly; FSDP2's sharded parameter it is a copy of)
+        self._sharded: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor | None]] = {}
         self._quiet = quiet  # sites (and the keys below them) that never warn
         self._lock = threading.RLock()
         self._handles: dict[int, RemovableHandle] = {}
@@ -270,6 +272,7 @@ class GradientWatcher:
             self._parameters.clear()
             self._checkpoints.clear()
             self._at_end.clear()
+            self._sharded.clear()
         for handle in handles:
             handle.remove()
 
@@ -334,7 +337,7 @@ class GradientWatcher:
         with self._lock:
             watch = self._parameters.get(id(parameter))
             if watch is None or watch.ref() is not parameter:
-                sharded = _fsdp2_sharded(self._model, parameter)
+                sharded = self._sharded_of(parameter)
                 watch = self._parameters[id(parameter)] = _ParameterWatch(parameter, sharded)
                 watch.handle = parameter.register_post_accumulate_grad_hook(self._on_accumulated)
                 if len(self._handles) + len(self._parameters) >= self._prune_at:
@@ -350,7 +353,17 @@ class GradientWatcher:
         of the forwards that used the parameter, as without checkpointing.
         """
         self._watched.add(site)
-        self._at_backward_end(site, _fsdp2_sharded(self._model, parameter) or parameter, iteration)
+        sharded = self._sharded_of(parameter)
+        self._at_backward_end(site, parameter if sharded is None else sharded, iteration)
+
+    def _sharded_of(self, parameter: torch.Tensor) -> torch.Tensor | None:
+        """FSDP2's sharded parameter that `parameter` is the unsharded copy of, looked up
+        once a parameter (each lookup walks the model's modules)."""
+        found = self._sharded.get(id(parameter))
+        if found is None or found[0]() is not parameter:
+            found = (weakref.ref(parameter), _fsdp2_sharded(self._model, parameter))
+            self._sharded[id(parameter)] = found
+        return found[1]
 
     def _at_backward_end(self, site: str, parameter: torch.Tensor, iteration: int) -> None:
         """Record `parameter.grad` at `site` when the running backward ends (once, tagged
