@@ -10,6 +10,7 @@ model's own hooks and tensors held on each rank.
 from __future__ import annotations
 
 import importlib
+import warnings
 from pathlib import Path
 
 import h5py
@@ -271,3 +272,24 @@ def test_fsdp2_parameter_grad_is_the_sharded_grad_the_optimizer_uses(tmp_path: P
                         whole = truth[f"{name}@grad whole"][step - 1]
                         _same_bits(vartrace.assemble(site, step), whole, f"whole {where}")
             assert run["a.weight@grad"].placement.placements == ("Shard(dim=0)",)
+
+
+def test_fsdp2_internals_it_cannot_read_never_break_the_step() -> None:
+    """The sharded parameters are found through FSDP2's private state; a torch whose state
+    reads otherwise gives the unsharded copy's gradient, with a warning saying so (kept
+    past the step under `-W error`: raised at the stop), never an error in the step."""
+    pytest.importorskip("torch.distributed.fsdp")
+
+    class _OtherFSDP(torch.nn.Linear):
+        def _get_fsdp_state(self) -> None:
+            raise AttributeError("'FSDPState' object has no attribute '_fsdp_param_groups'")
+
+    torch.manual_seed(0)
+    model = _OtherFSDP(4, 2)
+    tracer = vartrace.ModelTracer(model, ["weight@grad"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning waits for the stop, after the step
+        looked_up = "sharded parameters could not be looked up"
+        with pytest.raises(RuntimeWarning, match=looked_up), tracer:
+            model(torch.ones(3, 4)).sum().backward()
+    _same_bits(tracer.results["weight@grad"].values[0], model.weight.grad, "weight@grad")

@@ -85,9 +85,25 @@ def _through_self(site: str) -> bool:
 
 def _fsdp2_sharded(model: nn.Module | None, parameter: torch.Tensor) -> torch.Tensor | None:
     """The sharded parameter (a DTensor) that FSDP2 (`fully_shard`) unshards into
-    `parameter` for the forward; `None` when no FSDP2 module of `model` does."""
+    `parameter` for the forward; `None` when no FSDP2 module of `model` does (or FSDP2's
+    internals are not what this torch had: with a warning, the unsharded copy's `.grad`
+    is recorded)."""
     if model is None or "torch.distributed.fsdp" not in sys.modules:
         return None
+    try:
+        return _fsdp2_lookup(model, parameter)
+    except Exception as error:
+        warn(
+            f"vartrace: FSDP2's sharded parameters could not be looked up ({error!r}): a "
+            "parameter's @grad is its unsharded copy's gradient, before the reduce-scatter",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
+def _fsdp2_lookup(model: nn.Module, parameter: torch.Tensor) -> torch.Tensor | None:
+    """`_fsdp2_sharded`'s walk through FSDP2's states (private to torch)."""
     for module in model.modules():
         state_of = getattr(module, "_get_fsdp_state", None)
         if state_of is None:
