@@ -123,6 +123,7 @@ __all__ = [
     "has_write_flags",
     "node_attrs",
     "node_shard_path",
+    "placement_attrs",
     "placement_of",
     "reduced_from",
     "run_attrs",
@@ -200,6 +201,17 @@ def reduced_from(attrs: Mapping[str, Any]) -> ReducedFrom | None:
     if sizes.ndim != 1 or sizes.dtype.kind not in "iu":
         raise ValueError(f"attribute {REDUCED_SHAPE} is {shape!r}, not a 1-D array of integers")
     return ReducedFrom(dtype, tuple(int(size) for size in sizes))
+
+
+def placement_attrs(placement: Placement) -> dict[str, Any]:
+    """The attributes of a site's group that hold `placement` (`placements` last: a
+    reader takes a group with it for one holding them all)."""
+    return {
+        MESH_SHAPE: np.asarray(placement.mesh_shape, np.int64),
+        MESH_RANKS: np.asarray(placement.mesh_ranks, np.int64),
+        GLOBAL_SHAPE: np.asarray(placement.shape, np.int64),
+        PLACEMENTS: "; ".join(placement.placements),
+    }
 
 
 def placement_of(attrs: Mapping[str, Any]) -> Placement | None:

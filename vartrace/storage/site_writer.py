@@ -30,15 +30,13 @@ from vartrace.reduced import Placement, ReducedFrom
 from vartrace.storage.codec import IN_OTHER, Kind, Leaf, encode, row_shapes, to_blob, unstored
 from vartrace.storage.filters import STR, UNFILTERED, Made
 from vartrace.storage.layout import (
-    GLOBAL_SHAPE,
-    MESH_RANKS,
-    MESH_SHAPE,
     PLACEMENTS,
     REDUCED_DTYPE,
     REDUCED_SHAPE,
     TAGGED,
     TAGS,
     escape,
+    placement_attrs,
     reduced_from,
     unescape,
 )
@@ -682,10 +680,7 @@ def describe(group: h5py.Group, origin: ReducedFrom | Placement) -> None:
     placement: the first the site was given, as the tracer keeps it)."""
     if isinstance(origin, Placement):
         if PLACEMENTS not in group.attrs:
-            group.attrs[MESH_SHAPE] = np.asarray(origin.mesh_shape, np.int64)
-            group.attrs[MESH_RANKS] = np.asarray(origin.mesh_ranks, np.int64)
-            group.attrs[GLOBAL_SHAPE] = np.asarray(origin.shape, np.int64)
-            group.attrs[PLACEMENTS] = "; ".join(origin.placements)
+            group.attrs.update(placement_attrs(origin))
         return
     held = reduced_from(group.attrs)
     if held is not None:
