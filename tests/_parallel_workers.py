@@ -115,6 +115,98 @@ def tensor_parallel(rank: int, world: int, out: Path) -> dict[str, Any]:
     return found
 
 
+ASSEMBLED_SITES = [
+    "a.weight",
+    "a.weight@grad",
+    "a.bias",
+    "b.weight",
+    "b.weight@grad",
+    "b.bias",
+    "b.bias@grad",
+    "a",
+]
+
+
+def _full_train(model: nn.Module, truth: dict[str, list[torch.Tensor]]) -> list[float]:
+    """`STEPS` SGD steps of a model whose `a` keeps its DTensor output, with each site's
+    whole tensor in `truth` (`full_tensor()`: a collective every rank runs alike)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def hook(_: nn.Module, __: Any, output: Any) -> None:
+        truth["a"].append(output.full_tensor().detach().clone())
+
+    handle = model.a.register_forward_hook(hook)
+    losses = []
+    for step in range(1, STEPS + 1):
+        params = {name: p for name, p in model.named_parameters() if name in truth}
+        for name, param in params.items():
+            truth[name].append(param.full_tensor().detach().clone())
+        opt.zero_grad()
+        loss = model(torch.arange(8.0).reshape(2, 4) * step).pow(2).sum()
+        loss.backward()
+        losses.append(loss.item())
+        for name, param in params.items():
+            if f"{name}@grad" in truth:
+                truth[f"{name}@grad"].append(param.grad.full_tensor().detach().clone())
+        opt.step()
+    handle.remove()
+    return losses
+
+
+def tensor_parallel_assembled(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Colwise `a` keeping its DTensor output (`use_local_output=False`), rowwise `b`
+    (its bias `Replicate()`), `w` a DTensor bound twice (`forward.w@every`), traced
+    into a file (both stagings), a file a rank
+    (`gather=False`) and in memory: the
+    whole tensors from `full_tensor()`, and rank 0's `vartrace.assemble` of the
+    tracer's results."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    import vartrace
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    found: dict[str, Any] = {}
+    for kind in ("sync", "async", "shards", "memory"):
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (world,))
+        plan = {"a": ColwiseParallel(use_local_output=False), "b": RowwiseParallel()}
+        model = parallelize_module(_ScaledWeight(), mesh, plan)
+        truth: dict[str, list[torch.Tensor]] = {name: [] for name in ASSEMBLED_SITES}
+        savers = [] if kind == "memory" else [H5PYSaverCallback(out / f"assembled-{kind}.h5")]
+        staging = "async" if kind == "async" else "sync"
+        with (
+            warnings.catch_warnings(),
+            ModelTracer(
+                model,
+                [*ASSEMBLED_SITES, "forward.w@every"],
+                post_gather_callbacks=savers,
+                staging=staging,
+                gather=kind != "shards",  # "shards": each rank's file, its placements
+            ) as tracer,
+        ):
+            warnings.simplefilter("ignore")  # the placements, named once a site
+            found[f"losses-{kind}"] = _full_train(model, truth)
+        for saver in savers:
+            saver.close()
+        found[f"truth-{kind}"] = truth
+    if rank == 0:  # the in-memory results, gathered on rank 0
+        results = tracer.results
+        found["placements"] = results.placements
+        found["assembled"] = {
+            name: [
+                vartrace.assemble(results[name if "." in name else f"{name}.forward"], step)
+                for step in range(1, STEPS + 1)
+            ]
+            for name in [*ASSEMBLED_SITES, "forward.w@every"]
+        }
+    return found
+
+
 GROUP_SITES = ["forward.x", "a", "a.weight"]
 
 
@@ -329,8 +421,8 @@ def join_uneven_inputs(rank: int, world: int, out: Path) -> dict[str, Any]:
 
 def fsdp2_bf16(rank: int, world: int, out: Path) -> dict[str, Any]:
     """FSDP2 (`fully_shard`, a bf16 `MixedPrecisionPolicy`): what a parameter's records
-    are (the unsharded bf16 compute copy, and its gradient before the reduce-scatter),
-    next to the full fp32 parameter and the sharded fp32 `.grad` the optimizer uses."""
+    are (the unsharded bf16 compute copy, and the sharded fp32 `.grad` the optimizer
+    uses), next to the full fp32 parameter and that `.grad` read in the step."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from vartrace import ModelTracer
@@ -351,3 +443,83 @@ def fsdp2_bf16(rank: int, world: int, out: Path) -> dict[str, Any]:
             opt.step()
     records = {name: tracer.results[name] for name in tracer.results} if rank == 0 else {}
     return {"truth": truth, "records": records}
+
+
+FSDP_GRADS = ["a.weight", "a.bias", "b.weight"]
+
+
+class _Checkpointed(_TwoLayers):
+    """`a` under activation checkpointing (recomputed in the backward); a reentrant
+    checkpoint's input requires grad, or its parameters would get none."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = x.detach().requires_grad_(self.reentrant)
+        return self.b(torch.relu(checkpoint(self.a, x, use_reentrant=self.reentrant)))
+
+
+def _fsdp2_model(reentrant: bool = False) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = _Checkpointed(reentrant)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model.a, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def _fsdp2_train(model: nn.Module, rank: int, truth: dict[str, list] | None) -> list[float]:
+    """`STEPS` SGD steps; with `truth`, each parameter's sharded `.grad` (its local shard
+    and the whole tensor) read before the optimizer's step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = dict(model.named_parameters())
+    losses = []
+    for step in range(1, STEPS + 1):
+        opt.zero_grad()
+        loss = model(torch.arange(8.0).reshape(2, 4) * step + rank).pow(2).sum()
+        loss.backward()
+        losses.append(loss.item())
+        if truth is not None:
+            for name in FSDP_GRADS:
+                grad = params[name].grad
+                truth[f"{name}@grad"].append(grad.to_local().clone())
+                truth[f"{name}@grad whole"].append(grad.full_tensor().clone())
+        opt.step()
+    return losses
+
+
+def fsdp2_sharded_grad(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """FSDP2 (`fully_shard`, a bf16 `MixedPrecisionPolicy`, `a` checkpointed): each
+    parameter's `@grad` traced into a file (both stagings; and with `a` under a
+    reentrant checkpoint, whose forward runs under `torch.no_grad()`: its parameters'
+    `@grad` are watched when the backward recomputes it), next to the sharded fp32
+    `.grad` the optimizer uses, read in the step."""
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    found: dict[str, Any] = {"untraced": _fsdp2_train(_fsdp2_model(), rank, None)}
+    found["untraced-reentrant"] = _fsdp2_train(_fsdp2_model(reentrant=True), rank, None)
+    sites = [f"{name}@grad" for name in FSDP_GRADS]
+    for staging in ("sync", "async", "reentrant"):
+        model = _fsdp2_model(reentrant=staging == "reentrant")
+        truth: dict[str, list] = {f"{n}@grad{w}": [] for n in FSDP_GRADS for w in ("", " whole")}
+        with (
+            warnings.catch_warnings(record=True) as seen,
+            H5PYSaverCallback(out / f"fsdp2-{staging}.h5") as saver,
+            ModelTracer(
+                model,
+                sites,
+                post_gather_callbacks=[saver],
+                staging="async" if staging == "async" else "sync",
+            ),
+        ):
+            warnings.simplefilter("always")
+            found[f"losses-{staging}"] = _fsdp2_train(model, rank, truth)
+        found[f"truth-{staging}"] = truth
+        found[f"warnings-{staging}"] = [str(w.message) for w in seen]
+    return found

@@ -72,6 +72,8 @@ _LAZY = {
     "stats": "vartrace.statistics.records",
     "Statistics": "vartrace.statistics.records",
     "ReducedFrom": "vartrace.reduced",
+    "Placement": "vartrace.reduced",
+    "assemble": "vartrace.reduced",
     "TensorBoardCallback": "vartrace.analysis.tensorboard",
     "active_tracers": "vartrace.tracing.running",
     "stop_all": "vartrace.tracing.running",
@@ -84,6 +86,7 @@ __all__ = [
     "Comparison",
     "H5PYSaverCallback",
     "ModelTracer",
+    "Placement",
     "ReducedFrom",
     "Results",
     "Run",
@@ -95,6 +98,7 @@ __all__ = [
     "Unstored",
     "__version__",
     "active_tracers",
+    "assemble",
     "compare",
     "list_sites",
     "open",
@@ -112,7 +116,7 @@ if TYPE_CHECKING:
     from vartrace.analysis.comparison import Comparison, compare
     from vartrace.analysis.plot import plot_stat
     from vartrace.analysis.tensorboard import TensorBoardCallback
-    from vartrace.reduced import ReducedFrom
+    from vartrace.reduced import Placement, ReducedFrom, assemble
     from vartrace.statistics.records import Statistics, stats
     from vartrace.storage.reader import Run, Site
     from vartrace.storage.reader import open_run as open

@@ -264,7 +264,8 @@ def local_shard(value: Any, site: str) -> torch.Tensor:
         warn(
             f"vartrace: {site} is a DTensor of shape {tuple(value.shape)} placed "
             f"({placements}) on a device mesh of shape {tuple(value.device_mesh.shape)}; "
-            f"each rank records its local shard, of shape {tuple(shard.shape)} here",
+            f"each rank records its local shard, of shape {tuple(shard.shape)} here "
+            "(vartrace.assemble joins the ranks' records)",
             stacklevel=3,
         )
     return shard

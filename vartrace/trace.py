@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # annotations only: this module imports none of them at run t
     import numpy as np
     import torch
 
-    from vartrace.reduced import ReducedFrom
+    from vartrace.reduced import Placement, ReducedFrom
 
 from vartrace._support.warnings import warn
 
@@ -60,9 +60,12 @@ class Trace:
         order: the global capture order of each record (monotonic per rank).
         shapes: the true shape of each record when `values` was padded by
             [`stack_padded_tensors`][vartrace.stack_padded_tensors], else `None`.
+        placement: in a tracer's results, the [`Placement`][vartrace.Placement] of the
+            DTensor whose local shards the records are ([`assemble`][vartrace.assemble]
+            joins them), else `None`.
     """
 
-    __slots__ = ("iterations", "order", "ranks", "shapes", "values")
+    __slots__ = ("iterations", "order", "placement", "ranks", "shapes", "values")
 
     def __init__(
         self,
@@ -77,6 +80,7 @@ class Trace:
         self.ranks: Any = [] if ranks is None else ranks
         self.order: Any = [] if order is None else order
         self.shapes: Any = shapes
+        self.placement: Placement | None = None
 
     def __len__(self) -> int:
         return len(self.iterations)
@@ -216,6 +220,10 @@ class SaverCallback(Protocol):
     def reduced(self, name: str, origin: ReducedFrom) -> None:
         """A pre-save callback replaced site `name`'s values: `origin` describes what
         they were made from.  Called as `alias` is."""
+
+    def placed(self, name: str, placement: Placement) -> None:
+        """Site `name` recorded a DTensor as each rank's local shard: `placement` says
+        how the ranks' records join into the whole tensor.  Called as `alias` is."""
 
 
 class PreSaveCallback(Protocol):

@@ -34,7 +34,7 @@ from vartrace._support import exit as _exit
 from vartrace._support import memory as _memory
 from vartrace._support.memory import held_bytes
 from vartrace.errors import WorkerError
-from vartrace.reduced import ReducedFrom
+from vartrace.reduced import Placement, ReducedFrom
 from vartrace.storage.site_writer import int64
 from vartrace.trace import Trace
 
@@ -45,7 +45,8 @@ __all__ = ["BackgroundWriter", "Handed", "Item", "one_by_one"]
 # (see make_room): a tracer's record, or a gather, waits for the thread until they fit.
 _BACKGROUND_BYTES = 64 << 20
 
-Item = Trace | str | ReducedFrom  # a taken item of a site: records, an alias's target, `reduced`
+# A taken item of a site: records, an alias's target, `reduced`, `placed`.
+Item = Trace | str | ReducedFrom | Placement
 #: A batch on the writer thread: entered, the pieces of its items, each `(site name, piece)`.
 Handed = AbstractContextManager[Iterator[tuple[str, Item]]]
 

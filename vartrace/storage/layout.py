@@ -26,7 +26,11 @@
 /vars/<escaped name>  attrs: name (the true site name), slot (its entry in /committed);
                       for records a pre-save callback made (statistics rows):
                       reduced_dtype (str) and reduced_shape (int64 (ndim,), -1 on
-                      axes whose size differed; absent when the ndim did) of the values
+                      axes whose size differed; absent when the ndim did) of the values;
+                      for a DTensor's local shards (each rank's): placements (str,
+                      "Shard(dim=0)", "; " between mesh dimensions), mesh_shape,
+                      mesh_ranks (the global rank at each mesh coordinate, row by
+                      row) and global_shape (int64 (n,) each)
     tags                       int64 (records, 4): per record, its iteration, rank,
                                capture order and kind (_codec.Kind) (version 2)
     iterations, ranks, order   int64 (records,)  } version 1, instead of ``tags``
@@ -86,19 +90,23 @@ from typing import Any
 
 import numpy as np
 
-from vartrace.reduced import ReducedFrom
+from vartrace.reduced import Placement, ReducedFrom
 
 __all__ = [
     "COMMITTED",
     "FIRST_ORDER",
     "FORMAT_ATTR",
     "FORMAT_VERSION",
+    "GLOBAL_SHAPE",
     "LAST_TAGS",
     "LIBVER",
+    "MESH_RANKS",
+    "MESH_SHAPE",
     "NAME_END",
     "NAME_START",
     "NODE_RANKS_ATTR",
     "NO_TARGET",
+    "PLACEMENTS",
     "REDUCED_DTYPE",
     "REDUCED_SHAPE",
     "RUN_ID_ATTR",
@@ -115,6 +123,8 @@ __all__ = [
     "has_write_flags",
     "node_attrs",
     "node_shard_path",
+    "placement_attrs",
+    "placement_of",
     "reduced_from",
     "run_attrs",
     "shard_path",
@@ -139,6 +149,10 @@ TAGGED = "tags"
 LAST_TAGS = "last_tags"
 REDUCED_DTYPE = "reduced_dtype"
 REDUCED_SHAPE = "reduced_shape"
+PLACEMENTS = "placements"  # a DTensor site's placements, "; " between mesh dimensions
+MESH_SHAPE = "mesh_shape"
+MESH_RANKS = "mesh_ranks"
+GLOBAL_SHAPE = "global_shape"
 
 _ESCAPED = re.compile(r"%u([0-9A-F]{4})|%([0-9A-F]{2})")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -187,6 +201,39 @@ def reduced_from(attrs: Mapping[str, Any]) -> ReducedFrom | None:
     if sizes.ndim != 1 or sizes.dtype.kind not in "iu":
         raise ValueError(f"attribute {REDUCED_SHAPE} is {shape!r}, not a 1-D array of integers")
     return ReducedFrom(dtype, tuple(int(size) for size in sizes))
+
+
+def placement_attrs(placement: Placement) -> dict[str, Any]:
+    """The attributes of a site's group that hold `placement` (`placements` last: a
+    reader takes a group with it for one holding them all)."""
+    return {
+        MESH_SHAPE: np.asarray(placement.mesh_shape, np.int64),
+        MESH_RANKS: np.asarray(placement.mesh_ranks, np.int64),
+        GLOBAL_SHAPE: np.asarray(placement.shape, np.int64),
+        PLACEMENTS: "; ".join(placement.placements),
+    }
+
+
+def placement_of(attrs: Mapping[str, Any]) -> Placement | None:
+    """The placement of the DTensor whose local shards a site's records are, held in its
+    group's `attrs`, if any.
+
+    Raises `ValueError` naming the attribute that is not what the writer makes.
+    """
+    placements = attrs.get(PLACEMENTS)
+    if placements is None:
+        return None
+    if isinstance(placements, bytes):
+        placements = placements.decode("utf-8", "surrogateescape")
+    if not isinstance(placements, str):
+        raise ValueError(f"attribute {PLACEMENTS} is {placements!r}, not a string")
+    sizes = []
+    for name in (MESH_SHAPE, MESH_RANKS, GLOBAL_SHAPE):
+        found = np.asarray(attrs.get(name, np.zeros((0, 0))))
+        if found.ndim != 1 or (found.size and found.dtype.kind not in "iu"):
+            raise ValueError(f"attribute {name} is {found!r}, not a 1-D array of integers")
+        sizes.append(tuple(int(size) for size in found))
+    return Placement(tuple(placements.split("; ")), *sizes)
 
 
 def shard_path(path: Path, rank: int) -> Path:

@@ -16,7 +16,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from vartrace.reduced import ReducedFrom
+from vartrace.reduced import Placement, ReducedFrom
 from vartrace.statistics.named import SUMMARY_FIELDS
 from vartrace.storage.codec import (
     IN_OTHER,
@@ -37,7 +37,7 @@ from vartrace.storage.guard import (
     child,
     file_name,
 )
-from vartrace.storage.layout import SITE_INDEX, TAGGED, TAGS, reduced_from
+from vartrace.storage.layout import SITE_INDEX, TAGGED, TAGS, placement_of, reduced_from
 from vartrace.storage.root_rows import site_slot
 from vartrace.storage.shard import Shard
 
@@ -230,6 +230,15 @@ class Part:
         group = self.group
         try:
             return reduced_from(group.attrs)
+        except ValueError as error:
+            raise RunFileError(f"{file_name(group.id)}: {group.name}: {error}") from None
+
+    @cached_property
+    def placement(self) -> Placement | None:
+        """The placement of the DTensor whose local shards the part's records are."""
+        group = self.group
+        try:
+            return placement_of(group.attrs)
         except ValueError as error:
             raise RunFileError(f"{file_name(group.id)}: {group.name}: {error}") from None
 

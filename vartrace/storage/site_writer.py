@@ -26,15 +26,17 @@ import h5py
 import numpy as np
 
 from vartrace._support.warnings import warn
-from vartrace.reduced import ReducedFrom
+from vartrace.reduced import Placement, ReducedFrom
 from vartrace.storage.codec import IN_OTHER, Kind, Leaf, encode, row_shapes, to_blob, unstored
 from vartrace.storage.filters import STR, UNFILTERED, Made
 from vartrace.storage.layout import (
+    PLACEMENTS,
     REDUCED_DTYPE,
     REDUCED_SHAPE,
     TAGGED,
     TAGS,
     escape,
+    placement_attrs,
     reduced_from,
     unescape,
 )
@@ -673,8 +675,13 @@ def _objects(rows: list[str | bytes]) -> np.ndarray:
     return array
 
 
-def describe(group: h5py.Group, origin: ReducedFrom) -> None:
-    """Give a site's `group` the attributes of `origin`, merged with those it holds."""
+def describe(group: h5py.Group, origin: ReducedFrom | Placement) -> None:
+    """Give a site's `group` the attributes of `origin`, merged with those it holds (a
+    placement: the first the site was given, as the tracer keeps it)."""
+    if isinstance(origin, Placement):
+        if PLACEMENTS not in group.attrs:
+            group.attrs.update(placement_attrs(origin))
+        return
     held = reduced_from(group.attrs)
     if held is not None:
         origin = held.merged(origin)

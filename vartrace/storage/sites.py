@@ -23,7 +23,7 @@ import h5py
 import numpy as np
 
 from vartrace._support.html import block
-from vartrace.reduced import ReducedFrom
+from vartrace.reduced import Placement, ReducedFrom
 from vartrace.storage.codec import KIND_NAMES, decode_raw, in_values
 from vartrace.storage.guard import FREE_READ_BYTES, RunFileError, check_read, held_bytes, size_text
 from vartrace.storage.site_reader import Part
@@ -286,6 +286,20 @@ class Site:
         """
         found = [origin for part in self._parts if (origin := part.reduced_from) is not None]
         return functools.reduce(ReducedFrom.merged, found) if found else None
+
+    @property
+    def placement(self) -> Placement | None:
+        """How the ranks' records join into the whole tensor, where the site recorded a
+        DTensor as each rank's local shard (tensor parallelism, FSDP2's sharded `.grad`);
+        `None` where the records are whole tensors.  [`vartrace.assemble`][vartrace.assemble]
+        joins them.
+
+        Example:
+            ```python
+            run["a.weight"].placement.placements   # ('Shard(dim=0)',)
+            ```
+        """
+        return next((p for part in self._parts if (p := part.placement) is not None), None)
 
     def record(self, index: int) -> Any:
         """The value of record `index`: exact shape, dtype and Python type."""

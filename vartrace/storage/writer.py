@@ -37,7 +37,7 @@ import numpy as np
 from vartrace._support import forks as _forks
 from vartrace._support import memory as _memory
 from vartrace._support.warnings import release, warn
-from vartrace.reduced import ReducedFrom
+from vartrace.reduced import Placement, ReducedFrom
 from vartrace.storage.background import BackgroundWriter, Handed, Item, one_by_one
 from vartrace.storage.codec import dtype_name
 from vartrace.storage.filters import Made, dataset_filters
@@ -184,7 +184,8 @@ class H5PYSaverCallback:
         self._index: RootIndex | None = None  # the open file's root index
         self._manifest = ManifestWriter()  # a shard's manifest (see manifest_writer)
         self._unresolved: dict[str, str] = {}  # alias -> target: a target with no site yet
-        self._undescribed: dict[str, ReducedFrom] = {}  # `reduced` of a site not yet made
+        # `reduced` and `placed` of a site not yet made
+        self._undescribed: dict[str, list[ReducedFrom | Placement]] = {}
         self._dirty = False
         self._unreleased = 0  # bytes of records written since memory was last given back
         self._context = RunContext()
@@ -521,8 +522,8 @@ class H5PYSaverCallback:
         """
         self._take(name, target)
 
-    def _take(self, name: str, fact: str | ReducedFrom) -> None:
-        """Write a fact about site `name` (an alias's target, `reduced`), or with
+    def _take(self, name: str, fact: str | ReducedFrom | Placement) -> None:
+        """Write a fact about site `name` (an alias's target, `reduced`, `placed`), or with
         `background=True` queue it, ordered with the records."""
         _UNUSED.discard(self)
         with self._lock, interrupts_held():
@@ -536,10 +537,11 @@ class H5PYSaverCallback:
                     self._apply(name, fact)
 
     def _apply(self, name: str, item: Item) -> None:
-        """Write one taken item of site `name`: records, an alias's target, `reduced`."""
+        """Write one taken item of site `name`: records, an alias's target, `reduced`,
+        `placed`."""
         if isinstance(item, str):
             self._alias(name, item)
-        elif isinstance(item, ReducedFrom):
+        elif isinstance(item, (ReducedFrom, Placement)):
             self._reduced(name, item)
         else:
             self._append(name, item)
@@ -591,13 +593,28 @@ class H5PYSaverCallback:
         """
         self._take(name, origin)
 
-    def _reduced(self, name: str, origin: ReducedFrom) -> None:
+    def placed(self, name: str, placement: Placement) -> None:
+        """Note that site `name`'s records are each rank's local shard of a DTensor placed
+        as `placement` (the tracer calls it for tensor parallelism's and FSDP2's DTensors).
+
+        Stored as the site's attributes `placements`, `mesh_shape`, `mesh_ranks` and
+        `global_shape`, read back as `run[name].placement`, which
+        [`vartrace.assemble`][vartrace.assemble] joins the records by.  Like a call, it is
+        ordered with the records.  Example:
+
+        ```python
+        saver.placed("a.weight", Placement(("Shard(dim=0)",), (2,), (0, 1), (8, 4)))
+        ```
+        """
+        self._take(name, placement)
+
+    def _reduced(self, name: str, origin: ReducedFrom | Placement) -> None:
         index = self._index
         assert index is not None
         site = self._sites.get(name)
         slot = index.slots.get(escape(name))
         if site is None and (slot is None or not index.count(slot)):
-            self._undescribed[name] = origin  # described when its records come
+            self._undescribed.setdefault(name, []).append(origin)  # made with its records
             return
         group = site.group if site is not None else self._open()["vars"][escape(name)]
         describe(group, origin)
@@ -637,8 +654,7 @@ class H5PYSaverCallback:
             del piece  # written: freed before the next record is taken
         index.set_count(site.slot, site.rows)
         self._manifest.note(name, site, trace)
-        origin = self._undescribed.pop(name, None)
-        if origin is not None:
+        for origin in self._undescribed.pop(name, ()):
             describe(site.group, origin)
         self._dirty = True
 

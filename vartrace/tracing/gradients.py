@@ -12,7 +12,11 @@ are watched differently:
 * a parameter (an `nn.Parameter`, or a leaf tensor requiring grad
   reached through `self`) gets one `register_post_accumulate_grad_hook`
   for the life of the watcher: after each backward that follows a traced
-  forward using it, its accumulated `.grad` is recorded once.
+  forward using it, its accumulated `.grad` is recorded once.  Under FSDP2
+  (`fully_shard`) the forward computes with an unsharded copy of each parameter
+  (in the `MixedPrecisionPolicy`'s `param_dtype`); what the optimizer uses is the
+  sharded parameter's `.grad` (a DTensor, after the reduce-scatter), recorded when
+  the backward ends, after FSDP2's own end-of-backward work.
 
 Only hook handles are kept, never the tensors themselves, so the autograd
 graph of a step is freed as soon as the step is done with it.
@@ -44,7 +48,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -64,17 +68,55 @@ _MIN_PRUNE = 64
 class _ParameterWatch:
     """The post-accumulate hook of one parameter and the sites waiting for its gradient."""
 
-    __slots__ = ("handle", "pending", "ref")
+    __slots__ = ("handle", "pending", "ref", "sharded")
 
-    def __init__(self, parameter: torch.Tensor) -> None:
+    def __init__(self, parameter: torch.Tensor, sharded: torch.Tensor | None) -> None:
         self.ref = weakref.ref(parameter)
         self.handle: RemovableHandle | None = None
+        # FSDP2's sharded parameter that `parameter` is the unsharded copy of
+        self.sharded = None if sharded is None else weakref.ref(sharded)
         # site -> iteration of the latest traced forward that used the parameter
         self.pending: dict[str, int] = {}
 
 
 def _through_self(site: str) -> bool:
     return ".self." in site
+
+
+def _fsdp2_sharded(model: nn.Module | None, parameter: torch.Tensor) -> torch.Tensor | None:
+    """The sharded parameter (a DTensor) that FSDP2 (`fully_shard`) unshards into
+    `parameter` for the forward; `None` when no FSDP2 module of `model` does (or FSDP2's
+    internals are not what this torch had: with a warning, the unsharded copy's `.grad`
+    is recorded)."""
+    if model is None or "torch.distributed.fsdp" not in sys.modules:
+        return None
+    try:
+        return _fsdp2_lookup(model, parameter)
+    except Exception as error:
+        warn(
+            f"vartrace: FSDP2's sharded parameters could not be looked up ({error!r}): a "
+            "parameter's @grad is its unsharded copy's gradient, before the reduce-scatter",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
+def _fsdp2_lookup(model: nn.Module, parameter: torch.Tensor) -> torch.Tensor | None:
+    """`_fsdp2_sharded`'s walk through FSDP2's states (private to torch)."""
+    for module in model.modules():
+        state_of = getattr(module, "_get_fsdp_state", None)
+        if state_of is None:
+            continue
+        state = state_of()
+        groups = getattr(state, "_fsdp_param_groups", None) or [
+            getattr(state, "_fsdp_param_group", None)
+        ]
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                if getattr(fsdp_param, "_unsharded_param", None) is parameter:
+                    return cast(torch.Tensor, fsdp_param.sharded_param)
+    return None
 
 
 _engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
@@ -134,8 +176,13 @@ class GradientWatcher:
         ```
     """
 
-    def __init__(self, store: Store, quiet: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, store: Store, quiet: frozenset[str] = frozenset(), model: nn.Module | None = None
+    ) -> None:
         self._store = store
+        self._model = model  # where FSDP2's sharded parameters are looked up
+        # id of a parameter -> (it, weakly; FSDP2's sharded parameter it is a copy of)
+        self._sharded: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor | None]] = {}
         self._quiet = quiet  # sites (and the keys below them) that never warn
         self._lock = threading.RLock()
         self._handles: dict[int, RemovableHandle] = {}
@@ -241,6 +288,7 @@ class GradientWatcher:
             self._parameters.clear()
             self._checkpoints.clear()
             self._at_end.clear()
+            self._sharded.clear()
         for handle in handles:
             handle.remove()
 
@@ -305,7 +353,8 @@ class GradientWatcher:
         with self._lock:
             watch = self._parameters.get(id(parameter))
             if watch is None or watch.ref() is not parameter:
-                watch = self._parameters[id(parameter)] = _ParameterWatch(parameter)
+                sharded = self._sharded_of(parameter)
+                watch = self._parameters[id(parameter)] = _ParameterWatch(parameter, sharded)
                 watch.handle = parameter.register_post_accumulate_grad_hook(self._on_accumulated)
                 if len(self._handles) + len(self._parameters) >= self._prune_at:
                     self._prune()
@@ -320,6 +369,21 @@ class GradientWatcher:
         of the forwards that used the parameter, as without checkpointing.
         """
         self._watched.add(site)
+        sharded = self._sharded_of(parameter)
+        self._at_backward_end(site, parameter if sharded is None else sharded, iteration)
+
+    def _sharded_of(self, parameter: torch.Tensor) -> torch.Tensor | None:
+        """FSDP2's sharded parameter that `parameter` is the unsharded copy of, looked up
+        once a parameter (each lookup walks the model's modules)."""
+        found = self._sharded.get(id(parameter))
+        if found is None or found[0]() is not parameter:
+            found = (weakref.ref(parameter), _fsdp2_sharded(self._model, parameter))
+            self._sharded[id(parameter)] = found
+        return found[1]
+
+    def _at_backward_end(self, site: str, parameter: torch.Tensor, iteration: int) -> None:
+        """Record `parameter.grad` at `site` when the running backward ends (once, tagged
+        with the latest `iteration` asked for)."""
         task = _graph_task_id()
         with self._lock:
             ending = self._at_end.get(task)
@@ -343,8 +407,12 @@ class GradientWatcher:
                 return
             pending = list(watch.pending.items())
             watch.pending.clear()
+            sharded = None if watch.sharded is None else watch.sharded()
         for site, iteration in pending:
-            self._store(site, parameter.grad, iteration)
+            if sharded is not None:  # FSDP2: the sharded .grad, after the reduce-scatter
+                self._at_backward_end(site, sharded, iteration)
+            else:
+                self._store(site, parameter.grad, iteration)
 
     # -- warnings -------------------------------------------------------------------------------
 

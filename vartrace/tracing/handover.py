@@ -21,7 +21,7 @@ from vartrace.distributed.groups import check_member, group_ranks
 from vartrace.distributed.nodes import node_of_this_rank
 from vartrace.errors import CallbackError
 from vartrace.markers import DROP, Unstored
-from vartrace.reduced import Reductions
+from vartrace.reduced import Placements, Reductions
 from vartrace.trace import RunContext, Trace
 from vartrace.tracing.aliases import Aliases
 from vartrace.tracing.chunk import Chunk
@@ -121,9 +121,10 @@ class HandOver:
     Args:
         chunk: the records since the last gather.
         results: where the gathered records are kept.
-        aliases, reductions: the facts about sites that travel with the records.
+        aliases, facts: the facts about sites that travel with the records (`facts`:
+            what pre-save callbacks reduced, the placements of DTensors).
         config: the tracer's options (the callbacks, `gather`, `max_host_bytes`).
-        hooks: the sinks' hooks (`flush`, `alias`, `reduced`).
+        hooks: the sinks' hooks (`flush`, `alias`, `reduced`, `placed`).
         group: the gathers' process group (`None`: the default group; a node's group
             with `gather="node"`; the tracer's `group=`, or a gloo group of its ranks).
     """
@@ -133,7 +134,7 @@ class HandOver:
         chunk: Chunk,
         results: Results,
         aliases: Aliases,
-        reductions: Reductions,
+        facts: tuple[Reductions, Placements],
         config: TracerConfig,
         hooks: SinkHooks,
         group: Any = None,
@@ -141,12 +142,13 @@ class HandOver:
         self._chunk = chunk
         self._results = results
         self._aliases = aliases
-        self._reductions = reductions
+        self._reductions, self._placements = facts
         self._config = config
         self._flushes = hooks.flush
         self._sinks: dict[str, tuple[Callable[[str, Any], None], ...]] = {
             "alias": (results.alias, *hooks.alias),
             "reduced": (results.reduced, *hooks.reduced),
+            "placed": (results.placed, *hooks.placed),
         }
         self._group = group
         self._held = 0  # bytes of the records kept in the results
@@ -171,6 +173,7 @@ class HandOver:
         facts: list[distributed.Fact] = [
             *(("alias", name, target) for name, target in self._aliases.taken()),
             *(("reduced", name, origin) for name, origin in self._reductions.taken()),
+            *(("placed", name, placed) for name, placed in self._placements.taken()),
         ]
         if not chunk and not facts and distributed.world_size(self._group) == 1:
             return  # nothing to hand on, and no other rank waits for this gather
@@ -245,7 +248,8 @@ class HandOver:
     def _declare(self, facts: Sequence[distributed.Fact]) -> None:
         """Tell the results and the sinks that have the method (the HDF5 saver) facts
         about sites, before the records: `alias(name, target)` for names that read as
-        another site, `reduced(name, ReducedFrom)` for what a pre-save callback replaced.
+        another site, `reduced(name, ReducedFrom)` for what a pre-save callback replaced,
+        `placed(name, Placement)` for a site that recorded a DTensor's local shards.
 
         With `gather=True` only rank 0 does (with `gather="node"`, each node's first
         rank): it alone receives the gathered records, and the other ranks' facts with
@@ -272,6 +276,10 @@ class HandOver:
                 widened = self._reductions.adopt(name, fact)
                 if widened is not None:
                     adopted.append((method, name, widened))
+                continue
+            if method == "placed":
+                if self._placements.adopt(name, fact) is not None:
+                    adopted.append((method, name, fact))
                 continue
             known = name in self._aliases
             if not self._aliases.adopt(name, fact):

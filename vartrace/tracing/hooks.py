@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vartrace.reduced import ReducedFrom
+from vartrace.reduced import Placement, ReducedFrom
 from vartrace.trace import RunContext
 
 __all__ = ["SinkHooks"]
@@ -31,6 +31,7 @@ class SinkHooks:
         flush: `flush` of the post-gather callbacks.
         alias: `alias` of the post-gather callbacks that define it as a method.
         reduced: `reduced` of the post-gather callbacks that define it as a method.
+        placed: `placed` of the post-gather callbacks that define it as a method.
         failing: the callbacks that have a `failure` attribute, read when the tracer stops.
     """
 
@@ -40,6 +41,7 @@ class SinkHooks:
     flush: tuple[Callable[[], None], ...] = ()
     alias: tuple[Callable[[str, str], None], ...] = ()
     reduced: tuple[Callable[[str, ReducedFrom], None], ...] = ()
+    placed: tuple[Callable[[str, Placement], None], ...] = ()
     failing: tuple[object, ...] = ()
 
     @classmethod
@@ -65,6 +67,7 @@ class SinkHooks:
             flush=_found(post_gather, "flush"),
             alias=tuple(m for m in _found(post_gather, "alias") if callable(m)),
             reduced=tuple(m for m in _found(post_gather, "reduced") if callable(m)),
+            placed=tuple(m for m in _found(post_gather, "placed") if callable(m)),
             failing=tuple(c for c in every if hasattr(c, "failure")),
         )
 

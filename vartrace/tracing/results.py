@@ -17,7 +17,7 @@ from typing import Any
 
 from vartrace._support.series import every_series, series_read_as
 from vartrace._support.text import missing_site
-from vartrace.reduced import ReducedFrom
+from vartrace.reduced import Placement, ReducedFrom
 from vartrace.trace import Trace, join_traces
 
 __all__ = ["EverySeries", "Results"]
@@ -127,6 +127,7 @@ class Results(Mapping[str, Trace]):
         self._pieces: dict[str, list[Trace]] = {}
         self._aliases: dict[str, str] = {}
         self._reductions: dict[str, ReducedFrom] = {}
+        self._placements: dict[str, Placement] = {}
 
     def add(self, name: str, trace: Trace) -> None:
         """Keep the records of one chunk of site `name` (an alias of that name ends)."""
@@ -161,6 +162,24 @@ class Results(Mapping[str, Trace]):
         """
         return {name: self._reductions[name] for name in self._pieces if name in self._reductions}
 
+    def placed(self, name: str, placement: Placement) -> None:
+        """Note that site `name` recorded a DTensor's local shards, placed as `placement`
+        (`placements`; `vartrace.assemble` joins them)."""
+        self._placements[name] = placement
+
+    @property
+    def placements(self) -> dict[str, Placement]:
+        """Site -> the [`Placement`][vartrace.Placement] of the DTensor whose local shards
+        its records are (each rank's); `results[name].placement` is the same.
+
+        Example:
+            ```python
+            tracer.results.placements["a.weight"].placements   # ('Shard(dim=0)',)
+            vartrace.assemble(tracer.results["a.weight"], 3)    # the whole weight
+            ```
+        """
+        return {name: self._placements[name] for name in self._pieces if name in self._placements}
+
     @property
     def stored(self) -> list[str]:
         """The names that hold records of their own (every name but the aliases)."""
@@ -186,9 +205,13 @@ class Results(Mapping[str, Trace]):
             series = series_read_as(name, groups, set(self._names()))
             if series is None:
                 raise missing_site(name, [*groups, *self], "the tracer's results")
-            return EverySeries(series, [(line, self[line]) for line in groups[series]])
+            found = EverySeries(series, [(line, self[line]) for line in groups[series]])
+            placed = (self._placements.get(line) for line in groups[series])
+            found.placement = next((p for p in placed if p is not None), None)
+            return found
         if len(pieces) > 1:
             pieces[:] = [join_traces(pieces)]
+        pieces[0].placement = self._placements.get(self._aliases.get(name, name))
         return pieces[0]
 
     def __contains__(self, name: object) -> bool:

@@ -37,7 +37,7 @@ from vartrace.engine.patching import Hook, attach, detach
 from vartrace.engine.structures import leaves
 from vartrace.errors import CallbackError
 from vartrace.markers import DROP
-from vartrace.reduced import Reductions
+from vartrace.reduced import Placements, Reductions
 from vartrace.staging import BlockingStaging, OnFull, Stager, Staging, StagingStats
 from vartrace.tensors import (
     is_distributed,
@@ -236,6 +236,7 @@ class ModelTracer:
         self._compiled = config.compiled
         self._aliases = Aliases()
         self._reductions = Reductions()
+        self._placements = Placements()  # the DTensors' placements, noted by _store
         self._targets = resolve(self.model, paths, strict=strict, aliases=self._aliases)
         warn_unused_savers(config.callbacks)
         self._silence = SilenceWatch(self._targets, mode, self.model)
@@ -267,7 +268,9 @@ class ModelTracer:
         self._finished = False
         self._where = ""  # the user's line that started it
         self._first_seen = False  # the first traced iteration ended
-        self._gradients = GradientWatcher(self._store, wildcard_grad_sites(self._targets))
+        self._gradients = GradientWatcher(
+            self._store, wildcard_grad_sites(self._targets), self.model
+        )
         counter = CallsBeforeStart()
         self._unstarted = weakref.finalize(
             self,
@@ -369,8 +372,9 @@ class ModelTracer:
         for on_start in hooks.on_start:
             on_start(context)
         self._chunk.wait_for(hooks.make_room)  # savers writing on a thread of their own
+        facts = (self._reductions, self._placements)
         self._hand_over = HandOver(
-            self._chunk, self._results, self._aliases, self._reductions, config, hooks, group
+            self._chunk, self._results, self._aliases, facts, config, hooks, group
         )
         self._stager = self._staging()
         try:
@@ -624,6 +628,7 @@ class ModelTracer:
     def _store(self, site: str, value: Any, iteration: int, *, saved: bool = False) -> None:
         """Record `value` at `site`; `saved`: the pre-save callbacks already ran."""
         if isinstance(value, torch.Tensor) and is_distributed(value):
+            self._placements.note(site, value)  # how the ranks' shards join
             value = local_shard(value, site)  # a DTensor: this rank's shard, no collective
         if isinstance(value, torch.Tensor) and is_transformed(value):
             with torch._C._DisableFuncTorch():  # copies made under torch.func stay plain
