@@ -503,3 +503,52 @@ def join_held_back(rank: int, world: int, out: Path) -> dict[str, Any]:
         found["warnings-after"] = [str(w.message) for w in seen]
     found["losses-after"], found["untraced-after"] = runs["traced"], runs["untraced"]
     return found
+
+
+def join_phases(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """`join_live` of a joinable through the phases of its `Join`s: before, in the body,
+    in `__exit__` (a join hook's post-hook runs there), after; a `Join` kept by a name,
+    entered twice; one entered by an `ExitStack`."""
+    from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+    from vartrace.distributed.collisions import join_live
+
+    seen: list[tuple[str, bool]] = []
+
+    class _Hook(JoinHook):
+        def post_hook(self, is_last_joiner: bool) -> None:
+            seen.append(("exit", join_live(joinable)))
+
+    class _Joinable(Joinable):
+        def __init__(self) -> None:
+            super().__init__()
+
+        def join_hook(self, **kwargs: Any) -> JoinHook:
+            return _Hook()
+
+        @property
+        def join_device(self) -> torch.device:
+            return torch.device("cpu")
+
+        @property
+        def join_process_group(self) -> Any:
+            import torch.distributed as dist
+
+            return dist.group.WORLD
+
+    joinable = _Joinable()
+    seen.append(("before", join_live(joinable)))
+    with Join([joinable]):
+        seen.append(("body", join_live(joinable)))
+    seen.append(("after", join_live(joinable)))
+    named = Join([joinable])
+    seen.append(("built", join_live(joinable)))
+    for _ in range(2):
+        with named:
+            seen.append(("body", join_live(joinable)))
+        seen.append(("after", join_live(joinable)))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(Join([joinable]))
+        seen.append(("body", join_live(joinable)))
+    seen.append(("after", join_live(joinable)))
+    return {"seen": seen}

@@ -278,3 +278,13 @@ def test_held_chunks_come_back_from_their_file_bit_for_bit() -> None:
             for i, value in enumerate(trace.values):
                 _assert_same_value(found.values[i], value, f"{name}[{i}]")
     assert list(spill.chunks()) == []
+
+
+def test_a_join_is_live_in_its_body_and_its_exit_and_over_after(tmp_path: Path) -> None:
+    """torch keeps a joinable's Join setting after the Join; `join_live` tells the phases
+    apart: live in the body and in `__exit__` (where a rank out of inputs shadows the
+    others), over after, also for a Join kept by a name and entered twice."""
+    (found,) = _run_ok("tests._parallel_workers:join_phases", 1, tmp_path)
+    for phase, live in found["seen"]:
+        assert live == (phase in ("body", "exit")), found["seen"]
+    assert [phase for phase, _ in found["seen"]].count("exit") == 4

@@ -20,7 +20,8 @@ inside a Join.
 torch never marks a `Join` as over (a joinable keeps its enabled `_join_config`
 after the `with`), so `join_live` finds the `Join` itself: the one whose
 joinables hold the model, live while its `__exit__` is bound (a `with`
-statement, or an `ExitStack`, holds it until the `Join` ends).  Finding it
+statement, or an `ExitStack`, holds it while the body runs) or runs (on a rank
+out of inputs, shadowing the others).  Finding it
 walks the garbage collector's objects, once for each `Join` the model is given
 to; after that, a change in the `Join`'s reference count (entering or leaving
 its `with`) is the cue to look again.
@@ -117,7 +118,7 @@ def join_live(model: Any) -> bool:
     if seen.refcount < 0:  # just found
         seen.refcount = count
     elif count != seen.refcount:  # its `with` entered or left: look again
-        seen.live, seen.refcount = _entered(join), count
+        seen.live, seen.refcount = _running(join), count
     return seen.live
 
 
@@ -133,18 +134,35 @@ def _look(model: Any, config: Any) -> _Seen:
         for owner in gc.get_referrers(holder)
         if isinstance(owner, Join) and owner._joinables is holder
     ]
-    live = [join for join in joins if _entered(join)]
+    live = [join for join in joins if _running(join)]
     if not joins:
         return _Seen(config, None, -1, False)
     return _Seen(config, weakref.ref((live or joins)[-1]), -1, bool(live))
 
 
-def _entered(join: Any) -> bool:
-    """Whether `join`'s `__exit__` is bound, held by a running `with` (or an `ExitStack`)."""
+def _running(join: Any) -> bool:
+    """Whether `join`'s `with` runs: its body (the `__exit__` the `with` statement, or an
+    `ExitStack`, holds bound) or its `__exit__` (shadowing the ranks still running; the
+    call consumed the bound method, and a thread's frame runs it)."""
     exit_ = type(join).__exit__
-    return any(
+    if any(
         isinstance(holder, types.MethodType)
         and holder.__self__ is join
         and holder.__func__ is exit_
         for holder in gc.get_referrers(join)
-    )
+    ):
+        return True
+    frames = sys._current_frames()  # this thread's holds this frame: a cycle, broken below
+    try:
+        return any(_runs(frame, exit_.__code__, join) for frame in frames.values())
+    finally:
+        del frames
+
+
+def _runs(frame: FrameType | None, code: types.CodeType, join: Any) -> bool:
+    """Whether `frame`, or a frame it was called from, runs `code` with `join` as `self`."""
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is join:
+            return True
+        frame = frame.f_back
+    return False

@@ -4,7 +4,11 @@
 on the thread its staging runs jobs on: flush -> pre-gather callbacks -> gather to
 rank 0 (with `gather="node"`: to the node's first rank) -> post-gather callbacks ->
 `tracer.results` -> the sinks' `flush`.  Facts about sites (aliases, reductions)
-travel with the records and reach the results and the sinks before them.
+travel with the records and reach the results and the sinks before them.  Where a
+gather would collide with the training's own communication (a pipeline schedule, a
+live `Join`: `vartrace.distributed.collisions`), the chunk goes through the pre-gather
+callbacks into a file of the rank's instead (`vartrace.distributed.spill`), and the
+final gathers send those chunks first.
 `gathers_at_start` makes the gathers' process group and the callbacks' `RunContext`.
 """
 
@@ -50,8 +54,8 @@ def gathers_at_start(config: TracerConfig) -> tuple[Any, RunContext]:
     rank, world = distributed.rank(), distributed.world_size()
     if config.gather and world > 1 and join_live(config.joinable):
         raise ValueError(
-            "ModelTracer(gather=...) of a model given to a torch.distributed.algorithms.Join "
-            "before the tracer started: inside the Join, the tracer's final gather would "
+            "ModelTracer(gather=...) started inside a torch.distributed.algorithms.Join of "
+            "its model that still runs: inside the Join, the tracer's final gather would "
             "wait, on a rank out of inputs, for ranks that wait for its Join; start the "
             "tracer first and build the Join inside it (`with tracer: with Join([ddp]): "
             "...`) or pass gather=False (a shard a rank, no communication)"
