@@ -441,6 +441,29 @@ JOIN_STEPS = (2, 12)
 AFTER_JOIN = 3
 
 
+def _join_every_other(rank: int, out: Path, sites: list[str]) -> dict[str, Any]:
+    """A tracer gathering every other iteration around a `Join` whose ranks ran 2 and 5
+    steps, then `AFTER_JOIN` steps: the ranks' iteration counts differ by an odd number
+    past the `Join`."""
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    shape = {"steps": (2, 5), "after": AFTER_JOIN}
+    untraced = _join_train(rank, _join_ddp(), {s: [] for s in sites}, **shape)
+    ddp = _join_ddp()
+    truth: dict[str, list[torch.Tensor]] = {name: [] for name in sites}
+    with (
+        warnings.catch_warnings(record=True) as seen,
+        H5PYSaverCallback(out / "join-every-other.h5") as saver,
+        ModelTracer(ddp, sites, post_gather_callbacks=[saver], gathering_interval=2),
+    ):
+        warnings.simplefilter("always")
+        losses = _join_train(rank, ddp, truth, **shape)
+    return {
+        "every-other": {"losses": losses, "untraced": untraced, "truth": truth},
+        "warnings-every-other": [str(w.message) for w in seen],
+    }
+
+
 def join_held_back(rank: int, world: int, out: Path) -> dict[str, Any]:
     """A `Join` of uneven inputs inside a tracer, then steps past it: what memory holds
     while the gathers are held back, whether they go on once the `Join` is over (the
@@ -482,6 +505,7 @@ def join_held_back(rank: int, world: int, out: Path) -> dict[str, Any]:
     found["gathered_in"] = gathered_in
     found["warnings"] = [str(w.message) for w in seen]
 
+    found.update(_join_every_other(rank, out, sites))
     runs: dict[str, list[float]] = {}
     for traced in (False, True):
         ddp = _join_ddp()

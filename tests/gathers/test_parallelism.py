@@ -228,6 +228,14 @@ def test_join_holds_records_back_until_it_is_over(tmp_path: Path) -> None:
     # rank 0 saved records while the steps past the Join ran, then the held ones at the stop
     assert "after" in results[0]["gathered_in"], results[0]["gathered_in"]
     assert results[0]["gathered_in"][-1] == "stop"
+    with vartrace.open(tmp_path / "join-every-other.h5") as run:
+        for rank, found in enumerate(results):
+            every = found["every-other"]
+            assert every["losses"] == every["untraced"]
+            for step, value in enumerate(every["truth"]["forward.x"], start=1):
+                _same_bits(run["forward.x"].get(step, rank=rank), value, f"every other {rank}")
+        warned = " ".join(results[0]["warnings-every-other"])
+        assert "the ranks' iteration counts may differ" in warned
     with vartrace.open(tmp_path / "after-join.h5") as run:
         for rank, found in enumerate(results):
             assert found["losses-after"] == found["untraced-after"]

@@ -24,7 +24,9 @@ statement, or an `ExitStack`, holds it while the body runs) or runs (on a rank
 out of inputs, shadowing the others).  Finding it
 walks the garbage collector's objects, once for each `Join` the model is given
 to; after that, a change in the `Join`'s reference count (entering or leaving
-its `with`) is the cue to look again.
+its `with`) is the cue to look again.  From Python 3.14 a `with` statement holds no
+bound `__exit__`: there a `Join` is over once it is gone (a `with Join(...)` that
+named it nowhere), and one still referenced counts as live.
 """
 
 from __future__ import annotations
@@ -145,6 +147,8 @@ def _running(join: Any) -> bool:
     `ExitStack`, holds bound) or its `__exit__` (shadowing the ranks still running; the
     call consumed the bound method, and a thread's frame runs it)."""
     exit_ = type(join).__exit__
+    if sys.version_info >= (3, 14):  # a `with` keeps `__exit__` and the Join apart: unseen
+        return True  # so a Join that still exists may run: gathers wait (never a hang)
     if any(
         isinstance(holder, types.MethodType)
         and holder.__self__ is join

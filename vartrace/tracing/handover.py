@@ -21,7 +21,7 @@ from typing import Any
 from vartrace._support import warnings as _warnings
 from vartrace._support.memory import held_bytes
 from vartrace.distributed import gathers as distributed
-from vartrace.distributed.collisions import in_pipeline_schedule, join_live
+from vartrace.distributed.collisions import in_pipeline_schedule, join_enabled, join_live
 from vartrace.distributed.groups import check_member, group_ranks
 from vartrace.distributed.nodes import node_of_this_rank
 from vartrace.distributed.spill import Spill
@@ -163,7 +163,10 @@ class HandOver:
         self._group = group
         self._held = 0  # bytes of the records kept in the results
         self._warned_held: bool | str = False
-        self._warned_colliding = False
+        self._warned_colliding: set[str] = set()  # the causes of held gathers said
+        # the joinable's Join setting at the start: a Join built since may leave the
+        # ranks' iteration counts apart
+        self._join_config = getattr(config.joinable, "_join_config", None)
         self._spill = Spill()  # the chunks held back from colliding gathers
         self._unspilled: list[dict[str, Trace]] = []  # those the spill could not take
         self._warned_spill = False
@@ -219,18 +222,32 @@ class HandOver:
     def _colliding(self) -> bool:
         """Whether a gather now would collide with the training's own communication (see
         `vartrace.distributed.collisions`): on the training thread inside a pipeline
-        schedule, or inside a Join started after the tracer.  Every rank then holds its
-        periodic gathers back (each rank's calls are inside the schedule, and every rank
-        is inside the Join until all leave it together), so the gathers still pair; the
-        records wait, in a file of each rank's, for the final gather, with a warning once."""
+        schedule, inside a Join started after the tracer, or past such a Join when the
+        gathers come every few iterations.  Every rank then holds its periodic gathers
+        back (each rank's calls are inside the schedule; every rank is inside the Join
+        until all leave it together, and past it for good), so the gathers still pair; the
+        records wait, in a file of each rank's, for the final gather, with a warning once
+        for each cause."""
         if not self._config.gather or distributed.world_size(self._group) == 1:
             return False
-        if join_live(self._config.joinable):
+        joinable = self._config.joinable
+        if join_live(joinable):
             why = "a torch.distributed.algorithms.Join shadows the collectives of the ranks"
             fixes = (
                 "gather after the Join (gathers go on once it is over) or pass gather=False "
                 "(a shard a rank, no communication)"
             )
+        elif (
+            self._config.gathering_interval > 1
+            and join_enabled(joinable)
+            and (getattr(joinable, "_join_config", None) is not self._join_config)
+        ):
+            why = (
+                "a torch.distributed.algorithms.Join ran inside the tracer: the ranks' "
+                "iteration counts may differ since, and gathers every "
+                f"{self._config.gathering_interval} iterations would not pair"
+            )
+            fixes = "pass gathering_interval=1 (gathers go on once the Join is over)"
         elif in_pipeline_schedule():
             why = "each call of the stage runs inside a torch.distributed.pipelining schedule"
             fixes = (
@@ -240,8 +257,8 @@ class HandOver:
             )
         else:
             return False
-        if not self._warned_colliding:
-            self._warned_colliding = True
+        if why not in self._warned_colliding:
+            self._warned_colliding.add(why)
             _warnings.warn(
                 f"vartrace: {why}, where a gather would wait for a rank that waits for this "
                 "one: each rank holds its records back, in a temporary file of its own "
