@@ -1,10 +1,11 @@
 """Tracing under parallelism beyond plain DDP, on real gloo process groups.
 
-Tensor parallelism (`parallelize_module` on a `DeviceMesh`) and process sub-groups
-(`new_group`), each on 2 or 4 spawned ranks running a scenario of
-``tests/_parallel_workers.py``, with the hard deadline of ``test_distributed._launch``:
-a hang is a failure, never a stuck CI.  Values are compared bit for bit with what the
-model's own hooks and tensors held on each rank.
+Tensor parallelism (`parallelize_module` on a `DeviceMesh`), process sub-groups
+(`new_group`), pipeline schedules, `Join` with uneven inputs and FSDP2, each on 1 to 4
+spawned ranks running a scenario of ``tests/_parallel_workers.py``, with the hard
+deadline of ``test_distributed._launch``: a hang is a failure, never a stuck CI.  Values
+are compared bit for bit with what the model's own hooks and tensors held on each rank;
+what memory holds while gathers wait is counted with weak references to the records.
 """
 
 from __future__ import annotations
@@ -133,8 +134,10 @@ def test_join_with_uneven_inputs_never_hangs(tmp_path: Path) -> None:
                     for step, want in enumerate(found[f"truth-{staging}"][name], start=1):
                         _same_bits(run[name].get(step, rank=rank), want, f"{staging} {name}")
             assert len(run["forward.x"].ranks) == 2 + workers.STEPS + 2
-        warned = " ".join(results[0][f"warnings-{staging}"])
-        assert "a torch.distributed.algorithms.Join shadows the collectives" in warned
+    # on the training thread, every hand-over inside the Join holds back; a staging thread
+    # that reaches a hand-over once the Join is over gathers it (no warning then)
+    warned = " ".join(results[0]["warnings-sync"])
+    assert "a torch.distributed.algorithms.Join shadows the collectives" in warned
     for found in results:
         assert "start the tracer first and build the Join inside it" in found["refused"]
         assert "gather=False" in found["refused"]
