@@ -129,12 +129,11 @@ def _look(model: Any, config: Any) -> _Seen:
     whether its `with` runs."""
     from torch.distributed.algorithms.join import Join
 
+    holders = [holder for holder in gc.get_referrers(model) if isinstance(holder, list)]
     joins = [
         owner
-        for holder in gc.get_referrers(model)
-        if isinstance(holder, list)
-        for owner in gc.get_referrers(holder)
-        if isinstance(owner, Join) and owner._joinables is holder
+        for owner in (gc.get_referrers(*holders) if holders else [])  # one walk for all
+        if isinstance(owner, Join) and any(owner._joinables is holder for holder in holders)
     ]
     live = [join for join in joins if _running(join)]
     if not joins:
