@@ -74,8 +74,11 @@ record carries its own iteration and rank).  At exit, a rank calls
 `final_gathers`: its first gather carries its last chunk and says, in the
 exchange of step 1, that this rank is done; then it joins, with nothing to
 send, every gather of the ranks still running, until every rank has said it
-is done, and all of them leave together.  A rank that finishes early so waits
-at exit for the others, as it would in a barrier; no collective is added to
+is done, and all of them leave together.  (Chunks a rank held back while its
+gathers would have collided with the training's own communication, see
+`vartrace.distributed.spill`, go first, a gather each, without saying it is done:
+ranks that held back different numbers pair as above.)  A rank that finishes early
+so waits at exit for the others, as it would in a barrier; no collective is added to
 any step.  The wait is bounded by the group's timeout (the tracer's own group,
 with asynchronous staging, takes the default group's; an NCCL default group's
 watchdog ends the process at its timeout instead): when a rank does not come
