@@ -7,7 +7,10 @@ own hooks and tensors next to what vartrace recorded.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -310,10 +313,18 @@ def _new_stage(rank: int) -> _Stage:
 
 
 def _pipeline_train(
-    rank: int, kind: str, module: _Stage, truth: dict[str, list[torch.Tensor]] | None
+    rank: int,
+    kind: str,
+    module: _Stage,
+    truth: dict[str, list[torch.Tensor]] | None,
+    *,
+    steps: int = STEPS,
+    microbatches: int = MICROBATCHES,
+    watch: Callable[[], None] = lambda: None,
 ) -> list[list[float]]:
-    """`STEPS` steps of a two-stage schedule (`kind`: `"gpipe"` or `"1f1b"`), `module`
-    this rank's stage; with `truth`, each microbatch's input and `h` from a hook."""
+    """`steps` steps of a two-stage schedule (`kind`: `"gpipe"` or `"1f1b"`) of
+    `microbatches` microbatches, `module` this rank's stage; with `truth`, each
+    microbatch's input and `h` from a hook, which then calls `watch`."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     if truth is not None:
@@ -321,21 +332,22 @@ def _pipeline_train(
         def hook(_: nn.Module, args: Any, output: torch.Tensor) -> None:
             truth["forward.x"].append(args[0].detach().clone())
             truth["forward.h"].append(output.detach().clone())
+            watch()
 
         module.lin.register_forward_hook(hook)
     stage = PipelineStage(module, rank, 2, torch.device("cpu"))
     kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-    schedule = kinds[kind](stage, MICROBATCHES, loss_fn=lambda out, y: (out - y).pow(2).sum())
+    schedule = kinds[kind](stage, microbatches, loss_fn=lambda out, y: (out - y).pow(2).sum())
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     losses: list[list[float]] = []
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         opt.zero_grad()
-        x = torch.arange(16.0).reshape(4, 4) / 16 * step
+        x = torch.arange(4.0 * microbatches).reshape(microbatches, 4) / 16 * step
         if rank == 0:
             schedule.step(x)
         else:
             found: list[torch.Tensor] = []
-            schedule.step(target=torch.ones(4, 4), losses=found)
+            schedule.step(target=torch.ones(microbatches, 4), losses=found)
             losses.append([loss.item() for loss in found])
         opt.step()
     return losses
@@ -365,22 +377,41 @@ def pipeline_schedules(rank: int, world: int, out: Path) -> dict[str, Any]:
     return found
 
 
-def _join_train(rank: int, ddp: nn.Module, truth: dict[str, list[torch.Tensor]]) -> list[float]:
-    """Uneven inputs under `Join`: rank 0 runs 2 steps, rank 1 runs `STEPS + 2`."""
+def _join_train(
+    rank: int,
+    ddp: nn.Module,
+    truth: dict[str, list[torch.Tensor]],
+    *,
+    steps: tuple[int, int] = (2, STEPS + 2),
+    after: int = 0,
+    watch: Callable[[str], None] = lambda phase: None,
+    join: Any = None,
+) -> list[float]:
+    """Uneven inputs under `Join` (`join`, or a new one): rank 0 runs `steps[0]` steps,
+    rank 1 `steps[1]`; then `after` steps on every rank, past the `Join`.  `watch` is
+    called before each step with its phase (`"join"` or `"after"`)."""
     from torch.distributed.algorithms.join import Join
 
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     losses = []
-    with Join([ddp]):
-        for step in range(1, (2 if rank == 0 else STEPS + 2) + 1):
-            x = torch.arange(8.0).reshape(2, 4) * step + 100 * rank
-            truth["forward.x"].append(x.clone())
-            truth["a.weight"].append(ddp.module.a.weight.detach().clone())
-            opt.zero_grad()
-            loss = ddp(x).pow(2).sum()
-            loss.backward()
-            losses.append(loss.item())
-            opt.step()
+
+    def step(number: int) -> None:
+        x = torch.arange(8.0).reshape(2, 4) * number + 100 * rank
+        truth["forward.x"].append(x.clone())
+        truth["a.weight"].append(ddp.module.a.weight.detach().clone())
+        opt.zero_grad()
+        loss = ddp(x).pow(2).sum()
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+
+    with Join([ddp]) if join is None else join:
+        for number in range(1, steps[rank] + 1):
+            watch("join")
+            step(number)
+    for number in range(steps[rank] + 1, steps[rank] + after + 1):
+        watch("after")
+        step(number)
     return losses
 
 
@@ -523,3 +554,197 @@ def fsdp2_sharded_grad(rank: int, world: int, out: Path) -> dict[str, Any]:
         found[f"truth-{staging}"] = truth
         found[f"warnings-{staging}"] = [str(w.message) for w in seen]
     return found
+
+
+class _Held:
+    """What a tracer's records in memory come to while its gathers are held back: each
+    chunk that leaves memory (a pre-gather callback: its records count) and the most of
+    its records alive at once (weak references, counted when `count` is called)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[int] = []
+        self.most_alive = 0
+        self._alive: list[weakref.ref[torch.Tensor]] = []
+
+    def __call__(self, _: str, trace: Any) -> None:
+        self.chunks.append(len(trace))
+        self._alive.extend(weakref.ref(value) for value in trace.values)
+
+    def count(self, *_: Any) -> None:
+        alive = sum(ref() is not None for ref in self._alive)
+        self.most_alive = max(self.most_alive, alive)
+
+
+HELD_STEPS = 8
+HELD_MICROBATCHES = 4
+
+
+def pipeline_held_back(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """GPipe and 1F1B over `HELD_STEPS` steps of `HELD_MICROBATCHES` microbatches, each
+    call an iteration whose gather is held back: what memory holds meanwhile, and the
+    saver's file at the end."""
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    found: dict[str, Any] = {}
+    shape = {"steps": HELD_STEPS, "microbatches": HELD_MICROBATCHES}
+    for kind in ("gpipe", "1f1b"):
+        found[f"untraced-{kind}"] = _pipeline_train(rank, kind, _new_stage(rank), None, **shape)
+        truth: dict[str, list[torch.Tensor]] = {name: [] for name in PIPE_SITES}
+        held = _Held()
+        stage = _new_stage(rank)
+        with (
+            warnings.catch_warnings(record=True) as seen,
+            H5PYSaverCallback(out / f"held-{kind}.h5") as saver,
+            ModelTracer(
+                stage, PIPE_SITES, post_gather_callbacks=[saver], pre_gather_callbacks=[held]
+            ),
+        ):
+            warnings.simplefilter("always")
+            found[f"losses-{kind}"] = _pipeline_train(
+                rank, kind, stage, truth, watch=held.count, **shape
+            )
+        found[f"truth-{kind}"] = truth
+        found[f"held-{kind}"] = (held.chunks, held.most_alive)
+        found[f"warnings-{kind}"] = [str(w.message) for w in seen]
+    return found
+
+
+JOIN_STEPS = (2, 12)
+AFTER_JOIN = 3
+
+
+def _join_every_other(rank: int, out: Path, sites: list[str]) -> dict[str, Any]:
+    """A tracer gathering every other iteration around a `Join` whose ranks ran 2 and 5
+    steps, then `AFTER_JOIN` steps: the ranks' iteration counts differ by an odd number
+    past the `Join`."""
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    shape = {"steps": (2, 5), "after": AFTER_JOIN}
+    untraced = _join_train(rank, _join_ddp(), {s: [] for s in sites}, **shape)
+    ddp = _join_ddp()
+    truth: dict[str, list[torch.Tensor]] = {name: [] for name in sites}
+    with (
+        warnings.catch_warnings(record=True) as seen,
+        H5PYSaverCallback(out / "join-every-other.h5") as saver,
+        ModelTracer(ddp, sites, post_gather_callbacks=[saver], gathering_interval=2),
+    ):
+        warnings.simplefilter("always")
+        losses = _join_train(rank, ddp, truth, **shape)
+    return {
+        "every-other": {"losses": losses, "untraced": untraced, "truth": truth},
+        "warnings-every-other": [str(w.message) for w in seen],
+    }
+
+
+def join_held_back(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """A `Join` of uneven inputs inside a tracer, then steps past it: what memory holds
+    while the gathers are held back, whether they go on once the `Join` is over (the
+    phase a post-gather callback ran in on rank 0), and a tracer started after a `Join`
+    that ended (kept by a name, as a `Join` built before its `with` is)."""
+    from torch.distributed.algorithms.join import Join
+
+    from vartrace import H5PYSaverCallback, ModelTracer
+
+    sites = ["forward.x", "a.weight"]
+    shape = {"steps": JOIN_STEPS, "after": AFTER_JOIN}
+    untraced = _join_train(rank, _join_ddp(), {s: [] for s in sites}, **shape)
+    found: dict[str, Any] = {"untraced": untraced}
+    ddp = _join_ddp()
+    truth: dict[str, list[torch.Tensor]] = {name: [] for name in sites}
+    held = _Held()
+    phases: list[str] = ["join"]
+    gathered_in: list[str] = []
+
+    def watch(phase: str) -> None:
+        phases.append(phase)
+        held.count()
+
+    with (
+        warnings.catch_warnings(record=True) as seen,
+        H5PYSaverCallback(out / "join-held.h5") as saver,
+        ModelTracer(
+            ddp,
+            sites,
+            pre_gather_callbacks=[held],
+            post_gather_callbacks=[saver, lambda name, trace: gathered_in.append(phases[-1])],
+        ),
+    ):
+        warnings.simplefilter("always")
+        found["losses"] = _join_train(rank, ddp, truth, watch=watch, **shape)
+        phases.append("stop")
+    found["truth"] = truth
+    found["held"] = (held.chunks, held.most_alive)
+    found["gathered_in"] = gathered_in
+    found["warnings"] = [str(w.message) for w in seen]
+
+    found.update(_join_every_other(rank, out, sites))
+    runs: dict[str, list[float]] = {}
+    for traced in (False, True):
+        ddp = _join_ddp()
+        join = Join([ddp])
+        losses = _join_train(rank, ddp, {s: [] for s in sites}, join=join)
+        ended: dict[str, list[torch.Tensor]] = {name: [] for name in sites}
+        even = {"steps": (0, 0), "after": STEPS, "join": contextlib.nullcontext()}
+        if not traced:
+            runs["untraced"] = losses + _join_train(rank, ddp, ended, **even)
+            continue
+        with (
+            warnings.catch_warnings(record=True) as seen,
+            H5PYSaverCallback(out / "after-join.h5") as saver,
+            ModelTracer(ddp, sites, post_gather_callbacks=[saver]),
+        ):
+            warnings.simplefilter("always")
+            runs["traced"] = losses + _join_train(rank, ddp, ended, **even)
+        found["truth-after"] = ended
+        found["warnings-after"] = [str(w.message) for w in seen]
+    found["losses-after"], found["untraced-after"] = runs["traced"], runs["untraced"]
+    return found
+
+
+def join_phases(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """`join_live` of a joinable through the phases of its `Join`s: before, in the body,
+    in `__exit__` (a join hook's post-hook runs there), after; a `Join` kept by a name,
+    entered twice; one entered by an `ExitStack`."""
+    from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+    from vartrace.distributed.collisions import join_live
+
+    seen: list[tuple[str, bool]] = []
+
+    class _Hook(JoinHook):
+        def post_hook(self, is_last_joiner: bool) -> None:
+            seen.append(("exit", join_live(joinable)))
+
+    class _Joinable(Joinable):
+        def __init__(self) -> None:
+            super().__init__()
+
+        def join_hook(self, **kwargs: Any) -> JoinHook:
+            return _Hook()
+
+        @property
+        def join_device(self) -> torch.device:
+            return torch.device("cpu")
+
+        @property
+        def join_process_group(self) -> Any:
+            import torch.distributed as dist
+
+            return dist.group.WORLD
+
+    joinable = _Joinable()
+    seen.append(("before", join_live(joinable)))
+    with Join([joinable]):
+        seen.append(("body", join_live(joinable)))
+    seen.append(("after", join_live(joinable)))
+    named = Join([joinable])
+    seen.append(("built", join_live(joinable)))
+    for _ in range(2):
+        with named:
+            seen.append(("body", join_live(joinable)))
+        seen.append(("after", join_live(joinable)))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(Join([joinable]))
+        seen.append(("body", join_live(joinable)))
+    seen.append(("after", join_live(joinable)))
+    return {"seen": seen}

@@ -1,10 +1,11 @@
 """Tracing under parallelism beyond plain DDP, on real gloo process groups.
 
-Tensor parallelism (`parallelize_module` on a `DeviceMesh`) and process sub-groups
-(`new_group`), each on 2 or 4 spawned ranks running a scenario of
-``tests/_parallel_workers.py``, with the hard deadline of ``test_distributed._launch``:
-a hang is a failure, never a stuck CI.  Values are compared bit for bit with what the
-model's own hooks and tensors held on each rank.
+Tensor parallelism (`parallelize_module` on a `DeviceMesh`), process sub-groups
+(`new_group`), pipeline schedules, `Join` with uneven inputs and FSDP2, each on 1 to 4
+spawned ranks running a scenario of ``tests/_parallel_workers.py``, with the hard
+deadline of ``test_distributed._launch``: a hang is a failure, never a stuck CI.  Values
+are compared bit for bit with what the model's own hooks and tensors held on each rank;
+what memory holds while gathers wait is counted with weak references to the records.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import warnings
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 import torch
 
 import vartrace
-from tests.gathers.test_distributed import _run_ok
+from tests.gathers.test_distributed import _assert_same_value, _run_ok
+from vartrace.distributed.spill import Spill
 
 workers = importlib.import_module("tests._parallel_workers")
 
@@ -215,8 +218,10 @@ def test_join_with_uneven_inputs_never_hangs(tmp_path: Path) -> None:
                     for step, want in enumerate(found[f"truth-{staging}"][name], start=1):
                         _same_bits(run[name].get(step, rank=rank), want, f"{staging} {name}")
             assert len(run["forward.x"].ranks) == 2 + workers.STEPS + 2
-        warned = " ".join(results[0][f"warnings-{staging}"])
-        assert "a torch.distributed.algorithms.Join shadows the collectives" in warned
+    # on the training thread, every hand-over inside the Join holds back; a staging thread
+    # that reaches a hand-over once the Join is over gathers it (no warning then)
+    warned = " ".join(results[0]["warnings-sync"])
+    assert "a torch.distributed.algorithms.Join shadows the collectives" in warned
     for found in results:
         assert "start the tracer first and build the Join inside it" in found["refused"]
         assert "gather=False" in found["refused"]
@@ -293,3 +298,136 @@ def test_fsdp2_internals_it_cannot_read_never_break_the_step() -> None:
         with pytest.raises(RuntimeWarning, match=looked_up), tracer:
             model(torch.ones(3, 4)).sum().backward()
     _same_bits(tracer.results["weight@grad"].values[0], model.weight.grad, "weight@grad")
+
+
+def _changes(values: list[torch.Tensor]) -> int:
+    """The records change detection keeps of `values`: each that differs from the last."""
+    return sum(i == 0 or not torch.equal(v, values[i - 1]) for i, v in enumerate(values))
+
+
+def _held_in_memory(held: tuple[list[int], int], sites: int, records: int) -> None:
+    """Each chunk held back took one interval's records (one a site), and the records
+    alive at once stayed a few while `records` were recorded."""
+    chunks, most_alive = held
+    assert chunks and max(chunks) == 1, chunks
+    assert most_alive <= 2 * sites < records, (most_alive, records)
+
+
+def test_pipeline_schedules_hold_their_records_back_in_bounded_memory(tmp_path: Path) -> None:
+    """Held-back gathers once kept every record in memory until the tracer stopped; now
+    each held chunk goes to a file of its rank's, and the final gathers read them back:
+    the saver's file holds every microbatch's records, bit for bit, and the losses are
+    the untraced run's."""
+    pytest.importorskip("torch.distributed.pipelining")
+    results = _run_ok("tests._parallel_workers:pipeline_held_back", 2, tmp_path, pg_timeout=30.0)
+    calls = workers.HELD_STEPS * workers.HELD_MICROBATCHES
+    for kind in ("gpipe", "1f1b"):
+        assert results[1][f"losses-{kind}"] == results[1][f"untraced-{kind}"], kind
+        with vartrace.open(tmp_path / f"held-{kind}.h5") as run:
+            for name in workers.PIPE_SITES:
+                site = run[name]
+                for rank, found in enumerate(results):
+                    want = found[f"truth-{kind}"][name]
+                    assert len(want) >= calls
+                    kept = site.ranks.tolist().count(rank)
+                    assert kept == _changes(want), (kind, name, rank)
+                    for step, value in enumerate(want, start=1):
+                        _same_bits(site.get(step, rank=rank), value, f"{kind} {name} {rank}")
+        for found in results:
+            _held_in_memory(found[f"held-{kind}"], len(workers.PIPE_SITES), 2 * calls)
+            assert "in a temporary file of its own" in " ".join(found[f"warnings-{kind}"])
+
+
+def test_join_holds_records_back_until_it_is_over(tmp_path: Path) -> None:
+    """Under a Join of uneven inputs the records once piled up in memory, and the
+    gathers stayed held back after the Join (torch never marks one over); a tracer
+    started after a Join was refused.  Now the held records wait in a file, the gathers
+    go on once the Join is over, and a tracer after a Join (kept by a name) starts."""
+    results = _run_ok("tests._parallel_workers:join_held_back", 2, tmp_path, pg_timeout=30.0)
+    steps = [count + workers.AFTER_JOIN for count in workers.JOIN_STEPS]
+    with vartrace.open(tmp_path / "join-held.h5") as run:
+        assert sorted(run["forward.x"].ranks.tolist()) == [0] * steps[0] + [1] * steps[1]
+        for rank, found in enumerate(results):
+            assert run["a.weight"].ranks.tolist().count(rank) == _changes(
+                found["truth"]["a.weight"]
+            )
+        for rank, found in enumerate(results):
+            assert found["losses"] == found["untraced"]
+            for name in ("forward.x", "a.weight"):
+                want = found["truth"][name]
+                assert len(want) == steps[rank]
+                for step, value in enumerate(want, start=1):
+                    _same_bits(run[name].get(step, rank=rank), value, f"{name} {rank}")
+    for found in results:
+        _held_in_memory(found["held"], 2, 2 * max(workers.JOIN_STEPS))
+    # rank 0 saved records while the steps past the Join ran, then the held ones at the stop
+    assert "after" in results[0]["gathered_in"], results[0]["gathered_in"]
+    assert results[0]["gathered_in"][-1] == "stop"
+    with vartrace.open(tmp_path / "join-every-other.h5") as run:
+        for rank, found in enumerate(results):
+            every = found["every-other"]
+            assert every["losses"] == every["untraced"]
+            for step, value in enumerate(every["truth"]["forward.x"], start=1):
+                _same_bits(run["forward.x"].get(step, rank=rank), value, f"every other {rank}")
+        warned = " ".join(results[0]["warnings-every-other"])
+        assert "the ranks' iteration counts may differ" in warned
+    with vartrace.open(tmp_path / "after-join.h5") as run:
+        for rank, found in enumerate(results):
+            assert found["losses-after"] == found["untraced-after"]
+            assert not [w for w in found["warnings-after"] if "Join" in w]
+            for name in ("forward.x", "a.weight"):
+                want = found["truth-after"][name]
+                assert len(want) == workers.STEPS
+                for step, value in enumerate(want, start=1):
+                    _same_bits(run[name].get(step, rank=rank), value, f"after {name} {rank}")
+
+
+def test_held_chunks_come_back_from_their_file_bit_for_bit() -> None:
+    """What a rank holds back is written as a gather packs it, and read back one chunk at
+    a time, oldest first: tensors of any dtype (large ones apart from the rest), numpy
+    arrays, Python leaves and stacked traces, with their tags.  A chunk that cannot be
+    written (a record that does not pickle) leaves the file as it was."""
+    large = torch.arange(2**17, dtype=torch.float32) - 0.5  # 512 KiB: a message of its own
+    first = {
+        "forward.x": vartrace.Trace(
+            [torch.tensor([1.5, -0.0]).bfloat16(), large, np.arange(3, dtype=np.int16), 7, "s"],
+            [1, 2, 3, 4, 5],
+            [1, 1, 1, 1, 1],
+            [1, 2, 3, 4, 5],
+        ),
+        "stacked": vartrace.Trace(torch.ones(2, 3), [1, 2], [1, 1], [6, 7]),
+    }
+    vartrace.stack_tensors("stacked", first["stacked"])
+    second = {
+        "forward.x": vartrace.Trace(
+            [None, torch.zeros(2, dtype=torch.bool)], [6, 7], [1, 1], [8, 9]
+        )
+    }
+    spill = Spill()
+    spill.put(first)
+    with pytest.raises(Exception, match=r"lambda|pickle"):
+        spill.put({"bad": vartrace.Trace([lambda: 0], [8], [1], [10])})
+    spill.put(second)
+    back = list(spill.chunks())
+    assert [list(chunk) for chunk in back] == [["forward.x", "stacked"], ["forward.x"]]
+    for want, got in zip((first, second), back, strict=True):
+        for name, trace in want.items():
+            found = got[name]
+            for tags in ("iterations", "ranks", "order"):
+                assert list(map(int, getattr(found, tags))) == list(map(int, getattr(trace, tags)))
+            if isinstance(trace.values, torch.Tensor):
+                _assert_same_value(found.values, trace.values, name)
+                continue
+            for i, value in enumerate(trace.values):
+                _assert_same_value(found.values[i], value, f"{name}[{i}]")
+    assert list(spill.chunks()) == []
+
+
+def test_a_join_is_live_in_its_body_and_its_exit_and_over_after(tmp_path: Path) -> None:
+    """torch keeps a joinable's Join setting after the Join; `join_live` tells the phases
+    apart: live in the body and in `__exit__` (where a rank out of inputs shadows the
+    others), over after, also for a Join kept by a name and entered twice."""
+    (found,) = _run_ok("tests._parallel_workers:join_phases", 1, tmp_path)
+    for phase, live in found["seen"]:
+        assert live == (phase in ("body", "exit")), found["seen"]
+    assert [phase for phase, _ in found["seen"]].count("exit") == 4

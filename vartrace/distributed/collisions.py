@@ -12,21 +12,38 @@ training thread:
   running with its own (a count each step, DDP's all-reduces) on the ranks out of
   inputs: a gather pairs with those and no rank leaves.
 
-`in_pipeline_schedule` and `join_enabled` tell the tracer so; it then holds its
-periodic gathers back to its final one (see `vartrace.tracing.handover`), or
-refuses to start under a Join that would outlive it.
+`in_pipeline_schedule` and `join_live` tell the tracer so; it then holds its
+periodic gathers back (its records spilled to a file, see
+`vartrace.distributed.spill`) until the collision is over, or refuses to start
+inside a Join.
+
+torch never marks a `Join` as over (a joinable keeps its enabled `_join_config`
+after the `with`), so `join_live` finds the `Join` itself: the one whose
+joinables hold the model, live while its `__exit__` is bound (a `with`
+statement, or an `ExitStack`, holds it while the body runs) or runs (on a rank
+out of inputs, shadowing the others).  Finding it
+walks the garbage collector's objects, once for each `Join` the model is given
+to; after that, a change in the `Join`'s reference count (entering or leaving
+its `with`) is the cue to look again.  From Python 3.14 a `with` statement holds no
+bound `__exit__`: there a `Join` is over once it is gone (a `with Join(...)` that
+named it nowhere), and one still referenced counts as live.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import sys
+import types
+import weakref
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 import torch
 
-__all__ = ["in_pipeline_schedule", "join_enabled"]
+__all__ = ["in_pipeline_schedule", "join_enabled", "join_live"]
 
 _PIPELINING = os.path.join(os.path.dirname(torch.__file__), "distributed", "pipelining") + os.sep
 
@@ -49,8 +66,8 @@ def in_pipeline_schedule() -> bool:
 
 def join_enabled(model: Any) -> bool:
     """Whether `model` (a `DistributedDataParallel` wrapper, any `Joinable`) was given to
-    a `Join` with uneven-input detection on: its forward then takes part in Join's
-    collectives, and ranks out of inputs shadow the others'.
+    a `Join` with uneven-input detection on, running or over (torch keeps the setting
+    after the `Join`; `join_live` tells the two apart).
 
     Example:
         ```python
@@ -60,3 +77,95 @@ def join_enabled(model: Any) -> bool:
     """
     config = getattr(model, "_join_config", None)
     return bool(getattr(config, "enable", False))
+
+
+@dataclass
+class _Seen:
+    """What `join_live` found for a model's `_join_config`."""
+
+    config: Any
+    join: weakref.ReferenceType[Any] | None
+    refcount: int  # the Join's when last looked at (-1: not yet counted)
+    live: bool
+
+
+_seen: weakref.WeakKeyDictionary[Any, _Seen] = weakref.WeakKeyDictionary()
+
+
+def join_live(model: Any) -> bool:
+    """Whether `model` was given to a `Join` with uneven-input detection on that has not
+    ended: its `with` is running (its body, or its `__exit__` shadowing other ranks).
+
+    Example:
+        ```python
+        with Join([ddp]):
+            join_live(ddp)  # True
+        join_live(ddp)  # False, though join_enabled(ddp) stays True
+        ```
+    """
+    config = getattr(model, "_join_config", None)
+    if not getattr(config, "enable", False):
+        return False
+    seen = None
+    with contextlib.suppress(TypeError):  # a joinable without weak references: look each time
+        seen = _seen.get(model)
+    if seen is None or seen.config is not config:
+        seen = _look(model, config)
+        with contextlib.suppress(TypeError):
+            _seen[model] = seen
+    join = seen.join() if seen.join is not None else None
+    if join is None:
+        return False  # no Join holds the model any more: its `with` has ended
+    count = sys.getrefcount(join)
+    if seen.refcount < 0:  # just found
+        seen.refcount = count
+    elif count != seen.refcount:  # its `with` entered or left: look again
+        seen.live, seen.refcount = _running(join), count
+    return seen.live
+
+
+def _look(model: Any, config: Any) -> _Seen:
+    """The `Join` that holds `model` among its joinables (the newest, if several), and
+    whether its `with` runs."""
+    from torch.distributed.algorithms.join import Join
+
+    holders = [holder for holder in gc.get_referrers(model) if isinstance(holder, list)]
+    joins = [
+        owner
+        for owner in (gc.get_referrers(*holders) if holders else [])  # one walk for all
+        if isinstance(owner, Join) and any(owner._joinables is holder for holder in holders)
+    ]
+    live = [join for join in joins if _running(join)]
+    if not joins:
+        return _Seen(config, None, -1, False)
+    return _Seen(config, weakref.ref((live or joins)[-1]), -1, bool(live))
+
+
+def _running(join: Any) -> bool:
+    """Whether `join`'s `with` runs: its body (the `__exit__` the `with` statement, or an
+    `ExitStack`, holds bound) or its `__exit__` (shadowing the ranks still running; the
+    call consumed the bound method, and a thread's frame runs it)."""
+    exit_ = type(join).__exit__
+    if sys.version_info >= (3, 14):  # a `with` keeps `__exit__` and the Join apart: unseen
+        return True  # so a Join that still exists may run: gathers wait (never a hang)
+    if any(
+        isinstance(holder, types.MethodType)
+        and holder.__self__ is join
+        and holder.__func__ is exit_
+        for holder in gc.get_referrers(join)
+    ):
+        return True
+    frames = sys._current_frames()  # this thread's holds this frame: a cycle, broken below
+    try:
+        return any(_runs(frame, exit_.__code__, join) for frame in frames.values())
+    finally:
+        del frames
+
+
+def _runs(frame: FrameType | None, code: types.CodeType, join: Any) -> bool:
+    """Whether `frame`, or a frame it was called from, runs `code` with `join` as `self`."""
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is join:
+            return True
+        frame = frame.f_back
+    return False

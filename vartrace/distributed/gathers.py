@@ -74,8 +74,11 @@ record carries its own iteration and rank).  At exit, a rank calls
 `final_gathers`: its first gather carries its last chunk and says, in the
 exchange of step 1, that this rank is done; then it joins, with nothing to
 send, every gather of the ranks still running, until every rank has said it
-is done, and all of them leave together.  A rank that finishes early so waits
-at exit for the others, as it would in a barrier; no collective is added to
+is done, and all of them leave together.  (Chunks a rank held back while its
+gathers would have collided with the training's own communication, see
+`vartrace.distributed.spill`, go first, a gather each, without saying it is done:
+ranks that held back different numbers pair as above.)  A rank that finishes early
+so waits at exit for the others, as it would in a barrier; no collective is added to
 any step.  The wait is bounded by the group's timeout (the tracer's own group,
 with asynchronous staging, takes the default group's; an NCCL default group's
 watchdog ends the process at its timeout instead): when a rank does not come
@@ -111,8 +114,9 @@ returned, and they meet the failure as above at their next collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
+from itertools import chain
 from typing import Any
 
 import torch
@@ -253,7 +257,11 @@ def gather_chunk(
 
 
 def final_gathers(
-    chunk: dict[str, Trace], group: Any = None, *, facts: list[Fact] | None = None
+    chunk: dict[str, Trace],
+    group: Any = None,
+    *,
+    facts: list[Fact] | None = None,
+    held: Iterable[dict[str, Trace]] = (),
 ) -> Iterator[tuple[dict[str, Trace], bool]]:
     """A rank's last gathers: its `chunk`, then empty ones until every rank has sent its last.
 
@@ -267,16 +275,21 @@ def final_gathers(
     with, so no collective is added.  Must be called once on every rank of
     `group` (as `gather_chunk`), at the end.
 
+    `held`: chunks this rank held back from earlier gathers (see
+    `vartrace.distributed.spill`), each sent first, in order, as a gather of its own
+    that does not say this rank is done (taken from the iterable one at a time: only
+    the chunk in flight is in memory).
+
     Yields `(records, gathered)` after each gather: on rank 0 the merged
     chunk and `True`, on the other ranks an empty chunk and `False`.  The
     wait for ranks still running is bounded by the group's timeout: if a
     gather fails there (a rank never came, or its process is gone), this
-    warns, naming the ranks not known to be done, and stops; a chunk not yet
-    sent is yielded back, on rank 0 as gathered (its own records, for the
-    file), on the other ranks with `False` (records to keep where they
-    are).  Without an initialised process group, or with a single rank, it
-    yields `(chunk, True)` once.  `facts` travel with `chunk` as with
-    `gather_chunk`: on rank 0 the list grows after each gather that brought some.
+    warns, naming the ranks not known to be done, and stops; the chunks not yet
+    sent (`held`'s rest, then `chunk`) are yielded back, on rank 0 as gathered (its
+    own records, for the file), on the other ranks with `False` (records to keep
+    where they are).  Without an initialised process group, or with a single rank, it
+    yields each of `held` and `chunk` with `True`.  `facts` travel with the first gather as
+    with `gather_chunk`: on rank 0 the list grows after each gather that brought some.
 
     Example:
         ```python
@@ -288,23 +301,25 @@ def final_gathers(
     Raises:
         RuntimeError: as `gather_chunk`, for a failure after the ranks met.
     """
+    sending = chain(((own, False) for own in held), [(chunk, True)])
     if not _active() or dist.get_world_size(group) == 1:
-        yield chunk, True
+        yield from ((own, True) for own, _ in sending)
         return
     me = dist.get_rank(group)
     running = [r for r in range(dist.get_world_size(group)) if r != me]
-    own = chunk
     while running:
+        own, last = next(sending, ({}, True))
         try:
-            merged, done = _gather(own, group, final=True, facts=facts)
+            merged, done = _gather(own, group, final=last, facts=facts, leaving=True)
         except _Unmet as unmet:
-            _warn_unmet(me, running, own, unmet.__cause__, group)
-            if own:
-                yield own, me == 0
+            others = [r for r in running if r != me]
+            _warn_unmet(me, others, own, unmet.__cause__, group)
+            for unsent, _ in chain([(own, last)], sending):
+                if unsent:
+                    yield unsent, me == 0
             return
-        own = {}
         if me:
-            facts = None  # sent with the chunk; rank 0's list gathers the others'
+            facts = None  # sent with the first chunk; rank 0's list gathers the others'
         yield ({}, False) if merged is None else (merged, True)
         running = [r for r, finished in enumerate(done) if not finished]
 
@@ -347,14 +362,20 @@ def _warn_unmet(
 
 
 def _gather(
-    chunk: dict[str, Trace], group: Any, *, final: bool, facts: list[Fact] | None
+    chunk: dict[str, Trace],
+    group: Any,
+    *,
+    final: bool,
+    facts: list[Fact] | None,
+    leaving: bool = False,
 ) -> tuple[dict[str, Trace] | None, list[bool]]:
     """One gather: the merged chunk (`None` except on rank 0) and which ranks are done.
 
     `final`: this rank is done (it sends its last chunk or nothing).  A rank
     other than 0 with an empty chunk and no `facts` sends nothing; on rank 0,
     `facts` is extended with the others'.  If the first exchange
-    fails in a final gather, raises `_Unmet` (the cause is the error).
+    fails in a gather of `final_gathers` (`leaving`), raises `_Unmet` (the cause is the
+    error).
     """
     me = dist.get_rank(group)
     size = dist.get_world_size(group)
@@ -376,7 +397,7 @@ def _gather(
     try:
         dist.all_gather(statuses, status, group=group)
     except RuntimeError as exc:
-        if final:
+        if leaving:
             raise _Unmet() from exc
         raise
     table = torch.stack(statuses).cpu().tolist()

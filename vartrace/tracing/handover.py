@@ -4,21 +4,27 @@
 on the thread its staging runs jobs on: flush -> pre-gather callbacks -> gather to
 rank 0 (with `gather="node"`: to the node's first rank) -> post-gather callbacks ->
 `tracer.results` -> the sinks' `flush`.  Facts about sites (aliases, reductions)
-travel with the records and reach the results and the sinks before them.
+travel with the records and reach the results and the sinks before them.  Where a
+gather would collide with the training's own communication (a pipeline schedule, a
+live `Join`: `vartrace.distributed.collisions`), the chunk goes through the pre-gather
+callbacks into a file of the rank's instead (`vartrace.distributed.spill`), and the
+final gathers send those chunks first.
 `gathers_at_start` makes the gathers' process group and the callbacks' `RunContext`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import chain
 from typing import Any
 
 from vartrace._support import warnings as _warnings
 from vartrace._support.memory import held_bytes
 from vartrace.distributed import gathers as distributed
-from vartrace.distributed.collisions import in_pipeline_schedule, join_enabled
+from vartrace.distributed.collisions import in_pipeline_schedule, join_enabled, join_live
 from vartrace.distributed.groups import check_member, group_ranks
 from vartrace.distributed.nodes import node_of_this_rank
+from vartrace.distributed.spill import Spill
 from vartrace.errors import CallbackError
 from vartrace.markers import DROP, Unstored
 from vartrace.reduced import Placements, Reductions
@@ -46,10 +52,10 @@ def gathers_at_start(config: TracerConfig) -> tuple[Any, RunContext]:
     group's file.
     """
     rank, world = distributed.rank(), distributed.world_size()
-    if config.gather and world > 1 and join_enabled(config.joinable):
+    if config.gather and world > 1 and join_live(config.joinable):
         raise ValueError(
-            "ModelTracer(gather=...) of a model given to a torch.distributed.algorithms.Join "
-            "before the tracer started: inside the Join, the tracer's final gather would "
+            "ModelTracer(gather=...) started inside a torch.distributed.algorithms.Join of "
+            "its model that still runs: inside the Join, the tracer's final gather would "
             "wait, on a rank out of inputs, for ranks that wait for its Join; start the "
             "tracer first and build the Join inside it (`with tracer: with Join([ddp]): "
             "...`) or pass gather=False (a shard a rank, no communication)"
@@ -111,6 +117,12 @@ def run_callbacks(stage: str, callbacks: Sequence[GatherCallback], name: str, tr
         trace.check_lengths(callback_name(callback))
 
 
+def _emptied(chunks: list[dict[str, Trace]]) -> Iterator[dict[str, Trace]]:
+    """Each of `chunks`, oldest first, taken out of the list as it is given."""
+    while chunks:
+        yield chunks.pop(0)
+
+
 def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
 
@@ -153,7 +165,13 @@ class HandOver:
         self._group = group
         self._held = 0  # bytes of the records kept in the results
         self._warned_held: bool | str = False
-        self._warned_colliding = False
+        self._warned_colliding: set[str] = set()  # the causes of held gathers said
+        # the joinable's Join setting at the start: a Join built since may leave the
+        # ranks' iteration counts apart
+        self._join_config = getattr(config.joinable, "_join_config", None)
+        self._spill = Spill()  # the chunks held back from colliding gathers
+        self._unspilled: list[dict[str, Trace]] = []  # those the spill could not take
+        self._warned_spill = False
 
     @property
     def held(self) -> int:
@@ -168,7 +186,8 @@ class HandOver:
         """
         config = self._config
         if not final and self._colliding():
-            return  # the records wait in the chunk for the final gather
+            self._hold()
+            return
         chunk = self._chunk.take()
         facts: list[distributed.Fact] = [
             *(("alias", name, target) for name, target in self._aliases.taken()),
@@ -206,15 +225,32 @@ class HandOver:
     def _colliding(self) -> bool:
         """Whether a gather now would collide with the training's own communication (see
         `vartrace.distributed.collisions`): on the training thread inside a pipeline
-        schedule, or under a Join started after the tracer.  Every rank then holds its
-        periodic gathers back (each rank's calls are inside the schedule, and every rank
-        built the Join at one point), so the gathers still pair; the records wait in the
-        chunk for the final gather, with a warning once."""
+        schedule, inside a Join started after the tracer, or past such a Join when the
+        gathers come every few iterations.  Every rank then holds its periodic gathers
+        back (each rank's calls are inside the schedule; every rank is inside the Join
+        until all leave it together, and past it for good), so the gathers still pair; the
+        records wait, in a file of each rank's, for the final gather, with a warning once
+        for each cause."""
         if not self._config.gather or distributed.world_size(self._group) == 1:
             return False
-        if join_enabled(self._config.joinable):
+        joinable = self._config.joinable
+        if join_live(joinable):
             why = "a torch.distributed.algorithms.Join shadows the collectives of the ranks"
-            fixes = "pass gather=False (a shard a rank, no communication)"
+            fixes = (
+                "gather after the Join (gathers go on once it is over) or pass gather=False "
+                "(a shard a rank, no communication)"
+            )
+        elif (
+            self._config.gathering_interval > 1
+            and join_enabled(joinable)
+            and (getattr(joinable, "_join_config", None) is not self._join_config)
+        ):
+            why = (
+                "a torch.distributed.algorithms.Join ran inside the tracer: the ranks' "
+                "iteration counts may differ since, and gathers every "
+                f"{self._config.gathering_interval} iterations would not pair"
+            )
+            fixes = "pass gathering_interval=1 (gathers go on once the Join is over)"
         elif in_pipeline_schedule():
             why = "each call of the stage runs inside a torch.distributed.pipelining schedule"
             fixes = (
@@ -224,15 +260,44 @@ class HandOver:
             )
         else:
             return False
-        if not self._warned_colliding:
-            self._warned_colliding = True
+        if why not in self._warned_colliding:
+            self._warned_colliding.add(why)
             _warnings.warn(
                 f"vartrace: {why}, where a gather would wait for a rank that waits for this "
-                "one: the records are held on each rank and gathered when the tracer stops.  "
-                f"To gather as training goes, {fixes}",
+                "one: each rank holds its records back, in a temporary file of its own "
+                "(memory holds one gathering interval's), and gathers them when the tracer "
+                f"stops.  To gather as training goes, {fixes}",
                 RuntimeWarning,
             )
         return True
+
+    def _hold(self) -> None:
+        """Hold the chunk back from a colliding gather: through the pre-gather callbacks
+        (as a gather would take it) into the spill file, for the final gathers.  Records
+        that cannot be written there (an opaque record that does not pickle, a full disk)
+        wait in memory instead, with a warning once."""
+        chunk = self._chunk.take()
+        if not chunk:
+            return
+        self._retag(chunk)
+        try:
+            for name, trace in chunk.items():
+                run_callbacks("pre_gather", self._config.pre_gather_callbacks, name, trace)
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C in a callback: the records stay
+            self._chunk.put_back(chunk)
+            raise
+        try:
+            self._spill.put(chunk)
+        except Exception as error:
+            self._unspilled.append(chunk)
+            if not self._warned_spill:
+                self._warned_spill = True
+                _warnings.warn(
+                    f"vartrace: the records held back from the gathers could not be written "
+                    f"to a temporary file ({type(error).__name__}: {error}); they wait in "
+                    "memory for the tracer's stop",
+                    RuntimeWarning,
+                )
 
     def _retag(self, chunk: dict[str, Trace]) -> None:
         """Tag `chunk` with this process's rank, if the process group started after the
@@ -307,7 +372,8 @@ class HandOver:
         if not self._config.gather:
             return [(chunk, True)]
         if final:
-            return distributed.final_gathers(chunk, self._group, facts=facts)
+            held = chain(_emptied(self._unspilled), self._spill.chunks())
+            return distributed.final_gathers(chunk, self._group, facts=facts, held=held)
         gathered = distributed.gather_chunk(chunk, self._group, facts=facts)
         return [] if gathered is None else [(gathered, True)]
 
