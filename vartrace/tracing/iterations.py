@@ -145,7 +145,8 @@ class IterationCounter:
 
     @property
     def state(self) -> _ThreadState:
-        """The calling thread's state (`iteration`, `recording`, `in_mode`, `depth`)."""
+        """The calling thread's state (`iteration`, `recording`, `in_mode`, `depth`, and
+        `records_as`: what `capturing` returns)."""
         return self._thread
 
     def capturing(self) -> int | None:
