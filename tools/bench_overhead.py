@@ -11,6 +11,7 @@ Usage::
     python tools/bench_overhead.py --breakdown      # vartrace's cost above the floor, by layer
     python tools/bench_overhead.py --loop           # the same in a tight loop, for A/B tests
     python tools/bench_overhead.py --instructions   # instructions per tiny step, under callgrind
+    python tools/bench_overhead.py --instructions --breakdown   # the breakdown, in instructions
 
 Contenders run round-robin (a block of steps each, many rounds) so that
 machine noise hits them alike; the table shows the median step time and
@@ -81,10 +82,10 @@ def main() -> None:
         return
     if args._instructions_child:
         name, steps = args._instructions_child
-        instructions_child(args.size, name, int(steps))
+        instructions_child(args.size, name, int(steps), args.breakdown)
         return
     if args.instructions:
-        print(bench_instructions(args.size, args.instructions, args.markdown))
+        print(bench_instructions(args.size, args.instructions, args.markdown, args.breakdown))
         return
     set_threads(args.threads)
     if args.hf:

@@ -310,17 +310,16 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
                     detached = local_shard(detached, site)
                 elif is_traceable_wrapper_subclass(detached) and not detached.is_nested:
                     return _uncopyable(site, _tensor_text(detached), _NO_STORAGE)
-            if (  # nbytes is refused for sparse and nested tensors
-                detached.layout is torch.strided
-                and not detached.is_nested
-                and detached.nbytes >= MAP_FROM
-            ):
-                map_large_blocks()  # no glibc heap holes from records this large: _support.memory
-            refused = refused_copy(detached, site)
-            if refused is not None:
-                return refused
-            if detached.is_cpu and device == _CPU and detached.layout is torch.strided:
-                return detached.clone(memory_format=torch.contiguous_format)  # the common case
+            # nbytes is refused for sparse and nested tensors.  Below MAP_FROM (8 MiB) a
+            # copy neither needs its own mapping nor can be an expanded view too large.
+            if detached.layout is torch.strided and not detached.is_nested:
+                if detached.nbytes >= MAP_FROM:
+                    map_large_blocks()  # no glibc heap holes from records this large
+                    refused = refused_copy(detached, site)
+                    if refused is not None:
+                        return refused
+                if detached.is_cpu and device == _CPU:
+                    return detached.clone(memory_format=torch.contiguous_format)  # the common case
             if detached.is_meta:
                 return detached.clone()  # no data to move: shape and dtype are the record
             if detached.layout != torch.strided:  # sparse: copied as it is, in its own layout

@@ -65,3 +65,32 @@ def test_a_model_compiled_after_start_in_a_fresh_process_runs_traced_code_eagerl
         )
     )
     assert done.returncode == 0
+
+
+def test_an_eager_model_records_outside_dynamos_wrapper_once_dynamo_is_imported() -> None:
+    run_script(
+        textwrap.dedent(
+            """
+            import sys
+            import torch
+            import vartrace
+            from tests._models import TinyTransformer, tokens
+            model = TinyTransformer()
+            # An optimizer imports torch._dynamo: a training script has it, compiling or not.
+            torch.optim.SGD(model.parameters(), lr=0.1)
+            assert "torch._dynamo" in sys.modules
+            stacks = []
+            def files(name, value, iteration):
+                frame = sys._getframe()
+                while frame is not None:
+                    stacks.append(frame.f_code.co_filename)
+                    frame = frame.f_back
+                return value
+            with vartrace.ModelTracer(model, ["layers.*.attn.forward.scores"],
+                                      pre_save_callbacks=[files]) as tracer:
+                model(tokens(0))
+            assert tracer.results["layers.0.attn.forward.scores"].iterations == [1]
+            assert stacks and not [f for f in stacks if "_dynamo" in f], set(stacks)
+            """
+        )
+    )

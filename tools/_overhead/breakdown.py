@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from _harness import Context, traced
@@ -62,6 +63,20 @@ def _breakdown_floors(
     return floors
 
 
+def breakdown_contenders(
+    model: Any, step: Callable[[], None]
+) -> tuple[dict[str, Context], dict[str, tuple[str, int]]]:
+    """The layers and references of a breakdown on :data:`TRACED_PATHS`, and each one's
+    floor with the records a ``step`` keeps (one traced step counts them)."""
+    from vartrace import ModelTracer
+
+    calls: list[object] = []
+    with ModelTracer(model, TRACED_PATHS, pre_save_callbacks=[lambda *a: calls.append(a)]):  # type: ignore[arg-type]
+        step()
+    layers, references = breakdown_layers(model, TRACED_PATHS, "traced")
+    return {**layers, **references}, _breakdown_floors(layers, references, len(calls))
+
+
 def bench_breakdown(size: str, rounds: int, block: int, markdown: bool = False) -> str:
     """Where vartrace's time above the untraced step goes, one layer at a time.
 
@@ -71,15 +86,9 @@ def bench_breakdown(size: str, rounds: int, block: int, markdown: bool = False) 
     plus the least of vartrace's record semantics costs, without and with a
     per-object patch, above the floor per record.
     """
-    from vartrace import ModelTracer
-
     model, step = training_step(size)
-    calls: list[object] = []
-    with ModelTracer(model, TRACED_PATHS, pre_save_callbacks=[lambda *a: calls.append(a)]):  # type: ignore[arg-type]
-        step()
-    layers, references = breakdown_layers(model, TRACED_PATHS, "traced")
-    floors = _breakdown_floors(layers, references, len(calls))
-    return step_table(size, {**layers, **references}, step, rounds, block, floors, markdown)
+    contenders, floors = breakdown_contenders(model, step)
+    return step_table(size, contenders, step, rounds, block, floors, markdown)
 
 
 def bench_loop(rounds: int, block: int, markdown: bool = False) -> str:

@@ -268,7 +268,8 @@ class _Watch:
         self.on_line = on_line
         self.callees = callees or {}
         self.callee_last: dict[FrameType, _Bindings] = {}
-        self.last = _Bindings(code)
+        # What `@every` last sent (made only where lines are read: most calls read none).
+        self.last = _Bindings(code) if every else None
         self.snapshot: dict[str, Any] | None = None
         self.done = False
 
@@ -293,6 +294,7 @@ class _Watch:
     def line(self, frame: FrameType, line: int | None) -> None:
         """A line of the traced frame is about to run (`None`: it returns): report the
         `every` variables that changed."""
+        assert self.last is not None  # made for every watch that reads lines
         self.last.send(frame.f_locals, self.every, self.on_line, line)  # type: ignore[arg-type]
 
     def returned(self, frame: FrameType) -> None:
@@ -394,7 +396,10 @@ class _ChainedTracer:
                 self.previous = current
                 sys.settrace(front)
         if self.target is None:
-            if frame.f_code is watch.code and _called_from(frame, watch.caller):
+            # The common case first: the method called by run() itself, no decorator.
+            if frame.f_code is watch.code and (
+                frame.f_back is watch.caller or _called_from(frame, watch.caller)
+            ):
                 self.target = frame
                 if not (watch.every or watch.callees):
                     # Found: the body runs under the previous tool.  A nested tracer in
@@ -429,10 +434,12 @@ class _ChainedTracer:
         installed = sys.gettrace() is self  # (an "is" test would narrow self's type)
         if installed:
             sys.settrace(self.previous)
-        if returned and self.target is not None:
-            self.watch.returned(self.target)
-        if self.target is not None and self.target.f_trace == self.local_trace:
-            self.target.f_trace = None
+        target = self.target
+        if returned and target is not None:
+            self.watch.returned(target)
+        # Only a watch reading lines installs local_trace (a bound method made per test).
+        if target is not None and self.watch.every and target.f_trace == self.local_trace:
+            target.f_trace = None
         self.target = None
         self.previous_local = None
         self.watch.caller = None

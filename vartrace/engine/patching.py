@@ -462,15 +462,23 @@ class _Patch:
         self.clean.forget(self.name)
 
     def _call(self, wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        # Plain loops, no comprehension: each is a function call of its own before 3.12.
         hooks = self.hooks
-        leaving = []
+        leaving: list[Hook] = []
         for hook in hooks:
             hook.calls += 1
             if hook.on_enter is not None and hook.on_enter():
                 leaving.append(hook)
+        active: list[tuple[Hook, set[str] | None]] = []
+        for hook in hooks:  # once every on_enter ran: one may have enabled the hooks
+            if hook.enabled and hook.captures:
+                active.append((hook, set() if hook.probe.dedupe else None))
+        if not leaving:  # the common case: no hook ends a call here
+            return (
+                self._capture(active, wrapped, args, kwargs) if active else wrapped(*args, **kwargs)
+            )
         failed = True
         try:
-            active = [h for h in hooks if h.enabled and h.captures]
             result = (
                 self._capture(active, wrapped, args, kwargs) if active else wrapped(*args, **kwargs)
             )
@@ -482,11 +490,16 @@ class _Patch:
                     hook.on_exit(failed)
 
     def _capture(
-        self, active: list[Hook], wrapped: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        active: list[tuple[Hook, set[str] | None]],
+        wrapped: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
-        seen: list[set[str] | None] = [set() if h.probe.dedupe else None for h in active]
+        """Call `wrapped`, sending what each active hook's probe reads to its sink; each
+        hook comes with the set of the names sent to it during this call (see `emit`)."""
         arguments: dict[str, Any] | None = None
-        for hook, hook_seen in zip(active, seen, strict=True):
+        for hook, hook_seen in active:
             for selector in hook.probe.entry:
                 if selector.variable == "self":
                     selector.emit(self.instance, hook.sink, hook_seen)
@@ -504,7 +517,7 @@ class _Patch:
             if self.every_names:
 
                 def on_line(variable: str, value: Any) -> None:
-                    for hook, hook_seen in zip(active, seen, strict=True):
+                    for hook, hook_seen in active:
                         for selector in hook.probe.every:
                             if selector.variable == variable:
                                 hook_seen.clear()  # type: ignore[union-attr]
@@ -518,11 +531,11 @@ class _Patch:
                 wrapped,
                 args,
                 kwargs,
-                self._callees(active) if self.callees else None,
+                self._callees([hook for hook, _ in active]) if self.callees else None,
             )
             snapshot = snap or {}
 
-        for hook, hook_seen in zip(active, seen, strict=True):
+        for hook, hook_seen in active:
             for selector in hook.probe.exit:
                 value = snapshot.get(selector.variable, _MISSING)  # type: ignore[arg-type]
                 if value is not _MISSING:

@@ -24,15 +24,6 @@ __all__ = ["Chunk"]
 _MISSING = object()
 
 
-def _same(record: Any, last: Any) -> bool:
-    """`same`, and `False` where comparing raises (a tensor subclass's copy that lacks an
-    op): a record not known equal to the last one is kept."""
-    try:
-        return same(record, last)
-    except Exception:
-        return False
-
-
 class Chunk:
     """The records kept since the last gather, by site.
 
@@ -98,10 +89,15 @@ class Chunk:
                 self._last.pop(site, None)  # compared on the device from now on
             else:
                 last = self._last.get(site, _MISSING)
-                if last is not _MISSING and _same(host, last):
-                    if stats is not None:
-                        stats.unchanged += 1
-                    return
+                if last is not _MISSING:
+                    try:
+                        unchanged = same(host, last)
+                    except Exception:  # a subclass's copy that lacks an op: not known equal
+                        unchanged = False
+                    if unchanged:
+                        if stats is not None:
+                            stats.unchanged += 1
+                        return
                 self._last[site] = host
         if nbytes is None:
             nbytes = self._timed_room(record, stats) if self._room else 0

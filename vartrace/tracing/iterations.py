@@ -92,6 +92,9 @@ class _ThreadState(threading.local):
         self.iteration = counter.latest
         self.recording = counter.latest_recording
         self.in_mode = True
+        # The iteration a value captured now is recorded with, or None (`capturing`): read
+        # once a record, where each attribute of a thread's state is a lookup of its own.
+        self.records_as: int | None = self.iteration if self.recording else None
         # Modules whose hooked calls have not reported their end, with how many are open.
         self.open: dict[int, int] = {}
         # The module call outside the root that the latest iteration counted (rule 5),
@@ -142,14 +145,14 @@ class IterationCounter:
 
     @property
     def state(self) -> _ThreadState:
-        """The calling thread's state (`iteration`, `recording`, `in_mode`, `depth`)."""
+        """The calling thread's state (`iteration`, `recording`, `in_mode`, `depth`, and
+        `records_as`: what `capturing` returns)."""
         return self._thread
 
     def capturing(self) -> int | None:
         """The iteration that a value captured now, in this thread, is recorded with, or
         `None` if it is not recorded."""
-        state = self._thread
-        return state.iteration if state.recording and state.in_mode else None
+        return self._thread.records_as
 
     def records_manual(self) -> bool:
         """Whether a `vartrace.tracing.manual` call now, in this thread, is recorded."""
@@ -176,6 +179,7 @@ class IterationCounter:
     def _assign(self, state: _ThreadState, iteration: int) -> None:
         state.iteration = iteration
         state.recording = (iteration - 1) % self._trace_interval == 0
+        state.records_as = iteration if state.recording and state.in_mode else None
         self.latest = iteration
         self.latest_recording = state.recording
 
@@ -231,6 +235,7 @@ class IterationCounter:
                 self._assign(state, self._next())
             else:
                 self.other_mode_calls += 1
+                state.records_as = None
             state.active = state.in_mode and state.recording
             self._active += state.active
             self._switch(self._active > 0)

@@ -262,6 +262,7 @@ class ModelTracer:
             flush=self._flush,
             end=self._end_iteration,
         )
+        self._thread = self._iterations.state  # each thread's view, read on every record
         self._split_warned: set[type] = set()
         self._transformed_warned: set[str] = set()  # sites recorded under torch.func.vmap
         self._started = False
@@ -594,10 +595,9 @@ class ModelTracer:
         return True
 
     def _enter_method(self, module: nn.Module | None = None) -> bool:
-        counter = self._iterations
-        if module is None and counter.nested():
+        if module is None and self._thread.depth > 0:
             return False  # a traced method inside a call this thread runs: nothing to count
-        counter.enter(root=False, replay=_in_backward(), module=module)
+        self._iterations.enter(root=False, replay=_in_backward(), module=module)
         return True
 
     def _leave(self, module: nn.Module) -> None:
@@ -614,7 +614,7 @@ class ModelTracer:
             if grad:
                 self._gradients.recomputed(site, value)
             return
-        iteration = self._iterations.capturing()
+        iteration = self._thread.records_as  # IterationCounter.capturing, without its call
         if iteration is None:
             return  # another thread's iteration enabled the hooks
         if grad:
