@@ -98,7 +98,7 @@ class Spill:
 
 def _write(fd: int, flat: torch.Tensor, offset: int) -> int:
     """Write the `uint8` tensor `flat` at `offset`; its size."""
-    view = memoryview(flat.detach().cpu().contiguous().numpy())
+    view = flat.detach().cpu().contiguous().numpy().data
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
@@ -107,7 +107,7 @@ def _write(fd: int, flat: torch.Tensor, offset: int) -> int:
 
 def _read(fd: int, flat: torch.Tensor, offset: int) -> None:
     """Fill the `uint8` tensor `flat` from the file at `offset`."""
-    view = memoryview(flat.numpy())
+    view = flat.numpy().data
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
