@@ -11,12 +11,13 @@ Example:
         train(model)
     ```
 
-Each call appends the chunk's records to the site's datasets and empties the
-chunk, so memory stays bounded; the tracer calls [`flush`][vartrace.H5PYSaverCallback.flush]
-once after each gather.  The file is written in HDF5's SWMR mode: a process
-killed at any moment leaves a file holding every record flushed before, and
-`vartrace.open` (or `h5py.File(path, "r", swmr=True)`) can read a file
-while it is being written.
+Each call takes the chunk's records and empties the chunk, so memory stays
+bounded; the tracer calls [`flush`][vartrace.H5PYSaverCallback.flush] once after
+each gather, which hands the gather to the saver's writer thread (`background=True`,
+the default; `False` writes on the caller's thread).  The file is written in HDF5's
+SWMR mode: a process killed at any moment leaves a file holding every record
+committed before, and `vartrace.open` (or `h5py.File(path, "r", swmr=True)`) can
+read a file while it is being written.
 """
 
 from __future__ import annotations
@@ -119,10 +120,10 @@ class H5PYSaverCallback:
         metadata: store the run's metadata under `/meta` when the file is created;
             `False`: none; a dict of options, e.g. `{"git_diff": False}`: all of it but
             the uncommitted git diff (see `vartrace.storage.collect_metadata`).
-        background: write on a thread of the saver's own.  Each call only takes the
-            records over; `flush` (once per gather) hands the gather to the
-            thread and returns, so the training step does not wait for the disk
-            while the thread keeps up.  The records the thread has not written yet
+        background: write on a thread of the saver's own (the default).  Each call
+            only takes the records over; `flush` (once per gather) hands the gather to
+            the thread and returns, so the training step pays the hand-over, not the
+            write, while the thread keeps up.  The records the thread has not written yet
             and those the tracer gathers add up to at most the largest gather (or
             64 MiB if more), each record let go once written: a step whose record
             would pass that waits until the thread has written enough of the
@@ -133,11 +134,12 @@ class H5PYSaverCallback:
             accelerator) the staging thread waits in `make_room` instead, before it
             keeps each record; the step waits (or drops, `on_full="drop"`) only once
             records in flight reach `max_inflight_bytes` behind it.  A process killed
-            meanwhile loses the gathers not yet written, besides what the tracer
-            buffered; what was written stays readable.
-            Worth it where writes block on a slow disk or network file system (h5py
-            releases the GIL while HDF5 writes); where writing costs CPU and the cores
-            are busy training, it gains nothing.  An error of the thread is raised by the next
+            meanwhile loses the gathers not yet committed (at most about one gather
+            more than in the foreground), besides what the tracer buffered; every
+            record committed stays readable.  A tracer that stops waits for the
+            thread (it reads `failure`), and so do `flush(wait=True)`, `datasets` and
+            `close`.  `False` writes on the caller's thread: `flush` returns once
+            the gather is durable.  An error of the thread is raised by the next
             `flush` or by `close`, as `vartrace.storage.WorkerError`
             (the original exception is its `__cause__`).
 
@@ -159,7 +161,7 @@ class H5PYSaverCallback:
         compression_opts: Any = None,
         shuffle: bool = False,
         metadata: bool | Mapping[str, Any] = True,
-        background: bool = False,
+        background: bool = True,
     ) -> None:
         if overwrite and append:
             raise ValueError("overwrite=True and append=True exclude each other")
@@ -415,13 +417,16 @@ class H5PYSaverCallback:
         """The write failure (a full disk, a file-size limit) that stopped this saver, or `None`.
 
         After it the saver writes nothing more: later records are dropped, and
-        the file holds every record flushed before.  Example:
+        the file holds every record flushed before.  With `background=True` it first
+        waits for the records handed to the writer thread (a tracer reads it as it
+        stops: the run's records are then in the file).  Example:
 
         ```python
         if saver.failure is not None:
             print("the run file is incomplete:", saver.failure.strerror)
         ```
         """
+        self._thread.settle()
         return self._failure
 
     @contextlib.contextmanager
@@ -487,10 +492,13 @@ class H5PYSaverCallback:
         # Ctrl-C is held until the records are written and taken from the chunk: neither
         # half written nor written twice (the tracer keeps what a callback did not take).
         with self._lock, interrupts_held():
-            if self._failure is not None:  # the saver stopped writing: drop, never grow
+            # The writer thread sets `_failure`, then drops `_file`: a saver that failed
+            # meanwhile is not reopened (which raises) but drops the records, never grows.
+            if self._file is None and self._failure is None:
+                self._open()
+            if self._failure is not None:
                 trace.clear()
                 return
-            self._open()
             if not len(trace):
                 return
             if self.background:
