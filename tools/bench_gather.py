@@ -4,6 +4,7 @@ Usage::
 
     python tools/bench_gather.py                 # 16 steps a contender, the tiny GPT, 13 sites
     python tools/bench_gather.py --steps 32 --size small
+    python tools/bench_gather.py --training-thread-only   # no all-threads column: half the time
 
 The tiny GPT of ``bench_overhead.py`` trains on the CPU while a tracer records
 :data:`GATHER_PATHS` (13 sites: the input, and each of the 4 blocks' attention scores,
@@ -101,11 +102,13 @@ def _count(size: str, name: str, steps: int, out: Path, main_thread: bool) -> fl
     return instructions(argv, out, env, switched=True, main_thread=main_thread) / steps
 
 
-def bench(size: str, steps: int, markdown: bool) -> str:
-    """The training thread's instructions a step under each contender, and all threads'."""
+def bench(size: str, steps: int, markdown: bool, every_thread: bool = True) -> str:
+    """The training thread's instructions a step under each contender, and (with
+    `every_thread`) all threads'."""
     need_callgrind(control=True)
     names = list(CONTENDERS)
-    jobs = [(name, main_thread) for main_thread in (True, False) for name in names]
+    threads = (True, False) if every_thread else (True,)
+    jobs = [(name, main_thread) for main_thread in threads for name in names]
     with tempfile.TemporaryDirectory() as directory, ThreadPoolExecutor(2) as pool:
 
         def counted(index: int) -> float:
@@ -114,13 +117,14 @@ def bench(size: str, steps: int, markdown: bool) -> str:
             return _count(size, name, steps, out, main_thread)
 
         counts = list(pool.map(counted, range(len(jobs))))
-    training, every = counts[: len(names)], counts[len(names) :]
+    training, every = counts[: len(names)], counts[len(names) :] or counts
     title = (
         f"bench_gather.py --size {size}: training step (forward + backward + SGD) gathering "
         f"13 sites every step; instructions (callgrind Ir) per step over {steps} steps; "
         f"{versions()}, 1 torch thread"
     )
-    header = ["contender", "training thread", "ratio", "all threads", "ratio"]
+    columns = 5 if every_thread else 3
+    header = ["contender", "training thread", "ratio", "all threads", "ratio"][:columns]
     rows = [
         [
             name,
@@ -128,7 +132,7 @@ def bench(size: str, steps: int, markdown: bool) -> str:
             f"{training[i] / training[0]:.3f}x",
             f"{every[i] / 1e6:.3f} M",
             f"{every[i] / every[0]:.3f}x",
-        ]
+        ][:columns]
         for i, name in enumerate(names)
     ]
     lines = table(header, rows, markdown=markdown)
@@ -140,12 +144,17 @@ def main() -> None:
     add_size(arguments)
     arguments.add_argument("--steps", type=int, default=STEPS, help="steps counted")
     arguments.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    arguments.add_argument(
+        "--training-thread-only",
+        action="store_true",
+        help="count the training thread alone (half the processes: no all-threads column)",
+    )
     arguments.add_argument("--_child", help=argparse.SUPPRESS)
     args = arguments.parse_args()
     if args._child:
         _child(args.size, args._child, args.steps)
         return
-    print(bench(args.size, args.steps, args.markdown))
+    print(bench(args.size, args.steps, args.markdown, not args.training_thread_only))
 
 
 if __name__ == "__main__":

@@ -334,7 +334,7 @@ class Net(nn.Module):
 
 
 model = Net()
-saver = H5PYSaverCallback(sys.argv[1], metadata=False, background=False)
+saver = H5PYSaverCallback(sys.argv[1], metadata=False)
 outcome, reached = "finished", 0
 try:
     with saver, ModelTracer(model, ["forward"], post_gather_callbacks=[saver]):

@@ -181,9 +181,7 @@ from torch import nn
 import vartrace
 
 model = nn.Sequential(nn.Linear(8, 8))
-# written in the step: the gathers before the drain are in the file when Ctrl-C comes (a
-# writer thread may still hold them, and an interrupted exit keeps completed writes only)
-saver = vartrace.H5PYSaverCallback(sys.argv[1], metadata=False, background=False)
+saver = vartrace.H5PYSaverCallback(sys.argv[1], metadata=False)
 
 
 def slow(name, trace):

@@ -1,5 +1,5 @@
-"""The writer thread of a saver writing in the background (`background=True`, the default):
-gathers written off the training thread, the records it holds bounded.
+"""The writer thread of a saver made with `background=True`: gathers written off the training
+thread, the records it holds bounded.
 
 Example:
     ```python

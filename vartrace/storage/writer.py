@@ -11,13 +11,12 @@ Example:
         train(model)
     ```
 
-Each call takes the chunk's records and empties the chunk, so memory stays
-bounded; the tracer calls [`flush`][vartrace.H5PYSaverCallback.flush] once after
-each gather, which hands the gather to the saver's writer thread (`background=True`,
-the default; `False` writes on the caller's thread).  The file is written in HDF5's
-SWMR mode: a process killed at any moment leaves a file holding every record
-committed before, and `vartrace.open` (or `h5py.File(path, "r", swmr=True)`) can
-read a file while it is being written.
+Each call appends the chunk's records to the site's datasets and empties the
+chunk, so memory stays bounded; the tracer calls [`flush`][vartrace.H5PYSaverCallback.flush]
+once after each gather.  The file is written in HDF5's SWMR mode: a process
+killed at any moment leaves a file holding every record flushed before, and
+`vartrace.open` (or `h5py.File(path, "r", swmr=True)`) can read a file
+while it is being written.
 """
 
 from __future__ import annotations
@@ -120,10 +119,10 @@ class H5PYSaverCallback:
         metadata: store the run's metadata under `/meta` when the file is created;
             `False`: none; a dict of options, e.g. `{"git_diff": False}`: all of it but
             the uncommitted git diff (see `vartrace.storage.collect_metadata`).
-        background: write on a thread of the saver's own (the default).  Each call
-            only takes the records over; `flush` (once per gather) hands the gather to
-            the thread and returns, so the training step pays the hand-over, not the
-            write, while the thread keeps up.  The records the thread has not written yet
+        background: write on a thread of the saver's own.  Each call only takes the
+            records over; `flush` (once per gather) hands the gather to the thread
+            and returns, so the training step pays the hand-over, not the write,
+            while the thread keeps up.  The records the thread has not written yet
             and those the tracer gathers add up to at most the largest gather (or
             64 MiB if more), each record let go once written: a step whose record
             would pass that waits until the thread has written enough of the
@@ -138,8 +137,9 @@ class H5PYSaverCallback:
             more than in the foreground), besides what the tracer buffered; every
             record committed stays readable.  A tracer that stops waits for the
             thread (it reads `failure`), and so do `flush(wait=True)`, `datasets` and
-            `close`.  `False` writes on the caller's thread: `flush` returns once
-            the gather is durable.  An error of the thread is raised by the next
+            `close`; h5py releases the GIL while HDF5 writes.  The default, `False`,
+            writes on the caller's thread: `flush` returns once the gather is
+            durable.  An error of the thread is raised by the next
             `flush` or by `close`, as `vartrace.storage.WorkerError`
             (the original exception is its `__cause__`).
 
@@ -161,7 +161,7 @@ class H5PYSaverCallback:
         compression_opts: Any = None,
         shuffle: bool = False,
         metadata: bool | Mapping[str, Any] = True,
-        background: bool = True,
+        background: bool = False,
     ) -> None:
         if overwrite and append:
             raise ValueError("overwrite=True and append=True exclude each other")

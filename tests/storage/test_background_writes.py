@@ -1,5 +1,6 @@
-"""A saver writes on a thread of its own by default (issue 45 item 3): the training thread
-hands each gather over, and a tracer that stops leaves every record in the file.
+"""A saver with `background=True` writes on a thread of its own (issue 45 item 3): the
+training thread hands each gather over, and a tracer that stops leaves every record in the
+file.
 
 The records here pickle (`Noted`), so the saver's write runs their `__reduce__`: it notes
 the thread that wrote each one.
@@ -46,11 +47,12 @@ def _train(saver: H5PYSaverCallback, steps: int) -> None:
                 model(torch.full((3,), float(step)), Noted(step))
 
 
-def test_a_saver_made_with_defaults_writes_on_its_own_thread(tmp_path: Path) -> None:
+def test_a_background_saver_writes_on_its_own_thread_and_the_tracer_waits_for_it(
+    tmp_path: Path,
+) -> None:
     _WRITERS.clear()
     path = tmp_path / "run.h5"
-    saver = H5PYSaverCallback(path, metadata=False)
-    assert saver.background is True
+    saver = H5PYSaverCallback(path, metadata=False, background=True)
     try:
         _train(saver, 6)
         # the tracer stopped: every gather is in the file while the saver is still open
