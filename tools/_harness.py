@@ -238,15 +238,24 @@ def handshake() -> None:
     sys.stdin.readline()
 
 
-def instructions(argv: list[str], out: Path, env: Mapping[str, str], switched: bool = False) -> int:
+def instructions(
+    argv: list[str],
+    out: Path,
+    env: Mapping[str, str],
+    switched: bool = False,
+    main_thread: bool = False,
+) -> int:
     """Instructions (callgrind's Ir) a fresh Python process running ``argv`` executes,
     callgrind's output written to ``out``.
 
     ``switched``: instrumentation starts off; the child calls :func:`handshake` at both
     edges of what it measures, and the parent switches instrumentation on at the first and
     off at the second (``callgrind_control``), so start-up, warm-up and exit are not counted.
+    ``main_thread``: count the process's main thread alone (``--separate-threads=yes``:
+    callgrind writes a file a thread, ``out`` then the main thread's).
     """
     command = ["valgrind", "--tool=callgrind", *(["--instr-atstart=no"] if switched else [])]
+    command += ["--separate-threads=yes"] if main_thread else []
     command += [f"--callgrind-out-file={out}", sys.executable, *argv]
     with (
         tempfile.TemporaryFile("w+") as log,
@@ -273,6 +282,8 @@ def instructions(argv: list[str], out: Path, env: Mapping[str, str], switched: b
             raise RuntimeError(
                 f"{' '.join(argv)}: the callgrind child failed\n{log.read()[-4000:]}"
             )
+    if main_thread:  # callgrind numbered the files of the threads: the main thread is 1
+        out.with_name(f"{out.name}-01").replace(out)
     # "totals:", not "summary:", which callgrind leaves at 0 when instrumentation starts off.
     lines = out.read_text().splitlines()
     return int(next(line.split()[1] for line in lines if line.startswith("totals:")))

@@ -8,6 +8,7 @@ Example:
     # returns at once; the first batch starts the thread
     thread.submit(batch, saver_write, name="vartrace-writer run.h5", at_exit=saver.close)
     thread.join()  # every batch written; re-raises a job's error
+    thread.settle()  # every batch written; the error left for the next call
     thread.stop()
     ```
 
@@ -17,7 +18,8 @@ records it holds and those the tracer gathers add up to at most the largest
 batch handed to it (or `_BACKGROUND_BYTES` if more), and a caller that would
 pass that waits.  At most one batch waits in the queue.  The first exception
 a job raises is kept; later jobs are skipped, and `submit`, `join` and `stop`
-raise it in the caller's thread as `vartrace.storage.WorkerError`.
+raise it in the caller's thread as `vartrace.storage.WorkerError` (`settle` waits
+like `join` and leaves it to them).
 """
 
 from __future__ import annotations
@@ -103,6 +105,10 @@ class _Worker:
         """Wait until every submitted job ran; raise the first error of one."""
         self._jobs.join()
         self._raise()
+
+    def settle(self) -> None:
+        """Wait until every submitted job ran (an error stays for `submit`, `join`, `stop`)."""
+        self._jobs.join()
 
     def stop(self) -> None:
         """Run what is queued, end the thread, and raise the first error of a job."""
@@ -221,6 +227,12 @@ class BackgroundWriter:
         """Wait until the thread wrote every batch handed to it; raise a job's error."""
         if self._worker is not None:
             self._worker.join()
+
+    def settle(self) -> None:
+        """Wait until the thread wrote every batch handed to it; a job's error is raised
+        later, by `submit`, `join` or `stop`."""
+        if self._worker is not None:
+            self._worker.settle()
 
     def stop(self) -> None:
         """Write what is queued and end the thread (no longer run at exit); raise a job's

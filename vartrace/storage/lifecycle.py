@@ -22,13 +22,15 @@ clears that.  A write that fails (a full disk) ends the file
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # CPython's: no enum conversion a call
 import contextlib
 import errno
 import os
 import re
 import signal
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -225,8 +227,7 @@ def _number(text: str) -> int:
     return int(text) if text.isdigit() else 0
 
 
-@contextlib.contextmanager
-def interrupts_held() -> Iterator[None]:
+def interrupts_held() -> AbstractContextManager[object]:
     """Hold Ctrl-C (SIGINT) back while the file is written, then raise it at the end.
 
     A `KeyboardInterrupt` raised inside a write lands wherever Python code runs
@@ -237,20 +238,36 @@ def interrupts_held() -> Iterator[None]:
     the main thread (where signal handlers run) and where a Python handler is set.
     """
     if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    if not callable(previous):
-        yield
-        return
-    held: list[Any] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held:
-            previous(signal.SIGINT, held[0])
+        return _NOT_HELD
+    # `_signal`'s functions, not `signal`'s: those convert the handlers to and from enums
+    # (a ValueError caught for each function handler), most of a hold's cost.
+    previous = _signal.getsignal(signal.SIGINT)
+    return _Held(previous) if callable(previous) else _NOT_HELD
+
+
+_NOT_HELD = contextlib.nullcontext()
+
+
+class _Held:
+    """A hold of SIGINT (see `interrupts_held`): a class, not a generator, as it is taken
+    for each call of a saver."""
+
+    __slots__ = ("_frames", "_previous")
+
+    def __init__(self, previous: Callable[[int, Any], Any]) -> None:
+        self._previous = previous
+        self._frames: list[Any] = []  # the frame of each SIGINT held
+
+    def __enter__(self) -> None:
+        _signal.signal(signal.SIGINT, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self._frames.append(frame)
+
+    def __exit__(self, *exc: object) -> None:
+        _signal.signal(signal.SIGINT, self._previous)
+        if self._frames:
+            self._previous(signal.SIGINT, self._frames[0])
 
 
 _HDF5_OS_ERROR = re.compile(r"errno = (\d+), error message = '([^']*)'")

@@ -120,8 +120,8 @@ class H5PYSaverCallback:
             `False`: none; a dict of options, e.g. `{"git_diff": False}`: all of it but
             the uncommitted git diff (see `vartrace.storage.collect_metadata`).
         background: write on a thread of the saver's own.  Each call only takes the
-            records over; `flush` (once per gather) hands the gather to the
-            thread and returns, so the training step does not wait for the disk
+            records over; `flush` (once per gather) hands the gather to the thread
+            and returns, so the training step pays the hand-over, not the write,
             while the thread keeps up.  The records the thread has not written yet
             and those the tracer gathers add up to at most the largest gather (or
             64 MiB if more), each record let go once written: a step whose record
@@ -133,11 +133,13 @@ class H5PYSaverCallback:
             accelerator) the staging thread waits in `make_room` instead, before it
             keeps each record; the step waits (or drops, `on_full="drop"`) only once
             records in flight reach `max_inflight_bytes` behind it.  A process killed
-            meanwhile loses the gathers not yet written, besides what the tracer
-            buffered; what was written stays readable.
-            Worth it where writes block on a slow disk or network file system (h5py
-            releases the GIL while HDF5 writes); where writing costs CPU and the cores
-            are busy training, it gains nothing.  An error of the thread is raised by the next
+            meanwhile loses the gathers not yet committed (at most about one gather
+            more than in the foreground), besides what the tracer buffered; every
+            record committed stays readable.  A tracer that stops waits for the
+            thread (it reads `failure`), and so do `flush(wait=True)`, `datasets` and
+            `close`; h5py releases the GIL while HDF5 writes.  The default, `False`,
+            writes on the caller's thread: `flush` returns once the gather is
+            durable.  An error of the thread is raised by the next
             `flush` or by `close`, as `vartrace.storage.WorkerError`
             (the original exception is its `__cause__`).
 
@@ -416,13 +418,16 @@ class H5PYSaverCallback:
         """The write failure (a full disk, a file-size limit) that stopped this saver, or `None`.
 
         After it the saver writes nothing more: later records are dropped, and
-        the file holds every record flushed before.  Example:
+        the file holds every record flushed before.  With `background=True` it first
+        waits for the records handed to the writer thread (a tracer reads it as it
+        stops: the run's records are then in the file).  Example:
 
         ```python
         if saver.failure is not None:
             print("the run file is incomplete:", saver.failure.strerror)
         ```
         """
+        self._thread.settle()
         return self._failure
 
     @contextlib.contextmanager
@@ -488,10 +493,13 @@ class H5PYSaverCallback:
         # Ctrl-C is held until the records are written and taken from the chunk: neither
         # half written nor written twice (the tracer keeps what a callback did not take).
         with self._lock, interrupts_held():
-            if self._failure is not None:  # the saver stopped writing: drop, never grow
+            # The writer thread sets `_failure`, then drops `_file`: a saver that failed
+            # meanwhile is not reopened (which raises) but drops the records, never grows.
+            if self._file is None and self._failure is None:
+                self._open()
+            if self._failure is not None:
                 trace.clear()
                 return
-            self._open()
             if not len(trace):
                 return
             if self.background:
