@@ -72,6 +72,16 @@ _CANCELLATION = 16.0
 #: Writes the float64 values of some codes into a buffer of their length (dtypes numpy lacks).
 Decoder = Callable[[np.ndarray, np.ndarray], None]
 
+#: Records of at most this many values are summarised from a sorted float64 copy
+#: (`_sorted_fields`): a few numpy calls in all, where blocks take ~15.
+_SMALL = 256
+
+#: The search keys of a sorted record: where its -inf end, its zeros start and end
+#: (-0.0 among them), its +inf and its NaN start.
+_BOUNDS = np.array([-np.finfo(np.float64).max, 0.0, 5e-324, math.inf, math.nan])
+_SMALL_ONES = np.ones(_SMALL)
+_SMALL_ONES.flags.writeable = False
+
 _ones = np.ones(0)  # a small block's sum is a BLAS dot with ones (numpy's sum: 3x the cost)
 _min, _max = np.minimum.reduce, np.maximum.reduce  # (ndarray.min: a Python wrapper more)
 #: The dtypes whose large blocks torch upcasts (the others: numpy's cast).
@@ -107,6 +117,8 @@ def _fields(values: np.ndarray, decode: Decoder | None, *head: float) -> list[fl
     float64 copy (none for float64 values) as a temporary."""
     flat = values.ravel(order="K")
     size = flat.size
+    if size <= _SMALL and size <= BLOCK:
+        return _sorted_fields(flat, decode, head)
     # float64 values are reduced where they lie (torch reads only arrays it may write)
     in_place = decode is None and flat.dtype == np.float64 and flat.flags.writeable
     native = in_place or (decode is None and flat.dtype == np.float32)
@@ -135,6 +147,37 @@ def _fields(values: np.ndarray, decode: Decoder | None, *head: float) -> list[fl
         return [*head, size, math.nan, math.nan, math.nan, math.nan, math.nan, 0.0, *counted]
     mean, var = total / count, squares / count
     norm = math.sqrt(count * (var + mean * mean))
+    return [*head, size, mean, math.sqrt(var), low, high, max(-low, high), norm, *counted]
+
+
+def _sorted_fields(
+    flat: np.ndarray, decode: Decoder | None, head: tuple[float, ...]
+) -> list[float]:
+    """`head`, then the summary fields of a few values (at most `_SMALL`), from a sorted
+    float64 copy: one search finds where its -inf, zeros, +inf and NaN lie, the finite
+    ones are the slice between, their sums two BLAS dots (the fixed cost of a tiny record:
+    ~6 numpy calls, whatever its values)."""
+    ordered = np.empty(flat.size)
+    (decode or _upcast)(flat, ordered)
+    ordered.sort()  # NaN last, after +inf
+    neginf, zero, positive, posinf, nan = ordered.searchsorted(_BOUNDS).tolist()
+    size, n = flat.size, posinf - neginf
+    counted = [size - nan, nan - posinf, neginf, positive - zero]
+    if not n:
+        return [*head, size, math.nan, math.nan, math.nan, math.nan, math.nan, 0.0, *counted]
+    finite = ordered[neginf:posinf]
+    low, high = float(finite[0]), float(finite[-1])
+    total, plain = float(finite.dot(_SMALL_ONES[:n])), float(finite.dot(finite))
+    mean = total / n
+    squares = plain - total * mean
+    if not plain <= _CANCELLATION * squares:  # cancelled, or past float64: centred again
+        with np.errstate(all="ignore"):
+            centred = np.subtract(finite, mean, out=finite)
+        correction, squares = float(centred.dot(_SMALL_ONES[:n])), float(centred.dot(centred))
+        squares = max(0.0, squares - correction * correction / n)
+        mean += correction / n
+    var = squares / n
+    norm = math.sqrt(n * (var + mean * mean))
     return [*head, size, mean, math.sqrt(var), low, high, max(-low, high), norm, *counted]
 
 
@@ -194,40 +237,61 @@ def _reduce(
     """One float64 block (`values`: the same values, maybe narrower, for min, max and
     zeros; `ones`: as many ones at least; `own`: a buffer the block may be centred in):
     finite count, sum, centred sum of squares, mean, min, max; adds its NaN, +inf, -inf
-    and zero counts to `counted`."""
+    and zero counts to `counted`.
+
+    Non-finite values are counted, then set to zero in the block (a copy of it when it is
+    not `own`): its sums are then the finite values', its extremes theirs unless one is
+    zero (then read past a mask), its zeros theirs and the non-finite ones."""
     # total: NaN with a NaN or both infinities, +-inf with one; plain: +inf with a square
     # past float64 too
     total, plain = _sums(block, ones)
-    n = block.size
-    if math.isfinite(total) and math.isfinite(plain):
-        low, high = _extremes(values)
-        if low <= 0 <= high:  # else no value is zero: no pass to count them
-            counted[3] += _zeros(values)
-        mean = total / n
-        squares = plain - total * mean
-        if plain <= _CANCELLATION * squares:
-            return n, total, squares, mean, low, high
-        finite = None
-    else:
+    size = n = block.size
+    bad = None  # where the non-finite values were, when there are any
+    if not (math.isfinite(total) and math.isfinite(plain)):
         finite = np.isfinite(block)
         n = int(np.count_nonzero(finite))
-        nan = int(np.count_nonzero(np.isnan(block)))
-        posinf = int(np.count_nonzero(block == math.inf))
-        zeros = _zeros(block)
-        for at, add in enumerate((nan, posinf, block.size - n - nan - posinf, zeros)):
-            counted[at] += add
-        if not n:
-            return 0.0, 0.0, 0.0, 0.0, math.inf, -math.inf
-        low = float(np.min(block, where=finite, initial=math.inf))
-        high = float(np.max(block, where=finite, initial=-math.inf))
-        total = float(np.sum(block, where=finite))
-        mean = total / n
+        if n < size:
+            _count_nonfinite(block, total, size - n, counted)
+            if not n:
+                return 0.0, 0.0, 0.0, 0.0, math.inf, -math.inf
+            bad = np.logical_not(finite, out=finite)
+            block = block if own else block.copy()
+            np.putmask(block, bad, 0.0)
+            values, own = block, True
+            total, plain = _sums(block, ones)
+    low, high = _extremes(values)
+    if low <= 0 <= high:  # else no value is zero: no pass to count them
+        zeros = _zeros(values) - (size - n)
+        counted[3] += zeros
+        if bad is not None and not zeros and (low == 0 or high == 0):  # a stand-in's zero
+            low = float(_min(block, where=~bad, initial=math.inf))
+            high = float(_max(block, where=~bad, initial=-math.inf))
+    mean = total / n
+    squares = plain - total * mean
+    if math.isfinite(plain) and plain <= _CANCELLATION * squares:
+        return n, total, squares, mean, low, high
     centred = np.subtract(block, mean, out=block if own else None)
-    if finite is not None:
-        np.putmask(centred, ~finite, 0.0)
+    if bad is not None:
+        np.putmask(centred, bad, 0.0)
     correction, squares = _sums(centred, ones)
     squares = max(0.0, squares - correction * correction / n)
     return n, total, squares, mean + correction / n, low, high
+
+
+def _count_nonfinite(block: np.ndarray, total: float, count: int, counted: list[int]) -> None:
+    """Add the NaN, +inf and -inf counts of `block` (`count` values in all, `total` its
+    sum) to `counted`: a sum of +-inf has only that infinity (a NaN or the other infinity
+    would have made it NaN), a NaN sum needs two passes."""
+    if total == math.inf:
+        counted[1] += count
+    elif total == -math.inf:
+        counted[2] += count
+    else:
+        nan = int(np.count_nonzero(np.isnan(block)))
+        posinf = int(np.count_nonzero(np.equal(block, math.inf)))
+        counted[0] += nan
+        counted[1] += posinf
+        counted[2] += count - nan - posinf
 
 
 def _extremes(values: np.ndarray) -> tuple[float, float]:
