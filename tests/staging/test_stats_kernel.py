@@ -211,6 +211,26 @@ def test_float64_values_are_reduced_where_they_lie() -> None:
     assert peak <= kernels.BLOCK * 2, peak
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("size", [100, 5000, 20_000])  # sorted copy, numpy's BLAS, torch's
+def test_non_finite_values_are_counted_and_left_where_they_lie(
+    size: int, dtype: torch.dtype, sign: float
+) -> None:
+    """Masked attention scores (-inf above the diagonal) and the like: the infinities and
+    NaN counted from the block's sum (a single infinity) or by comparison (NaN), the
+    finite values' extremes kept when all have one sign (no stand-in zero among them),
+    and the record's own values left unchanged."""
+    generator = torch.Generator().manual_seed(size)
+    finite = sign * (1.0 + torch.rand(size, dtype=torch.float64, generator=generator))
+    for special in ([-math.inf], [math.inf], [math.nan], [math.nan, math.inf, -math.inf]):
+        x = finite.clone().to(dtype)
+        x[1::3] = torch.tensor(special, dtype=dtype).repeat(size)[: len(x[1::3])]
+        before = x.clone()
+        assert_matches(as_statistics(kernels.summary(x)), expected(x))
+        assert torch.equal(x.nan_to_num(), before.nan_to_num()), special
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int32])
 def test_read_only_arrays_are_reduced_without_a_warning(dtype: type) -> None:
     """torch reads only arrays it may write (and warns of the others): numpy reduces these."""
