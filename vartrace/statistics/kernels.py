@@ -14,7 +14,11 @@ bits (mean**2 <= 15x the variance: an error at most 16x the two-pass formula's);
 that the block, still in the cache, is centred on its mean and summed again (the
 two-pass sum, corrected by the centred values' sum).  The blocks' `(count, mean, M2)`
 are merged by Chan, Golub and LeVeque's formula, their means relative to a shift (the
-first value, when finite), so a large mean with a tiny spread loses no digits.
+first value, when finite), so a large mean with a tiny spread loses no digits.  A block
+with NaN or infinities counts them (from its sum's sign when it holds one infinity only)
+and sets them to zero before its sums.  A record of at most `_SMALL` values is read from
+one sorted float64 copy instead: one search finds where its -inf, zeros, +inf and NaN
+lie, and its finite values are the slice between (~6 numpy calls in all).
 
 `summary` is the same row for a tensor, on the tensor's device, as ONE torch op,
 `torch.ops.vartrace.summary` (a `torch.library` op, traceable by its fake kernel):
