@@ -162,8 +162,11 @@ def _sorted_fields(
     float64 copy: one search finds where its -inf, zeros, +inf and NaN lie, the finite
     ones are the slice between, their sums two BLAS dots (the fixed cost of a tiny record:
     ~6 numpy calls, whatever its values)."""
-    ordered = np.empty(flat.size)
-    (decode or _upcast)(flat, ordered)
+    if decode is None and flat.dtype.kind != "c":
+        ordered = flat.astype(np.float64)  # a copy, float64 values too
+    else:
+        ordered = np.empty(flat.size)
+        (decode or _upcast)(flat, ordered)
     ordered.sort()  # NaN last, after +inf
     neginf, zero, positive, posinf, nan = ordered.searchsorted(_BOUNDS).tolist()
     size, n = flat.size, posinf - neginf
