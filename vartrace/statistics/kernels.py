@@ -14,7 +14,11 @@ bits (mean**2 <= 15x the variance: an error at most 16x the two-pass formula's);
 that the block, still in the cache, is centred on its mean and summed again (the
 two-pass sum, corrected by the centred values' sum).  The blocks' `(count, mean, M2)`
 are merged by Chan, Golub and LeVeque's formula, their means relative to a shift (the
-first value, when finite), so a large mean with a tiny spread loses no digits.
+first value, when finite), so a large mean with a tiny spread loses no digits.  A block
+with NaN or infinities counts them (from its sum's sign when it holds one infinity only)
+and sets them to zero before its sums.  A record of at most `_SMALL` values is read from
+one sorted float64 copy instead: one search finds where its -inf, zeros, +inf and NaN
+lie, and its finite values are the slice between (~6 numpy calls in all).
 
 `summary` is the same row for a tensor, on the tensor's device, as ONE torch op,
 `torch.ops.vartrace.summary` (a `torch.library` op, traceable by its fake kernel):
@@ -60,8 +64,9 @@ BLOCK = 1 << 17
 
 #: Blocks of at least this many values are upcast and summed by torch's vectorised kernels
 #: (numpy's cast loop costs ~2.8 instructions a value, torch's ~1.3; numpy's BLAS would
-#: start threads of its own past 10,000), smaller ones by numpy's (a smaller fixed cost).
-_LARGE = 1 << 13
+#: start threads of its own past 10,000), smaller ones by numpy's (a smaller fixed cost:
+#: torch's sums of 8 Ki values cost ~42 k instructions, two BLAS dots ~20 k).
+_LARGE = 10_000
 
 #: A block's centred sum of squares is its plain one less its sum times its mean while
 #: that cancels at most 4 bits (the plain sum at most 16x the centred one: mean**2 at most
@@ -71,6 +76,16 @@ _CANCELLATION = 16.0
 
 #: Writes the float64 values of some codes into a buffer of their length (dtypes numpy lacks).
 Decoder = Callable[[np.ndarray, np.ndarray], None]
+
+#: Records of at most this many values are summarised from a sorted float64 copy
+#: (`_sorted_fields`): a few numpy calls in all, where blocks take ~15.
+_SMALL = 256
+
+#: The search keys of a sorted record: where its -inf end, its zeros start and end
+#: (-0.0 among them), its +inf and its NaN start.
+_BOUNDS = np.array([-np.finfo(np.float64).max, 0.0, 5e-324, math.inf, math.nan])
+_SMALL_ONES = np.ones(_SMALL)
+_SMALL_ONES.flags.writeable = False
 
 _ones = np.ones(0)  # a small block's sum is a BLAS dot with ones (numpy's sum: 3x the cost)
 _min, _max = np.minimum.reduce, np.maximum.reduce  # (ndarray.min: a Python wrapper more)
@@ -107,6 +122,8 @@ def _fields(values: np.ndarray, decode: Decoder | None, *head: float) -> list[fl
     float64 copy (none for float64 values) as a temporary."""
     flat = values.ravel(order="K")
     size = flat.size
+    if size <= _SMALL and size <= BLOCK:
+        return _sorted_fields(flat, decode, head)
     # float64 values are reduced where they lie (torch reads only arrays it may write)
     in_place = decode is None and flat.dtype == np.float64 and flat.flags.writeable
     native = in_place or (decode is None and flat.dtype == np.float32)
@@ -135,6 +152,40 @@ def _fields(values: np.ndarray, decode: Decoder | None, *head: float) -> list[fl
         return [*head, size, math.nan, math.nan, math.nan, math.nan, math.nan, 0.0, *counted]
     mean, var = total / count, squares / count
     norm = math.sqrt(count * (var + mean * mean))
+    return [*head, size, mean, math.sqrt(var), low, high, max(-low, high), norm, *counted]
+
+
+def _sorted_fields(
+    flat: np.ndarray, decode: Decoder | None, head: tuple[float, ...]
+) -> list[float]:
+    """`head`, then the summary fields of a few values (at most `_SMALL`), from a sorted
+    float64 copy: one search finds where its -inf, zeros, +inf and NaN lie, the finite
+    ones are the slice between, their sums two BLAS dots (the fixed cost of a tiny record:
+    ~6 numpy calls, whatever its values)."""
+    if decode is None and flat.dtype.kind != "c":
+        ordered = flat.astype(np.float64)  # a copy, float64 values too
+    else:
+        ordered = np.empty(flat.size)
+        (decode or _upcast)(flat, ordered)
+    ordered.sort()  # NaN last, after +inf
+    neginf, zero, positive, posinf, nan = ordered.searchsorted(_BOUNDS).tolist()
+    size, n = flat.size, posinf - neginf
+    counted = [size - nan, nan - posinf, neginf, positive - zero]
+    if not n:
+        return [*head, size, math.nan, math.nan, math.nan, math.nan, math.nan, 0.0, *counted]
+    finite = ordered[neginf:posinf]
+    low, high = float(finite[0]), float(finite[-1])
+    total, plain = float(finite.dot(_SMALL_ONES[:n])), float(finite.dot(finite))
+    mean = total / n
+    squares = plain - total * mean
+    if not plain <= _CANCELLATION * squares:  # cancelled, or past float64: centred again
+        with np.errstate(all="ignore"):
+            centred = np.subtract(finite, mean, out=finite)
+        correction, squares = float(centred.dot(_SMALL_ONES[:n])), float(centred.dot(centred))
+        squares = max(0.0, squares - correction * correction / n)
+        mean += correction / n
+    var = squares / n
+    norm = math.sqrt(n * (var + mean * mean))
     return [*head, size, mean, math.sqrt(var), low, high, max(-low, high), norm, *counted]
 
 
@@ -194,40 +245,71 @@ def _reduce(
     """One float64 block (`values`: the same values, maybe narrower, for min, max and
     zeros; `ones`: as many ones at least; `own`: a buffer the block may be centred in):
     finite count, sum, centred sum of squares, mean, min, max; adds its NaN, +inf, -inf
-    and zero counts to `counted`."""
+    and zero counts to `counted`.
+
+    Non-finite values are counted, then set to zero in the block (a copy of it when it is
+    not `own`): its sums are then the finite values', its extremes theirs unless one is
+    zero (then read past a mask), its zeros theirs and the non-finite ones."""
     # total: NaN with a NaN or both infinities, +-inf with one; plain: +inf with a square
     # past float64 too
     total, plain = _sums(block, ones)
-    n = block.size
-    if math.isfinite(total) and math.isfinite(plain):
-        low, high = _extremes(values)
-        if low <= 0 <= high:  # else no value is zero: no pass to count them
-            counted[3] += _zeros(values)
-        mean = total / n
-        squares = plain - total * mean
-        if plain <= _CANCELLATION * squares:
-            return n, total, squares, mean, low, high
-        finite = None
-    else:
+    size = n = block.size
+    kept = None  # where the finite values are, when some are not
+    if not (math.isfinite(total) and math.isfinite(plain)):
         finite = np.isfinite(block)
         n = int(np.count_nonzero(finite))
-        nan = int(np.count_nonzero(np.isnan(block)))
-        posinf = int(np.count_nonzero(block == math.inf))
-        zeros = _zeros(block)
-        for at, add in enumerate((nan, posinf, block.size - n - nan - posinf, zeros)):
-            counted[at] += add
-        if not n:
-            return 0.0, 0.0, 0.0, 0.0, math.inf, -math.inf
-        low = float(np.min(block, where=finite, initial=math.inf))
-        high = float(np.max(block, where=finite, initial=-math.inf))
-        total = float(np.sum(block, where=finite))
-        mean = total / n
+        if n < size:
+            _count_nonfinite(block, total, size - n, counted)
+            if not n:
+                return 0.0, 0.0, 0.0, 0.0, math.inf, -math.inf
+            kept = finite
+            block = values = _zero_filled(block, own)
+            own = True
+            total, plain = _sums(block, ones)
+    low, high = _extremes(values)
+    if low <= 0 <= high:  # else no value is zero: no pass to count them
+        zeros = _zeros(values) - (size - n)
+        counted[3] += zeros
+        if kept is not None and not zeros and (low == 0 or high == 0):  # a stand-in's zero
+            low = float(_min(block, where=kept, initial=math.inf))
+            high = float(_max(block, where=kept, initial=-math.inf))
+    mean = total / n
+    squares = plain - total * mean
+    if math.isfinite(plain) and plain <= _CANCELLATION * squares:
+        return n, total, squares, mean, low, high
     centred = np.subtract(block, mean, out=block if own else None)
-    if finite is not None:
-        np.putmask(centred, ~finite, 0.0)
+    if kept is not None:
+        np.putmask(centred, ~kept, 0.0)
     correction, squares = _sums(centred, ones)
     squares = max(0.0, squares - correction * correction / n)
     return n, total, squares, mean + correction / n, low, high
+
+
+def _zero_filled(block: np.ndarray, own: bool) -> np.ndarray:
+    """`block` with its NaN and infinities set to zero, in place when it is `own`: torch's
+    vectorised `nan_to_num` (numpy's `putmask` takes ~7 instructions a value)."""
+    import torch
+
+    values = torch.from_numpy(block)
+    if own:
+        return values.nan_to_num_(0.0, 0.0, 0.0).numpy()
+    return values.nan_to_num(0.0, 0.0, 0.0).numpy()
+
+
+def _count_nonfinite(block: np.ndarray, total: float, count: int, counted: list[int]) -> None:
+    """Add the NaN, +inf and -inf counts of `block` (`count` values in all, `total` its
+    sum) to `counted`: a sum of +-inf has only that infinity (a NaN or the other infinity
+    would have made it NaN), a NaN sum needs two passes."""
+    if total == math.inf:
+        counted[1] += count
+    elif total == -math.inf:
+        counted[2] += count
+    else:
+        nan = int(np.count_nonzero(np.isnan(block)))
+        posinf = int(np.count_nonzero(np.equal(block, math.inf)))
+        counted[0] += nan
+        counted[1] += posinf
+        counted[2] += count - nan - posinf
 
 
 def _extremes(values: np.ndarray) -> tuple[float, float]:
