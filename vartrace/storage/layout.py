@@ -182,18 +182,25 @@ def unescape(link: str) -> str:
     return _ESCAPED.sub(lambda match: chr(int(match.group(1) or match.group(2), 16)), link)
 
 
+def _text(attrs: Mapping[str, Any], name: str) -> str | None:
+    """The string attribute `name` of `attrs` (`None` if absent); `ValueError` if it is
+    something else."""
+    value = attrs.get(name)
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "surrogateescape")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"attribute {name} is {value!r}, not a string")
+    return value
+
+
 def reduced_from(attrs: Mapping[str, Any]) -> ReducedFrom | None:
     """The description of a site's reduced values held in its group's `attrs`, if any.
 
     Raises `ValueError` naming the attribute that is not what the writer makes.
     """
-    dtype = attrs.get(REDUCED_DTYPE)
+    dtype = _text(attrs, REDUCED_DTYPE)
     if dtype is None:
         return None
-    if isinstance(dtype, bytes):
-        dtype = dtype.decode("utf-8", "surrogateescape")
-    if not isinstance(dtype, str):
-        raise ValueError(f"attribute {REDUCED_DTYPE} is {dtype!r}, not a string")
     shape = attrs.get(REDUCED_SHAPE)
     if shape is None:
         return ReducedFrom(dtype, None)
@@ -220,13 +227,9 @@ def placement_of(attrs: Mapping[str, Any]) -> Placement | None:
 
     Raises `ValueError` naming the attribute that is not what the writer makes.
     """
-    placements = attrs.get(PLACEMENTS)
+    placements = _text(attrs, PLACEMENTS)
     if placements is None:
         return None
-    if isinstance(placements, bytes):
-        placements = placements.decode("utf-8", "surrogateescape")
-    if not isinstance(placements, str):
-        raise ValueError(f"attribute {PLACEMENTS} is {placements!r}, not a string")
     sizes = []
     for name in (MESH_SHAPE, MESH_RANKS, GLOBAL_SHAPE):
         found = np.asarray(attrs.get(name, np.zeros((0, 0))))

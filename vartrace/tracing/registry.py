@@ -8,13 +8,8 @@ when another running tracer patches the same modules, naming it;
 left running are stopped (`vartrace._support.exit`), each one that no object of the
 user's holds any more (only its own hooks on the model and vartrace's registries do)
 is named in a warning: it recorded all along, unseen.  A model called after that stop
-(a daemon thread still training) says so once (`say_late_calls`).
-
-Example:
-    ```python
-    vartrace.active_tracers()   # [<ModelTracer running on GPT: ...>, ...]
-    vartrace.stop_all()         # stops each, newest first; returns them
-    ```
+(a daemon thread still training) says so once (`say_late_calls`).  The public
+functions over it are in `vartrace.tracing.running`.
 """
 
 from __future__ import annotations
