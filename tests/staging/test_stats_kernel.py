@@ -485,13 +485,13 @@ def test_statistics_of_a_large_float32_record_cost_under_twenty_clones_of_it(
 
 @pytest.mark.slow
 @_CALLGRIND
-def test_statistics_of_a_tiny_record_cost_under_eight_clones_of_it(
+def test_statistics_of_a_tiny_record_cost_fewer_clones_than_before_the_sorted_copy(
     instruction_ratios: dict[str, float],
 ) -> None:
     """64 float32 values: the fixed cost of a record, from one sorted copy (10.1x the clone
     when it was reduced as a block of ~20 numpy and torch calls).  The clone's own cost
     moves with torch: 6.8x on Python 3.11 with torch 2.13, 8.4x on 3.12 with torch 2.15,
-    so the bound leaves that room (the test's name keeps the first bound it had)."""
+    so the bound leaves that room."""
     ratio = instruction_ratios["64"]
     assert ratio < 9.5, ratio
 
