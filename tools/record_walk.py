@@ -36,7 +36,7 @@ PACKAGE = Path(vartrace.__file__).parent
 #: The package's layers, bottom first (tests/docs/test_layout.py's LAYERS, by unit).
 LAYERS = (
     ("_support", "_version", "errors", "markers"),
-    ("engine", "trace", "reduced", "tensors"),
+    ("engine", "trace", "reduced", "placements", "tensors"),
     ("statistics",),
     ("staging", "distributed", "storage"),
     ("tracing",),

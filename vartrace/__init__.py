@@ -72,8 +72,8 @@ _LAZY = {
     "stats": "vartrace.statistics.records",
     "Statistics": "vartrace.statistics.records",
     "ReducedFrom": "vartrace.reduced",
-    "Placement": "vartrace.reduced",
-    "assemble": "vartrace.reduced",
+    "Placement": "vartrace.placements",
+    "assemble": "vartrace.placements",
     "TensorBoardCallback": "vartrace.analysis.tensorboard",
     "active_tracers": "vartrace.tracing.running",
     "stop_all": "vartrace.tracing.running",
@@ -116,7 +116,8 @@ if TYPE_CHECKING:
     from vartrace.analysis.comparison import Comparison, compare
     from vartrace.analysis.plot import plot_stat
     from vartrace.analysis.tensorboard import TensorBoardCallback
-    from vartrace.reduced import Placement, ReducedFrom, assemble
+    from vartrace.placements import Placement, assemble
+    from vartrace.reduced import ReducedFrom
     from vartrace.statistics.records import Statistics, stats
     from vartrace.storage.reader import Run, Site
     from vartrace.storage.reader import open_run as open

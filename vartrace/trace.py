@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # annotations only: this module imports none of them at run t
     import numpy as np
     import torch
 
-    from vartrace.reduced import Placement, ReducedFrom
+    from vartrace.placements import Placement
+    from vartrace.reduced import ReducedFrom
 
 from vartrace._support.warnings import warn
 

@@ -36,7 +36,8 @@ from vartrace._support import exit as _exit
 from vartrace._support import memory as _memory
 from vartrace._support.memory import held_bytes
 from vartrace.errors import WorkerError
-from vartrace.reduced import Placement, ReducedFrom
+from vartrace.placements import Placement
+from vartrace.reduced import ReducedFrom
 from vartrace.storage.site_writer import int64
 from vartrace.trace import Trace
 

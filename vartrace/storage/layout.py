@@ -90,7 +90,8 @@ from typing import Any
 
 import numpy as np
 
-from vartrace.reduced import Placement, ReducedFrom
+from vartrace.placements import Placement
+from vartrace.reduced import ReducedFrom
 
 __all__ = [
     "COMMITTED",

@@ -16,7 +16,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from vartrace.reduced import Placement, ReducedFrom
+from vartrace.placements import Placement
+from vartrace.reduced import ReducedFrom
 from vartrace.statistics.named import SUMMARY_FIELDS
 from vartrace.storage.codec import (
     IN_OTHER,

@@ -26,7 +26,8 @@ import h5py
 import numpy as np
 
 from vartrace._support.warnings import warn
-from vartrace.reduced import Placement, ReducedFrom
+from vartrace.placements import Placement
+from vartrace.reduced import ReducedFrom
 from vartrace.storage.codec import IN_OTHER, Kind, Leaf, encode, row_shapes, to_blob, unstored
 from vartrace.storage.filters import STR, UNFILTERED, Made
 from vartrace.storage.layout import (

@@ -23,7 +23,8 @@ import h5py
 import numpy as np
 
 from vartrace._support.html import block
-from vartrace.reduced import Placement, ReducedFrom
+from vartrace.placements import Placement
+from vartrace.reduced import ReducedFrom
 from vartrace.storage.codec import KIND_NAMES, decode_raw, in_values
 from vartrace.storage.guard import FREE_READ_BYTES, RunFileError, check_read, held_bytes, size_text
 from vartrace.storage.site_reader import Part

@@ -37,7 +37,8 @@ import numpy as np
 from vartrace._support import forks as _forks
 from vartrace._support import memory as _memory
 from vartrace._support.warnings import release, warn
-from vartrace.reduced import Placement, ReducedFrom
+from vartrace.placements import Placement
+from vartrace.reduced import ReducedFrom
 from vartrace.storage.background import BackgroundWriter, Handed, Item, one_by_one
 from vartrace.storage.codec import dtype_name
 from vartrace.storage.filters import Made, dataset_filters

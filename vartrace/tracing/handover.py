@@ -27,7 +27,8 @@ from vartrace.distributed.nodes import node_of_this_rank
 from vartrace.distributed.spill import Spill
 from vartrace.errors import CallbackError
 from vartrace.markers import DROP, Unstored
-from vartrace.reduced import Placements, Reductions
+from vartrace.placements import Placements
+from vartrace.reduced import Reductions
 from vartrace.trace import RunContext, Trace
 from vartrace.tracing.aliases import Aliases
 from vartrace.tracing.chunk import Chunk

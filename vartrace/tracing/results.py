@@ -17,7 +17,8 @@ from typing import Any
 
 from vartrace._support.series import every_series, series_read_as
 from vartrace._support.text import missing_site
-from vartrace.reduced import Placement, ReducedFrom
+from vartrace.placements import Placement
+from vartrace.reduced import ReducedFrom
 from vartrace.trace import Trace, join_traces
 
 __all__ = ["EverySeries", "Results"]

@@ -37,7 +37,8 @@ from vartrace.engine.patching import Hook, attach, detach
 from vartrace.engine.structures import leaves
 from vartrace.errors import CallbackError
 from vartrace.markers import DROP
-from vartrace.reduced import Placements, Reductions
+from vartrace.placements import Placements
+from vartrace.reduced import Reductions
 from vartrace.staging import BlockingStaging, OnFull, Stager, Staging, StagingStats
 from vartrace.tensors import (
     is_distributed,
