@@ -107,15 +107,20 @@ def test_a_record_allocates_one_float64_block_at_most_on_the_cpu() -> None:
     kernel's temporaries are one block's buffers (float64, bool, bfloat16 widened, numpy's
     casting buffer: under 16 bytes a value, `BLOCK` values at most), 2 MiB at most."""
     for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
-        x = torch.randn(4 << 20).to(dtype)
-        SUMMARY("site", x, 1)  # the op registered, float8's table of 256 values made
-        tracemalloc.start()
-        try:
-            SUMMARY("site", x, 1)
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        peak = _peak_of_summary(torch.randn(4 << 20).to(dtype))
         assert peak <= kernels.BLOCK * 16, (dtype, peak)
+
+
+def _peak_of_summary(x: torch.Tensor) -> int:
+    """The peak of memory Python's allocators traced while `x` was reduced, the second
+    time (the first registers the op and makes float8's table of 256 values)."""
+    SUMMARY("site", x, 1)
+    tracemalloc.start()
+    try:
+        SUMMARY("site", x, 1)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
 def test_the_op_is_traceable_and_checked_by_opcheck() -> None:
@@ -200,14 +205,7 @@ def test_plain_sums_give_way_to_centred_ones_where_they_would_cancel(
 def test_float64_values_are_reduced_where_they_lie() -> None:
     """No float64 copy of float64 values, not even a block's: their sums are read in place
     (a bool block compares them with zero)."""
-    x = torch.randn(4 << 20, dtype=torch.float64)
-    SUMMARY("site", x, 1)
-    tracemalloc.start()
-    try:
-        SUMMARY("site", x, 1)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = _peak_of_summary(torch.randn(4 << 20, dtype=torch.float64))
     assert peak <= kernels.BLOCK * 2, peak
 
 
