@@ -187,7 +187,8 @@ saver = vartrace.H5PYSaverCallback(sys.argv[1], metadata=False)
 def slow(name, trace):
     if 7 in trace.iterations:  # the exit's final hand-over: wait for the test's Ctrl-C
         print("draining", flush=True)
-        time.sleep(120)
+        for _ in range(1200):  # short sleeps: one long one can miss a signal on the main thread
+            time.sleep(0.1)
 
 
 tracer = vartrace.ModelTracer(

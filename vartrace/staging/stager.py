@@ -71,6 +71,7 @@ from typing import Any, Literal
 
 import torch
 
+from vartrace._support.waiting import TICK, join
 from vartrace._support.warnings import warn
 from vartrace.markers import Unstored
 from vartrace.staging.device import stageable, stream_module
@@ -291,7 +292,7 @@ class Stager:
             self.flush()
             with self._cv:
                 while self._unfinished and self._thread.is_alive():
-                    self._cv.wait()
+                    self._cv.wait(TICK)
         self._raise()
 
     def close(self, last: Callable[[], None] | None = None) -> None:
@@ -310,7 +311,7 @@ class Stager:
                 self._closing = True
                 self._cv.notify_all()
             if threading.current_thread() is not self._thread:
-                self._thread.join()
+                join(self._thread)
             for error in self._errors:  # after the one raised: said, not lost
                 warn(
                     f"vartrace: the staging thread also failed with "
@@ -403,7 +404,7 @@ class Stager:
                 while (inflight := self.inflight) and inflight + nbytes > self._bound:
                     if not self._thread.is_alive():
                         break
-                    self._cv.wait()
+                    self._cv.wait(TICK)
             finally:
                 self._waiting -= 1
         stats.wait_seconds += time.perf_counter() - started

@@ -35,6 +35,7 @@ from contextlib import AbstractContextManager
 from vartrace._support import exit as _exit
 from vartrace._support import memory as _memory
 from vartrace._support.memory import held_bytes
+from vartrace._support.waiting import TICK, finish, join, put
 from vartrace.errors import WorkerError
 from vartrace.placements import Placement
 from vartrace.reduced import ReducedFrom
@@ -100,22 +101,22 @@ class _Worker:
             return
         if not self._thread.is_alive():
             raise RuntimeError("the worker is stopped")
-        self._jobs.put(job)
+        put(self._jobs, job)
 
     def join(self) -> None:
         """Wait until every submitted job ran; raise the first error of one."""
-        self._jobs.join()
+        finish(self._jobs)
         self._raise()
 
     def settle(self) -> None:
         """Wait until every submitted job ran (an error stays for `submit`, `join`, `stop`)."""
-        self._jobs.join()
+        finish(self._jobs)
 
     def stop(self) -> None:
         """Run what is queued, end the thread, and raise the first error of a job."""
         if self._thread.is_alive():
-            self._jobs.put(_STOP)
-            self._thread.join()
+            put(self._jobs, _STOP)
+            join(self._thread)
         self._raise()
 
 
@@ -146,7 +147,7 @@ class BackgroundWriter:
         records (see `make_room`), or a job failed; called holding `_written`."""
         bound = max(self._largest, _BACKGROUND_BYTES)
         while self._handed and self._handed + nbytes > bound and not self._stopped:
-            self._written.wait()
+            self._written.wait(TICK)
 
     def submit(
         self,
