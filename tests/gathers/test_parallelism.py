@@ -11,6 +11,8 @@ what memory holds while gathers wait is counted with weak references to the reco
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -104,6 +106,16 @@ def test_tensor_parallel_records_assemble_into_the_whole_tensors_bit_exact(
             assert run["b.bias"].placement.placements == ("Replicate()",)
             assert run["a.forward"].placement.placements == ("Shard(dim=1)",)
             assert run["a.forward"].placement.shape == (2, 8)
+    shown = subprocess.run(  # the command line names the placement and the way to join
+        [sys.executable, "-m", "vartrace", "show", str(tmp_path / "assembled-sync.h5"), "a.weight"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert (
+        "each rank's shard of Shard(dim=0) on a mesh (2,) of ranks 0, 1, shape (8, 4): "
+        "vartrace.assemble(run['a.weight'], iteration) joins them"
+    ) in shown, shown
     for rank in range(2):  # each rank's own file says how the shards join (docs/format.md)
         with h5py.File(tmp_path / f"assembled-shards.rank{rank}.h5", "r") as file:
             attrs = file["vars"]["a.weight"].attrs

@@ -252,7 +252,13 @@ def cmd_show(args: argparse.Namespace) -> int:
         for name in progress(names, "show"):
             if len(names) > 1 and shown:
                 print_safe("")
-            shown += _show_site(source.site(name), name, args, horizon, single=len(names) == 1)
+            printed = _show_site(source.site(name), name, args, horizon, len(names) == 1)
+            shown += printed
+            if printed and (placement := run[name].placement) is not None:
+                print_safe(
+                    f"  each rank's shard of {placement}: "
+                    f"vartrace.assemble(run[{name!r}], iteration) joins them"
+                )
         if not shown:
             raise UserError(
                 f"no site of {', '.join(args.sites)} has a record at or before iteration "
