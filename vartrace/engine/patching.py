@@ -89,10 +89,12 @@ class Selector:
     renamed: frozenset[str] = frozenset()
     suffix: str = field(init=False, repr=False)
     whole: bool = field(init=False, repr=False)
+    key: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Computed once: what every call would otherwise recompute.
         object.__setattr__(self, "suffix", self.tag + ("@grad" if self.grad else ""))
+        object.__setattr__(self, "key", self.site + self.suffix)  # the whole value's name
         object.__setattr__(self, "whole", self.pattern.accepts(self.states))
 
     def emit(self, value: Any, sink: Sink, seen: set[str] | None) -> None:
@@ -103,7 +105,7 @@ class Selector:
         """
         # The common case: one leaf (a tensor), as it is.
         if self.whole and (type(value) in leaf_types or is_leaf(value)):
-            name = self.site + self.suffix
+            name = self.key
             if seen is not None:
                 if name in seen:
                     return
