@@ -304,6 +304,22 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     """
     if isinstance(value, torch.Tensor):
         try:  # every operation on the value: a subclass may implement only a few ops
+            if (
+                # The common case, a plain dense CPU tensor below MAP_FROM for the CPU: `.data`
+                # detaches it for less than `detach()` (torch.func refuses it: not for a
+                # transformed tensor), and the clone of a contiguous tensor is contiguous.
+                type(value) is torch.Tensor
+                and value.is_cpu
+                and device == _CPU
+                and value.layout is torch.strided
+                and not value.is_nested
+                and value.nbytes < MAP_FROM
+                and not is_transformed(value)
+            ):
+                plain = value.data
+                if plain.is_contiguous():
+                    return plain.clone()
+                return plain.clone(memory_format=torch.contiguous_format)
             detached = value.detach()
             if type(detached) is not torch.Tensor:
                 if is_distributed(detached):
