@@ -60,6 +60,8 @@ _MAX_EXPANDED_BYTES = 1 << 30
 _NO_STORAGE = "a tensor subclass wrapping other tensors, with no storage of its own"
 # Compared with ``==``: reading ``device.type`` builds a str, about a microsecond a record.
 _CPU = torch.device("cpu")
+_TENSOR = torch.Tensor  # module constants: read on every record
+_STRIDED = torch.strided
 _MAX_STATE_DEPTH = 8
 _MAX_STATE_OBJECTS = 4096  # an object reaching a whole program (a trainer) is not walked further
 
@@ -304,6 +306,22 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     """
     if isinstance(value, torch.Tensor):
         try:  # every operation on the value: a subclass may implement only a few ops
+            if (
+                # The common case, a plain dense CPU tensor below MAP_FROM for the CPU: `.data`
+                # detaches it for less than `detach()` (torch.func refuses it: not for a
+                # transformed tensor), and the clone of a contiguous tensor is contiguous.
+                type(value) is _TENSOR
+                and value.is_cpu
+                and device == _CPU
+                and value.layout is _STRIDED
+                and not value.is_nested
+                and value.nbytes < MAP_FROM
+                and not is_transformed(value)
+            ):
+                plain = value.data
+                if plain.is_contiguous():
+                    return plain.clone()
+                return plain.clone(memory_format=torch.contiguous_format)
             detached = value.detach()
             if type(detached) is not torch.Tensor:
                 if is_distributed(detached):
@@ -463,9 +481,10 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def same(a: Any, b: Any) -> bool:
     """Whether two recorded copies are identical, bit for bit."""
-    if type(a) is not type(b):
+    kind = type(a)
+    if kind is not type(b):
         return False
-    if isinstance(a, torch.Tensor):
+    if kind is _TENSOR or isinstance(a, torch.Tensor):
         if a.is_nested or b.is_nested:  # components may differ in shape: no single one
             return _same_nested(a, b)
         dtype = a.dtype
@@ -476,15 +495,15 @@ def same(a: Any, b: Any) -> bool:
             # byte, where torch.equal on integer views costs two views and a dispatch.  The
             # fewest tensor attribute reads first: each costs about a microsecond in a step.
             # A subclass's data may be no storage at all (a wrapper's data_ptr() is 0).
-            type(a) is torch.Tensor
+            kind is _TENSOR
             and a.is_cpu
             and b.is_cpu
-            and memcmp is not None
             and dtype not in _NOT_BYTEWISE
-            and a.layout is torch.strided
-            and b.layout is torch.strided
+            and a.layout is _STRIDED
+            and b.layout is _STRIDED
             and a.is_contiguous()
             and b.is_contiguous()
+            and memcmp is not None
         ):
             size = a.nbytes
             return size == 0 or memcmp(a.data_ptr(), b.data_ptr(), size) == 0
@@ -499,9 +518,9 @@ def same(a: Any, b: Any) -> bool:
             return False
     if isinstance(a, (np.ndarray, np.generic)) and not a.dtype.hasobject:
         return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
-    if type(a) is float:
+    if kind is float:
         return _FLOAT.pack(a) == _FLOAT.pack(b)
-    if type(a) is complex:
+    if kind is complex:
         return _COMPLEX.pack(a.real, a.imag) == _COMPLEX.pack(b.real, b.imag)
     try:
         return bool(a == b)

@@ -271,3 +271,21 @@ def test_a_tensor_subclass_without_storage_is_a_marker_never_a_crash(tmp_path: P
         assert all(isinstance(value, vartrace.Unstored) for value in values), values
         assert "TwoTensor of shape (3,): cannot copy it (a tensor subclass" in str(values[0])
     assert sum("TwoTensor" in str(w.message) for w in caught) >= 1
+
+
+def test_a_tensor_inside_a_torch_func_transform_is_copied_not_marked() -> None:
+    """The copy of a plain CPU tensor detaches it with `.data`, which torch.func refuses:
+    a tensor that `vmap` wraps (its type is still `torch.Tensor`) takes `detach()`."""
+    from vartrace.tensors import copy_leaf
+
+    copies: list[object] = []
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        copies.append(copy_leaf(x * 2, torch.device("cpu"), "scaled"))
+        return x
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.func.vmap(scaled)(torch.ones(3, 2))
+    assert isinstance(copies[0], torch.Tensor)
+    assert not isinstance(copies[0], vartrace.Unstored)

@@ -301,7 +301,11 @@ class _Watch:
         if self.every:
             self.line(frame, None)
         f_locals = frame.f_locals
-        self.snapshot = {n: f_locals[n] for n in self.names if n in f_locals}
+        snapshot: dict[str, Any] = {}
+        for name in self.names:  # a loop: a comprehension is a call of its own before 3.12
+            if name in f_locals:
+                snapshot[name] = f_locals[name]
+        self.snapshot = snapshot
         self.done = True
 
 
@@ -362,9 +366,9 @@ class SettraceCore(FrameCore):
         try:
             result = function(*args, **kwargs)
         except BaseException:
-            tracer.release(returned=False)
+            tracer.release(False)
             raise
-        tracer.release(returned=True)
+        tracer.release(True)
         return result, watch.snapshot
 
 

@@ -89,10 +89,12 @@ class Selector:
     renamed: frozenset[str] = frozenset()
     suffix: str = field(init=False, repr=False)
     whole: bool = field(init=False, repr=False)
+    key: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Computed once: what every call would otherwise recompute.
         object.__setattr__(self, "suffix", self.tag + ("@grad" if self.grad else ""))
+        object.__setattr__(self, "key", self.site + self.suffix)  # the whole value's name
         object.__setattr__(self, "whole", self.pattern.accepts(self.states))
 
     def emit(self, value: Any, sink: Sink, seen: set[str] | None) -> None:
@@ -103,7 +105,7 @@ class Selector:
         """
         # The common case: one leaf (a tensor), as it is.
         if self.whole and (type(value) in leaf_types or is_leaf(value)):
-            name = self.site + self.suffix
+            name = self.key
             if seen is not None:
                 if name in seen:
                     return
@@ -121,6 +123,14 @@ class Selector:
                     continue
                 seen.add(name)
             sink(name, leaf, self.grad)
+
+
+def _at_return_only(probe: Probe) -> bool:
+    """Whether `probe` reads only locals at return, none of them twice (`_Patch._call`'s
+    short path)."""
+    return bool(probe.exit) and not (
+        probe.entry or probe.every or probe.returns or probe.calls or probe.dedupe
+    )
 
 
 def _overlap(selectors: tuple[Selector, ...]) -> bool:
@@ -374,6 +384,7 @@ class _Patch:
         self.name = name
         self.code = code
         self.hooks: tuple[Hook, ...] = ()
+        self.at_return: Hook | None = None  # the one hook, when it reads locals at return only
         self.original = vars(instance).get(name, _MISSING)
         bound = getattr(instance, name)
         self.binder = _Binder(bound, f"{type(instance).__name__}.{name}")
@@ -438,6 +449,7 @@ class _Patch:
                 _core.disarm(code, bool(armed_lines), callee=True)
         self.callees = wanted
         self._callee_handlers = ((), {})
+        self.at_return = hooks[0] if len(hooks) == 1 and _at_return_only(hooks[0].probe) else None
         armed = (bool(frame), bool(every))
         if armed != self.armed:
             if armed[0]:
@@ -462,6 +474,24 @@ class _Patch:
         self.clean.forget(self.name)
 
     def _call(self, wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        hook = self.at_return
+        if hook is not None:
+            # The common case, decided at `set_hooks`: one hook, locals read at return.
+            hook.calls += 1
+            if hook.on_enter is None or not hook.on_enter():
+                if not (hook.enabled and hook.captures):
+                    return wrapped(*args, **kwargs)
+                result, snapshot = _core.run(
+                    self.code, self.frame_names, (), None, wrapped, args, kwargs
+                )
+                if snapshot:
+                    for selector in hook.probe.exit:
+                        value = snapshot.get(selector.variable, _MISSING)  # type: ignore[arg-type]
+                        if value is not _MISSING:
+                            selector.emit(value, hook.sink, None)
+                return result
+            active = [(hook, None)] if hook.enabled and hook.captures else []
+            return self._leaving([hook], active, wrapped, args, kwargs)  # type: ignore[arg-type]
         # Plain loops, no comprehension: each is a function call of its own before 3.12.
         hooks = self.hooks
         leaving: list[Hook] = []
@@ -477,6 +507,17 @@ class _Patch:
             return (
                 self._capture(active, wrapped, args, kwargs) if active else wrapped(*args, **kwargs)
             )
+        return self._leaving(leaving, active, wrapped, args, kwargs)
+
+    def _leaving(
+        self,
+        leaving: list[Hook],
+        active: list[tuple[Hook, set[str] | None]],
+        wrapped: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """A call that `leaving` hooks' `on_enter` began: their `on_exit` follows it."""
         failed = True
         try:
             result = (

@@ -620,6 +620,10 @@ class ModelTracer:
             return  # another thread's iteration enabled the hooks
         if grad:
             self._gradients.watch(site, value, iteration)
+        elif type(value) is torch.Tensor and not self._hooks.pre_save and not is_transformed(value):
+            # The common case, a plain tensor and no pre-save callback: what `_store` would
+            # do with it after its checks (no DTensor, nothing to transform or call back).
+            self._stager.admit(site, value, iteration)
         elif isinstance(value, torch.Tensor):
             self._store(site, value, iteration)
         else:
