@@ -11,10 +11,12 @@ Example:
         train(model)
     ```
 
-Each call appends the chunk's records to the site's datasets and empties the
-chunk, so memory stays bounded; the tracer calls [`flush`][vartrace.H5PYSaverCallback.flush]
-once after each gather.  The file is written in HDF5's SWMR mode: a process
-killed at any moment leaves a file holding every record flushed before, and
+Each call takes the chunk's records of a site and empties the chunk, so memory stays
+bounded; the tracer hands each gather to the saver's writer thread
+([`flush_later`][vartrace.H5PYSaverCallback.flush_later]), which appends the records to
+the sites' datasets and commits them, in order, while the next step runs.  The file is
+written in HDF5's SWMR mode: a process killed at any moment leaves a file holding every
+record committed before (at most the gather being written and one queued are lost), and
 `vartrace.open` (or `h5py.File(path, "r", swmr=True)`) can read a file
 while it is being written.
 """
@@ -108,29 +110,37 @@ class H5PYSaverCallback:
         metadata: store the run's metadata under `/meta` when the file is created;
             `False`: none; a dict of options, e.g. `{"git_diff": False}`: all of it but
             the uncommitted git diff (see `vartrace.storage.collect_metadata`).
-        background: write on a thread of the saver's own.  Each call only takes the
-            records over; `flush` (once per gather) hands the gather to the thread
-            and returns, so the training step pays the hand-over, not the write,
-            while the thread keeps up.  The records the thread has not written yet
-            and those the tracer gathers add up to at most the largest gather (or
-            64 MiB if more), each record let go once written: a step whose record
-            would pass that waits until the thread has written enough of the
-            previous gathers (`make_room`; with the tracer's `staging="sync"`, a
-            model on the CPU), and so does a `flush` otherwise.  So host memory
-            stays near one gather, as in the foreground, and a step waits only
-            when the thread falls behind.  With `staging="async"` (a model on an
-            accelerator) the staging thread waits in `make_room` instead, before it
-            keeps each record; the step waits (or drops, `on_full="drop"`) only once
-            records in flight reach `max_inflight_bytes` behind it.  A process killed
-            meanwhile loses the gathers not yet committed (at most about one gather
-            more than in the foreground), besides what the tracer buffered; every
-            record committed stays readable.  A tracer that stops waits for the
-            thread (it reads `failure`), and so do `flush(wait=True)`, `datasets` and
-            `close`; h5py releases the GIL while HDF5 writes.  The default, `False`,
-            writes on the caller's thread: `flush` returns once the gather is
-            durable.  An error of the thread is raised by the next
-            `flush` or by `close`, as `vartrace.storage.WorkerError`
-            (the original exception is its `__cause__`).
+        background: where the records are written.  `None` (the default): records a
+            tracer gathers are written on a thread of the saver's own, a gather handed
+            to it at each `flush_later` (the tracer's call after a gather), so the
+            training step pays the hand-over, not the write; once a tracer started the
+            saver (`on_start`), `flush()` also hands the records over and returns when
+            they are durable.  A saver no tracer started (called by hand) writes on the
+            caller's thread, as with `False`.  `True`: every call only takes the records
+            over, and `flush()` hands them to the thread and returns (`flush(wait=True)`
+            waits).  `False`: written on the caller's thread, each call as it comes;
+            `flush` returns once the gather is durable.
+            On the thread, the records not written yet and those the tracer gathers add
+            up to at most the largest gather (or 64 MiB if more), each record let go
+            once written: a step whose record would pass that waits until the thread
+            has written enough of the previous gathers (`make_room`; with the tracer's
+            `staging="sync"`, a model on the CPU), and so does a hand-over otherwise.
+            So host memory stays near one gather, as in the foreground, and a step
+            waits only when the thread falls behind.  With `staging="async"` (a model
+            on an accelerator) the staging thread waits in `make_room` instead, before
+            it keeps each record; the step waits (or drops, `on_full="drop"`) only once
+            records in flight reach `max_inflight_bytes` behind it.  The thread writes
+            and commits the gathers in order, each durable once committed: a process
+            killed (SIGKILL) loses only the gathers handed over and not committed yet,
+            at most the one being written and one queued, besides what the tracer had
+            not gathered; every record committed stays readable.  A tracer that stops
+            waits for the thread, and so do `flush()` (but with `background=True`),
+            `datasets`, `close` and the interpreter's exit; h5py releases the GIL
+            while HDF5 writes.  A write that fails on the thread (a full disk) stops
+            the saver with one warning naming the file and the cause, as in the
+            foreground; another error of the thread is raised by the next `flush`
+            or by `close`, as `vartrace.storage.WorkerError` (the original exception
+            is its `__cause__`).
 
     The file is opened lazily: by `on_start` (the tracer calls it when it starts)
     or by the first call.  In a gathered multi-rank run only rank 0 writes; the saver
@@ -150,7 +160,7 @@ class H5PYSaverCallback:
         compression_opts: Any = None,
         shuffle: bool = False,
         metadata: bool | Mapping[str, Any] = True,
-        background: bool = False,
+        background: bool | None = None,
     ) -> None:
         if overwrite and append:
             raise ValueError("overwrite=True and append=True exclude each other")
@@ -178,6 +188,9 @@ class H5PYSaverCallback:
         self._closed = False
         self._created = False  # this saver created the file (and removes it if it stays empty)
         self.background = background
+        # Calls take the records over for the writer thread (with `None`: once a tracer
+        # started the saver), rather than write them.
+        self._threaded = background is True
         # Records (aliases: their target's name; `reduced`) taken over, not yet handed to
         # the thread.
         self._pending: list[tuple[str, Item]] = []
@@ -194,9 +207,12 @@ class H5PYSaverCallback:
     # -- lifecycle ------------------------------------------------------------------------
 
     def on_start(self, context: RunContext) -> None:
-        """Open the file for this rank (called by the tracer before the first record)."""
+        """Open the file for this rank (called by the tracer before the first record); with
+        `background=None`, write on the saver's thread from now on."""
         self._check_process()
         _UNUSED.discard(self)
+        if self.background is None:
+            self._threaded = True
         if self._file is not None or self._closed:
             return
         self._context = context
@@ -265,18 +281,19 @@ class H5PYSaverCallback:
             meta = collect_metadata(self._context.world_size, **self._metadata)
         return create_file(path, self._format, self._context, meta)
 
-    def flush(self, *, wait: bool = False) -> None:
-        """Make every record taken so far durable in the file (the tracer calls it per gather).
+    def flush(self, *, wait: bool | None = None) -> None:
+        """Make every record taken so far durable in the file.
 
         HDF5 writes out the records first; then the per-site record counts that
         readers trust are rewritten in place.  A process killed at any moment
         leaves every record of the last completed flush readable, and nothing
-        half-written visible.  With `background=True` the records are handed
-        to the writer thread, which writes and commits them; `wait=True` then
-        also waits until it has.
+        half-written visible.  On the caller's thread (`background=False`, or a
+        saver no tracer started) it returns once they are.  Otherwise the records
+        are handed to the writer thread, which writes and commits them, and `flush`
+        waits until it has, unless `wait=False` (the default with `background=True`).
         """
         with self._lock:
-            if not self.background:
+            if not self._threaded:
                 with interrupts_held(), self._guard():
                     self._commit()
                 self._release()
@@ -285,12 +302,20 @@ class H5PYSaverCallback:
                 batch, self._pending = self._pending, []
                 name = f"vartrace-writer {self.path.name}"
                 self._thread.submit(batch, self._write, name=name, at_exit=self.close)
-        if wait:
+        if wait if wait is not None else self.background is not True:
             self._thread.join()
 
+    def flush_later(self) -> None:
+        """Hand the records taken so far to the writer thread, which writes and commits
+        them after those handed before, and return without waiting (the tracer calls it
+        after each gather but its last, which calls `flush`).  On the caller's thread
+        (`background=False`) it is `flush`.
+        """
+        self.flush(wait=False)
+
     def make_room(self, nbytes: int) -> None:
-        """With `background=True`, wait until `nbytes` of records fit beside those the
-        writer thread has not written yet (the tracer calls it before it copies a record,
+        """When the records go to the writer thread, wait until `nbytes` of records fit
+        beside those it has not written yet (the tracer calls it before it copies a record,
         with the bytes of its chunk and of the record).
 
         They fit when they add up to at most the largest gather handed to the thread
@@ -300,7 +325,7 @@ class H5PYSaverCallback:
         the thread holds nothing or once a job of the thread failed (the next `flush`
         raises its error).
         """
-        if self.background:
+        if self._threaded:
             self._thread.make_room(nbytes)
 
     def _write(self, handed: Handed) -> None:
@@ -333,7 +358,7 @@ class H5PYSaverCallback:
     def close(self) -> None:
         """Flush and close the file; later records raise.  Safe to call twice.
 
-        With `background=True` it first waits for the writer thread, and raises
+        With a writer thread it first waits for it, and raises
         its error, if it had one, after closing the file.  The file is closed
         whatever happens.  A write that fails (a full disk) raises nothing: it
         was warned about once and is kept in `failure`.  Then the warnings
@@ -347,8 +372,8 @@ class H5PYSaverCallback:
     def _close(self) -> None:
         _UNUSED.discard(self)
         try:
-            if self.background:
-                self.flush()  # hands over what was taken since the last flush
+            if self._threaded:
+                self.flush(wait=False)  # hands over what was taken since the last flush
             self._thread.stop()
         finally:
             self._closed = True
@@ -392,8 +417,8 @@ class H5PYSaverCallback:
         """The write failure (a full disk, a file-size limit) that stopped this saver, or `None`.
 
         After it the saver writes nothing more: later records are dropped, and
-        the file holds every record flushed before.  With `background=True` it first
-        waits for the records handed to the writer thread (a tracer reads it as it
+        the file holds every record flushed before.  With a writer thread it first
+        waits for the records handed to it (a tracer reads it as it
         stops: the run's records are then in the file).  Example:
 
         ```python
@@ -478,7 +503,7 @@ class H5PYSaverCallback:
                 return
             if not len(trace):
                 return
-            if self.background:
+            if self._threaded:
                 taken = Trace(
                     trace.values, trace.iterations, trace.ranks, trace.order, trace.shapes
                 )
@@ -496,7 +521,7 @@ class H5PYSaverCallback:
         lists `name` (`run.aliases` maps it to `target`) and `run[name]` reads
         `target`'s records.  Records that later arrive for `name` itself make it an
         ordinary site from then on (the earlier ones stay readable under `target`).
-        Like a call, it is ordered with the records (`background=True` included);
+        Like a call, it is ordered with the records (on the writer thread included);
         it takes effect at the next flush.  Example:
 
         ```python
@@ -508,13 +533,13 @@ class H5PYSaverCallback:
 
     def _take(self, name: str, fact: str | ReducedFrom | Placement) -> None:
         """Write a fact about site `name` (an alias's target, `reduced`, `placed`), or with
-        `background=True` queue it, ordered with the records."""
+        a writer thread queue it, ordered with the records."""
         _UNUSED.discard(self)
         with self._lock, interrupts_held():
             if self._failure is not None:  # the saver stopped writing
                 return
             self._open()
-            if self.background:
+            if self._threaded:
                 self._pending.append((name, fact))
             else:
                 with self._guard():
@@ -555,7 +580,7 @@ class H5PYSaverCallback:
     def datasets(self) -> Mapping[str, h5py.Dataset]:
         """Site name -> its `values` dataset (opened when looked up), while the file is open.
 
-        With `background=True`, it first waits for the records handed to the thread.
+        With a writer thread, it first waits for the records handed to the thread.
         """
         self._thread.join()
         return SiteDatasets(self._file)
