@@ -15,8 +15,10 @@ measured steps only, and the table counts the **training thread alone** (callgri
 thread 1): what the step waits for.  The contenders:
 
 - ``no saver``: the chunk discarded after each gather (what the tracer costs by itself);
-- ``saver (default)``: ``H5PYSaverCallback(path)`` as a user makes it;
-- ``saver, background=False`` / ``background=True``: the two ways of writing, named.
+- ``saver (default)``: ``H5PYSaverCallback(path)`` as a user makes it: the tracer hands
+  each gather to the saver's writer thread (``flush_later``);
+- ``saver, background=False`` / ``background=True``: written in the step / every call
+  taken over for the writer thread, named.
 
 The ``all threads`` column adds the saver's writer thread (and any other), so the work
 moved off the training thread is still counted somewhere.

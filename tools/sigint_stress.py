@@ -122,7 +122,7 @@ def _child(path: Path, fd: int, log: Path, sites: int) -> None:
     errors = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(errors, 2)
     model = _Multiples(sites)
-    saver = H5PYSaverCallback(path, metadata=False)
+    saver = H5PYSaverCallback(path, metadata=False, background=False)
     callbacks = [_Marker(fd, b"w\n", b""), saver, _Marker(fd, b"", b"d\n")]
     outcome = b"finished\n"
     try:

@@ -195,18 +195,26 @@ class SaverCallback(Protocol):
     def flush(self) -> None:
         """Make what the calls of this gather handed over durable or visible; called
         once after each gather whose records went through the post-gather callbacks
-        (the thread that ran them: the training thread, or the staging thread)."""
+        (the thread that ran them: the training thread, or the staging thread), in
+        place of `flush_later` when the sink lacks it, and after the tracer's last
+        gather, when it returns only once everything handed over is durable."""
+
+    def flush_later(self) -> None:
+        """Start making what the calls of this gather handed over durable, and return
+        without waiting (a sink writing on a thread of its own hands the gather to it);
+        called in place of `flush` after each gather but the tracer's last."""
 
     def make_room(self, nbytes: int) -> None:
         """Wait until `nbytes` of records, the tracer's chunk with the record about to
         be kept, fit beside those the sink still holds (used only when `background`
-        is `True`).  Called for each record: on the capturing thread before the copy
+        is `True`, or `None` with a `flush_later`).  Called for each record: on the capturing thread before the copy
         with `staging="sync"`, on the staging thread before keeping it with `"async"`."""
 
     @property
-    def background(self) -> bool:
+    def background(self) -> bool | None:
         """Whether the sink writes on a thread of its own, so that records must wait for
-        it in `make_room` (only `True`, not any true value, turns that on)."""
+        it in `make_room`: `True` (only `True`, not any true value), or `None` for a
+        sink that does so for what a tracer hands it with `flush_later`."""
 
     @property
     def failure(self) -> BaseException | None:

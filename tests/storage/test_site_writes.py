@@ -113,7 +113,7 @@ def test_a_closing_file_evicts_its_metadata_before_hdf5_empties_the_cache(tmp_pa
     saver.flush()
     handle = saver._file
     assert handle is not None
-    saver._sites.clear()
+    saver._appender.sites.clear()
     held = handle.id.get_mdc_size()[2]  # bytes of its entries
     _shrink_metadata_cache(handle)
     assert handle.id.get_mdc_size()[2] <= _CLOSING_CACHE < held / 4, held

@@ -294,7 +294,8 @@ import vartrace
 from vartrace import H5PYSaverCallback, ModelTracer
 
 AT, WHERE = 4, sys.argv[2]
-WRITER = os.path.join("vartrace", "storage", "writer.py")
+# the saver and the writing into its open file
+WRITER = tuple(os.path.join("vartrace", "storage", name) for name in ("writer.py", "appender.py"))
 signal.signal(signal.SIGINT, signal.default_int_handler)  # also under a parent ignoring it
 landed = []
 
@@ -334,7 +335,7 @@ class Net(nn.Module):
 
 
 model = Net()
-saver = H5PYSaverCallback(sys.argv[1], metadata=False)
+saver = H5PYSaverCallback(sys.argv[1], metadata=False, background=False)
 outcome, reached = "finished", 0
 try:
     with saver, ModelTracer(model, ["forward"], post_gather_callbacks=[saver]):

@@ -99,7 +99,8 @@ _FILL = textwrap.dedent(
             return big
 
     path, limit = sys.argv[1], int(sys.argv[2])
-    background, at_exit = sys.argv[3] == "1", sys.argv[4] == "1"
+    background = {"1": True, "0": False, "-": None}[sys.argv[3]]
+    at_exit = sys.argv[4] == "1"
     if limit:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
@@ -153,10 +154,11 @@ def small_disk(request: Any, tmp_path: Path) -> Iterator[tuple[Path, int]]:
 
 
 def _fill(
-    path: Path, limit: int, *, background: bool, at_exit: bool, warnings: str = "default"
+    path: Path, limit: int, *, background: bool | None, at_exit: bool, warnings: str = "default"
 ) -> tuple[str, str]:
-    """Run the filling script; its stdout and stderr."""
-    flags = ["1" if background else "0", "1" if at_exit else "0"]
+    """Run the filling script (`background=None`: the saver's default); its stdout and
+    stderr."""
+    flags = [{True: "1", False: "0", None: "-"}[background], "1" if at_exit else "0"]
     done = run_script(_FILL, str(path), str(limit), *flags, flags=["-W", warnings])
     assert done.stdout.endswith("closed\n"), done.stdout
     return done.stdout, done.stderr
@@ -177,11 +179,23 @@ def _cause(limit: int) -> tuple[int, str]:
 
 @pytest.mark.parametrize(
     ("background", "warnings"),
-    [(False, "default"), (True, "default"), (False, "error")],
-    ids=["foreground", "background", "warnings-as-errors"],
+    [
+        (False, "default"),
+        (True, "default"),
+        (False, "error"),
+        (None, "default"),
+        (None, "error"),
+    ],
+    ids=[
+        "foreground",
+        "background",
+        "warnings-as-errors",
+        "writer-thread",
+        "writer-thread-warnings-as-errors",
+    ],
 )
 def test_a_full_disk_stops_the_saver_and_training_goes_on(
-    small_disk: tuple[Path, int], background: bool, warnings: str
+    small_disk: tuple[Path, int], background: bool | None, warnings: str
 ) -> None:
     directory, limit = small_disk
     path = directory / "run.h5"

@@ -186,6 +186,7 @@ saver = vartrace.H5PYSaverCallback(sys.argv[1], metadata=False)
 
 def slow(name, trace):
     if 7 in trace.iterations:  # the exit's final hand-over: wait for the test's Ctrl-C
+        saver.flush()  # the gathers before are durable (the writer thread may hold them)
         print("draining", flush=True)
         for _ in range(1200):  # short sleeps: one long one can miss a signal on the main thread
             time.sleep(0.1)

@@ -433,6 +433,7 @@ def test_recipe_every_module_output_and_grad_of_a_12_layer_model(tmp_path: Any) 
                 optimizer.step()
                 optimizer.zero_grad()
                 if step in (8, steps):
+                    saver.flush()  # the gathers written (on the saver's writer thread)
                     gc.collect()  # cyclic garbage awaiting collection varies by +-100 KiB
                     held.append(tracemalloc.get_traced_memory()[0])
     finally:

@@ -329,6 +329,41 @@ def test_gathering_interval_chunks_and_flush() -> None:
     assert tracer.results["head.forward"].iterations == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.warnings_as_errors
+@pytest.mark.parametrize("steps", [4, 5])
+def test_a_sink_with_flush_later_is_handed_each_gather_and_flushed_once_at_the_stop(
+    steps: int,
+) -> None:
+    """Every gather but the last goes to `flush_later` (a writer thread's hand-over, not a
+    wait); the stop's last gather calls `flush`, also when it gathers nothing (4 steps)."""
+    calls: list[str] = []
+
+    class Sink:
+        background = None  # writes on a thread of its own what a tracer hands it
+        waited: list[int] = []
+
+        def __call__(self, name: str, trace: Trace) -> None:
+            calls.append(f"records {list(trace.iterations)}")
+            trace.clear()
+
+        def make_room(self, nbytes: int) -> None:
+            self.waited.append(nbytes)
+
+        def flush_later(self) -> None:
+            calls.append("flush_later")
+
+        def flush(self) -> None:
+            calls.append("flush")
+
+    sink = Sink()
+    model = TinyTransformer()
+    with ModelTracer(model, ["head"], post_gather_callbacks=[sink], gathering_interval=2):
+        _train(model, steps)
+    later = ["records [1, 2]", "flush_later", "records [3, 4]", "flush_later"]
+    assert calls == later + (["records [5]", "flush"] if steps == 5 else ["flush"])
+    assert len(sink.waited) == steps  # each record made room first
+
+
 def test_callback_that_empties_chunk_keeps_nothing_in_memory() -> None:
     model = TinyTransformer()
     with ModelTracer(model, ["head"], post_gather_callbacks=[lambda n, t: t.clear()]) as tracer:

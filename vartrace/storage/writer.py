@@ -11,10 +11,12 @@ Example:
         train(model)
     ```
 
-Each call appends the chunk's records to the site's datasets and empties the
-chunk, so memory stays bounded; the tracer calls [`flush`][vartrace.H5PYSaverCallback.flush]
-once after each gather.  The file is written in HDF5's SWMR mode: a process
-killed at any moment leaves a file holding every record flushed before, and
+Each call takes the chunk's records of a site and empties the chunk, so memory stays
+bounded; the tracer hands each gather to the saver's writer thread
+([`flush_later`][vartrace.H5PYSaverCallback.flush_later]), which appends the records to
+the sites' datasets and commits them, in order, while the next step runs.  The file is
+written in HDF5's SWMR mode: a process killed at any moment leaves a file holding every
+record committed before (at most the gather being written and one queued are lost), and
 `vartrace.open` (or `h5py.File(path, "r", swmr=True)`) can read a file
 while it is being written.
 """
@@ -32,22 +34,19 @@ from pathlib import Path
 from typing import Any
 
 import h5py
-import numpy as np
 
 from vartrace._support import forks as _forks
 from vartrace._support import memory as _memory
 from vartrace._support.warnings import release, warn
 from vartrace.placements import Placement
 from vartrace.reduced import ReducedFrom
-from vartrace.storage.background import BackgroundWriter, Handed, Item, one_by_one
+from vartrace.storage.appender import Appender
+from vartrace.storage.background import BackgroundWriter, Handed, Item
 from vartrace.storage.codec import dtype_name
 from vartrace.storage.filters import Made, dataset_filters
 from vartrace.storage.layout import (
-    FIRST_ORDER,
     FORMAT_ATTR,
     FORMAT_VERSION,
-    LAST_TAGS,
-    escape,
 )
 from vartrace.storage.lifecycle import (
     close_after_failure,
@@ -57,24 +56,15 @@ from vartrace.storage.lifecycle import (
     last_tags,
     open_for_writing,
     os_error,
-    shift_past,
     shrink_metadata_cache,
     size_metadata_cache,
     written_path,
 )
-from vartrace.storage.manifest_writer import ManifestWriter
 from vartrace.storage.metadata import collect_metadata, metadata_options
-from vartrace.storage.root_index import RootIndex
 from vartrace.storage.site_datasets import SiteDatasets
-from vartrace.storage.site_writer import SiteWriter, describe, int64
 from vartrace.trace import RunContext, Trace, report_during
 
 __all__ = ["H5PYSaverCallback", "unused_savers"]
-
-# Sites whose datasets stay open between gathers (about 200 KiB of HDF5 memory each).
-# Beyond this the least recently written are closed and reopened when written (about 2 ms).
-_OPEN_SITES = 2048
-
 
 _UNUSED: weakref.WeakSet[H5PYSaverCallback] = weakref.WeakSet()
 
@@ -120,29 +110,37 @@ class H5PYSaverCallback:
         metadata: store the run's metadata under `/meta` when the file is created;
             `False`: none; a dict of options, e.g. `{"git_diff": False}`: all of it but
             the uncommitted git diff (see `vartrace.storage.collect_metadata`).
-        background: write on a thread of the saver's own.  Each call only takes the
-            records over; `flush` (once per gather) hands the gather to the thread
-            and returns, so the training step pays the hand-over, not the write,
-            while the thread keeps up.  The records the thread has not written yet
-            and those the tracer gathers add up to at most the largest gather (or
-            64 MiB if more), each record let go once written: a step whose record
-            would pass that waits until the thread has written enough of the
-            previous gathers (`make_room`; with the tracer's `staging="sync"`, a
-            model on the CPU), and so does a `flush` otherwise.  So host memory
-            stays near one gather, as in the foreground, and a step waits only
-            when the thread falls behind.  With `staging="async"` (a model on an
-            accelerator) the staging thread waits in `make_room` instead, before it
-            keeps each record; the step waits (or drops, `on_full="drop"`) only once
-            records in flight reach `max_inflight_bytes` behind it.  A process killed
-            meanwhile loses the gathers not yet committed (at most about one gather
-            more than in the foreground), besides what the tracer buffered; every
-            record committed stays readable.  A tracer that stops waits for the
-            thread (it reads `failure`), and so do `flush(wait=True)`, `datasets` and
-            `close`; h5py releases the GIL while HDF5 writes.  The default, `False`,
-            writes on the caller's thread: `flush` returns once the gather is
-            durable.  An error of the thread is raised by the next
-            `flush` or by `close`, as `vartrace.storage.WorkerError`
-            (the original exception is its `__cause__`).
+        background: where the records are written.  `None` (the default): records a
+            tracer gathers are written on a thread of the saver's own, a gather handed
+            to it at each `flush_later` (the tracer's call after a gather), so the
+            training step pays the hand-over, not the write; once a tracer started the
+            saver (`on_start`), `flush()` also hands the records over and returns when
+            they are durable.  A saver no tracer started (called by hand) writes on the
+            caller's thread, as with `False`.  `True`: every call only takes the records
+            over, and `flush()` hands them to the thread and returns (`flush(wait=True)`
+            waits).  `False`: written on the caller's thread, each call as it comes;
+            `flush` returns once the gather is durable.
+            On the thread, the records not written yet and those the tracer gathers add
+            up to at most the largest gather (or 64 MiB if more), each record let go
+            once written: a step whose record would pass that waits until the thread
+            has written enough of the previous gathers (`make_room`; with the tracer's
+            `staging="sync"`, a model on the CPU), and so does a hand-over otherwise.
+            So host memory stays near one gather, as in the foreground, and a step
+            waits only when the thread falls behind.  With `staging="async"` (a model
+            on an accelerator) the staging thread waits in `make_room` instead, before
+            it keeps each record; the step waits (or drops, `on_full="drop"`) only once
+            records in flight reach `max_inflight_bytes` behind it.  The thread writes
+            and commits the gathers in order, each durable once committed: a process
+            killed (SIGKILL) loses only the gathers handed over and not committed yet,
+            at most the one being written and one queued, besides what the tracer had
+            not gathered; every record committed stays readable.  A tracer that stops
+            waits for the thread, and so do `flush()` (but with `background=True`),
+            `datasets`, `close` and the interpreter's exit; h5py releases the GIL
+            while HDF5 writes.  A write that fails on the thread (a full disk) stops
+            the saver with one warning naming the file and the cause, as in the
+            foreground; another error of the thread is raised by the next `flush`
+            or by `close`, as `vartrace.storage.WorkerError` (the original exception
+            is its `__cause__`).
 
     The file is opened lazily: by `on_start` (the tracer calls it when it starts)
     or by the first call.  In a gathered multi-rank run only rank 0 writes; the saver
@@ -162,7 +160,7 @@ class H5PYSaverCallback:
         compression_opts: Any = None,
         shuffle: bool = False,
         metadata: bool | Mapping[str, Any] = True,
-        background: bool = False,
+        background: bool | None = None,
     ) -> None:
         if overwrite and append:
             raise ValueError("overwrite=True and append=True exclude each other")
@@ -183,22 +181,16 @@ class H5PYSaverCallback:
         self._format = FORMAT_VERSION
         self._made = Made(filters)  # the file's groups, datasets and attributes
         self._file: h5py.File | None = None
-        self._sites: dict[str, SiteWriter] = {}
-        self._index: RootIndex | None = None  # the open file's root index
-        self._manifest = ManifestWriter()  # a shard's manifest (see manifest_writer)
-        self._unresolved: dict[str, str] = {}  # alias -> target: a target with no site yet
-        # `reduced` and `placed` of a site not yet made
-        self._undescribed: dict[str, list[ReducedFrom | Placement]] = {}
-        self._dirty = False
+        self._appender: Appender | None = None  # writes into the open file
         self._unreleased = 0  # bytes of records written since memory was last given back
         self._context = RunContext()
         self._idle = False
         self._closed = False
         self._created = False  # this saver created the file (and removes it if it stays empty)
-        self._shift: tuple[int, int] | None = None  # added to (iterations, order) when appending
-        self._last: tuple[int, int] | None = None  # the file's largest (iteration, order) at open
-        self._newest: tuple[int, int] | None = None  # ... and of the records written since
         self.background = background
+        # Calls take the records over for the writer thread (with `None`: once a tracer
+        # started the saver), rather than write them.
+        self._threaded = background is True
         # Records (aliases: their target's name; `reduced`) taken over, not yet handed to
         # the thread.
         self._pending: list[tuple[str, Item]] = []
@@ -215,9 +207,12 @@ class H5PYSaverCallback:
     # -- lifecycle ------------------------------------------------------------------------
 
     def on_start(self, context: RunContext) -> None:
-        """Open the file for this rank (called by the tracer before the first record)."""
+        """Open the file for this rank (called by the tracer before the first record); with
+        `background=None`, write on the saver's thread from now on."""
         self._check_process()
         _UNUSED.discard(self)
+        if self.background is None:
+            self._threaded = True
         if self._file is not None or self._closed:
             return
         self._context = context
@@ -247,7 +242,7 @@ class H5PYSaverCallback:
             with tempfile.TemporaryFile() as scratch:
                 os.dup2(scratch.fileno(), self._descriptor)
         self._parent_file, self._file = self._file, None  # kept: closing would write
-        self._sites = {}
+        self._appender = None
         self._pending = []
         self._thread = BackgroundWriter()  # the one writing them stayed in the parent
         self._closed = True
@@ -268,12 +263,10 @@ class H5PYSaverCallback:
         handle, self._created = open_for_writing(
             self.path, overwrite=self.overwrite, append=self.append, create=self._create
         )
-        if not self._created:
-            self._last = self._newest = last_tags(handle)
+        last = None if self._created else last_tags(handle)
         self._options["format"] = int(handle.attrs[FORMAT_ATTR])  # a file never mixes layouts
         handle.attrs.update(writer_host=socket.gethostname(), writer_pid=os.getpid())
-        self._index = RootIndex(handle)
-        self._manifest = ManifestWriter.start(self.path, handle, self._index)
+        self._appender = Appender(handle, self.path, self._options, self._made, last)
         size_metadata_cache(handle)
         handle.swmr_mode = True  # from here on, a killed process leaves a consistent file
         self._descriptor = handle.id.get_vfd_handle()
@@ -288,18 +281,19 @@ class H5PYSaverCallback:
             meta = collect_metadata(self._context.world_size, **self._metadata)
         return create_file(path, self._format, self._context, meta)
 
-    def flush(self, *, wait: bool = False) -> None:
-        """Make every record taken so far durable in the file (the tracer calls it per gather).
+    def flush(self, *, wait: bool | None = None) -> None:
+        """Make every record taken so far durable in the file.
 
         HDF5 writes out the records first; then the per-site record counts that
         readers trust are rewritten in place.  A process killed at any moment
         leaves every record of the last completed flush readable, and nothing
-        half-written visible.  With `background=True` the records are handed
-        to the writer thread, which writes and commits them; `wait=True` then
-        also waits until it has.
+        half-written visible.  On the caller's thread (`background=False`, or a
+        saver no tracer started) it returns once they are.  Otherwise the records
+        are handed to the writer thread, which writes and commits them, and `flush`
+        waits until it has, unless `wait=False` (the default with `background=True`).
         """
         with self._lock:
-            if not self.background:
+            if not self._threaded:
                 with interrupts_held(), self._guard():
                     self._commit()
                 self._release()
@@ -308,12 +302,20 @@ class H5PYSaverCallback:
                 batch, self._pending = self._pending, []
                 name = f"vartrace-writer {self.path.name}"
                 self._thread.submit(batch, self._write, name=name, at_exit=self.close)
-        if wait:
+        if wait if wait is not None else self.background is not True:
             self._thread.join()
 
+    def flush_later(self) -> None:
+        """Hand the records taken so far to the writer thread, which writes and commits
+        them after those handed before, and return without waiting (the tracer calls it
+        after each gather but its last, which calls `flush`).  On the caller's thread
+        (`background=False`) it is `flush`.
+        """
+        self.flush(wait=False)
+
     def make_room(self, nbytes: int) -> None:
-        """With `background=True`, wait until `nbytes` of records fit beside those the
-        writer thread has not written yet (the tracer calls it before it copies a record,
+        """When the records go to the writer thread, wait until `nbytes` of records fit
+        beside those it has not written yet (the tracer calls it before it copies a record,
         with the bytes of its chunk and of the record).
 
         They fit when they add up to at most the largest gather handed to the thread
@@ -323,7 +325,7 @@ class H5PYSaverCallback:
         the thread holds nothing or once a job of the thread failed (the next `flush`
         raises its error).
         """
-        if self.background:
+        if self._threaded:
             self._thread.make_room(nbytes)
 
     def _write(self, handed: Handed) -> None:
@@ -343,26 +345,20 @@ class H5PYSaverCallback:
         if _memory.release(self._unreleased):
             self._unreleased = 0
 
+    def _apply(self, name: str, item: Item) -> None:
+        """Write one taken item of site `name` into the open file (see `Appender.apply`)."""
+        self._open()  # raises once the saver is closed or stopped
+        assert self._appender is not None  # made with the file
+        self._unreleased += self._appender.apply(name, item)
+
     def _commit(self) -> None:
-        if self._file is None or self._index is None:
-            return
-        for name, target in list(self._unresolved.items()):
-            self._alias(name, target)
-        if not self._dirty:
-            return
-        self._index.write_rows()
-        if self._newest is not None:  # with the sum of the counts it goes with (see last_tags)
-            last = np.array([*self._newest, int(self._index.counts.sum())], np.int64)
-            self._file.attrs.modify(LAST_TAGS, last)
-        self._file.flush()
-        self._index.write_counts()
-        self._dirty = False
-        self._manifest.write(self._index)
+        if self._file is not None and self._appender is not None:
+            self._appender.commit()
 
     def close(self) -> None:
         """Flush and close the file; later records raise.  Safe to call twice.
 
-        With `background=True` it first waits for the writer thread, and raises
+        With a writer thread it first waits for it, and raises
         its error, if it had one, after closing the file.  The file is closed
         whatever happens.  A write that fails (a full disk) raises nothing: it
         was warned about once and is kept in `failure`.  Then the warnings
@@ -376,22 +372,23 @@ class H5PYSaverCallback:
     def _close(self) -> None:
         _UNUSED.discard(self)
         try:
-            if self.background:
-                self.flush()  # hands over what was taken since the last flush
+            if self._threaded:
+                self.flush(wait=False)  # hands over what was taken since the last flush
             self._thread.stop()
         finally:
             self._closed = True
+            appender = self._appender
             try:
-                if self._file is not None:
+                if self._file is not None and appender is not None:
                     with self._guard():
-                        self._commit()
-                        self._sites.clear()  # their datasets are closed, their metadata clean
+                        appender.commit()
+                        appender.sites.clear()  # their datasets are closed, their metadata clean
                         shrink_metadata_cache(self._file)
-                if self._file is not None:  # a failed commit closed it already
+                if self._file is not None and appender is not None:  # a failed commit closed it
                     self._file.close()
                     self._file = None
                     _forks.unwatch(self)
-                    if self._created and (self._index is None or not self._index.counts.any()):
+                    if self._created and not appender.index.counts.any():
                         self.path.unlink(missing_ok=True)
                         warn(
                             f"vartrace: H5PYSaverCallback received no record, so it removed the "
@@ -400,27 +397,28 @@ class H5PYSaverCallback:
                             "first write)",
                             stacklevel=3,
                         )
-                    self._manifest.write(self._index, closed=True)
-                if self._unresolved:
+                    appender.manifest.write(appender.index, closed=True)
+                if appender is not None and appender.unresolved:
+                    unresolved = appender.unresolved
                     warn(
                         f"vartrace: H5PYSaverCallback wrote no alias for "
-                        f"{', '.join(map(repr, self._unresolved))} in {self.path}: their target "
-                        f"site(s) {', '.join(map(repr, dict.fromkeys(self._unresolved.values())))} "
+                        f"{', '.join(map(repr, unresolved))} in {self.path}: their target "
+                        f"site(s) {', '.join(map(repr, dict.fromkeys(unresolved.values())))} "
                         "received no record",
                         stacklevel=3,
                     )
             finally:
-                self._sites.clear()
-                self._unresolved.clear()
-                self._undescribed.clear()  # sites that received no record: nothing to describe
+                if appender is not None:
+                    appender.sites.clear()
+                    appender.forget_facts()  # of sites that received no record
 
     @property
     def failure(self) -> OSError | None:
         """The write failure (a full disk, a file-size limit) that stopped this saver, or `None`.
 
         After it the saver writes nothing more: later records are dropped, and
-        the file holds every record flushed before.  With `background=True` it first
-        waits for the records handed to the writer thread (a tracer reads it as it
+        the file holds every record flushed before.  With a writer thread it first
+        waits for the records handed to it (a tracer reads it as it
         stops: the run's records are then in the file).  Example:
 
         ```python
@@ -456,7 +454,8 @@ class H5PYSaverCallback:
             )
             self._failure.__cause__ = error
             self._file = None
-            close_after_failure(handle, self.path, self._sites.clear)
+            assert self._appender is not None  # made with the file
+            close_after_failure(handle, self.path, self._appender.sites.clear)
             warn(
                 f"vartrace: H5PYSaverCallback stopped writing {self.path}: {cause[1]} "
                 f"(errno {cause[0]}); the file holds the records of every flush before, later "
@@ -484,7 +483,8 @@ class H5PYSaverCallback:
         state = "closed" if self._closed else "open" if self._file is not None else "not opened"
         if self._failure is not None:
             state = "stopped after a failed write"
-        return f"<H5PYSaverCallback {str(self.path)!r} {state} sites={len(self._sites)}>"
+        sites = 0 if self._appender is None else len(self._appender.sites)
+        return f"<H5PYSaverCallback {str(self.path)!r} {state} sites={sites}>"
 
     # -- writing --------------------------------------------------------------------------
 
@@ -503,14 +503,14 @@ class H5PYSaverCallback:
                 return
             if not len(trace):
                 return
-            if self.background:
+            if self._threaded:
                 taken = Trace(
                     trace.values, trace.iterations, trace.ranks, trace.order, trace.shapes
                 )
                 self._pending.append((name, taken))
             else:
                 with self._guard():
-                    self._append(name, trace)
+                    self._apply(name, trace)
             trace.clear()
 
     def alias(self, name: str, target: str) -> None:
@@ -521,7 +521,7 @@ class H5PYSaverCallback:
         lists `name` (`run.aliases` maps it to `target`) and `run[name]` reads
         `target`'s records.  Records that later arrive for `name` itself make it an
         ordinary site from then on (the earlier ones stay readable under `target`).
-        Like a call, it is ordered with the records (`background=True` included);
+        Like a call, it is ordered with the records (on the writer thread included);
         it takes effect at the next flush.  Example:
 
         ```python
@@ -533,58 +533,17 @@ class H5PYSaverCallback:
 
     def _take(self, name: str, fact: str | ReducedFrom | Placement) -> None:
         """Write a fact about site `name` (an alias's target, `reduced`, `placed`), or with
-        `background=True` queue it, ordered with the records."""
+        a writer thread queue it, ordered with the records."""
         _UNUSED.discard(self)
         with self._lock, interrupts_held():
             if self._failure is not None:  # the saver stopped writing
                 return
             self._open()
-            if self.background:
+            if self._threaded:
                 self._pending.append((name, fact))
             else:
                 with self._guard():
                     self._apply(name, fact)
-
-    def _apply(self, name: str, item: Item) -> None:
-        """Write one taken item of site `name`: records, an alias's target, `reduced`,
-        `placed`."""
-        if isinstance(item, str):
-            self._alias(name, item)
-        elif isinstance(item, (ReducedFrom, Placement)):
-            self._reduced(name, item)
-        else:
-            self._append(name, item)
-
-    def _alias(self, name: str, target: str) -> None:
-        index = self._index
-        assert index is not None
-        target = index.aliases.get(target, (0, target))[1]  # an alias's alias reads its target
-        self._unresolved.pop(name, None)
-        if name == target:  # it reads as asked already
-            return
-        held = index.slots.get(escape(name))
-        if held is not None and index.count(held):
-            warn(
-                f"vartrace: {self.path}: site {name!r} holds records of its own, so it is not "
-                f"made an alias of {target!r}",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return
-        target_slot = index.slots.get(escape(target))
-        if target_slot is None or not index.count(target_slot):
-            self._unresolved[name] = target  # its records come later in this gather
-            return
-        old = index.aliases.get(name)
-        if old is not None and old[1] == target:
-            return
-        slot = index.add(None)
-        index.define(slot, escape(name), int(index.rows[target_slot, FIRST_ORDER]), target_slot)
-        index.set_count(slot, 1)
-        if old is not None:  # retargeted: the old row gives way in the same commit
-            index.set_count(old[0], 0)
-        index.aliases[name] = (slot, target)
-        self._dirty = True
 
     def reduced(self, name: str, origin: ReducedFrom) -> None:
         """Note what a pre-save callback made site `name`'s records from: the dtype and
@@ -617,82 +576,11 @@ class H5PYSaverCallback:
         """
         self._take(name, placement)
 
-    def _reduced(self, name: str, origin: ReducedFrom | Placement) -> None:
-        index = self._index
-        assert index is not None
-        site = self._sites.get(name)
-        slot = index.slots.get(escape(name))
-        if site is None and (slot is None or not index.count(slot)):
-            self._undescribed.setdefault(name, []).append(origin)  # made with its records
-            return
-        group = site.group if site is not None else self._open()["vars"][escape(name)]
-        describe(group, origin)
-        self._dirty = True
-
-    def _append(self, name: str, trace: Trace) -> None:
-        self._open()
-        index = self._index
-        assert index is not None
-        self._unresolved.pop(name, None)
-        replaced = index.aliases.pop(name, None)
-        if replaced is not None:  # records of its own: an ordinary site from now on
-            index.set_count(replaced[0], 0)
-        site = self._sites.pop(name, None)
-        if site is None:
-            link = escape(name)
-            slot = index.slots.get(link)
-            if slot is None:
-                slot = index.add(link)
-                site = SiteWriter.create(
-                    index.vars, name, self._options, self._made, slot, len(trace)
-                )
-            else:
-                site = SiteWriter(index.vars[link], self._options, self._made, index.count(slot))
-        self._sites[name] = site  # most recently used last
-        if len(self._sites) > _OPEN_SITES:
-            del self._sites[next(iter(self._sites))]
-        trace = self._continued(trace)
-        newest = (int(int64(trace.iterations).max()), int(int64(trace.order).max()))
-        if self._newest is not None:
-            newest = (max(newest[0], self._newest[0]), max(newest[1], self._newest[1]))
-        self._newest = newest
-        if not site.rows:  # its first records (or a killed writer's never committed)
-            index.define(site.slot, escape(name), int(int64(trace.order)[0]))
-        for piece in one_by_one(trace):
-            self._unreleased += site.append(piece)
-            del piece  # written: freed before the next record is taken
-        index.set_count(site.slot, site.rows)
-        self._manifest.note(name, site, trace)
-        for origin in self._undescribed.pop(name, ()):
-            describe(site.group, origin)
-        self._dirty = True
-
-    def _continued(self, trace: Trace) -> Trace:
-        """`trace` with tags that continue the file's (appending): never a duplicate iteration.
-
-        The first records appended decide: when they are tagged at or before the
-        file's last iteration (a restarted tracer counts from 1 again), every
-        iteration of this session is moved past it, with a warning naming
-        `set_iteration`; capture order numbers likewise continue the file's.
-        """
-        if self._shift is None:
-            self._shift = (0, 0) if self._last is None else shift_past(self.path, self._last, trace)
-        moved, orders = self._shift
-        if not moved and not orders:
-            return trace
-        return Trace(
-            trace.values,
-            int64(trace.iterations) + moved,
-            trace.ranks,
-            int64(trace.order) + orders,
-            trace.shapes,
-        )
-
     @property
     def datasets(self) -> Mapping[str, h5py.Dataset]:
         """Site name -> its `values` dataset (opened when looked up), while the file is open.
 
-        With `background=True`, it first waits for the records handed to the thread.
+        With a writer thread, it first waits for the records handed to the thread.
         """
         self._thread.join()
         return SiteDatasets(self._file)

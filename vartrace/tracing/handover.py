@@ -3,7 +3,8 @@
 `HandOver` runs once per gathering interval (and once more when the tracer stops),
 on the thread its staging runs jobs on: flush -> pre-gather callbacks -> gather to
 rank 0 (with `gather="node"`: to the node's first rank) -> post-gather callbacks ->
-`tracer.results` -> the sinks' `flush`.  Facts about sites (aliases, reductions)
+`tracer.results` -> the sinks' `flush_later` (the last hand-over: `flush`, which waits
+until what the sinks were handed is durable).  Facts about sites (aliases, reductions)
 travel with the records and reach the results and the sinks before them.  Where a
 gather would collide with the training's own communication (a pipeline schedule, a
 live `Join`: `vartrace.distributed.collisions`), the chunk goes through the pre-gather
@@ -158,6 +159,8 @@ class HandOver:
         self._reductions, self._placements = facts
         self._config = config
         self._flushes = hooks.flush
+        self._flushes_later = hooks.flush_later
+        self._behind = False  # sinks were handed gathers without waiting (flush_later)
         self._sinks: dict[str, tuple[Callable[[str, Any], None], ...]] = {
             "alias": (results.alias, *hooks.alias),
             "reduced": (results.reduced, *hooks.reduced),
@@ -196,6 +199,7 @@ class HandOver:
             *(("placed", name, placed) for name, placed in self._placements.taken()),
         ]
         if not chunk and not facts and distributed.world_size(self._group) == 1:
+            self._flush_sinks(final, handed=False)
             return  # nothing to hand on, and no other rank waits for this gather
         self._declare(facts)
         known = len(facts)  # the facts declared; a gather appends the other ranks'
@@ -218,10 +222,20 @@ class HandOver:
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C in a callback: the records stay
             self._chunk.put_back(pending)
             raise
-        if not handed:
-            return
-        for flush in self._flushes:
-            flush()
+        self._flush_sinks(final, handed)
+
+    def _flush_sinks(self, final: bool, handed: bool) -> None:
+        """After a gather whose records went through the post-gather callbacks (`handed`),
+        the sinks' `flush_later`; after the last one, their `flush`, also when it handed
+        nothing but earlier gathers were handed over without waiting."""
+        if final and (handed or self._behind):
+            self._behind = False
+            for flush in self._flushes:
+                flush()
+        elif handed:
+            self._behind = True
+            for flush in self._flushes_later:
+                flush()
 
     def _colliding(self) -> bool:
         """Whether a gather now would collide with the training's own communication (see

@@ -28,8 +28,11 @@ class SinkHooks:
         pre_save: each pre-save callback with whether it makes fresh records
             (`fresh_records is True`).
         make_room: `make_room` of the post-gather callbacks writing on a thread of their
-            own (`background is True`): records wait for them.
-        flush: `flush` of the post-gather callbacks.
+            own (`background is True`, or `None` with a `flush_later`): records wait
+            for them.
+        flush: `flush` of the post-gather callbacks (the tracer's last gather).
+        flush_later: of the same callbacks, `flush_later` where defined, else `flush`
+            (every other gather).
         alias: `alias` of the post-gather callbacks that define it as a method.
         reduced: `reduced` of the post-gather callbacks that define it as a method.
         placed: `placed` of the post-gather callbacks that define it as a method.
@@ -40,6 +43,7 @@ class SinkHooks:
     pre_save: tuple[tuple[Callable[[str, Any, int], Any], bool], ...] = ()
     make_room: tuple[Callable[[int], None], ...] = ()
     flush: tuple[Callable[[], None], ...] = ()
+    flush_later: tuple[Callable[[], None], ...] = ()
     alias: tuple[Callable[[str, str], None], ...] = ()
     reduced: tuple[Callable[[str, ReducedFrom], None], ...] = ()
     placed: tuple[Callable[[str, Placement], None], ...] = ()
@@ -63,14 +67,32 @@ class SinkHooks:
             make_room=tuple(
                 callback.make_room  # type: ignore[attr-defined]
                 for callback in post_gather
-                if getattr(callback, "background", False) is True and hasattr(callback, "make_room")
+                if _writes_behind(callback) and hasattr(callback, "make_room")
             ),
             flush=_found(post_gather, "flush"),
+            flush_later=tuple(
+                later
+                for callback in post_gather
+                if (
+                    later := getattr(callback, "flush_later", None)
+                    or getattr(callback, "flush", None)
+                )
+                is not None
+            ),
             alias=tuple(m for m in _found(post_gather, "alias") if callable(m)),
             reduced=tuple(m for m in _found(post_gather, "reduced") if callable(m)),
             placed=tuple(m for m in _found(post_gather, "placed") if callable(m)),
             failing=tuple(c for c in every if hasattr(c, "failure")),
         )
+
+
+def _writes_behind(callback: object) -> bool:
+    """Whether `callback` writes on a thread of its own what a tracer hands it: its
+    `background` is `True`, or `None` and it defines `flush_later`."""
+    background = getattr(callback, "background", False)
+    return background is True or (
+        background is None and getattr(callback, "flush_later", None) is not None
+    )
 
 
 def _found(callbacks: Sequence[object], name: str) -> tuple[Any, ...]:
