@@ -6,7 +6,7 @@ Example:
     site.append(trace)  # tags, values (stacked or record by record), shapes, other
     ```
 
-A site's chunks are shaped by its first gather (`_gather_rows`, `_chunks`): a
+A site's chunks are shaped by its first gather (`vartrace.storage.chunks`): a
 gather of as many records fills whole chunks, so a compressed chunk is written
 once.  Records that fit `values` (same key, no far larger allocation: `_SPREAD`)
 go there, padded to its row shape; the others are pickled into `other`.  The
@@ -28,6 +28,7 @@ import numpy as np
 from vartrace._support.warnings import warn
 from vartrace.placements import Placement
 from vartrace.reduced import ReducedFrom
+from vartrace.storage.chunks import gather_rows, values_chunks
 from vartrace.storage.codec import IN_OTHER, Kind, Leaf, encode, row_shapes, to_blob, unstored
 from vartrace.storage.filters import STR, UNFILTERED, Made
 from vartrace.storage.layout import (
@@ -45,16 +46,6 @@ from vartrace.trace import Trace
 
 __all__ = ["CACHE_BYTES", "SiteWriter", "describe", "int64"]
 
-_CHUNK_TARGET = 512 << 10  # bytes of a multi-record chunk
-_CHUNK_MAX = 8 << 20  # a record bigger than this is split into several chunks
-_TAG_CHUNK = 4096  # most rows of a chunk
-# Bytes a chunk of small records holds at least.  Each new chunk of a dataset with several
-# resizable axes costs 2-4 KiB of HDF5 B-tree nodes in SWMR mode (a node is rewritten
-# elsewhere at each flush); one-axis datasets (0-d records) use a far cheaper index.
-_CHUNK_MIN = 16 << 10
-_CHUNK_MIN_0D = 4 << 10
-_GATHERS_A_CHUNK = 2  # a chunk of tags holds about this many gathers' records
-_TAG_ROWS_MIN = 256  # fewest rows of a chunk of per-record tags (2 KiB of int64)
 # A record whose shape would make ``values`` allocate more than this many times its own
 # bytes (plus one chunk and _SPREAD_SLACK) goes to ``other`` unpadded: chunks are shaped by
 # the site's first record, and a (1, 4096) record in chunks shaped (4096, 1) fills 4096 of them.
@@ -102,45 +93,6 @@ def _site_datasets(group: h5py.Group) -> dict[str, h5py.h5d.DatasetID]:
     return {
         name: group[name].id for name in group if name in _WRITTEN or name.startswith("values_dim")
     }
-
-
-def _gather_rows(records: int) -> int:
-    """Rows of a site's tag chunks, from the records of its first gather: about
-    `_GATHERS_A_CHUNK` gathers' worth (a power of two), so that a short run's file
-    holds little unused space and a long run's few chunks.
-
-    Example: `_gather_rows(8) == 256` (the floor), `_gather_rows(1000) == 2048`.
-    """
-    rows = 1 << (max(1, records * _GATHERS_A_CHUNK) - 1).bit_length()
-    return min(_TAG_CHUNK, max(_TAG_ROWS_MIN, rows))
-
-
-def _chunk_rows(records: int, record_bytes: int, least: int = _CHUNK_MIN) -> int:
-    """Rows of a `values` chunk, from the records of the site's first gather: a gather of
-    as many fills whole chunks, so a compressed chunk is written once, never rewritten.
-
-    A gather above `_CHUNK_TARGET` bytes is split into equal chunks; one below
-    `least` bytes gets a chunk of several gathers.  Example:
-    `_chunk_rows(20, 32 << 10) == 10` (two chunks a gather), `_chunk_rows(8, 1024) == 16`.
-    """
-    most = max(1, min(_TAG_CHUNK, _CHUNK_TARGET // max(1, record_bytes)))
-    records = max(1, records)
-    if records >= most:
-        return -(-records // -(-records // most))
-    gathers = -(-least // (records * max(1, record_bytes)))
-    return min(records * gathers, most)
-
-
-def _chunks(shape: tuple[int, ...], itemsize: int, records: int) -> tuple[int, ...]:
-    """Chunk shape of `values` for records of `shape`, the site's first gather holding
-    `records` of them: whole records (split when above `_CHUNK_MAX`), rows as
-    `_chunk_rows` gives."""
-    dims = [max(1, size) for size in shape]
-    while int(np.prod(dims)) * itemsize > _CHUNK_MAX:
-        largest = int(np.argmax(dims))
-        dims[largest] = -(-dims[largest] // 2)
-    least = _CHUNK_MIN if shape else _CHUNK_MIN_0D
-    return (_chunk_rows(records, int(np.prod(dims)) * itemsize, least), *dims)
 
 
 @functools.lru_cache(maxsize=256)
@@ -263,7 +215,7 @@ class SiteWriter:
         made.attribute(group.id, "slot", slot)
         if _utf8(name):  # for people browsing the file; the reader unescapes the link name
             made.attribute(group.id, "name", name)
-        rows = _gather_rows(records)
+        rows = gather_rows(records)
         if options["format"] >= 2:
             width = len(TAGS)
             tags = {
@@ -345,7 +297,7 @@ class SiteWriter:
         if isinstance(leaf.data, np.ndarray):
             shape, ndim = leaf.data.shape, leaf.data.ndim
             self.storage, self.key, self.padded = "array", leaf.key, shape
-            self.chunk = _chunks(shape, leaf.data.dtype.itemsize, records)
+            self.chunk = values_chunks(shape, leaf.data.dtype.itemsize, records)
             # Only a chunk that one gather fills goes through the filters (see _put_records):
             # where the first gather fills none, the chunks are filled over several gathers and
             # stored unfiltered, and a filter would only add its message to the header.
