@@ -73,13 +73,15 @@ def _label(
     records: h5py.h5d.DatasetID,
     dataset: h5py.h5d.DatasetID,
     stem: str,
+    row: tuple[int, ...],
 ) -> list[h5py.h5d.DatasetID]:
-    """Label `dataset` (`group`'s `stem`) for h5netcdf / xarray: the record axis by the
-    site's scale `records` (`iterations`, a coordinate, in a version-1 file), the others
-    by dimension-only scales `<stem>_dim<k>` (resized with it), which it returns."""
+    """Label `dataset` (`group`'s `stem`, rows of shape `row`) for h5netcdf / xarray: the
+    record axis by the site's scale `records` (`iterations`, a coordinate, in a version-1
+    file), the others by dimension-only scales `<stem>_dim<k>` (resized with it), which it
+    returns."""
     h5py.h5ds.attach_scale(dataset, records, 0)
     scales = []
-    for axis, size in enumerate(dataset.shape[1:], 1):
+    for axis, size in enumerate(row, 1):
         scale = made.dataset(group, f"{stem}_dim{axis}", (size,), np.dtype(np.uint8))
         h5py.h5ds.set_scale(scale, _DIMENSION)
         h5py.h5ds.attach_scale(dataset, scale, axis)
@@ -107,14 +109,14 @@ def _memory_type(dtype: np.dtype[Any]) -> h5py.h5t.TypeID:
     return h5py.h5t.py_create(dtype)
 
 
-def _put(dataset: h5py.Dataset, offset: tuple[int, ...], data: np.ndarray) -> None:
+def _put(dataset: h5py.h5d.DatasetID, offset: tuple[int, ...], data: np.ndarray) -> None:
     """Write `data` into `dataset` at `offset` (h5py's low-level calls: fast)."""
     data = np.ascontiguousarray(data)
-    space = dataset.id.get_space()
+    space = dataset.get_space()
     space.select_hyperslab(offset, data.shape)
     # numeric types are made once; variable-length ones as h5py's write makes them
     mtype = _memory_type(data.dtype) if data.dtype.kind in "biuf" else None
-    dataset.id.write(_memory_space(data.shape), space, data, mtype=mtype)
+    dataset.write(_memory_space(data.shape), space, data, mtype=mtype)
 
 
 class _Rows:
@@ -164,24 +166,32 @@ class SiteWriter:
         options: dict[str, Any],
         made: Made,
         rows: int,
-        created: tuple[int, Mapping[str, h5py.h5d.DatasetID]] | None = None,
+        created: tuple[int, int, Mapping[str, h5py.h5d.DatasetID]] | None = None,
     ) -> None:
         """The site of `group` holding `rows` committed records, its datasets made by
-        `made`; `created` (slot, name -> dataset) for a site just created, else they are
-        looked up."""
+        `made`; `created` (slot, rows of a tag chunk, name -> dataset) for a site just
+        created, else they are looked up."""
         self.group = group
         self.options = options
         self.made = made
-        slot, found = created or (int(group.attrs["slot"]), _site_datasets(group))
-        self.slot = slot
+        if created is None:
+            found = _site_datasets(group)
+            self.slot = int(group.attrs["slot"])
+        else:
+            self.slot, self.gather_rows, found = created
         # a version-2 file's one `tags` dataset, else one dataset a tag (see _layout)
         self.tags = [_Rows(found[name]) for name in ((TAGGED,) if TAGGED in found else TAGS)]
-        self.values = None if "values" not in found else h5py.Dataset(found["values"])
-        self.gather_rows = self.tags[0].id.get_create_plist().get_chunk()[0]
+        if created is None:
+            self.gather_rows = self.tags[0].id.get_create_plist().get_chunk()[0]
+        # `values` as HDF5's identifier; its h5py wrapper (three property lists of its own)
+        # is made only where asked for (`values`)
+        self.values_id: h5py.h5d.DatasetID | None = found.get("values")
+        self._values: h5py.Dataset | None = None
         self.shapes = None if "shapes" not in found else _Rows(found["shapes"])
         self.other = None if "other" not in found else h5py.Dataset(found["other"])
         self.rows = rows  # committed records; rows past them (a killed writer's) are rewritten
         self.chunk = None if self.values is None else self.values.chunks
+        self.itemsize = 0 if self.values is None else self.values.dtype.itemsize
         # whether `values` passes its chunks through the saver's filters (see _create_values)
         self.filtered = (
             self.values is not None and self.values.id.get_create_plist().get_nfilters() > 0
@@ -198,6 +208,14 @@ class SiteWriter:
         # later are not labelled): HDF5 cannot change a scale's back references once SWMR
         # readers may have seen it.  A site of a file made before scales has none.
         self.records: h5py.h5d.DatasetID | None = None
+
+    @property
+    def values(self) -> h5py.Dataset | None:
+        """The site's `values` dataset (h5py's wrapper, made once), `None` before its first
+        stored record."""
+        if self._values is None and self.values_id is not None:
+            self._values = h5py.Dataset(self.values_id)
+        return self._values
 
     @classmethod
     def create(
@@ -245,8 +263,8 @@ class SiteWriter:
             h5py.h5ds.set_scale(scale, b"")  # the record axis' coordinate (see _label)
         for tag, dataset in tags.items():
             if tag != "iterations":
-                _label(made, group, scale, dataset, tag)
-        site = cls(group, options, made, 0, (slot, tags))
+                _label(made, group, scale, dataset, tag, (len(TAGS),) if tag == TAGGED else ())
+        site = cls(group, options, made, 0, (slot, rows, tags))
         site.records = scale
         return site
 
@@ -281,10 +299,10 @@ class SiteWriter:
         bytes (see `_SPREAD`): it goes to `other` instead, unpadded."""
         spread = self.spread.get(shape)
         if spread is None:
-            assert self.values is not None and self.chunk is not None
+            assert self.values_id is not None and self.chunk is not None
             rows, *tile = self.chunk
             tiles = math.prod(-(-size // step) for size, step in zip(shape, tile, strict=True))
-            itemsize = self.values.dtype.itemsize
+            itemsize = self.itemsize
             chunk = rows * math.prod(tile) * itemsize
             record = math.prod(shape) * itemsize
             spread = tiles > 1 and tiles * chunk > _SPREAD * record + chunk + _SPREAD_SLACK
@@ -297,7 +315,8 @@ class SiteWriter:
         if isinstance(leaf.data, np.ndarray):
             shape, ndim = leaf.data.shape, leaf.data.ndim
             self.storage, self.key, self.padded = "array", leaf.key, shape
-            self.chunk = values_chunks(shape, leaf.data.dtype.itemsize, records)
+            self.itemsize = leaf.data.dtype.itemsize
+            self.chunk = values_chunks(shape, self.itemsize, records)
             # Only a chunk that one gather fills goes through the filters (see _put_records):
             # where the first gather fills none, the chunks are filled over several gathers and
             # stored unfiltered, and a filter would only add its message to the header.
@@ -317,7 +336,8 @@ class SiteWriter:
             ):
                 made.attribute(values, attribute, text)
             if scale is not None:
-                self.scales = [_Rows(dim) for dim in _label(made, group, scale, values, "values")]
+                labels = _label(made, group, scale, values, "values", shape)
+                self.scales = [_Rows(dim) for dim in labels]
             if ndim and len(self.tags) > 1:  # version 1: always; 2: once a record needs it
                 self._create_shapes(ndim)
         else:
@@ -326,8 +346,8 @@ class SiteWriter:
             values = made.dataset(group, "values", (rows,), dtype, chunks=(self.gather_rows,))
             made.attribute(values, "storage", self.storage)
             if scale is not None:
-                _label(made, group, scale, values, "values")
-        self.values = h5py.Dataset(values)
+                _label(made, group, scale, values, "values", ())
+        self.values_id = values
 
     def _create_shapes(self, ndim: int) -> None:
         """Create `shapes` for records of `ndim` axes, its rows of records written so far
@@ -342,7 +362,7 @@ class SiteWriter:
             fillvalue=-1,
         )
         if self.records is not None:
-            _label(self.made, self.group, self.records, shapes, "shapes")
+            _label(self.made, self.group, self.records, shapes, "shapes", (ndim,))
         self.shapes = _Rows(shapes)
 
     def _shapes_needed(self, shapes: Sequence[tuple[int, ...]]) -> None:
@@ -399,17 +419,17 @@ class SiteWriter:
         if not isinstance(leaf.data, np.ndarray) or leaf.data.ndim == 0:
             return None
         record = leaf._replace(data=leaf.data[0, ...])
-        if self.values is None:
+        if self.values_id is None:
             self._create_values(record, len(leaf.data))
         return leaf if self._fits(record) else None
 
     def _extend(self, stop: int, shapes: Sequence[tuple[int, ...]] = ()) -> None:
         """Give every per-record dataset `stop` rows, growing `values` to fit `shapes`."""
-        assert self.values is not None
+        assert self.values_id is not None
         self._shapes_needed(shapes)
         if shapes:
             self.padded = tuple(max(sizes) for sizes in zip(self.padded, *shapes, strict=True))
-        self.values.id.set_extent((stop, *self.padded))
+        self.values_id.set_extent((stop, *self.padded))
         for scale, size in zip(self.scales, self.padded, strict=False):
             if scale.space.shape[0] < size:
                 scale.extend(size)
@@ -436,7 +456,7 @@ class SiteWriter:
         `_put_unfiltered`): HDF5 writes a rewritten compressed chunk elsewhere, and
         in SWMR mode never reuses the old space.
         """
-        assert self.values is not None and self.chunk is not None
+        assert self.values_id is not None and self.chunk is not None
         if not self.filtered:
             rows = self.chunk[0]
             # chunks within the cache's size, many to a record padded past the first
@@ -453,7 +473,7 @@ class SiteWriter:
             if whole:
                 self._put_chunks(row, data)
             else:
-                _put(self.values, (row,) + (0,) * (data.ndim - 1), data)
+                _put(self.values_id, (row,) + (0,) * (data.ndim - 1), data)
             return
         rows = self.chunk[0]
         first = row
@@ -462,7 +482,7 @@ class SiteWriter:
             end = min(begin + rows, row + len(data))
             part = data[first - row : end - row]
             if first == begin and end == begin + rows:
-                _put(self.values, (first,) + (0,) * (data.ndim - 1), part)
+                _put(self.values_id, (first,) + (0,) * (data.ndim - 1), part)
             else:
                 self._put_unfiltered(first, part)
             first = end
@@ -478,7 +498,7 @@ class SiteWriter:
         of `background=True`, from a glibc arena of that thread's own, which kept two of
         them beside the records (15 MiB for 30 MiB records in chunks of 7.5 MiB).
         """
-        assert self.values is not None and self.chunk is not None
+        assert self.values_id is not None and self.chunk is not None
         spans = [range(0, size, step) for size, step in zip(data.shape, self.chunk, strict=True)]
         for corner in itertools.product(*spans):
             part = data[
@@ -489,9 +509,9 @@ class SiteWriter:
             ]
             origin = (row + corner[0], *corner[1:])
             if part.shape == self.chunk:
-                self.values.id.write_direct_chunk(origin, np.ascontiguousarray(part))
+                self.values_id.write_direct_chunk(origin, np.ascontiguousarray(part))
             else:
-                _put(self.values, origin, part)
+                _put(self.values_id, origin, part)
 
     def _put_unfiltered(self, row: int, data: np.ndarray) -> None:
         """Write records into the chunks of one chunk row that they fill only in part,
@@ -531,12 +551,12 @@ class SiteWriter:
     def _write_leaves(self, leaves: list[Leaf], start: int, stop: int) -> np.ndarray:
         """Write the records' values; return their stored kind codes."""
         kinds = np.array([leaf.kind for leaf in leaves], np.uint8)
-        if self.values is None:
+        if self.values_id is None:
             first = next((leaf for leaf in leaves if leaf.kind != Kind.NONE), None)
             if first is None:
                 return kinds  # only None so far: the kinds say it all
             self._create_values(first, sum(_alike(leaf, first) for leaf in leaves))
-        assert self.values is not None
+        assert self.values_id is not None
         fits = [self._fits(leaf) for leaf in leaves]
         misfits = [
             not fit and leaf.kind != Kind.NONE for leaf, fit in zip(leaves, fits, strict=True)
@@ -557,17 +577,17 @@ class SiteWriter:
                 (leaf.data if self.storage == "str" else to_blob(leaf)) if fit else empty
                 for leaf, fit in zip(leaves, fits, strict=True)
             ]
-            _put(self.values, (start,), _objects(rows))
+            _put(self.values_id, (start,), _objects(rows))
         if self.other is not None:
             rows = [
                 to_blob(leaf) if bad else b"" for leaf, bad in zip(leaves, misfits, strict=True)
             ]
-            _put(self.other, (start,), _objects(rows))
+            _put(self.other.id, (start,), _objects(rows))
             kinds[misfits] |= IN_OTHER
         return kinds
 
     def _write_arrays(self, leaves: list[Leaf], fits: list[bool], start: int, stop: int) -> None:
-        assert self.values is not None and self.chunk is not None
+        assert self.values_id is not None and self.chunk is not None
         index = 0
         while index < len(leaves):
             if not fits[index]:
