@@ -89,6 +89,12 @@ def _label(
     return scales
 
 
+def _tag_row(name: str) -> tuple[int, ...]:
+    """The shape of a row of the tag dataset `name`: a version-2 file's `tags` holds a
+    column a tag, a version-1 file's one dataset a tag."""
+    return (len(TAGS),) if name == TAGGED else ()
+
+
 def _site_datasets(group: h5py.Group) -> dict[str, h5py.h5d.DatasetID]:
     """The datasets a site's writer keeps open: tags, `values`, `shapes`, `other` and
     the labels of `values`' axes (the other labels never change)."""
@@ -128,16 +134,21 @@ class _Rows:
     Example: `rows.extend(stop); rows.put(start, data)` writes rows `start:stop`.
     """
 
-    def __init__(self, dataset: h5py.h5d.DatasetID) -> None:
+    def __init__(self, dataset: h5py.h5d.DatasetID, shape: tuple[int, ...] | None = None) -> None:
+        """The rows of `dataset`, whose `shape` the caller knows (a dataset it just made) or
+        HDF5 is asked for."""
         self.id = dataset
         self.space = dataset.get_space()
-        self.tail = self.space.shape[1:]  # the shape of a row
+        shape = self.space.shape if shape is None else shape
+        self.size = shape[0]  # rows within the extent
+        self.tail = shape[1:]  # the shape of a row
 
     def extend(self, rows: int) -> None:
         """Give the dataset `rows` rows."""
         shape = (rows, *self.tail)
         self.id.set_extent(shape)
         self.space.set_extent_simple(shape, (h5py.h5s.UNLIMITED, *self.tail))
+        self.size = rows
 
     def put(self, row: int, data: np.ndarray) -> None:
         """Write `data` (numeric rows) from `row` on, within the extent."""
@@ -180,7 +191,10 @@ class SiteWriter:
         else:
             self.slot, self.gather_rows, found = created
         # a version-2 file's one `tags` dataset, else one dataset a tag (see _layout)
-        self.tags = [_Rows(found[name]) for name in ((TAGGED,) if TAGGED in found else TAGS)]
+        self.tags = [
+            _Rows(found[name], None if created is None else (0, *_tag_row(name)))
+            for name in ((TAGGED,) if TAGGED in found else TAGS)
+        ]
         if created is None:
             self.gather_rows = self.tags[0].id.get_create_plist().get_chunk()[0]
         # `values` as HDF5's identifier; its h5py wrapper (three property lists of its own)
@@ -263,7 +277,7 @@ class SiteWriter:
             h5py.h5ds.set_scale(scale, b"")  # the record axis' coordinate (see _label)
         for tag, dataset in tags.items():
             if tag != "iterations":
-                _label(made, group, scale, dataset, tag, (len(TAGS),) if tag == TAGGED else ())
+                _label(made, group, scale, dataset, tag, _tag_row(tag))
         site = cls(group, options, made, 0, (slot, rows, tags))
         site.records = scale
         return site
@@ -337,7 +351,7 @@ class SiteWriter:
                 made.attribute(values, attribute, text)
             if scale is not None:
                 labels = _label(made, group, scale, values, "values", shape)
-                self.scales = [_Rows(dim) for dim in labels]
+                self.scales = [_Rows(dim, (size,)) for dim, size in zip(labels, shape, strict=True)]
             if ndim and len(self.tags) > 1:  # version 1: always; 2: once a record needs it
                 self._create_shapes(ndim)
         else:
@@ -431,7 +445,7 @@ class SiteWriter:
             self.padded = tuple(max(sizes) for sizes in zip(self.padded, *shapes, strict=True))
         self.values_id.set_extent((stop, *self.padded))
         for scale, size in zip(self.scales, self.padded, strict=False):
-            if scale.space.shape[0] < size:
+            if scale.size < size:
                 scale.extend(size)
         if self.shapes is not None:
             self.shapes.extend(stop)
