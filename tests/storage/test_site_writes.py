@@ -69,6 +69,12 @@ def test_a_new_site_wraps_not_even_its_values_in_h5py(tmp_path: Path) -> None:
     assert _per_site(tmp_path / "run.h5", "dataset.py", "__init__") == 0
 
 
+def test_a_new_sites_chunks_are_shaped_without_numpy_reductions(tmp_path: Path) -> None:
+    # The chunk shape of a new site's values took np.prod twice and np.argmax once on a
+    # list of a few ints (numpy's dispatch for each: 8 k instructions).
+    assert _per_site(tmp_path / "run.h5", "fromnumeric.py", "prod") == 0
+
+
 def test_sites_of_one_layout_share_the_dataspaces_their_datasets_are_made_with(
     tmp_path: Path,
 ) -> None:

@@ -12,7 +12,7 @@ whole chunks, so a compressed chunk is written once.
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
 __all__ = ["gather_rows", "values_chunks"]
 
@@ -60,8 +60,8 @@ def values_chunks(shape: tuple[int, ...], itemsize: int, records: int) -> tuple[
     `records` of them: whole records (split when above `_CHUNK_MAX`), rows as
     `_chunk_rows` gives."""
     dims = [max(1, size) for size in shape]
-    while int(np.prod(dims)) * itemsize > _CHUNK_MAX:
-        largest = int(np.argmax(dims))
+    while math.prod(dims) * itemsize > _CHUNK_MAX:
+        largest = dims.index(max(dims))
         dims[largest] = -(-dims[largest] // 2)
     least = _CHUNK_MIN if shape else _CHUNK_MIN_0D
-    return (_chunk_rows(records, int(np.prod(dims)) * itemsize, least), *dims)
+    return (_chunk_rows(records, math.prod(dims) * itemsize, least), *dims)
