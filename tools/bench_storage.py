@@ -9,6 +9,7 @@ Usage::
     python tools/bench_storage.py size         # file bytes against record bytes, compressed too
     python tools/bench_storage.py sites --sites 10000 --steps 8   # many sites: saver vs
                                                   # plain h5py, then open + list the run
+    python tools/bench_storage.py sites --instructions   # the same, in callgrind's instructions
 
 ``throughput`` writes the same records (float32 tensors captured from the GPT
 of ``tools/bench_overhead.py``) through ``H5PYSaverCallback`` in gathers of 8,
@@ -24,6 +25,7 @@ bytes of the records divided by the bytes of the file.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import statistics
@@ -36,7 +38,7 @@ from typing import Any
 from _harness import REPO, bytes_text, fresh, last_int, parser, rotated
 from _model import TRACED_PATHS, add_size, build_model
 from _storage import GATHER
-from _storage.sites import bench_sites
+from _storage.sites import bench_sites, bench_sites_instructions, sites_child
 from _storage.size import bench_size
 
 _STATISTICS = "HDF5 statistics (vartrace.stats())"
@@ -356,12 +358,22 @@ def main() -> None:
     arguments.add_argument("--sites", type=int, default=1000, help="sites: sites written")
     arguments.add_argument("--steps", type=int, default=32, help="sites: steps (records a site)")
     arguments.add_argument(
+        "--instructions", action="store_true", help="sites: count instructions under callgrind"
+    )
+    arguments.add_argument(
+        "--_sites-child", nargs=3, metavar=("CONTENDER", "SITES", "STEPS"), help=argparse.SUPPRESS
+    )
+    arguments.add_argument(
         "--compressions",
         help="comma-separated compression names (vartrace.storage.COMPRESSIONS, gzip, lzf); "
         "default: blosc,blosc2,blosc2-zstd,lzf,gzip for throughput, blosc,gzip,lzf for size, "
         "blosc for overhead",
     )
     args = arguments.parse_args()
+    if args._sites_child:
+        name, sites, steps = args._sites_child
+        sites_child(name, int(sites), int(steps))
+        return
     default = "blosc,blosc2,blosc2-zstd,lzf,gzip" if args.mode == "throughput" else "blosc"
     compressions = [name for name in (args.compressions or default).split(",") if name]
     if args.mode == "throughput":
@@ -374,6 +386,8 @@ def main() -> None:
                 [name for name in (args.compressions or "blosc,gzip,lzf").split(",") if name]
             )
         )
+    elif args.mode == "sites" and args.instructions:
+        print(bench_sites_instructions(args.sites, args.steps))
     elif args.mode == "sites":
         print(bench_sites(args.sites, args.steps, args.rounds))
     elif args.mode == "memory":

@@ -100,3 +100,16 @@ def test_bits_of_no_torch_dtype_of_their_size_are_a_damaged_file() -> None:
         decode_raw(np.zeros(2, np.uint16), "float8_e4m3fn", width=64, where="site 'x'")
     with pytest.raises(ValueError, match="no torch dtype"):
         decode_raw(np.zeros(2, np.uint8), "not a dtype", width=32, where="site 'x'")
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float32, ">f4", np.int64, ">i8", np.uint8, np.complex64, np.bool_],
+)
+def test_a_leafs_key_names_its_dtype_and_rank_however_often_it_is_asked(dtype: str) -> None:
+    # the key's dtype is formatted once a dtype (numpy formats `dtype.str` at each call):
+    # a byte-swapped dtype, equal in kind, keeps a key of its own
+    for _ in range(2):
+        for shape in ((), (3,), (2, 2)):
+            array = np.zeros(shape, dtype)
+            assert encode(array).key == f"{np.dtype(dtype).str}/{len(shape)}"

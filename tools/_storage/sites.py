@@ -1,5 +1,11 @@
 """``bench_storage.py sites``: many small sites through the saver, against plain h5py and
-``os.write``, then the time to open the file and list its sites."""
+``os.write``, then the time to open the file and list its sites.
+
+``--instructions`` counts instead of timing: the saver and plain h5py each write the same
+records in a child process of their own (``bench_storage.py --_sites-child``) under
+callgrind, instrumented for that write only (after a warm-up run on a few sites that
+imports and caches what both need), all threads counted.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _harness import rotated
+from _harness import handshake, instructions, need_callgrind, rotated, versions
 
 from _storage import GATHER
+
+_COMMAND = Path(__file__).resolve().parent.parent / "bench_storage.py"
+_WARM_SITES = 4  # sites of the warm-up run of --instructions
 
 
 def _sites_raw(path: Path, records: list[Any], sites: int, steps: int, gather: int) -> None:
@@ -82,19 +91,67 @@ def _open_and_list(path: Path) -> float:
         return time.perf_counter() - start
 
 
+_Contender = Callable[[Path, list[Any], int, int, int], None]
+_CONTENDERS: dict[str, _Contender] = {
+    "raw os.write": _sites_raw,
+    "plain h5py": _sites_h5py,
+    "vartrace saver": _sites_saver,
+}
+
+
+def _records() -> list[Any]:
+    """The 16 float32 records of 4 KiB the sites take turns writing."""
+    import numpy as np
+
+    generator = np.random.default_rng(0)
+    return [generator.standard_normal(1024).astype(np.float32) for _ in range(16)]
+
+
+def sites_child(name: str, sites: int, steps: int) -> None:
+    """A contender's side of :func:`bench_sites_instructions`, under callgrind: a warm-up
+    run on a few sites, then the measured run between two handshakes."""
+    import gc
+
+    records = _records()
+    with tempfile.TemporaryDirectory() as folder:
+        _CONTENDERS[name](Path(folder) / "warm.bin", records, _WARM_SITES, GATHER * 2, GATHER)
+        gc.collect()
+        handshake()
+        _CONTENDERS[name](Path(folder) / "sites.bin", records, sites, steps, GATHER)
+        handshake()
+
+
+def bench_sites_instructions(sites: int, steps: int) -> str:
+    """Instructions (callgrind's Ir, all threads) of the saver and of plain h5py writing
+    ``sites`` sites x ``steps`` records of 4 KiB, each contender in a child process."""
+    need_callgrind(control=True)
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    names = ["plain h5py", "vartrace saver"]
+    counts: dict[str, int] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for index, name in enumerate(names):
+            argv = [str(_COMMAND), "sites", "--_sites-child", name, str(sites), str(steps)]
+            counts[name] = instructions(argv, Path(folder) / f"callgrind.{index}", env, True)
+    records = sites * steps
+    lines = [
+        f"sites --instructions: {sites} sites x 4 KiB float32 records x {steps} steps, gather "
+        f"every {GATHER} steps, flush a gather; callgrind Ir, all threads; {versions()}",
+        f"{'contender':<16} {'M instr':>10} {'vs h5py':>8} {'k instr a record':>17}",
+    ]
+    for name in names:
+        lines.append(
+            f"{name:<16} {counts[name] / 1e6:10.1f} {counts[name] / counts[names[0]]:7.3f}x "
+            f"{counts[name] / records / 1e3:17.1f}"
+        )
+    return "\n".join(lines)
+
+
 def bench_sites(sites: int, steps: int, rounds: int) -> str:
     """``sites`` sites of one 4 KiB float32 record a step, ``steps`` steps gathered every
     :data:`GATHER`: wall and CPU time of the saver against plain h5py and ``os.write``;
     then the time to open the saver's file and list its sites (``vartrace.open(path).names``)."""
-    import numpy as np
-
-    generator = np.random.default_rng(0)
-    records = [generator.standard_normal(1024).astype(np.float32) for _ in range(16)]
-    contenders: dict[str, Callable[[Path, list[Any], int, int, int], None]] = {
-        "raw os.write": _sites_raw,
-        "plain h5py": _sites_h5py,
-        "vartrace saver": _sites_saver,
-    }
+    records = _records()
+    contenders = _CONTENDERS
     wall: dict[str, list[float]] = {name: [] for name in contenders}
     cpu: dict[str, list[float]] = {name: [] for name in contenders}
     listing: list[float] = []

@@ -143,7 +143,21 @@ class Leaf(NamedTuple):
         (for statistics, the field names)."""
         if self.kind == Kind.STATISTICS:
             return f"{STATISTICS}:{','.join(self.data.dtype.names)}/0"
-        return f"{self.torch_dtype or self.data.dtype.str}/{self.data.ndim}"
+        return f"{self.torch_dtype or _typestr(self.data.dtype)}/{self.data.ndim}"
+
+
+_TYPESTRS: dict[np.dtype[Any], str] = {}  # dtype -> its `str`, which numpy formats at each call
+
+
+def _typestr(dtype: np.dtype[Any]) -> str:
+    """`dtype.str`, formatted once a dtype (numpy formats it anew at each call: 2 k
+    instructions, a twentieth of a small record's write)."""
+    typestr = _TYPESTRS.get(dtype)
+    if typestr is None:
+        typestr = dtype.str
+        if len(_TYPESTRS) < 256:  # structured dtypes are many: the first ones only
+            _TYPESTRS[dtype] = typestr
+    return typestr
 
 
 def _npy(array: np.ndarray) -> bytes:

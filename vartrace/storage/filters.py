@@ -119,6 +119,8 @@ class Made:
         self.layouts: dict[tuple[Any, ...], tuple[h5py.h5t.TypeID, h5py.h5p.PropDCID]] = {}
         self.gcpl: h5py.h5p.PropGCID | None = None  # the first group's
         self.lcpls: dict[int, h5py.h5p.PropLCID] = {}  # character set of a link name -> its list
+        # (shape, maximum shape) -> its dataspace, which HDF5 copies into each dataset made
+        self.spaces: dict[tuple[tuple[int, ...], tuple[int, ...]], h5py.h5s.SpaceID] = {}
         self.scalar = h5py.h5s.create(h5py.h5s.SCALAR)
         # Attribute types as h5py makes them: (stored type, type of the data written).
         self.types = {
@@ -183,7 +185,9 @@ class Made:
             return dataset.id
         datatype, dcpl = made
         unlimited = tuple(h5py.h5s.UNLIMITED if size is None else size for size in maxshape)
-        space = h5py.h5s.create_simple(shape, unlimited)
+        space = self.spaces.get((shape, unlimited))
+        if space is None:
+            space = self.spaces[shape, unlimited] = h5py.h5s.create_simple(shape, unlimited)
         return h5py.h5d.create(group.id, name.encode(), datatype, space, dcpl=dcpl)
 
     def attribute(

@@ -6,7 +6,7 @@ Example:
     site.append(trace)  # tags, values (stacked or record by record), shapes, other
     ```
 
-A site's chunks are shaped by its first gather (`_gather_rows`, `_chunks`): a
+A site's chunks are shaped by its first gather (`vartrace.storage.chunks`): a
 gather of as many records fills whole chunks, so a compressed chunk is written
 once.  Records that fit `values` (same key, no far larger allocation: `_SPREAD`)
 go there, padded to its row shape; the others are pickled into `other`.  The
@@ -28,6 +28,7 @@ import numpy as np
 from vartrace._support.warnings import warn
 from vartrace.placements import Placement
 from vartrace.reduced import ReducedFrom
+from vartrace.storage.chunks import gather_rows, values_chunks
 from vartrace.storage.codec import IN_OTHER, Kind, Leaf, encode, row_shapes, to_blob, unstored
 from vartrace.storage.filters import STR, UNFILTERED, Made
 from vartrace.storage.layout import (
@@ -45,16 +46,6 @@ from vartrace.trace import Trace
 
 __all__ = ["CACHE_BYTES", "SiteWriter", "describe", "int64"]
 
-_CHUNK_TARGET = 512 << 10  # bytes of a multi-record chunk
-_CHUNK_MAX = 8 << 20  # a record bigger than this is split into several chunks
-_TAG_CHUNK = 4096  # most rows of a chunk
-# Bytes a chunk of small records holds at least.  Each new chunk of a dataset with several
-# resizable axes costs 2-4 KiB of HDF5 B-tree nodes in SWMR mode (a node is rewritten
-# elsewhere at each flush); one-axis datasets (0-d records) use a far cheaper index.
-_CHUNK_MIN = 16 << 10
-_CHUNK_MIN_0D = 4 << 10
-_GATHERS_A_CHUNK = 2  # a chunk of tags holds about this many gathers' records
-_TAG_ROWS_MIN = 256  # fewest rows of a chunk of per-record tags (2 KiB of int64)
 # A record whose shape would make ``values`` allocate more than this many times its own
 # bytes (plus one chunk and _SPREAD_SLACK) goes to ``other`` unpadded: chunks are shaped by
 # the site's first record, and a (1, 4096) record in chunks shaped (4096, 1) fills 4096 of them.
@@ -82,18 +73,26 @@ def _label(
     records: h5py.h5d.DatasetID,
     dataset: h5py.h5d.DatasetID,
     stem: str,
+    row: tuple[int, ...],
 ) -> list[h5py.h5d.DatasetID]:
-    """Label `dataset` (`group`'s `stem`) for h5netcdf / xarray: the record axis by the
-    site's scale `records` (`iterations`, a coordinate, in a version-1 file), the others
-    by dimension-only scales `<stem>_dim<k>` (resized with it), which it returns."""
+    """Label `dataset` (`group`'s `stem`, rows of shape `row`) for h5netcdf / xarray: the
+    record axis by the site's scale `records` (`iterations`, a coordinate, in a version-1
+    file), the others by dimension-only scales `<stem>_dim<k>` (resized with it), which it
+    returns."""
     h5py.h5ds.attach_scale(dataset, records, 0)
     scales = []
-    for axis, size in enumerate(dataset.shape[1:], 1):
+    for axis, size in enumerate(row, 1):
         scale = made.dataset(group, f"{stem}_dim{axis}", (size,), np.dtype(np.uint8))
         h5py.h5ds.set_scale(scale, _DIMENSION)
         h5py.h5ds.attach_scale(dataset, scale, axis)
         scales.append(scale)
     return scales
+
+
+def _tag_row(name: str) -> tuple[int, ...]:
+    """The shape of a row of the tag dataset `name`: a version-2 file's `tags` holds a
+    column a tag, a version-1 file's one dataset a tag."""
+    return (len(TAGS),) if name == TAGGED else ()
 
 
 def _site_datasets(group: h5py.Group) -> dict[str, h5py.h5d.DatasetID]:
@@ -102,45 +101,6 @@ def _site_datasets(group: h5py.Group) -> dict[str, h5py.h5d.DatasetID]:
     return {
         name: group[name].id for name in group if name in _WRITTEN or name.startswith("values_dim")
     }
-
-
-def _gather_rows(records: int) -> int:
-    """Rows of a site's tag chunks, from the records of its first gather: about
-    `_GATHERS_A_CHUNK` gathers' worth (a power of two), so that a short run's file
-    holds little unused space and a long run's few chunks.
-
-    Example: `_gather_rows(8) == 256` (the floor), `_gather_rows(1000) == 2048`.
-    """
-    rows = 1 << (max(1, records * _GATHERS_A_CHUNK) - 1).bit_length()
-    return min(_TAG_CHUNK, max(_TAG_ROWS_MIN, rows))
-
-
-def _chunk_rows(records: int, record_bytes: int, least: int = _CHUNK_MIN) -> int:
-    """Rows of a `values` chunk, from the records of the site's first gather: a gather of
-    as many fills whole chunks, so a compressed chunk is written once, never rewritten.
-
-    A gather above `_CHUNK_TARGET` bytes is split into equal chunks; one below
-    `least` bytes gets a chunk of several gathers.  Example:
-    `_chunk_rows(20, 32 << 10) == 10` (two chunks a gather), `_chunk_rows(8, 1024) == 16`.
-    """
-    most = max(1, min(_TAG_CHUNK, _CHUNK_TARGET // max(1, record_bytes)))
-    records = max(1, records)
-    if records >= most:
-        return -(-records // -(-records // most))
-    gathers = -(-least // (records * max(1, record_bytes)))
-    return min(records * gathers, most)
-
-
-def _chunks(shape: tuple[int, ...], itemsize: int, records: int) -> tuple[int, ...]:
-    """Chunk shape of `values` for records of `shape`, the site's first gather holding
-    `records` of them: whole records (split when above `_CHUNK_MAX`), rows as
-    `_chunk_rows` gives."""
-    dims = [max(1, size) for size in shape]
-    while int(np.prod(dims)) * itemsize > _CHUNK_MAX:
-        largest = int(np.argmax(dims))
-        dims[largest] = -(-dims[largest] // 2)
-    least = _CHUNK_MIN if shape else _CHUNK_MIN_0D
-    return (_chunk_rows(records, int(np.prod(dims)) * itemsize, least), *dims)
 
 
 @functools.lru_cache(maxsize=256)
@@ -155,14 +115,14 @@ def _memory_type(dtype: np.dtype[Any]) -> h5py.h5t.TypeID:
     return h5py.h5t.py_create(dtype)
 
 
-def _put(dataset: h5py.Dataset, offset: tuple[int, ...], data: np.ndarray) -> None:
+def _put(dataset: h5py.h5d.DatasetID, offset: tuple[int, ...], data: np.ndarray) -> None:
     """Write `data` into `dataset` at `offset` (h5py's low-level calls: fast)."""
     data = np.ascontiguousarray(data)
-    space = dataset.id.get_space()
+    space = dataset.get_space()
     space.select_hyperslab(offset, data.shape)
     # numeric types are made once; variable-length ones as h5py's write makes them
     mtype = _memory_type(data.dtype) if data.dtype.kind in "biuf" else None
-    dataset.id.write(_memory_space(data.shape), space, data, mtype=mtype)
+    dataset.write(_memory_space(data.shape), space, data, mtype=mtype)
 
 
 class _Rows:
@@ -174,16 +134,21 @@ class _Rows:
     Example: `rows.extend(stop); rows.put(start, data)` writes rows `start:stop`.
     """
 
-    def __init__(self, dataset: h5py.h5d.DatasetID) -> None:
+    def __init__(self, dataset: h5py.h5d.DatasetID, shape: tuple[int, ...] | None = None) -> None:
+        """The rows of `dataset`, whose `shape` the caller knows (a dataset it just made) or
+        HDF5 is asked for."""
         self.id = dataset
         self.space = dataset.get_space()
-        self.tail = self.space.shape[1:]  # the shape of a row
+        shape = self.space.shape if shape is None else shape
+        self.size = shape[0]  # rows within the extent
+        self.tail = shape[1:]  # the shape of a row
 
     def extend(self, rows: int) -> None:
         """Give the dataset `rows` rows."""
         shape = (rows, *self.tail)
         self.id.set_extent(shape)
         self.space.set_extent_simple(shape, (h5py.h5s.UNLIMITED, *self.tail))
+        self.size = rows
 
     def put(self, row: int, data: np.ndarray) -> None:
         """Write `data` (numeric rows) from `row` on, within the extent."""
@@ -212,24 +177,35 @@ class SiteWriter:
         options: dict[str, Any],
         made: Made,
         rows: int,
-        created: tuple[int, Mapping[str, h5py.h5d.DatasetID]] | None = None,
+        created: tuple[int, int, Mapping[str, h5py.h5d.DatasetID]] | None = None,
     ) -> None:
         """The site of `group` holding `rows` committed records, its datasets made by
-        `made`; `created` (slot, name -> dataset) for a site just created, else they are
-        looked up."""
+        `made`; `created` (slot, rows of a tag chunk, name -> dataset) for a site just
+        created, else they are looked up."""
         self.group = group
         self.options = options
         self.made = made
-        slot, found = created or (int(group.attrs["slot"]), _site_datasets(group))
-        self.slot = slot
+        if created is None:
+            found = _site_datasets(group)
+            self.slot = int(group.attrs["slot"])
+        else:
+            self.slot, self.gather_rows, found = created
         # a version-2 file's one `tags` dataset, else one dataset a tag (see _layout)
-        self.tags = [_Rows(found[name]) for name in ((TAGGED,) if TAGGED in found else TAGS)]
-        self.values = None if "values" not in found else h5py.Dataset(found["values"])
-        self.gather_rows = self.tags[0].id.get_create_plist().get_chunk()[0]
+        self.tags = [
+            _Rows(found[name], None if created is None else (0, *_tag_row(name)))
+            for name in ((TAGGED,) if TAGGED in found else TAGS)
+        ]
+        if created is None:
+            self.gather_rows = self.tags[0].id.get_create_plist().get_chunk()[0]
+        # `values` as HDF5's identifier; its h5py wrapper (three property lists of its own)
+        # is made only where asked for (`values`)
+        self.values_id: h5py.h5d.DatasetID | None = found.get("values")
+        self._values: h5py.Dataset | None = None
         self.shapes = None if "shapes" not in found else _Rows(found["shapes"])
         self.other = None if "other" not in found else h5py.Dataset(found["other"])
         self.rows = rows  # committed records; rows past them (a killed writer's) are rewritten
         self.chunk = None if self.values is None else self.values.chunks
+        self.itemsize = 0 if self.values is None else self.values.dtype.itemsize
         # whether `values` passes its chunks through the saver's filters (see _create_values)
         self.filtered = (
             self.values is not None and self.values.id.get_create_plist().get_nfilters() > 0
@@ -247,6 +223,14 @@ class SiteWriter:
         # readers may have seen it.  A site of a file made before scales has none.
         self.records: h5py.h5d.DatasetID | None = None
 
+    @property
+    def values(self) -> h5py.Dataset | None:
+        """The site's `values` dataset (h5py's wrapper, made once), `None` before its first
+        stored record."""
+        if self._values is None and self.values_id is not None:
+            self._values = h5py.Dataset(self.values_id)
+        return self._values
+
     @classmethod
     def create(
         cls,
@@ -263,7 +247,7 @@ class SiteWriter:
         made.attribute(group.id, "slot", slot)
         if _utf8(name):  # for people browsing the file; the reader unescapes the link name
             made.attribute(group.id, "name", name)
-        rows = _gather_rows(records)
+        rows = gather_rows(records)
         if options["format"] >= 2:
             width = len(TAGS)
             tags = {
@@ -293,8 +277,8 @@ class SiteWriter:
             h5py.h5ds.set_scale(scale, b"")  # the record axis' coordinate (see _label)
         for tag, dataset in tags.items():
             if tag != "iterations":
-                _label(made, group, scale, dataset, tag)
-        site = cls(group, options, made, 0, (slot, tags))
+                _label(made, group, scale, dataset, tag, _tag_row(tag))
+        site = cls(group, options, made, 0, (slot, rows, tags))
         site.records = scale
         return site
 
@@ -329,10 +313,10 @@ class SiteWriter:
         bytes (see `_SPREAD`): it goes to `other` instead, unpadded."""
         spread = self.spread.get(shape)
         if spread is None:
-            assert self.values is not None and self.chunk is not None
+            assert self.values_id is not None and self.chunk is not None
             rows, *tile = self.chunk
             tiles = math.prod(-(-size // step) for size, step in zip(shape, tile, strict=True))
-            itemsize = self.values.dtype.itemsize
+            itemsize = self.itemsize
             chunk = rows * math.prod(tile) * itemsize
             record = math.prod(shape) * itemsize
             spread = tiles > 1 and tiles * chunk > _SPREAD * record + chunk + _SPREAD_SLACK
@@ -345,7 +329,8 @@ class SiteWriter:
         if isinstance(leaf.data, np.ndarray):
             shape, ndim = leaf.data.shape, leaf.data.ndim
             self.storage, self.key, self.padded = "array", leaf.key, shape
-            self.chunk = _chunks(shape, leaf.data.dtype.itemsize, records)
+            self.itemsize = leaf.data.dtype.itemsize
+            self.chunk = values_chunks(shape, self.itemsize, records)
             # Only a chunk that one gather fills goes through the filters (see _put_records):
             # where the first gather fills none, the chunks are filled over several gathers and
             # stored unfiltered, and a filter would only add its message to the header.
@@ -365,7 +350,8 @@ class SiteWriter:
             ):
                 made.attribute(values, attribute, text)
             if scale is not None:
-                self.scales = [_Rows(dim) for dim in _label(made, group, scale, values, "values")]
+                labels = _label(made, group, scale, values, "values", shape)
+                self.scales = [_Rows(dim, (size,)) for dim, size in zip(labels, shape, strict=True)]
             if ndim and len(self.tags) > 1:  # version 1: always; 2: once a record needs it
                 self._create_shapes(ndim)
         else:
@@ -374,8 +360,8 @@ class SiteWriter:
             values = made.dataset(group, "values", (rows,), dtype, chunks=(self.gather_rows,))
             made.attribute(values, "storage", self.storage)
             if scale is not None:
-                _label(made, group, scale, values, "values")
-        self.values = h5py.Dataset(values)
+                _label(made, group, scale, values, "values", ())
+        self.values_id = values
 
     def _create_shapes(self, ndim: int) -> None:
         """Create `shapes` for records of `ndim` axes, its rows of records written so far
@@ -390,7 +376,7 @@ class SiteWriter:
             fillvalue=-1,
         )
         if self.records is not None:
-            _label(self.made, self.group, self.records, shapes, "shapes")
+            _label(self.made, self.group, self.records, shapes, "shapes", (ndim,))
         self.shapes = _Rows(shapes)
 
     def _shapes_needed(self, shapes: Sequence[tuple[int, ...]]) -> None:
@@ -447,19 +433,19 @@ class SiteWriter:
         if not isinstance(leaf.data, np.ndarray) or leaf.data.ndim == 0:
             return None
         record = leaf._replace(data=leaf.data[0, ...])
-        if self.values is None:
+        if self.values_id is None:
             self._create_values(record, len(leaf.data))
         return leaf if self._fits(record) else None
 
     def _extend(self, stop: int, shapes: Sequence[tuple[int, ...]] = ()) -> None:
         """Give every per-record dataset `stop` rows, growing `values` to fit `shapes`."""
-        assert self.values is not None
+        assert self.values_id is not None
         self._shapes_needed(shapes)
         if shapes:
             self.padded = tuple(max(sizes) for sizes in zip(self.padded, *shapes, strict=True))
-        self.values.id.set_extent((stop, *self.padded))
+        self.values_id.set_extent((stop, *self.padded))
         for scale, size in zip(self.scales, self.padded, strict=False):
-            if scale.space.shape[0] < size:
+            if scale.size < size:
                 scale.extend(size)
         if self.shapes is not None:
             self.shapes.extend(stop)
@@ -484,7 +470,7 @@ class SiteWriter:
         `_put_unfiltered`): HDF5 writes a rewritten compressed chunk elsewhere, and
         in SWMR mode never reuses the old space.
         """
-        assert self.values is not None and self.chunk is not None
+        assert self.values_id is not None and self.chunk is not None
         if not self.filtered:
             rows = self.chunk[0]
             # chunks within the cache's size, many to a record padded past the first
@@ -501,7 +487,7 @@ class SiteWriter:
             if whole:
                 self._put_chunks(row, data)
             else:
-                _put(self.values, (row,) + (0,) * (data.ndim - 1), data)
+                _put(self.values_id, (row,) + (0,) * (data.ndim - 1), data)
             return
         rows = self.chunk[0]
         first = row
@@ -510,7 +496,7 @@ class SiteWriter:
             end = min(begin + rows, row + len(data))
             part = data[first - row : end - row]
             if first == begin and end == begin + rows:
-                _put(self.values, (first,) + (0,) * (data.ndim - 1), part)
+                _put(self.values_id, (first,) + (0,) * (data.ndim - 1), part)
             else:
                 self._put_unfiltered(first, part)
             first = end
@@ -526,7 +512,7 @@ class SiteWriter:
         of `background=True`, from a glibc arena of that thread's own, which kept two of
         them beside the records (15 MiB for 30 MiB records in chunks of 7.5 MiB).
         """
-        assert self.values is not None and self.chunk is not None
+        assert self.values_id is not None and self.chunk is not None
         spans = [range(0, size, step) for size, step in zip(data.shape, self.chunk, strict=True)]
         for corner in itertools.product(*spans):
             part = data[
@@ -537,9 +523,9 @@ class SiteWriter:
             ]
             origin = (row + corner[0], *corner[1:])
             if part.shape == self.chunk:
-                self.values.id.write_direct_chunk(origin, np.ascontiguousarray(part))
+                self.values_id.write_direct_chunk(origin, np.ascontiguousarray(part))
             else:
-                _put(self.values, origin, part)
+                _put(self.values_id, origin, part)
 
     def _put_unfiltered(self, row: int, data: np.ndarray) -> None:
         """Write records into the chunks of one chunk row that they fill only in part,
@@ -579,12 +565,12 @@ class SiteWriter:
     def _write_leaves(self, leaves: list[Leaf], start: int, stop: int) -> np.ndarray:
         """Write the records' values; return their stored kind codes."""
         kinds = np.array([leaf.kind for leaf in leaves], np.uint8)
-        if self.values is None:
+        if self.values_id is None:
             first = next((leaf for leaf in leaves if leaf.kind != Kind.NONE), None)
             if first is None:
                 return kinds  # only None so far: the kinds say it all
             self._create_values(first, sum(_alike(leaf, first) for leaf in leaves))
-        assert self.values is not None
+        assert self.values_id is not None
         fits = [self._fits(leaf) for leaf in leaves]
         misfits = [
             not fit and leaf.kind != Kind.NONE for leaf, fit in zip(leaves, fits, strict=True)
@@ -605,17 +591,17 @@ class SiteWriter:
                 (leaf.data if self.storage == "str" else to_blob(leaf)) if fit else empty
                 for leaf, fit in zip(leaves, fits, strict=True)
             ]
-            _put(self.values, (start,), _objects(rows))
+            _put(self.values_id, (start,), _objects(rows))
         if self.other is not None:
             rows = [
                 to_blob(leaf) if bad else b"" for leaf, bad in zip(leaves, misfits, strict=True)
             ]
-            _put(self.other, (start,), _objects(rows))
+            _put(self.other.id, (start,), _objects(rows))
             kinds[misfits] |= IN_OTHER
         return kinds
 
     def _write_arrays(self, leaves: list[Leaf], fits: list[bool], start: int, stop: int) -> None:
-        assert self.values is not None and self.chunk is not None
+        assert self.values_id is not None and self.chunk is not None
         index = 0
         while index < len(leaves):
             if not fits[index]:
