@@ -1,4 +1,4 @@
-"""The statistics row of a dense float32, float64 or bfloat16 CPU tensor in one compiled pass.
+"""The statistics row of a dense real CPU tensor in one compiled pass (float32, bfloat16, ints...).
 
 `summary.c` (beside this module) reads each value once: sums in float64 lanes, extremes
 and zeros from the values as they are, a block read again only where it holds NaN or
@@ -76,7 +76,8 @@ def _as_kinds() -> dict[Any, int]:
     import torch
 
     _tensor, _from_numpy = torch.Tensor, torch.from_numpy
-    _kinds.update({torch.float32: 0, torch.float64: 1, torch.bfloat16: 2})
+    names = ("float32", "float64", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+    _kinds.update({getattr(torch, name): kind for kind, name in enumerate(names)})
     return _kinds
 
 

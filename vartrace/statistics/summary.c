@@ -40,10 +40,22 @@ static float bf16(uint16_t code) {
     return v;
 }
 
+/* The kinds of values: float32, float64, bfloat16 (read 8 at a time where AVX2 is), then
+   int64, int32, int16, int8, uint8 and bool (one at a time), and their sizes. */
+enum { F32, F64, BF16, I64, I32, I16, I8, U8, BOOL };
+static const int sizes[] = {4, 8, 2, 8, 4, 2, 1, 1, 1};
+
 static double value(const void *x, int kind, int64_t i) {
-    if (kind == 0) return ((const float *)x)[i];
-    if (kind == 1) return ((const double *)x)[i];
-    return bf16(((const uint16_t *)x)[i]);
+    switch (kind) {
+    case F32: return ((const float *)x)[i];
+    case F64: return ((const double *)x)[i];
+    case BF16: return bf16(((const uint16_t *)x)[i]);
+    case I64: return (double)((const int64_t *)x)[i];
+    case I32: return ((const int32_t *)x)[i];
+    case I16: return ((const int16_t *)x)[i];
+    case I8: return ((const int8_t *)x)[i];
+    default: return ((const uint8_t *)x)[i];
+    }
 }
 
 static void clear(lanes_t *a) {
@@ -74,6 +86,13 @@ static void scalar(const void *x, int kind, int64_t i, int64_t n, int masked, la
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define VECTORS __attribute__((target("avx2,fma")))
+#define CHUNK 512 /* values a plain pass reads before it checks that its sums are finite */
+
+/* Whether the 4 lanes are finite (a NaN or an infinity makes x * 0 NaN). */
+VECTORS static inline int all_finite(__m256d x) {
+    __m256d zeroed = _mm256_mul_pd(x, _mm256_setzero_pd());
+    return !_mm256_movemask_pd(_mm256_cmp_pd(zeroed, zeroed, _CMP_UNORD_Q));
+}
 
 /* 8 float32 (or bfloat16) values: as they are, and as two vectors of 4 float64. */
 #define NARROW_LOOP(LOAD, MASKED)                                                             \
@@ -83,7 +102,8 @@ static void scalar(const void *x, int kind, int64_t i, int64_t n, int masked, la
     __m256 sign = _mm256_set1_ps(-0.0f), ninf = _mm256_set1_ps(-INFINITY);                    \
     __m256i z = _mm256_setzero_si256(), nan = z, pinf = z, fin = z;                           \
     int64_t i = 0, whole = n - n % LANES;                                                     \
-    for (; i < whole; i += LANES) {                                                           \
+    while (i < whole) {                                                                       \
+    for (int64_t end = i + CHUNK < whole ? i + CHUNK : whole; i < end; i += LANES) {          \
         __m256 v = LOAD;                                                                      \
         __m256 kept = v, low = v, high = v;                                                   \
         if (MASKED) {                                                                         \
@@ -101,6 +121,9 @@ static void scalar(const void *x, int kind, int64_t i, int64_t n, int masked, la
         q0 = _mm256_fmadd_pd(d0, d0, q0), q1 = _mm256_fmadd_pd(d1, d1, q1);                   \
         lo = _mm256_min_ps(low, lo), hi = _mm256_max_ps(high, hi);                            \
         z = _mm256_sub_epi32(z, _mm256_castps_si256(_mm256_cmp_ps(v, zero, _CMP_EQ_OQ)));     \
+    }                                                                                         \
+    if (!(MASKED) && !all_finite(_mm256_add_pd(_mm256_add_pd(s0, s1), _mm256_add_pd(q0, q1))))   \
+        return -1;                                                                            \
     }                                                                                         \
     _mm256_storeu_pd(a->s, s0), _mm256_storeu_pd(a->s + 4, s1);                               \
     _mm256_storeu_pd(a->q, q0), _mm256_storeu_pd(a->q + 4, q1);                               \
@@ -153,7 +176,8 @@ VECTORS static int64_t bf16_masked(const uint16_t *x, int64_t n, lanes_t *a) {
         z[h] = nan[h] = pinf[h] = fin[h] = _mm256_setzero_si256();                            \
     }                                                                                         \
     int64_t i = 0, whole = n - n % LANES;                                                     \
-    for (; i < whole; i += LANES)                                                             \
+    while (i < whole) {                                                                       \
+    for (int64_t end = i + CHUNK < whole ? i + CHUNK : whole; i < end; i += LANES)            \
         for (int h = 0; h < 2; h++) {                                                         \
             __m256d v = _mm256_loadu_pd(x + i + 4 * h), kept = v, low = v, high = v;          \
             if (MASKED) {                                                                     \
@@ -172,6 +196,9 @@ VECTORS static int64_t bf16_masked(const uint16_t *x, int64_t n, lanes_t *a) {
             lo[h] = _mm256_min_pd(low, lo[h]), hi[h] = _mm256_max_pd(high, hi[h]);            \
             z[h] = _mm256_sub_epi64(z[h], _mm256_castpd_si256(_mm256_cmp_pd(v, zero, _CMP_EQ_OQ))); \
         }                                                                                     \
+    if (!(MASKED) && !all_finite(_mm256_add_pd(_mm256_add_pd(s[0], s[1]), _mm256_add_pd(q[0], q[1])))) \
+        return -1;                                                                            \
+    }                                                                                         \
     int64_t counts[4][LANES];                                                                 \
     for (int h = 0; h < 2; h++) {                                                             \
         _mm256_storeu_pd(a->s + 4 * h, s[h]), _mm256_storeu_pd(a->q + 4 * h, q[h]);           \
@@ -202,11 +229,12 @@ static int vectors(void) {
     return known;
 }
 
-/* The values the vector loops take (a multiple of 8), into fresh lanes. */
+/* The values the vector loops take (a multiple of 8), into fresh lanes; -1 when a plain
+   pass met a NaN or an infinity (or a square past float64) and gave up. */
 static int64_t vector_pass(const void *x, int kind, int64_t n, int masked, lanes_t *a) {
-    if (!vectors()) return 0;
-    if (kind == 0) return masked ? f32_masked(x, n, a) : f32_plain(x, n, a);
-    if (kind == 1) return masked ? f64_masked(x, n, a) : f64_plain(x, n, a);
+    if (kind > BF16 || !vectors()) return 0;
+    if (kind == F32) return masked ? f32_masked(x, n, a) : f32_plain(x, n, a);
+    if (kind == F64) return masked ? f64_masked(x, n, a) : f64_plain(x, n, a);
     return masked ? bf16_masked(x, n, a) : bf16_plain(x, n, a);
 }
 #else
@@ -216,10 +244,14 @@ static int64_t vector_pass(const void *x, int kind, int64_t n, int masked, lanes
 }
 #endif
 
-/* One pass over a block into `a`: the vector loops, then the rest in plain C. */
-static void pass(const void *x, int kind, int64_t n, int masked, lanes_t *a) {
+/* One pass over a block into `a`: the vector loops, then the rest in plain C; 0 when a
+   plain pass gave up. */
+static int pass(const void *x, int kind, int64_t n, int masked, lanes_t *a) {
     clear(a);
-    scalar(x, kind, vector_pass(x, kind, n, masked, a), n, masked, a);
+    int64_t done = vector_pass(x, kind, n, masked, a);
+    if (done < 0) return 0;
+    scalar(x, kind, done, n, masked, a);
+    return 1;
 }
 
 static void block(const void *x, int kind, int64_t n, block_t *b, int64_t counts[4]) {
@@ -227,10 +259,10 @@ static void block(const void *x, int kind, int64_t n, block_t *b, int64_t counts
     int masked = 0;
     double total, plain;
     for (;;) {
-        pass(x, kind, n, masked, &a);
+        int whole = pass(x, kind, n, masked, &a);
         total = plain = 0;
         for (int k = 0; k < LANES; k++) total += a.s[k], plain += a.q[k];
-        if (masked || (isfinite(total) && isfinite(plain))) break;
+        if (masked || (whole && isfinite(total) && isfinite(plain))) break;
         masked = 1; /* NaN or infinities (or a square past float64): counted, left out */
     }
     double low = INFINITY, high = -INFINITY;
@@ -255,11 +287,9 @@ static void block(const void *x, int kind, int64_t n, block_t *b, int64_t counts
     b->squares = squares, b->mean = mean;
 }
 
-/* The 11 summary fields of the n values at x of `kind` (0 float32, 1 float64, 2
-   bfloat16) into out: count, mean, std, min, max, absmax, norm, nan, posinf, neginf,
-   zeros.  Blocks of `width` values. */
+/* The 11 summary fields of the n values at x of `kind` into out: count, mean, std, min,
+   max, absmax, norm, nan, posinf, neginf, zeros.  Blocks of `width` values. */
 static void summary(const void *x, int64_t n, int kind, int64_t width, double *out) {
-    static const int sizes[] = {4, 8, 2};
     double count = 0, total = 0, squares = 0, offset = 0, shift = 0;
     double low = INFINITY, high = -INFINITY;
     int64_t counts[4] = {0, 0, 0, 0};
@@ -304,7 +334,7 @@ static PyObject *py_summary(PyObject *self, PyObject *const *args, Py_ssize_t na
     int headed = args[5] != Py_None;
     double header = headed ? PyFloat_AsDouble(args[5]) : 0.0;
     if (PyErr_Occurred()) return NULL;
-    if (n < 0 || width < 1 || kind < 0 || kind > 2) {
+    if (n < 0 || width < 1 || kind < F32 || kind > BOOL) {
         PyErr_SetString(PyExc_ValueError, "summary: a negative count, a width below 1 or an unknown kind");
         return NULL;
     }
@@ -332,6 +362,8 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "vartrace_summary", NULL, -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "vartrace_summary", NULL, -1, methods, NULL, NULL, NULL, NULL,
+};
 
 PyMODINIT_FUNC PyInit_vartrace_summary(void) { return PyModule_Create(&module); }
