@@ -2,9 +2,10 @@
 
 One op per record on the capturing thread, no float64 copy of the record, and the same
 numbers as the float64 reference of ``tests/tracing/test_stats.py`` from each implementation:
-the numpy CPU kernel (with blocks small enough that every merge runs), the op on the CPU
-and on the stand-in device, the eager fallback, and the CUDA kernels written in Triton,
-run by Triton's interpreter on CPU tensors where ``triton`` is installed.
+the compiled CPU kernel (``summary.c``) and the numpy one it falls back to (with blocks small
+enough that every merge runs), the op on the CPU and on the stand-in device, the eager
+fallback, and the CUDA kernels written in Triton, run by Triton's interpreter on CPU tensors
+where ``triton`` is installed.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import vartrace
 import vartrace.statistics.kernels as kernels
 from tests import simgpu
-from tests.tracing.test_stats import assert_matches, reference, tensors
+from tests.tracing.test_stats import SPECIAL, assert_matches, reference, tensors
+from vartrace.statistics import compiled
 from vartrace.statistics.named import SUMMARY_FIELDS
 from vartrace.statistics.records import Statistics
 
@@ -152,11 +154,104 @@ def test_the_numpy_kernel_equals_the_reference_with_any_block(
     """Small blocks: the Chan merge of several blocks and all-NaN blocks are exercised."""
     previous, kernels.BLOCK = kernels.BLOCK, block
     try:
+        with _numpy_kernel():
+            row = kernels.summary(tensor)
+    finally:
+        kernels.BLOCK = previous
+    assert row.dtype == torch.float64 and row.shape == (11,)
+    assert_matches(as_statistics(row), expected(tensor))
+
+
+@contextlib.contextmanager
+def _numpy_kernel() -> Iterator[None]:
+    """The CPU op computes with the numpy kernel for a while, as where no compiler is."""
+    saved, compiled._kernel = compiled._kernel, False
+    try:
+        yield
+    finally:
+        compiled._kernel = saved
+
+
+needs_compiled = pytest.mark.skipif(
+    not compiled.available(), reason="no C compiler or Python.h here: numpy computes statistics"
+)
+
+
+@st.composite
+def long_tensors(draw: st.DrawFn) -> torch.Tensor:
+    """Up to 3,000 values (several chunks of the vector loops, a tail), a spread that cancels
+    or not, a few specials anywhere (past the first chunk too), in the compiled kinds."""
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64]))
+    size = draw(st.integers(0, 3000).filter(lambda n: n != 1))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    offset, scale = draw(st.sampled_from([(0.0, 1.0), (1e4, 1e-3), (1.0, 1e-8), (-3.0, 1e3)]))
+    x = offset + scale * torch.randn(size, dtype=torch.float64, generator=generator)
+    if size:
+        for at, special in draw(st.lists(st.tuples(st.integers(0, size - 1), SPECIAL), max_size=4)):
+            x[at] = special
+    if not dtype.is_floating_point:
+        return x.nan_to_num(0.0, 0.0, 0.0).round().to(dtype)
+    return x.to(dtype)
+
+
+@needs_compiled
+@EXAMPLES
+@given(long_tensors() | tensors(), st.sampled_from([1, 3, 8, 1000, 1 << 17]))
+def test_the_compiled_kernel_equals_the_reference_with_any_block(
+    tensor: torch.Tensor, block: int
+) -> None:
+    """The vector loops (8 values an instruction), their plain sums given up for masked
+    ones at a NaN or an infinity, the centred pass where plain sums cancel, the tail
+    in plain C and the merge of blocks: the same fields as the reference, every dtype
+    (those the kernel does not read fall back to numpy)."""
+    previous, kernels.BLOCK = kernels.BLOCK, block
+    try:
         row = kernels.summary(tensor)
     finally:
         kernels.BLOCK = previous
     assert row.dtype == torch.float64 and row.shape == (11,)
     assert_matches(as_statistics(row), expected(tensor))
+
+
+FALLBACK = """
+import warnings
+
+import torch
+
+warnings.simplefilter("error")
+import vartrace
+from vartrace.statistics import compiled
+
+record = vartrace.stats()("site", torch.arange(10.0), 1)
+print(compiled.available(), record[3].item())
+"""
+
+
+def test_without_a_compiler_statistics_come_from_the_numpy_kernel(tmp_path: Path) -> None:
+    """`$CC` names no compiler: the same record, from numpy, without a warning."""
+    env = {**os.environ, "CC": str(tmp_path / "no-cc"), "XDG_CACHE_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", str(np.std(np.arange(10.0)))]
+    assert not list(tmp_path.rglob("*.so"))
+
+
+@needs_compiled
+def test_the_compiled_kernel_is_built_once_and_loaded_from_the_cache(tmp_path: Path) -> None:
+    """The first process builds the module into `$XDG_CACHE_HOME/vartrace`, the next loads
+    that file as it is."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    built = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["True", str(np.std(np.arange(10.0)))]
+        built.append([(path.name, path.stat().st_mtime_ns) for path in tmp_path.rglob("*.so")])
+    assert len(built[0]) == 1 and built[0] == built[1]
 
 
 @EXAMPLES

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from vartrace._support.warnings import warn
+from vartrace.statistics.compiled import row as compiled_row
 
 __all__ = [
     "BLOCK",
@@ -393,8 +394,13 @@ def cpu_summary(x: Any, header: float | None = None) -> Any:
     """The op's CPU kernel: `summarize_values` on a view of the tensor's memory.
 
     Called directly on a CPU tensor it is the op without the dispatcher's round trip
-    (what a statistics record of a CPU tensor uses).
+    (what a statistics record of a CPU tensor uses).  A dense float32, float64 or
+    bfloat16 tensor is read by the compiled kernel (`vartrace.statistics.compiled`)
+    where it is built.
     """
+    row = compiled_row(x, header, BLOCK)
+    if row is not None:
+        return row
     import torch
 
     head = () if header is None else (header,)

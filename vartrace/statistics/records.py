@@ -315,6 +315,9 @@ class StatsReducer:
             raise ValueError(f"sample must be >= 1, got {sample}")
         self.layout = Layout(bins, probabilities)
         self.sample = sample
+        self._header = self.layout.header  # (computed, not looked up, by the property)
+        #: Whether records hold more than the summary: a histogram or quantiles.
+        self._extras = bins is not None or bool(probabilities)
         # A record before its statistics: the header, the probabilities, NaN quantiles.
         self._template = np.full(self.layout.size, math.nan)
         self._template[0] = self.layout.header
@@ -356,16 +359,11 @@ class StatsReducer:
             if value.is_cpu:  # the op's kernel, called directly: no dispatch, no contexts
                 if self._extras:
                     return torch.from_numpy(self._host(_numbers(value.detach())))
-                return cpu_summary(value, self.layout.header)
+                return cpu_summary(value, self._header)
             return self._tensor(value)
         if isinstance(value, np.ndarray) and value.dtype.kind in "biufc" and value.size != 1:
             return self._host(np.abs(value) if value.dtype.kind == "c" else value)
         return value
-
-    @property
-    def _extras(self) -> bool:
-        """Whether records hold more than the summary: a histogram or quantiles."""
-        return self.layout.bins is not None or bool(self.layout.quantiles)
 
     # -- the host definition: vartrace.statistics.named ---------------------------------------
 
@@ -410,7 +408,7 @@ class StatsReducer:
         autocast = torch.autocast(device.type, enabled=False) if _autocasts(device) else None
         with torch.no_grad(), autocast or nullcontext():
             if not self._extras:
-                return summary(tensor, self.layout.header)
+                return summary(tensor, self._header)
             header, probabilities = self._constant(device)
             parts = [header, summary(tensor)]
             parts += self._device_extras(_float64(tensor.detach()).reshape(-1), probabilities)

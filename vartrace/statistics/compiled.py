@@ -1,0 +1,144 @@
+"""The statistics row of a dense real CPU tensor in one compiled pass (float32, bfloat16, ints...).
+
+`summary.c` (beside this module) reads each value once: sums in float64 lanes, extremes
+and zeros from the values as they are, a block read again only where it holds NaN or
+infinities, or where its plain sums would cancel (the numpy kernel's steps,
+`vartrace.statistics.kernels`).  It is built once per machine and Python, as an
+extension module, by the C compiler Python was built with (`$CC` first), into
+`$XDG_CACHE_HOME/vartrace` (`~/.cache/vartrace`); a call costs what a Python function's
+does.  Where it cannot be built (no compiler, no `Python.h`, no writable cache), `row`
+returns `None` and the numpy kernel computes the same fields.
+
+Example:
+    ```python
+    row(torch.randn(1000), None)   # 11 float64 fields, or None without a compiler
+    ```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from numpy import empty as _empty
+
+__all__ = ["available", "row"]
+
+_SOURCE = Path(__file__).with_name("summary.c")
+_MODULE = "vartrace_summary"  # the extension module's name (its PyInit_ function)
+_FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
+#: Symbols of Python's own are found when the module is loaded (macOS links none by default).
+_LINK = ("-undefined", "dynamic_lookup") if sys.platform == "darwin" else ()
+_COMPILE_SECONDS = 120
+
+_kernel: Any = None  # the C function once loaded; False where it cannot be built
+_building = threading.Lock()
+_kinds: dict[Any, int] = {}  # torch dtype -> the kernel's kind, once torch is imported
+
+
+def available() -> bool:
+    """Whether the compiled kernel is built and loaded here (it is built on first use)."""
+    return bool(_kernel if _kernel is not None else _load())
+
+
+def row(x: Any, header: float | None, width: int) -> Any:
+    """The summary row of CPU tensor `x` (`header` first, when given) as a float64
+    tensor, in blocks of `width` values; `None` where the kernel does not read `x`
+    (another dtype, not dense in row-major order, a subclass) or cannot be built."""
+    kind = (_kinds or _as_kinds()).get(x.dtype)
+    if kind is None or type(x) is not _tensor or not x.is_contiguous():
+        return None
+    kernel = _kernel if _kernel is not None else _load()
+    if not kernel:
+        return None
+    out = _empty(11 if header is None else 12)  # (torch.empty: an aten op)
+    kernel(x.data_ptr(), x.numel(), kind, width, out, header)
+    return _from_numpy(out)
+
+
+_tensor: Any = None
+_from_numpy: Any = None
+
+
+def _as_kinds() -> dict[Any, int]:
+    """The kernel's kinds of torch dtypes (and the torch names `row` uses), once."""
+    global _tensor, _from_numpy
+    import torch
+
+    _tensor, _from_numpy = torch.Tensor, torch.from_numpy
+    names = ("float32", "float64", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+    _kinds.update({getattr(torch, name): kind for kind, name in enumerate(names)})
+    return _kinds
+
+
+def _load() -> Any:
+    """The kernel's function, built first where no build of this source is cached."""
+    global _kernel
+    with _building:
+        if _kernel is None:
+            try:
+                path = _built()
+                spec = importlib.util.spec_from_file_location(_MODULE, path)
+                assert spec is not None and spec.loader is not None
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                _kernel = module.summary
+            except (OSError, ImportError, subprocess.SubprocessError, AttributeError):
+                _kernel = False
+    return _kernel
+
+
+def _compiler() -> list[str]:
+    """The C compiler's command: `$CC`, else the one Python was built with, else `cc`."""
+    command = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    if not command or shutil.which(command[0]) is None:
+        raise OSError("no C compiler")
+    return command
+
+
+def _built() -> Path:
+    """The shared library of `summary.c`, compiled into the cache on first use: named by
+    a digest of the source, the compiler and its flags; written under a temporary name
+    and renamed, so that processes building it at once each load a whole file."""
+    include = sysconfig.get_paths()["include"]
+    if not os.path.exists(os.path.join(include, "Python.h")):
+        raise OSError("no Python.h")  # (a Python without its development headers)
+    command = [*_compiler(), *_FLAGS, f"-I{include}", *_LINK]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), *map(str.encode, command)]))
+    folder = _cache()
+    library = folder / f"{_MODULE}-{key.hexdigest()[:16]}{suffix}"
+    if library.exists():
+        return library
+    handle, temporary = tempfile.mkstemp(suffix=suffix, dir=folder)
+    os.close(handle)
+    try:
+        subprocess.run(
+            [*command, "-o", temporary, str(_SOURCE)],
+            check=True,
+            capture_output=True,
+            timeout=_COMPILE_SECONDS,
+        )
+        os.replace(temporary, library)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return library
+
+
+def _cache() -> Path:
+    """`$XDG_CACHE_HOME/vartrace` (`~/.cache/vartrace`), made if missing."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = Path(root) / "vartrace"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
