@@ -207,8 +207,9 @@ class SaverCallback(Protocol):
     def make_room(self, nbytes: int) -> None:
         """Wait until `nbytes` of records, the tracer's chunk with the record about to
         be kept, fit beside those the sink still holds (used only when `background`
-        is `True`, or `None` with a `flush_later`).  Called for each record: on the capturing thread before the copy
-        with `staging="sync"`, on the staging thread before keeping it with `"async"`."""
+        is `True`, or `None` with a `flush_later`).  Called for each record: on the
+        capturing thread before the copy with `staging="sync"`, on the staging thread
+        before keeping it with `"async"`."""
 
     @property
     def background(self) -> bool | None:

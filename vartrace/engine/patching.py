@@ -490,8 +490,10 @@ class _Patch:
                         if value is not _MISSING:
                             selector.emit(value, hook.sink, None)
                 return result
-            active = [(hook, None)] if hook.enabled and hook.captures else []
-            return self._leaving([hook], active, wrapped, args, kwargs)  # type: ignore[arg-type]
+            one: list[tuple[Hook, set[str] | None]] = (
+                [(hook, None)] if hook.enabled and hook.captures else []
+            )
+            return self._leaving([hook], one, wrapped, args, kwargs)
         # Plain loops, no comprehension: each is a function call of its own before 3.12.
         hooks = self.hooks
         leaving: list[Hook] = []

@@ -185,6 +185,7 @@ class SiteWriter:
         self.group = group
         self.options = options
         self.made = made
+        found: Mapping[str, h5py.h5d.DatasetID]
         if created is None:
             found = _site_datasets(group)
             self.slot = int(group.attrs["slot"])
