@@ -126,8 +126,7 @@ class Selector:
 
 
 def _at_return_only(probe: Probe) -> bool:
-    """Whether `probe` reads only locals at return, none of them twice (`_Patch._call`'s
-    short path)."""
+    """Whether `probe` reads only locals at return, none twice (`_Patch._call`'s short path)."""
     return bool(probe.exit) and not (
         probe.entry or probe.every or probe.returns or probe.calls or probe.dedupe
     )
