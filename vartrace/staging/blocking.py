@@ -23,6 +23,10 @@ from vartrace.tensors import copy_leaf
 
 __all__ = ["BlockingStaging"]
 
+_CPU = torch.device("cpu")
+_TENSOR = torch.Tensor
+_STRIDED = torch.strided
+
 BlockingDeliver = Callable[[str, Any, int, Any, int], None]
 """`deliver(site, record, iteration, host, nbytes)`: each record, at admission; `host` is
 the record itself (on the host to compare), `nbytes` the bytes room was made for."""
@@ -51,13 +55,26 @@ class BlockingStaging:
         self._deliver = deliver
         self._device = device
         self._make_room = make_room
+        self._on_cpu = device == _CPU
         self._lock = threading.Lock()
 
     def admit(self, site: str, value: Any, iteration: int, *, fresh: bool = False) -> None:
-        """Copy `value` (waiting for room first, if asked) and deliver the copy; `fresh`
-        changes nothing here: a copy to the host is made anyway."""
+        """Copy `value` (waiting for room first, if asked) and deliver the copy; `fresh`:
+        `value` is a new tensor nothing else holds (a statistics row), delivered as it is
+        where it is already the copy would be: a dense CPU tensor, for the CPU."""
         nbytes = 0 if self._make_room is None else self._make_room(value)
-        record = copy_leaf(value, self._device, site)
+        if (
+            fresh
+            and self._on_cpu
+            and type(value) is _TENSOR
+            and value.is_cpu
+            and value.layout is _STRIDED
+            and not value.requires_grad
+            and value.is_contiguous()
+        ):
+            record = value  # what copy_leaf makes for the CPU: dense, contiguous, detached
+        else:
+            record = copy_leaf(value, self._device, site)
         self._deliver(site, record, iteration, record, nbytes)
 
     def flush(self) -> None:

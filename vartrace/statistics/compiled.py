@@ -32,7 +32,7 @@ from typing import Any
 
 from numpy import empty as _empty
 
-__all__ = ["available", "row"]
+__all__ = ["available", "dense_row", "row"]
 
 _SOURCE = Path(__file__).with_name("summary.c")
 _MODULE = "vartrace_summary"  # the extension module's name (its PyInit_ function)
@@ -66,16 +66,38 @@ def row(x: Any, header: float | None, width: int) -> Any:
     return _from_numpy(out)
 
 
+def dense_row(x: Any, header: float, width: int) -> Any:
+    """`row` of a plain dense CPU tensor of more than one value, read with the fewest
+    tensor attribute reads (a statistics record's common case); `None` for any other
+    value (a subclass, a nested, sparse or other non-strided tensor, a scalar), and
+    before `row` first read a tensor (`_tensor` is set then, torch imported)."""
+    if type(x) is not _tensor:
+        return None
+    kind = _kinds.get(x.dtype)
+    if kind is None or not x.is_cpu or x.layout is not _strided or x.is_nested:
+        return None
+    count = x.numel()
+    if count == 1 or not x.is_contiguous():
+        return None
+    kernel = _kernel if _kernel is not None else _load()
+    if not kernel:
+        return None
+    out = _empty(12)
+    kernel(x.data_ptr(), count, kind, width, out, header)
+    return _from_numpy(out)
+
+
 _tensor: Any = None
 _from_numpy: Any = None
+_strided: Any = None
 
 
 def _as_kinds() -> dict[Any, int]:
     """The kernel's kinds of torch dtypes (and the torch names `row` uses), once."""
-    global _tensor, _from_numpy
+    global _tensor, _from_numpy, _strided
     import torch
 
-    _tensor, _from_numpy = torch.Tensor, torch.from_numpy
+    _tensor, _from_numpy, _strided = torch.Tensor, torch.from_numpy, torch.strided
     names = ("float32", "float64", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
     _kinds.update({getattr(torch, name): kind for kind, name in enumerate(names)})
     return _kinds

@@ -48,8 +48,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from vartrace.statistics.compiled import dense_row
 from vartrace.statistics.fields import COUNTS, SUMMARY_FIELDS
-from vartrace.statistics.kernels import cpu_summary, summarize_values, summary
+from vartrace.statistics.kernels import BLOCK, cpu_summary, summarize_values, summary
 
 __all__ = [
     "Statistics",
@@ -339,6 +340,10 @@ class StatsReducer:
         if self.sites is not None and not any(fnmatch.fnmatchcase(name, p) for p in self.sites):
             return value
         try:
+            if not self._extras:  # a plain CPU tensor's row, without the checks below
+                row = dense_row(value, self._header, BLOCK)
+                if row is not None:
+                    return row
             return self._reduce(value)
         except Exception as error:
             from vartrace.tensors import (
