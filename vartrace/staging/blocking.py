@@ -59,9 +59,12 @@ class BlockingStaging:
         self._lock = threading.Lock()
 
     def admit(self, site: str, value: Any, iteration: int, *, fresh: bool = False) -> None:
-        """Copy `value` (waiting for room first, if asked) and deliver the copy; `fresh`:
-        `value` is a new tensor nothing else holds (a statistics row), delivered as it is
-        where it is already the copy would be: a dense CPU tensor, for the CPU."""
+        """Copy `value` (waiting for room first, if asked) and deliver the copy.
+
+        `fresh`: `value` is a new tensor nothing else holds (a statistics row); one that
+        already is what the copy would be (a plain contiguous CPU tensor outside autograd,
+        records kept on the CPU) is delivered as it is.
+        """
         nbytes = 0 if self._make_room is None else self._make_room(value)
         if (
             fresh
