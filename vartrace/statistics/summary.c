@@ -99,18 +99,19 @@ VECTORS static inline int all_finite(__m256d x) {
     __m256d s0 = _mm256_setzero_pd(), s1 = s0, q0 = s0, q1 = s0;                              \
     __m256 lo = _mm256_set1_ps(INFINITY), hi = _mm256_set1_ps(-INFINITY);                     \
     __m256 zero = _mm256_setzero_ps(), inf = _mm256_set1_ps(INFINITY);                        \
-    __m256 sign = _mm256_set1_ps(-0.0f), ninf = _mm256_set1_ps(-INFINITY);                    \
     __m256i z = _mm256_setzero_si256(), nan = z, pinf = z, fin = z;                           \
     int64_t i = 0, whole = n - n % LANES;                                                     \
     while (i < whole) {                                                                       \
+    _Pragma("GCC unroll 2")                                                                   \
     for (int64_t end = i + CHUNK < whole ? i + CHUNK : whole; i < end; i += LANES) {          \
         __m256 v = LOAD;                                                                      \
         __m256 kept = v, low = v, high = v;                                                   \
         if (MASKED) {                                                                         \
-            __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(sign, v), inf, _CMP_LT_OQ);        \
+            /* v - (v - v): v itself where finite (signed zeros too), else NaN, which min     \
+               and max pass over (they return their second operand, the extreme so far) */   \
+            low = high = _mm256_sub_ps(v, _mm256_sub_ps(v, v));                               \
+            __m256 finite = _mm256_cmp_ps(low, low, _CMP_ORD_Q);                              \
             kept = _mm256_and_ps(v, finite);                                                  \
-            low = _mm256_blendv_ps(inf, v, finite);                                           \
-            high = _mm256_blendv_ps(ninf, v, finite);                                         \
             fin = _mm256_sub_epi32(fin, _mm256_castps_si256(finite));                         \
             nan = _mm256_sub_epi32(nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))); \
             pinf = _mm256_sub_epi32(pinf, _mm256_castps_si256(_mm256_cmp_ps(v, inf, _CMP_EQ_OQ))); \
@@ -169,7 +170,6 @@ VECTORS static int64_t bf16_masked(const uint16_t *x, int64_t n, lanes_t *a) {
 #define WIDE_LOOP(MASKED)                                                                     \
     __m256d s[2], q[2], lo[2], hi[2], zero = _mm256_setzero_pd();                             \
     __m256d inf = _mm256_set1_pd(INFINITY), ninf = _mm256_set1_pd(-INFINITY);                 \
-    __m256d sign = _mm256_set1_pd(-0.0);                                                      \
     __m256i z[2], nan[2], pinf[2], fin[2];                                                    \
     for (int h = 0; h < 2; h++) {                                                             \
         s[h] = q[h] = zero, lo[h] = inf, hi[h] = ninf;                                        \
@@ -180,11 +180,10 @@ VECTORS static int64_t bf16_masked(const uint16_t *x, int64_t n, lanes_t *a) {
     for (int64_t end = i + CHUNK < whole ? i + CHUNK : whole; i < end; i += LANES)            \
         for (int h = 0; h < 2; h++) {                                                         \
             __m256d v = _mm256_loadu_pd(x + i + 4 * h), kept = v, low = v, high = v;          \
-            if (MASKED) {                                                                     \
-                __m256d finite = _mm256_cmp_pd(_mm256_andnot_pd(sign, v), inf, _CMP_LT_OQ);   \
+            if (MASKED) { /* v - (v - v): as in NARROW_LOOP */                                \
+                low = high = _mm256_sub_pd(v, _mm256_sub_pd(v, v));                           \
+                __m256d finite = _mm256_cmp_pd(low, low, _CMP_ORD_Q);                         \
                 kept = _mm256_and_pd(v, finite);                                              \
-                low = _mm256_blendv_pd(inf, v, finite);                                       \
-                high = _mm256_blendv_pd(ninf, v, finite);                                     \
                 fin[h] = _mm256_sub_epi64(fin[h], _mm256_castpd_si256(finite));               \
                 nan[h] = _mm256_sub_epi64(                                                    \
                     nan[h], _mm256_castpd_si256(_mm256_cmp_pd(v, v, _CMP_UNORD_Q)));          \
