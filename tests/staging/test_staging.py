@@ -467,10 +467,10 @@ def test_a_failing_post_gather_callback_reaches_the_training_thread() -> None:
         raise KeyError("disk on fire")
 
     ended, noted, caught = _train_into_a_failing_callback(3, broken, lambda: None)
-    # Raised once, in a step (the second, unless the staging thread ran the first gather only
-    # after it: a loaded machine).  The gathers admitted before it reached the training
-    # thread fail too: the last one, at exit, is a note on the step's exception, not a
-    # second one, and those before it are warnings.
+    # Raised once: in the second step, or later where a loaded machine kept the staging
+    # thread from the first gather that long (at the stop, past the last step).  The gathers
+    # admitted before it reached the training thread fail too: the last one, at exit, is a
+    # note on the step's exception, not a second one, and those before it are warnings.
     _assert_each_failure_said_once(3, ended, calls, noted, caught.value)
 
 
