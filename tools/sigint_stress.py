@@ -18,7 +18,15 @@ trains a tiny model under ``ModelTracer`` with a foreground
 sites (default 1); two marker callbacks around the saver report when a
 gather's writes start and when its flush ended.  The parent measures how long
 those take, then sends SIGINT at a random moment inside the writes of a random
-gather.  A run is:
+gather.  Each gather's start takes a go-ahead (a byte on a second pipe): the
+parent gives ``_AHEAD`` at the start and one more for each gather it sees, so
+the child never runs more than ``_AHEAD`` gathers ahead of the parent and cannot
+reach its last step before the signal comes.  Without them a parent slowed by a
+loaded machine let the child run on (up to 26 steps past the targeted gather in
+100 runs with 3 busy loops on 2 cores), and a parent late by the rest of the
+80 steps saw the child finish: a run counted as swallowed although nothing was
+(``--lag 3``, a parent 3 s late: 3 of 3 runs).  ``--lag`` adds that many
+seconds before each signal, as such a parent would.  A run is:
 
 - ``interrupted``: ``KeyboardInterrupt`` reached the child's training loop;
 - ``swallowed``: the loop ran to its end anyway (or the child printed
@@ -43,6 +51,7 @@ the saver (else the stress proved nothing).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -69,6 +78,7 @@ from vartrace import H5PYSaverCallback, ModelTracer
 _SHAPE = (64, 64)
 _STEPS = 80  # a child that runs them all after the SIGINT swallowed it
 _DEADLINE = 120.0  # seconds a child may take
+_AHEAD = 40  # gathers a child may run ahead of the parent: the last target is 12 of 80
 
 
 class _Multiples(nn.Module):
@@ -83,14 +93,17 @@ class _Multiples(nn.Module):
 
 
 class _Marker:
-    """A post-gather callback: ``start`` at the first site of a gather, ``end`` after its flush."""
+    """A post-gather callback: ``start`` at the first site of a gather, then a go-ahead
+    taken from ``go`` (when given); ``end`` after the gather's flush."""
 
-    def __init__(self, fd: int, start: bytes, end: bytes) -> None:
-        self._fd, self._start, self._end = fd, start, end
+    def __init__(self, fd: int, start: bytes, end: bytes, go: int | None = None) -> None:
+        self._fd, self._start, self._end, self._go = fd, start, end, go
 
     def __call__(self, name: str, trace: object) -> None:
         if self._start and name == "forward.k0":
             os.write(self._fd, self._start)
+            if self._go is not None:
+                os.read(self._go, 1)  # b"" once the parent closed it: no more waits
 
     def flush(self) -> None:
         if self._end:
@@ -114,8 +127,9 @@ def _landed(error: BaseException) -> str:
     return "step"
 
 
-def _child(path: Path, fd: int, log: Path, sites: int) -> None:
-    """Train until interrupted; write ``interrupted <where>`` or ``finished`` to ``fd``."""
+def _child(path: Path, fd: int, go: int, log: Path, sites: int) -> None:
+    """Train until interrupted, each gather after a go-ahead from ``go``; write
+    ``interrupted <where>`` or ``finished`` to ``fd``."""
     # Python's Ctrl-C handler, as in a terminal, also when this tool was started with SIGINT
     # ignored (a shell's background job): Python then installs none, and nothing is held.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -123,7 +137,7 @@ def _child(path: Path, fd: int, log: Path, sites: int) -> None:
     os.dup2(errors, 2)
     model = _Multiples(sites)
     saver = H5PYSaverCallback(path, metadata=False, background=False)
-    callbacks = [_Marker(fd, b"w\n", b""), saver, _Marker(fd, b"", b"d\n")]
+    callbacks = [_Marker(fd, b"w\n", b"", go), saver, _Marker(fd, b"", b"d\n")]
     outcome = b"finished\n"
     try:
         with saver, ModelTracer(model, ["forward"], post_gather_callbacks=callbacks):
@@ -176,20 +190,26 @@ def _check_file(path: Path, sites: int) -> str:
     return ""
 
 
-def _one_run(directory: Path, rng: random.Random, index: int, sites: int) -> dict[str, object]:
+def _one_run(
+    directory: Path, rng: random.Random, index: int, sites: int, lag: float = 0.0
+) -> dict[str, object]:
     path = directory / f"run{index}.h5"
     log = directory / f"run{index}.err"
     read, write = os.pipe()
+    go_read, go = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child
         os.close(read)
+        os.close(go)
         status = 1
         try:
-            _child(path, write, log, sites)
+            _child(path, write, go_read, log, sites)
             status = 0
         finally:
             os._exit(status)
     os.close(write)
+    os.close(go_read)
+    os.write(go, b"g" * _AHEAD)
     lines = _Lines(read)
     deadline = time.monotonic() + _DEADLINE
     target = rng.randint(3, 12)  # the gather to interrupt
@@ -204,8 +224,10 @@ def _one_run(directory: Path, rng: random.Random, index: int, sites: int) -> dic
         if line == "w":
             gathers += 1
             started = time.monotonic()
+            with contextlib.suppress(BrokenPipeError):  # the child ended since it wrote
+                os.write(go, b"g")  # one more gather the child may start
             if gathers == target:
-                time.sleep(rng.uniform(0.0, 1.2 * float(np.median(windows))))
+                time.sleep(lag + rng.uniform(0.0, 1.2 * float(np.median(windows))))
                 os.kill(pid, signal.SIGINT)
                 sent_in_flush = not lines.buffer and not select.select([read], [], [], 0)[0]
         elif line == "d":
@@ -213,6 +235,7 @@ def _one_run(directory: Path, rng: random.Random, index: int, sites: int) -> dic
         elif line == "finished" or line.startswith("interrupted "):
             break
     outcome, _, landed = (lines.lines[-1] if lines.lines else "").partition(" ")
+    os.close(go)  # a child still running (it swallowed the signal) goes on to its end
     while lines.wait(deadline) is not None:
         pass
     os.close(read)
@@ -248,7 +271,9 @@ def _one_run(directory: Path, rng: random.Random, index: int, sites: int) -> dic
     }
 
 
-def stress(runs: int, seed: int, directory: Path, sites: int = 1) -> dict[str, object]:
+def stress(
+    runs: int, seed: int, directory: Path, sites: int = 1, lag: float = 0.0
+) -> dict[str, object]:
     """Run ``runs`` interrupted children; the counts, and the runs that went wrong."""
     rng = random.Random(seed)
     started = time.monotonic()
@@ -256,7 +281,7 @@ def stress(runs: int, seed: int, directory: Path, sites: int = 1) -> dict[str, o
     landed = {"saver": 0, "gather": 0, "step": 0}
     wrong: list[dict[str, object]] = []
     for index in range(runs):
-        outcome = _one_run(directory, rng, index, sites)
+        outcome = _one_run(directory, rng, index, sites, lag)
         counts[str(outcome["result"])] += 1
         counts["sent_in_flush"] += int(bool(outcome["sent_in_flush"]))
         if outcome["landed"]:
@@ -270,6 +295,7 @@ def stress(runs: int, seed: int, directory: Path, sites: int = 1) -> dict[str, o
         "runs": runs,
         "seed": seed,
         "sites": sites,
+        "lag": lag,
         **counts,
         "landed": landed,
         "wall_s": wall,
@@ -284,9 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sites", type=int, default=1, help="sites written per gather")
     parser.add_argument("--dir", type=Path, default=None, help="where the run files go")
+    parser.add_argument(
+        "--lag", type=float, default=0.0, help="seconds the parent adds before each signal"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
-        report = stress(args.runs, args.seed, Path(directory), args.sites)
+        report = stress(args.runs, args.seed, Path(directory), args.sites, args.lag)
     print(json.dumps(report, indent=1))
     good = report["interrupted"] == args.runs and report["bad_files"] == 0
     if not report["landed"]["saver"]:  # type: ignore[index]

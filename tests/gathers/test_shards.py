@@ -3,11 +3,13 @@ for record, tagged with a shared run id, and never merged with files of another 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import h5py
@@ -58,6 +60,9 @@ def _rank(rank: int, port: int, out: str) -> None:
             for i in range(6):
                 model(torch.full((2, 3), float(10 * rank + i)))
         saver.close()
+    # Rank 0 hosts the group's store, where each shard reads its run's id; the sharded runs
+    # have no collective, so a rank that lags (a loaded machine) would find it gone.
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -173,3 +178,47 @@ def test_a_missing_rank_is_reported(tmp_path: Path) -> None:
     assert done.stderr.strip().splitlines() == [
         "vartrace: the shards of rank(s) 1 of a 3-rank run are missing: reading the other 2"
     ]
+
+
+def _lagging_rank(rank: int, port: int, out: str) -> None:
+    """Rank 1 starts its shard once rank 0 destroyed the group (and with it the store)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from vartrace import ModelTracer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    if rank == 0:
+        dist.destroy_process_group()
+        (Path(out) / "destroyed").touch()
+        return
+    store = dist.distributed_c10d._get_default_store()
+    deadline = time.monotonic() + 300
+    while not (Path(out) / "destroyed").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with contextlib.suppress(RuntimeError):  # until rank 0's store stops answering
+        while time.monotonic() < deadline:
+            store.set("ping", "")
+            time.sleep(0.01)
+    saver = H5PYSaverCallback(Path(out) / "late.h5", metadata=False)
+    model = Net(every=1)
+    with warnings.catch_warnings(record=True) as noted:
+        warnings.simplefilter("always")
+        with ModelTracer(model, PATHS, post_gather_callbacks=[saver], gather=False):
+            model(torch.ones(2, 3))
+        saver.close()
+    (Path(out) / "warnings.txt").write_text("\n".join(str(w.message) for w in noted))
+
+
+@pytest.mark.slow
+def test_a_shard_written_after_the_store_went_is_said_to_lack_its_run_id(tmp_path: Path) -> None:
+    mp.start_processes(
+        _lagging_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn"
+    )
+    with h5py.File(tmp_path / "late.rank1.h5", "r") as handle:
+        assert handle.attrs["run_id"] == ""
+    noted = (tmp_path / "warnings.txt").read_text()
+    assert "late.rank1.h5 is written without its run's id" in noted, noted
+    assert "dist.barrier() before destroy_process_group()" in noted, noted

@@ -425,24 +425,70 @@ def test_records_during_a_graph_capture_are_skipped_with_one_warning() -> None:
     assert tracer.results["layers.0.forward"].iterations == [3]
 
 
-def test_a_failing_post_gather_callback_reaches_the_training_thread() -> None:
-    def broken(name: str, trace: Trace) -> None:
-        raise KeyError("disk on fire")
-
-    model = _model()
+def _train_into_a_failing_callback(
+    steps: int, callback: Callable[[str, Trace], None], after_the_steps: Callable[[], None]
+) -> tuple[list[int], list[str], pytest.ExceptionInfo[vartrace.CallbackError]]:
+    """Train ``steps`` steps with ``callback`` (which always raises KeyError) after each
+    gather; the steps that ended, every warning (each one counted, also a repeated text) and
+    the one `CallbackError` raised, in a step or at the tracer's stop."""
+    ended = []
     with (
         warnings.catch_warnings(record=True) as noted,
-        pytest.raises(vartrace.CallbackError, match="broken") as caught,
-        ModelTracer(model, ["layers.*"], post_gather_callbacks=[broken]) as tracer,
+        pytest.raises(vartrace.CallbackError, match=callback.__name__) as caught,
+        ModelTracer(_model(), ["layers.*"], post_gather_callbacks=[callback]) as tracer,
     ):
-        for _ in _train(tracer.model, steps=3):
-            pass
+        warnings.simplefilter("always")
+        for step in _train(tracer.model, steps=steps):
+            ended.append(step)
+        after_the_steps()
     assert isinstance(caught.value.__cause__, KeyError)
-    # Raised once, in a step.  The gathers admitted before it reached the training thread
-    # fail too: the last one, at exit, is a note on the step's exception, not a second one.
-    assert all("final flush failed" in str(w.message) for w in noted), [
-        f"{w.category.__name__}: {w.message}" for w in noted
-    ]
+    return ended, [f"{w.category.__name__}: {w.message}" for w in noted], caught
+
+
+def _assert_each_failure_said_once(
+    steps: int, ended: list[int], calls: list[str], noted: list[str], error: Exception
+) -> None:
+    """Every gather admitted before the failure reached the training thread failed too,
+    and each failure is said once: raised (the first), a note on the step's exception (the
+    final flush's, when a step raised) or a warning from the staging thread (the others)."""
+    assert len(calls) == len(ended) + 1  # a gather each step that ended, and the final one
+    final = [text for text in noted if "the tracer's final flush failed" in text]
+    also = [text for text in noted if "the staging thread also failed with CallbackError" in text]
+    assert len(final) + len(also) == len(noted) == len(calls) - 1, noted
+    raised_in_a_step = len(ended) < steps
+    assert len(final) == len(getattr(error, "__notes__", [])) == int(raised_in_a_step), noted
+
+
+def test_a_failing_post_gather_callback_reaches_the_training_thread() -> None:
+    calls = []
+
+    def broken(name: str, trace: Trace) -> None:
+        calls.append(name)
+        raise KeyError("disk on fire")
+
+    ended, noted, caught = _train_into_a_failing_callback(3, broken, lambda: None)
+    # Raised once: in the second step, or later where a loaded machine kept the staging
+    # thread from the first gather that long (at the stop, past the last step).  The gathers
+    # admitted before it reached the training thread fail too: the last one, at exit, is a
+    # note on the step's exception, not a second one, and those before it are warnings.
+    _assert_each_failure_said_once(3, ended, calls, noted, caught.value)
+
+
+def test_a_callback_failure_the_steps_outran_is_raised_at_the_stop() -> None:
+    """The staging thread runs the first gather's failing callback only after the last step
+    (a saver stuck on a slow disk): the failure is raised at the stop, each later gather's
+    failure is a warning, none is lost."""
+    calls = []
+    steps_over = threading.Event()
+
+    def stuck(name: str, trace: Trace) -> None:
+        calls.append(name)
+        assert steps_over.wait(60), "the steps did not end"
+        raise KeyError("disk on fire")
+
+    ended, noted, caught = _train_into_a_failing_callback(3, stuck, steps_over.set)
+    assert ended == [1, 2, 3]
+    _assert_each_failure_said_once(3, ended, calls, noted, caught.value)
 
 
 @pytest.mark.parametrize("staging", ["sync", "async"])

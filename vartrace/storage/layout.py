@@ -90,6 +90,7 @@ from typing import Any
 
 import numpy as np
 
+from vartrace._support.warnings import warn
 from vartrace.placements import Placement
 from vartrace.reduced import ReducedFrom
 
@@ -305,18 +306,29 @@ def node_attrs(
 def _run_id(path: Path) -> str:
     """The id the shards of the sharded run of `path` share (see `run_attrs`)."""
     stem = _SHARD_NAME.sub("", path.stem)
-    return _shared_id(f"vartrace/run_id/{next(_RUN_KEYS)}/{stem}{path.suffix}")
+    return _shared_id(f"vartrace/run_id/{next(_RUN_KEYS)}/{stem}{path.suffix}", path)
 
 
-def _shared_id(key: str) -> str:
-    """An id every rank of the process group reads under `key`; "" without a group."""
+def _shared_id(key: str, path: Path) -> str:
+    """An id every rank of the process group reads under `key`; "" without a group, and
+    "" with a warning where the group's store cannot be reached (the rank hosting it,
+    rank 0, already destroyed the group: a rank that lags behind, with no collective
+    between them since)."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return ""
     try:
         store = dist.distributed_c10d._get_default_store()
         shared = store.compare_set(key, "", uuid.uuid4().hex)  # the first rank's id stays
-    except (AttributeError, RuntimeError, ValueError):
+    except (AttributeError, RuntimeError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        warn(
+            f"vartrace: {path} is written without its run's id: the process group's store "
+            f"did not answer ({type(error).__name__}: {reason}); vartrace.open will take "
+            "it for a shard of another run.  Keep the process group until every rank "
+            "created its file (dist.barrier() before destroy_process_group())",
+            RuntimeWarning,
+        )
         return ""
     return bytes(shared).decode("ascii", "replace")
 
