@@ -8,7 +8,6 @@ the thread that wrote each one.
 
 from __future__ import annotations
 
-import threading
 import warnings
 from pathlib import Path
 
@@ -17,29 +16,12 @@ import torch
 from torch import nn
 
 import vartrace
+from tests._noted import WRITERS, Noted, NotedNet
 from vartrace import H5PYSaverCallback, ModelTracer
-
-_WRITERS: list[str] = []  # the thread that pickled each Noted, in order
-
-
-class Noted:
-    """A record the saver pickles; pickling it notes the writing thread."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def __reduce__(self) -> tuple[type[Noted], tuple[int]]:
-        _WRITERS.append(threading.current_thread().name)
-        return (Noted, (self.step,))
-
-
-class _Net(nn.Module):
-    def forward(self, x: torch.Tensor, note: Noted) -> tuple[torch.Tensor, Noted]:
-        return x * 2, note
 
 
 def _train(saver: H5PYSaverCallback, steps: int) -> None:
-    model = _Net()
+    model = NotedNet()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a Noted is stored pickled: said once
         with ModelTracer(model, ["forward"], post_gather_callbacks=[saver]):
@@ -50,7 +32,7 @@ def _train(saver: H5PYSaverCallback, steps: int) -> None:
 def test_a_background_saver_writes_on_its_own_thread_and_the_tracer_waits_for_it(
     tmp_path: Path,
 ) -> None:
-    _WRITERS.clear()
+    WRITERS.clear()
     path = tmp_path / "run.h5"
     saver = H5PYSaverCallback(path, metadata=False, background=True)
     try:
@@ -64,7 +46,7 @@ def test_a_background_saver_writes_on_its_own_thread_and_the_tracer_waits_for_it
         saver.close()
     # the tracer copies each Noted at capture (on this thread); the saver pickles them
     # on its writer thread, never here
-    written = [name for name in _WRITERS if name.startswith("vartrace-writer")]
+    written = [name for name in WRITERS if name.startswith("vartrace-writer")]
     assert written and set(written) == {"vartrace-writer run.h5"}
     assert len(written) == 6
 

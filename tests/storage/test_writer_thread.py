@@ -22,29 +22,11 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch import nn
 
 import vartrace
 from tests._env import ROOT
+from tests._noted import WRITERS, Noted, NotedNet
 from vartrace import H5PYSaverCallback, ModelTracer, Trace
-
-_THREADS: list[str] = []  # the thread that pickled each Noted, in order
-
-
-class Noted:
-    """A record the saver pickles; pickling it notes the thread."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def __reduce__(self) -> tuple[type[Noted], tuple[int]]:
-        _THREADS.append(threading.current_thread().name)
-        return (Noted, (self.step,))
-
-
-class _Net(nn.Module):
-    def forward(self, x: torch.Tensor, note: Noted) -> tuple[torch.Tensor, Noted]:
-        return x * 2, note
 
 
 def _steps(path: Path) -> list[int]:
@@ -55,9 +37,9 @@ def _steps(path: Path) -> list[int]:
 def test_a_tracer_hands_its_gathers_to_the_writer_thread_and_a_flush_waits_for_them(
     tmp_path: Path,
 ) -> None:
-    _THREADS.clear()
+    WRITERS.clear()
     path = tmp_path / "run.h5"
-    model = _Net()
+    model = NotedNet()
     with H5PYSaverCallback(path, metadata=False) as saver:
         assert saver.background is None  # the default
         with warnings.catch_warnings():
@@ -71,12 +53,12 @@ def test_a_tracer_hands_its_gathers_to_the_writer_thread_and_a_flush_waits_for_t
                     model(torch.full((3,), float(step)), Noted(step))
         # the tracer stopped: every gather is in the file while the saver is still open
         assert _steps(path) == [1, 2, 3, 4, 5, 6]
-    written = [name for name in _THREADS if name != threading.current_thread().name]
+    written = [name for name in WRITERS if name != threading.current_thread().name]
     assert written == ["vartrace-writer run.h5"] * 6  # none pickled on the training thread
 
 
 def test_a_saver_called_by_hand_writes_on_the_callers_thread(tmp_path: Path) -> None:
-    _THREADS.clear()
+    WRITERS.clear()
     path = tmp_path / "run.h5"
     saver = H5PYSaverCallback(path, metadata=False)
     with warnings.catch_warnings():
@@ -84,7 +66,7 @@ def test_a_saver_called_by_hand_writes_on_the_callers_thread(tmp_path: Path) -> 
         for step in range(1, 4):
             trace = Trace([Noted(step)], [step], [0], [step])
             saver("note", trace)
-            assert _THREADS[-1] == threading.current_thread().name  # written by the call
+            assert WRITERS[-1] == threading.current_thread().name  # written by the call
             assert not len(trace)  # taken from the chunk
     saver.flush()
     assert not any(t.name.startswith("vartrace-writer") for t in threading.enumerate())
