@@ -433,7 +433,12 @@ class Stream:
             self._worker = threading.Thread(
                 target=self._drain, name=f"simgpu-stream-{self.stream_id}", daemon=True
             )
-            self._worker.start()
+            try:
+                self._worker.start()
+            except RuntimeError:  # Python 3.12+ starts no thread at interpreter shutdown
+                self._worker = None  # (an exit drain after the worker lingered out)
+                while self._work:  # the queue performed here, in order, as a sync would
+                    self._perform(self._work[0])
 
     def _drain(self) -> None:
         """The worker: perform the queue in order; exit once idle for :data:`_LINGER` s."""
@@ -443,22 +448,28 @@ class Stream:
                     self._worker = None
                     return
                 item = self._work[0]
-                if isinstance(item, _Wait):
-                    _cond.wait_for(lambda item=item: item.stream._done >= item.target)
-            if isinstance(item, _Copy):
-                pause = item.not_before - time.monotonic()
-                if pause > 0:
-                    time.sleep(pause)
-                try:
-                    item.dst.copy_(item.src)
-                except BaseException as error:  # kept and raised at the next query/sync
-                    with _cond:
-                        self._error = error
-            with _cond:
-                self._work.popleft()
-                self._done += 1
-                _cond.notify_all()
+            self._perform(item)
             item = None  # a stream holds no memory once a copy landed (its host buffer may go)
+
+    def _perform(self, item: _Copy | _Wait) -> None:
+        """Perform the queue's first item `item` (a copy once it is due, or a wait), and
+        pop it; `_cond` may be held (it is released while waiting)."""
+        if isinstance(item, _Wait):
+            with _cond:
+                _cond.wait_for(lambda: item.stream._done >= item.target)
+        else:
+            pause = item.not_before - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            try:
+                item.dst.copy_(item.src)
+            except BaseException as error:  # kept and raised at the next query/sync
+                with _cond:
+                    self._error = error
+        with _cond:
+            self._work.popleft()
+            self._done += 1
+            _cond.notify_all()
 
     def _raise_error(self) -> None:
         """Raise (once) a deferred copy's failure, as CUDA reports errors at the next sync."""
