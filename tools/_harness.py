@@ -232,8 +232,9 @@ def need_callgrind(control: bool = False) -> None:
 
 
 def handshake() -> None:
-    """A child's side of :func:`instructions` with ``switched``: tell the parent that this
-    child is at an edge of the measured part, and wait for it."""
+    """A child's side of :func:`instructions` with ``switched`` (and of
+    :func:`instructions_by_window`): tell the parent that this child is at an edge of a
+    measured part, and wait for it."""
     print("ready", flush=True)
     sys.stdin.readline()
 
@@ -254,9 +255,36 @@ def instructions(
     ``main_thread``: count the process's main thread alone (``--separate-threads=yes``:
     callgrind writes a file a thread, ``out`` then the main thread's).
     """
-    command = ["valgrind", "--tool=callgrind", *(["--instr-atstart=no"] if switched else [])]
+    if switched:
+        return instructions_by_window(argv, out, env, 1, main_thread)[0]
+    _run_callgrind(["valgrind", "--tool=callgrind"], argv, out, env, windows=0)
+    return _totals(out)
+
+
+def instructions_by_window(
+    argv: list[str], out: Path, env: Mapping[str, str], windows: int, main_thread: bool = False
+) -> list[int]:
+    """The instructions of each of ``windows`` measured parts of one fresh Python process
+    running ``argv``: :func:`instructions` with ``switched``, the child calling
+    :func:`handshake` at both edges of each part, one dump a part (``out.1``, ``out.2`` ...).
+
+    One process for several counts: importing torch under callgrind costs far more CPU
+    than most of what is measured.
+    """
+    command = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
     command += ["--separate-threads=yes"] if main_thread else []
-    command += [f"--callgrind-out-file={out}", sys.executable, *argv]
+    _run_callgrind(command, argv, out, env, windows)
+    # callgrind numbers the files of the threads when they are apart: the main thread is 1.
+    thread = "-01" if main_thread else ""
+    return [_totals(out.with_name(f"{out.name}.{n}{thread}")) for n in range(1, windows + 1)]
+
+
+def _run_callgrind(
+    command: list[str], argv: list[str], out: Path, env: Mapping[str, str], windows: int
+) -> None:
+    """Run ``argv`` under ``command``; switch instrumentation on and off around each of
+    ``windows`` parts the child marks with :func:`handshake`, dumping the counts of each."""
+    command = [*command, f"--callgrind-out-file={out}", sys.executable, *argv]
     with (
         tempfile.TemporaryFile("w+") as log,
         subprocess.Popen(
@@ -269,11 +297,14 @@ def instructions(
         ) as child,
     ):
         assert child.stdin and child.stdout
-        for switch in ("on", "off") if switched else ():
+        for switch in ("on", "off") * windows:
             if child.stdout.readline() != "ready\n":
                 break
             control = ["callgrind_control", f"--instr={switch}", str(child.pid)]
             subprocess.run(control, check=True, capture_output=True)
+            if switch == "off":
+                dump = ["callgrind_control", "--dump", str(child.pid)]
+                subprocess.run(dump, check=True, capture_output=True)
             child.stdin.write("go\n")
             child.stdin.flush()
         child.stdout.read()
@@ -282,8 +313,10 @@ def instructions(
             raise RuntimeError(
                 f"{' '.join(argv)}: the callgrind child failed\n{log.read()[-4000:]}"
             )
-    if main_thread:  # callgrind numbered the files of the threads: the main thread is 1
-        out.with_name(f"{out.name}-01").replace(out)
+
+
+def _totals(out: Path) -> int:
+    """The instructions a callgrind output file counts."""
     # "totals:", not "summary:", which callgrind leaves at 0 when instrumentation starts off.
     lines = out.read_text().splitlines()
     return int(next(line.split()[1] for line in lines if line.startswith("totals:")))

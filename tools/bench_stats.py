@@ -24,8 +24,8 @@ untraced, recording ``layers.*`` and ``layers.*@grad`` whole, and reducing them 
 
 ``--instructions`` counts instead of timing (time is noise on a loaded machine, instructions
 are not): the statistics record ``vartrace.stats()`` makes of a float32 tensor, and the
-clone that records it whole, for a 1 MiB record (262,144 values) and a tiny one (64), each
-in a child process of its own under callgrind (one torch thread), instrumented for its
+clone that records it whole, for a 1 MiB record (262,144 values) and a tiny one (64), in
+one child process under callgrind (one torch thread), instrumented for each contender's
 ``CALLS`` calls only; then the same statistics timed per value in this process.
 """
 
@@ -45,7 +45,7 @@ from _harness import (
     Context,
     add_threads,
     handshake,
-    instructions,
+    instructions_by_window,
     need_callgrind,
     parser,
     round_robin,
@@ -136,17 +136,18 @@ def _record_calls(size: int) -> dict[str, Callable[[], object]]:
     return {"statistics": lambda: reducer("site", x, 1), "clone": x.clone}
 
 
-def instructions_child(name: str, size: int, calls: int) -> None:
-    """A contender's side of :func:`instruction_table`, under callgrind: warm up, then
-    ``calls`` calls between two handshakes (instrumentation on, then off)."""
+def instructions_child() -> None:
+    """:func:`instruction_table`'s side under callgrind: for each size and contender, warm
+    up, then its calls between two handshakes (instrumentation on, then off)."""
     torch.set_num_threads(1)
-    call = _record_calls(size)[name]
-    for _ in range(3):
-        call()
-    handshake()
-    for _ in range(calls):
-        call()
-    handshake()
+    for size, calls in INSTRUCTION_SIZES.items():
+        for call in _record_calls(size).values():
+            for _ in range(3):
+                call()
+            handshake()
+            for _ in range(calls):
+                call()
+            handshake()
 
 
 def instruction_table(budget: float) -> str:
@@ -156,12 +157,15 @@ def instruction_table(budget: float) -> str:
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
+        argv = [__file__, "--_instructions-child"]
+        names = tuple(_record_calls(1))  # the contenders, in the order the child runs them
+        windows = iter(
+            instructions_by_window(
+                argv, Path(folder) / "callgrind.out", env, len(INSTRUCTION_SIZES) * len(names)
+            )
+        )
         for size, calls in INSTRUCTION_SIZES.items():
-            counts = {}
-            for name in ("statistics", "clone"):
-                argv = [__file__, "--_instructions-child", name, str(size), str(calls)]
-                out = Path(folder) / f"{name}-{size}.out"
-                counts[name] = instructions(argv, out, env, switched=True) / calls
+            counts = {name: next(windows) / calls for name in names}
             seconds = timed_calls(_record_calls(size), budget)["statistics"]
             rows.append(
                 [
@@ -184,14 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     arguments.add_argument(
         "--instructions", action="store_true", help="count instructions under callgrind"
     )
-    arguments.add_argument(
-        "--_instructions-child", nargs=3, metavar=("NAME", "SIZE", "CALLS"), help=argparse.SUPPRESS
-    )
+    arguments.add_argument("--_instructions-child", action="store_true", help=argparse.SUPPRESS)
     args = arguments.parse_args(argv)
     set_threads(args.threads)
     if args._instructions_child:
-        name, size, calls = args._instructions_child
-        instructions_child(name, int(size), int(calls))
+        instructions_child()
         return 0
     if args.instructions:
         print(f"torch {torch.__version__}, {args.threads} intra-op thread(s); CPU")

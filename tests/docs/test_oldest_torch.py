@@ -58,5 +58,5 @@ def test_pyproject_states_the_floor_the_import_checks() -> None:
 def test_ci_runs_a_job_on_the_oldest_torch() -> None:
     floor = ".".join(map(str, vartrace._OLDEST_TORCH))
     ci = (ROOT / ".ci" / "run").read_text()
-    assert f'echo "== Python 3.11, the oldest supported torch ({floor}.0)' in ci
-    assert f"pip install --quiet torch=={floor}.0\n" in ci
+    assert f'step "Python 3.11, the oldest supported torch ({floor}.0)' in ci
+    assert f"pip install --quiet torch=={floor}.0 transformers\n" in ci
