@@ -32,7 +32,7 @@ from typing import Any
 
 from numpy import empty as _empty
 
-__all__ = ["available", "dense_row", "row"]
+__all__ = ["available", "dense_row", "dense_summary", "row"]
 
 _SOURCE = Path(__file__).with_name("summary.c")
 _MODULE = "vartrace_summary"  # the extension module's name (its PyInit_ function)
@@ -71,6 +71,14 @@ def dense_row(x: Any, header: float, width: int) -> Any:
     tensor attribute reads (a statistics record's common case); `None` for any other
     value (a subclass, a nested, sparse or other non-strided tensor, a scalar), and
     before `row` first read a tensor (`_tensor` is set then, torch imported)."""
+    out = _empty(12)  # (torch.empty: an aten op)
+    return None if dense_summary(x, header, width, out, None) is None else _from_numpy(out)
+
+
+def dense_summary(x: Any, header: float, width: int, out: Any, last: Any) -> bool | None:
+    """`dense_row`'s fields of `x` into `out` (12 float64, a numpy array), and whether
+    they equal `last`'s bit for bit (a previous `out`, or `None`: `False`); `None`, with
+    `out` unwritten, where `dense_row` gives `None`."""
     if type(x) is not _tensor:
         return None
     kind = _kinds.get(x.dtype)
@@ -82,9 +90,7 @@ def dense_row(x: Any, header: float, width: int) -> Any:
     kernel = _kernel if _kernel is not None else _load()
     if not kernel:
         return None
-    out = _empty(12)
-    kernel(x.data_ptr(), count, kind, width, out, header)
-    return _from_numpy(out)
+    return bool(kernel(x.data_ptr(), count, kind, width, out, header, last))
 
 
 _tensor: Any = None
@@ -115,6 +121,7 @@ def _load() -> Any:
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
                 _kernel = module.summary
+                _kinds or _as_kinds()  # (dense_summary reads them: set before its first call)
             except (OSError, ImportError, subprocess.SubprocessError, AttributeError):
                 _kernel = False
     return _kernel
