@@ -1,13 +1,16 @@
 """The statistics row of a dense real CPU tensor in one compiled pass (float32, bfloat16, ints...).
 
 `summary.c` (beside this module) reads each value once: sums in float64 lanes, extremes
-and zeros from the values as they are, a block read again only where it holds NaN or
-infinities, or where its plain sums would cancel (the numpy kernel's steps,
-`vartrace.statistics.kernels`).  It is built once per machine and Python, as an
+and zeros from the values as they are, read again masked only where they hold NaN or
+infinities (float32 and bfloat16: from the chunk of 512 where they appear), or where
+a block's plain sums would cancel (the numpy kernel's steps, `vartrace.statistics.kernels`).
+It is built once per machine and Python, as an
 extension module, by the C compiler Python was built with (`$CC` first), into
-`$XDG_CACHE_HOME/vartrace` (`~/.cache/vartrace`); a call costs what a Python function's
-does.  Where it cannot be built (no compiler, no `Python.h`, no writable cache), `row`
-returns `None` and the numpy kernel computes the same fields.
+`$XDG_CACHE_HOME/vartrace` (`~/.cache/vartrace`), when a tracer in statistics mode starts
+(`vartrace.statistics.rows.build_kernel`) or at first use; a call costs what a Python
+function's does.  The build targets any x86-64: the AVX2 loops are chosen at run time.
+Where it cannot be built (no compiler, no `Python.h`, no writable cache), `row` returns
+`None` and the numpy kernel computes the same fields.
 
 Example:
     ```python
@@ -47,7 +50,7 @@ _kinds: dict[Any, int] = {}  # torch dtype -> the kernel's kind, once torch is i
 
 
 def available() -> bool:
-    """Whether the compiled kernel is built and loaded here (it is built on first use)."""
+    """Whether the compiled kernel is built and loaded here (built by this call if not yet)."""
     return bool(_kernel if _kernel is not None else _load())
 
 
