@@ -74,14 +74,27 @@ def dense_row(x: Any, header: float, width: int) -> Any:
     tensor attribute reads (a statistics record's common case); `None` for any other
     value (a subclass, a nested, sparse or other non-strided tensor, a scalar), and
     before `row` first read a tensor (`_tensor` is set then, torch imported)."""
+    if type(x) is not _tensor:
+        return None
+    kind = _kinds.get(x.dtype)
+    if kind is None or not x.is_cpu or x.layout is not _strided or x.is_nested:
+        return None
+    count = x.numel()
+    if count == 1 or not x.is_contiguous():
+        return None
+    kernel = _kernel if _kernel is not None else _load()
+    if not kernel:
+        return None
     out = _empty(12)  # (torch.empty: an aten op)
-    return None if dense_summary(x, header, width, out, None) is None else _from_numpy(out)
+    kernel(x.data_ptr(), count, kind, width, out, header)
+    return _from_numpy(out)
 
 
 def dense_summary(x: Any, header: float, width: int, out: Any, last: Any) -> bool | None:
     """`dense_row`'s fields of `x` into `out` (12 float64, a numpy array), and whether
     they equal `last`'s bit for bit (a previous `out`, or `None`: `False`); `None`, with
-    `out` unwritten, where `dense_row` gives `None`."""
+    `out` unwritten, where `dense_row` gives `None` (the same checks: a statistics
+    record's path reads each once)."""
     if type(x) is not _tensor:
         return None
     kind = _kinds.get(x.dtype)
