@@ -59,7 +59,7 @@ def test_statistics_is_one_package_the_analysis_side_imports_never_the_reverse()
     graph = _graph("statistics")
     assert set(graph) == {
         f"vartrace.statistics.{name}"
-        for name in ("fields", "records", "kernels", "compiled", "named", "triton_kernel")
+        for name in ("fields", "records", "kernels", "compiled", "named", "triton_kernel", "rows")
     }
     order = list(graphlib.TopologicalSorter(graph).static_order())  # raises on a cycle
     assert order.index("vartrace.statistics.fields") < order.index("vartrace.statistics.records")

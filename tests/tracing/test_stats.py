@@ -476,3 +476,63 @@ def test_in_memory_results_frame_reads_statistics_records() -> None:
     assert frame.loc["layers.0.forward", "absmax"] == Statistics.of(record)["absmax"]
     head = tracer.results["head.forward"].values[0]
     assert frame.loc["head.forward", "absmax"] == head.abs().max().item()
+
+
+class _Echo(torch.nn.Module):
+    """Records `y`, the value it is called with as it is."""
+
+    def forward(self, x: Any) -> Any:
+        y = x
+        return y
+
+
+def _records(pre_save: list[Any], values: list[Any], **options: Any) -> tuple[list[Any], list[int]]:
+    """The records of `forward.y` and their iterations, one call of `_Echo` a value."""
+    model = _Echo()
+    with vartrace.ModelTracer(model, ["forward.y"], pre_save_callbacks=pre_save, **options) as t:
+        for value in values:
+            model(value)
+    trace = t.results["forward.y"]
+    return list(trace.values), list(trace.iterations)
+
+
+def _row_bits(record: Any) -> Any:
+    return record.numpy().tobytes() if is_statistics(record) else record
+
+
+@pytest.mark.parametrize("change_detection", [True, False])
+def test_statistics_rows_of_plain_cpu_tensors_take_their_own_path_with_the_same_records(
+    change_detection: bool,
+) -> None:
+    """`statistics=True` on the CPU: a plain dense tensor's row comes from the kernel, which
+    compares it with the site's last one; the records and what change detection leaves out
+    are those of the general path (a second pre-save callback that changes nothing)."""
+    a, b = torch.randn(64, 16), torch.randn(600, 3)
+    b[150, 1] = math.inf  # a masked chunk after plain ones
+    values = [a, a.clone(), b, b.t(), b.t().contiguous(), torch.tensor(2.0), a, a[:, :8], a]
+    fast = _records([vartrace.stats()], values, change_detection=change_detection)
+    general = _records(
+        [vartrace.stats(), lambda site, value, iteration: value],
+        values,
+        change_detection=change_detection,
+    )
+    assert [_row_bits(r) for r in fast[0]] == [_row_bits(r) for r in general[0]]
+    assert fast[1] == general[1]
+    if change_detection:  # a's copy left out
+        assert fast[1] == [1, 3, 4, 5, 6, 7, 8, 9]
+    else:
+        assert fast[1] == list(range(1, 10))
+
+
+def test_the_statistics_kernel_compares_its_row_with_the_last_one() -> None:
+    """`dense_summary` writes the row and says whether it equals `last`, bit for bit."""
+    from vartrace.statistics.compiled import available, dense_summary
+
+    if not available():
+        pytest.skip("no C compiler or Python.h here: numpy computes statistics")
+    x = torch.randn(100)
+    first, second = np.empty(12), np.empty(12)
+    assert dense_summary(x, 1.5, 1 << 17, first, None) is False
+    assert dense_summary(x, 1.5, 1 << 17, second, first) is True
+    assert dense_summary(x * 2, 1.5, 1 << 17, second, first) is False
+    assert dense_summary(x[::2], 1.5, 1 << 17, second, None) is None  # not dense

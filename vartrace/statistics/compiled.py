@@ -1,13 +1,16 @@
 """The statistics row of a dense real CPU tensor in one compiled pass (float32, bfloat16, ints...).
 
 `summary.c` (beside this module) reads each value once: sums in float64 lanes, extremes
-and zeros from the values as they are, a block read again only where it holds NaN or
-infinities, or where its plain sums would cancel (the numpy kernel's steps,
-`vartrace.statistics.kernels`).  It is built once per machine and Python, as an
+and zeros from the values as they are, read again masked only where they hold NaN or
+infinities (float32 and bfloat16: from the chunk of 512 where they appear), or where
+a block's plain sums would cancel (the numpy kernel's steps, `vartrace.statistics.kernels`).
+It is built once per machine and Python, as an
 extension module, by the C compiler Python was built with (`$CC` first), into
-`$XDG_CACHE_HOME/vartrace` (`~/.cache/vartrace`); a call costs what a Python function's
-does.  Where it cannot be built (no compiler, no `Python.h`, no writable cache), `row`
-returns `None` and the numpy kernel computes the same fields.
+`$XDG_CACHE_HOME/vartrace` (`~/.cache/vartrace`), when a tracer in statistics mode starts
+(`vartrace.statistics.rows.build_kernel`) or at first use; a call costs what a Python
+function's does.  The build targets any x86-64: the AVX2 loops are chosen at run time.
+Where it cannot be built (no compiler, no `Python.h`, no writable cache), `row` returns
+`None` and the numpy kernel computes the same fields.
 
 Example:
     ```python
@@ -32,7 +35,7 @@ from typing import Any
 
 from numpy import empty as _empty
 
-__all__ = ["available", "dense_row", "row"]
+__all__ = ["available", "dense_row", "dense_summary", "row"]
 
 _SOURCE = Path(__file__).with_name("summary.c")
 _MODULE = "vartrace_summary"  # the extension module's name (its PyInit_ function)
@@ -47,7 +50,7 @@ _kinds: dict[Any, int] = {}  # torch dtype -> the kernel's kind, once torch is i
 
 
 def available() -> bool:
-    """Whether the compiled kernel is built and loaded here (it is built on first use)."""
+    """Whether the compiled kernel is built and loaded here (built by this call if not yet)."""
     return bool(_kernel if _kernel is not None else _load())
 
 
@@ -82,9 +85,28 @@ def dense_row(x: Any, header: float, width: int) -> Any:
     kernel = _kernel if _kernel is not None else _load()
     if not kernel:
         return None
-    out = _empty(12)
+    out = _empty(12)  # (torch.empty: an aten op)
     kernel(x.data_ptr(), count, kind, width, out, header)
     return _from_numpy(out)
+
+
+def dense_summary(x: Any, header: float, width: int, out: Any, last: Any) -> bool | None:
+    """`dense_row`'s fields of `x` into `out` (12 float64, a numpy array), and whether
+    they equal `last`'s bit for bit (a previous `out`, or `None`: `False`); `None`, with
+    `out` unwritten, where `dense_row` gives `None` (the same checks: a statistics
+    record's path reads each once)."""
+    if type(x) is not _tensor:
+        return None
+    kind = _kinds.get(x.dtype)
+    if kind is None or not x.is_cpu or x.layout is not _strided or x.is_nested:
+        return None
+    count = x.numel()
+    if count == 1 or not x.is_contiguous():
+        return None
+    kernel = _kernel if _kernel is not None else _load()
+    if not kernel:
+        return None
+    return bool(kernel(x.data_ptr(), count, kind, width, out, header, last))
 
 
 _tensor: Any = None
@@ -115,6 +137,7 @@ def _load() -> Any:
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
                 _kernel = module.summary
+                _kinds or _as_kinds()  # (dense_summary reads them: set before its first call)
             except (OSError, ImportError, subprocess.SubprocessError, AttributeError):
                 _kernel = False
     return _kernel

@@ -4,16 +4,18 @@
 
    A block of values (at most `width`) is read once: its sum and its sum of squares in 8
    float64 lanes (squares of float32 and bfloat16 values are exact in float64), its min,
-   max and zeros from the values as they are.  A block whose sums are not finite (NaN or
-   infinities among its values) is read again, with masks: the non-finite values are
-   counted and left out.  A block whose plain sums would cancel (its mean**2 more than
+   max and zeros from the values as they are.  Where the sums are not finite (NaN or
+   infinities among the values), the values are read with masks: the non-finite ones
+   counted and left out (float32 and bfloat16: from the chunk of 512 values where they
+   first appear, that chunk read again; elsewhere the whole block again).  A block whose plain sums would cancel (its mean**2 more than
    15x its variance) is read again centred on its mean (the two-pass sum, corrected by
    the centred values' sum).  Blocks are merged by Chan, Golub and LeVeque's formula,
    their means relative to a shift (the first value, when finite).  The same steps as
    vartrace/statistics/kernels.py's numpy kernel.
 
-   x86-64 with AVX2 and FMA runs 8 values an instruction; elsewhere the same lanes in
-   plain C, giving the same numbers (an FMA of an exact square is its product's sum). */
+   x86-64 with AVX2 and FMA runs 8 values an instruction (chosen at run time: the build
+   targets any x86-64); elsewhere the same lanes in plain C, giving the same numbers (an
+   FMA of an exact square is its product's sum, each lane's values in the same order). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -94,38 +96,60 @@ VECTORS static inline int all_finite(__m256d x) {
     return !_mm256_movemask_pd(_mm256_cmp_pd(zeroed, zeroed, _CMP_UNORD_Q));
 }
 
-/* 8 float32 (or bfloat16) values: as they are, and as two vectors of 4 float64. */
-#define NARROW_LOOP(LOAD, MASKED)                                                             \
-    __m256d s0 = _mm256_setzero_pd(), s1 = s0, q0 = s0, q1 = s0;                              \
-    __m256 lo = _mm256_set1_ps(INFINITY), hi = _mm256_set1_ps(-INFINITY);                     \
-    __m256 zero = _mm256_setzero_ps(), inf = _mm256_set1_ps(INFINITY);                        \
-    __m256i z = _mm256_setzero_si256(), nan = z, pinf = z, fin = z;                           \
-    int64_t i = 0, whole = n - n % LANES;                                                     \
-    while (i < whole) {                                                                       \
-    _Pragma("GCC unroll 2")                                                                   \
-    for (int64_t end = i + CHUNK < whole ? i + CHUNK : whole; i < end; i += LANES) {          \
+/* 8 float32 (or bfloat16) values v as they are (no NaN nor infinity among them, or the
+   chunk is read again masked): their float64 halves (HIGH: the upper 4 as float32) summed
+   into the lanes, their extremes and zeros. */
+#define NARROW_PLAIN(LOAD, HIGH)                                                              \
+    {                                                                                         \
         __m256 v = LOAD;                                                                      \
-        __m256 kept = v, low = v, high = v;                                                   \
-        if (MASKED) {                                                                         \
-            /* v - (v - v): v itself where finite (signed zeros too), else NaN, which min     \
-               and max pass over (they return their second operand, the extreme so far) */   \
-            low = high = _mm256_sub_ps(v, _mm256_sub_ps(v, v));                               \
-            __m256 finite = _mm256_cmp_ps(low, low, _CMP_ORD_Q);                              \
-            kept = _mm256_and_ps(v, finite);                                                  \
-            fin = _mm256_sub_epi32(fin, _mm256_castps_si256(finite));                         \
-            nan = _mm256_sub_epi32(nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))); \
-            pinf = _mm256_sub_epi32(pinf, _mm256_castps_si256(_mm256_cmp_ps(v, inf, _CMP_EQ_OQ))); \
-        }                                                                                     \
+        __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), d1 = _mm256_cvtps_pd(HIGH);  \
+        s0 = _mm256_add_pd(s0, d0), s1 = _mm256_add_pd(s1, d1);                               \
+        q0 = _mm256_fmadd_pd(d0, d0, q0), q1 = _mm256_fmadd_pd(d1, d1, q1);                   \
+        lo = _mm256_min_ps(v, lo), hi = _mm256_max_ps(v, hi);                                 \
+        z = _mm256_sub_epi32(z, _mm256_castps_si256(_mm256_cmp_ps(v, zero, _CMP_EQ_OQ)));     \
+    }
+
+/* 8 values v, NaN and infinities among them counted and left out: v - (v - v) is v
+   itself where finite (signed zeros too), else NaN, which min and max pass over (they
+   return their second operand, the extreme so far); the sums take 0 in their place. */
+#define NARROW_MASKED(LOAD)                                                                   \
+    {                                                                                         \
+        __m256 v = LOAD, low = _mm256_sub_ps(v, _mm256_sub_ps(v, v));                         \
+        __m256 finite = _mm256_cmp_ps(low, low, _CMP_ORD_Q), kept = _mm256_and_ps(v, finite); \
+        fin = _mm256_sub_epi32(fin, _mm256_castps_si256(finite));                             \
+        nan = _mm256_sub_epi32(nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));  \
+        pinf = _mm256_sub_epi32(pinf, _mm256_castps_si256(_mm256_cmp_ps(v, inf, _CMP_EQ_OQ))); \
         __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(kept));                           \
         __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(kept, 1));                         \
         s0 = _mm256_add_pd(s0, d0), s1 = _mm256_add_pd(s1, d1);                               \
         q0 = _mm256_fmadd_pd(d0, d0, q0), q1 = _mm256_fmadd_pd(d1, d1, q1);                   \
-        lo = _mm256_min_ps(low, lo), hi = _mm256_max_ps(high, hi);                            \
+        lo = _mm256_min_ps(low, lo), hi = _mm256_max_ps(low, hi);                             \
         z = _mm256_sub_epi32(z, _mm256_castps_si256(_mm256_cmp_ps(v, zero, _CMP_EQ_OQ)));     \
+    }
+
+/* The vector part of a pass over n float32 (or bfloat16) values, 8 lanes of each.  Plain
+   chunks of CHUNK values while their sums stay finite; from the first chunk whose sums do
+   not (`masked`: from the start), the lanes as that chunk found them, and the chunk and
+   the rest masked.  A masked read of finite values makes the same sums, extremes and zeros
+   as a plain one: the lanes are those of a pass masked throughout. */
+#define NARROW_LOOP(LOAD, HIGH)                                                               \
+    __m256d s0 = _mm256_setzero_pd(), s1 = s0, q0 = s0, q1 = s0;                              \
+    __m256 lo = _mm256_set1_ps(INFINITY), hi = _mm256_set1_ps(-INFINITY);                     \
+    __m256 zero = _mm256_setzero_ps(), inf = _mm256_set1_ps(INFINITY);                        \
+    __m256i z = _mm256_setzero_si256(), nan = z, pinf = z, fin = z;                           \
+    int64_t i = 0, whole = n - n % LANES, from = masked ? 0 : whole;                          \
+    while (i < from) {                                                                        \
+        int64_t start = i, end = i + CHUNK < whole ? i + CHUNK : whole;                       \
+        __m256d ks0 = s0, ks1 = s1, kq0 = q0, kq1 = q1;                                       \
+        __m256 klo = lo, khi = hi;                                                            \
+        __m256i kz = z;                                                                       \
+        _Pragma("GCC unroll 4") for (; i < end; i += LANES) NARROW_PLAIN(LOAD, HIGH)         \
+        if (!all_finite(_mm256_add_pd(_mm256_add_pd(s0, s1), _mm256_add_pd(q0, q1)))) {       \
+            s0 = ks0, s1 = ks1, q0 = kq0, q1 = kq1, lo = klo, hi = khi, z = kz;               \
+            from = i = start;                                                                 \
+        }                                                                                     \
     }                                                                                         \
-    if (!(MASKED) && !all_finite(_mm256_add_pd(_mm256_add_pd(s0, s1), _mm256_add_pd(q0, q1))))   \
-        return -1;                                                                            \
-    }                                                                                         \
+    _Pragma("GCC unroll 2") for (; i < whole; i += LANES) NARROW_MASKED(LOAD)                \
     _mm256_storeu_pd(a->s, s0), _mm256_storeu_pd(a->s + 4, s1);                               \
     _mm256_storeu_pd(a->q, q0), _mm256_storeu_pd(a->q + 4, q1);                               \
     float l[LANES], h[LANES];                                                                 \
@@ -135,35 +159,25 @@ VECTORS static inline int all_finite(__m256d x) {
     _mm256_storeu_si256((__m256i *)counts[1], nan);                                           \
     _mm256_storeu_si256((__m256i *)counts[2], pinf);                                          \
     _mm256_storeu_si256((__m256i *)counts[3], fin);                                           \
+    a->finite += from;                                                                        \
     for (int k = 0; k < LANES; k++) {                                                         \
+        int64_t finite = counts[3][k], bad = (whole - from) / LANES - finite;                 \
         a->lo[k] = l[k], a->hi[k] = h[k], a->zeros += counts[0][k];                           \
-        if (MASKED) {                                                                         \
-            int64_t finite = counts[3][k], bad = whole / LANES - finite;                       \
-            a->finite += finite, a->nan += counts[1][k], a->posinf += counts[2][k];           \
-            a->neginf += bad - counts[1][k] - counts[2][k];                                   \
-        }                                                                                     \
+        a->finite += finite, a->nan += counts[1][k], a->posinf += counts[2][k];               \
+        a->neginf += bad - counts[1][k] - counts[2][k];                                       \
     }                                                                                         \
-    if (!(MASKED)) a->finite += whole;                                                        \
     return whole;
 
-VECTORS static int64_t f32_plain(const float *x, int64_t n, lanes_t *a) {
-    NARROW_LOOP(_mm256_loadu_ps(x + i), 0)
-}
-
-VECTORS static int64_t f32_masked(const float *x, int64_t n, lanes_t *a) {
-    NARROW_LOOP(_mm256_loadu_ps(x + i), 1)
+VECTORS static int64_t f32_lanes(const float *x, int64_t n, int masked, lanes_t *a) {
+    NARROW_LOOP(_mm256_loadu_ps(x + i), _mm_loadu_ps(x + i + 4))
 }
 
 #define BF16(p)                                                                               \
     _mm256_castsi256_ps(_mm256_slli_epi32(                                                    \
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 
-VECTORS static int64_t bf16_plain(const uint16_t *x, int64_t n, lanes_t *a) {
-    NARROW_LOOP(BF16(x + i), 0)
-}
-
-VECTORS static int64_t bf16_masked(const uint16_t *x, int64_t n, lanes_t *a) {
-    NARROW_LOOP(BF16(x + i), 1)
+VECTORS static int64_t bf16_lanes(const uint16_t *x, int64_t n, int masked, lanes_t *a) {
+    NARROW_LOOP(BF16(x + i), _mm256_extractf128_ps(v, 1))
 }
 
 /* float64: 4 values at a time, twice (no FMA: a float64 square is rounded). */
@@ -232,9 +246,9 @@ static int vectors(void) {
    pass met a NaN or an infinity (or a square past float64) and gave up. */
 static int64_t vector_pass(const void *x, int kind, int64_t n, int masked, lanes_t *a) {
     if (kind > BF16 || !vectors()) return 0;
-    if (kind == F32) return masked ? f32_masked(x, n, a) : f32_plain(x, n, a);
+    if (kind == F32) return f32_lanes(x, n, masked, a);
     if (kind == F64) return masked ? f64_masked(x, n, a) : f64_plain(x, n, a);
-    return masked ? bf16_masked(x, n, a) : bf16_plain(x, n, a);
+    return bf16_lanes(x, n, masked, a);
 }
 #else
 static int64_t vector_pass(const void *x, int kind, int64_t n, int masked, lanes_t *a) {
@@ -318,13 +332,14 @@ static void summary(const void *x, int64_t n, int kind, int64_t width, double *o
     out[6] = sqrt(count * (var + mean * mean));
 }
 
-/* summary(values, count, kind, width, out, header): the fields of `count` values at
+/* summary(values, count, kind, width, out, header[, last]): the fields of `count` values at
    address `values` into `out` (a writable buffer of float64), after `header` unless it is
-   None.  The GIL is released while a large record is read. */
+   None; with `last` (a buffer, or None), whether the fields written equal its first ones
+   bit for bit (False without it).  The GIL is released while a large record is read. */
 static PyObject *py_summary(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "summary(values, count, kind, width, out, header)");
+    if (nargs != 6 && nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "summary(values, count, kind, width, out, header[, last])");
         return NULL;
     }
     void *x = PyLong_AsVoidPtr(args[0]);
@@ -344,7 +359,8 @@ static PyObject *py_summary(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "summary: the out buffer is too small");
         return NULL;
     }
-    double *out = view.buf;
+    double *out = view.buf, *start = out;
+    Py_ssize_t written = (11 + headed) * (Py_ssize_t)sizeof(double);
     if (headed) *out++ = header;
     if (n >= 65536) {
         Py_BEGIN_ALLOW_THREADS summary(x, n, (int)kind, width, out);
@@ -352,8 +368,18 @@ static PyObject *py_summary(PyObject *self, PyObject *const *args, Py_ssize_t na
     } else {
         summary(x, n, (int)kind, width, out);
     }
+    int same = 0;
+    if (nargs == 7 && args[6] != Py_None) {
+        Py_buffer last;
+        if (PyObject_GetBuffer(args[6], &last, PyBUF_SIMPLE) < 0) {
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+        same = last.len >= written && memcmp(last.buf, start, written) == 0;
+        PyBuffer_Release(&last);
+    }
     PyBuffer_Release(&view);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(same);
 }
 
 static PyMethodDef methods[] = {

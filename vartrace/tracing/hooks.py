@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vartrace._support import warnings as _warnings
 from vartrace.placements import Placement
 from vartrace.reduced import ReducedFrom
 from vartrace.trace import RunContext
@@ -84,6 +85,18 @@ class SinkHooks:
             placed=tuple(m for m in _found(post_gather, "placed") if callable(m)),
             failing=tuple(c for c in every if hasattr(c, "failure")),
         )
+
+    def restate_failures(self) -> None:
+        """Warn again, from the tracer's `stop`, about each callback that stopped on a
+        failure during the run."""
+        for callback in self.failing:
+            failure = getattr(callback, "failure", None)
+            if isinstance(failure, BaseException):
+                _warnings.warn(
+                    f"vartrace: {type(callback).__name__} stopped during this run: {failure}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
 
 
 def _writes_behind(callback: object) -> bool:

@@ -40,6 +40,7 @@ from vartrace.markers import DROP
 from vartrace.placements import Placements
 from vartrace.reduced import Reductions
 from vartrace.staging import BlockingStaging, OnFull, Stager, Staging, StagingStats
+from vartrace.statistics.rows import SiteRows, build_kernel
 from vartrace.tensors import (
     is_distributed,
     is_transformed,
@@ -246,6 +247,7 @@ class ModelTracer:
         # Until start: a staging with nothing to count or wait for (results, staging_stats).
         self._stager: Staging = BlockingStaging(self._chunk.keep, device=config.device)
         self._hooks = SinkHooks()  # the callbacks' hooks, looked up at start
+        self._rows: SiteRows | None = None  # statistics rows' own path, chosen at start
         self._hand_over: HandOver | None = None  # made at start
         self._patched: list[tuple[Target, Hook]] = []
         self._outputs = OutputWatch()  # module outputs, after the modules' forward hooks
@@ -379,6 +381,8 @@ class ModelTracer:
             self._chunk, self._results, self._aliases, facts, config, hooks, group
         )
         self._stager = self._staging()
+        build_kernel(hooks.pre_save)  # the statistics kernel, built before any step
+        self._rows = SiteRows.of(hooks.pre_save, config, self._chunk, self._reductions)
         try:
             self._attach()
         except BaseException:
@@ -458,18 +462,7 @@ class ModelTracer:
         finally:  # after the flush: what warns here never keeps the records from the file
             counter = self._iterations
             self._silence.report(counter.in_mode_calls > 0, counter.other_mode_calls, called)
-            self._restate_failures()
-
-    def _restate_failures(self) -> None:
-        """Warn again about each callback that stopped on a failure (a saver's full disk)."""
-        for callback in self._hooks.failing:
-            failure = getattr(callback, "failure", None)
-            if isinstance(failure, BaseException):
-                _warnings.warn(
-                    f"vartrace: {type(callback).__name__} stopped during this run: {failure}",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+            self._hooks.restate_failures()  # (a saver's full disk)
 
     def _forget(self) -> None:
         """In a forked child (a DataLoader worker...): restore the model, record nothing.
@@ -624,6 +617,9 @@ class ModelTracer:
             # The common case, a plain tensor and no pre-save callback: what `_store` would
             # do with it after its checks (no DTensor, nothing to transform or call back).
             self._stager.admit(site, value, iteration)
+        elif type(value) is torch.Tensor and self._rows is not None and not is_transformed(value):
+            if not self._rows.record(site, value, iteration):  # (statistics mode's own path)
+                self._store(site, value, iteration)
         elif isinstance(value, torch.Tensor):
             self._store(site, value, iteration)
         else:
@@ -632,6 +628,8 @@ class ModelTracer:
 
     def _store(self, site: str, value: Any, iteration: int, *, saved: bool = False) -> None:
         """Record `value` at `site`; `saved`: the pre-save callbacks already ran."""
+        if self._rows is not None:
+            self._rows.forget(site)
         if isinstance(value, torch.Tensor) and is_distributed(value):
             self._placements.note(site, value)  # how the ranks' shards join
             value = local_shard(value, site)  # a DTensor: this rank's shard, no collective
