@@ -16,7 +16,7 @@ from typing import Any
 
 from vartrace._support.memory import held_bytes
 from vartrace.staging import StagingStats
-from vartrace.tensors import same
+from vartrace.staging.dense import unchanged
 from vartrace.trace import Trace, unstacked
 
 __all__ = ["Chunk"]
@@ -76,9 +76,9 @@ class Chunk:
     def keep(
         self, site: str, record: Any, iteration: int, host: Any, nbytes: int | None = None
     ) -> None:
-        """Append `record` to `site`'s trace, unless `host` (its host copy) equals the
-        site's last one; `host` is `None` for a record a stager already compared on
-        the device.
+        """Append `record` to `site`'s trace, unless `host` (its host copy, or its
+        `DenseCopy`) equals the site's last one; `host` is `None` for a record a stager
+        already compared on the device.
 
         `nbytes`: the bytes room was made for at admission; `None` makes room for
         `record` now (the staging thread waits for the writer, not the step).
@@ -89,15 +89,10 @@ class Chunk:
                 self._last.pop(site, None)  # compared on the device from now on
             else:
                 last = self._last.get(site, _MISSING)
-                if last is not _MISSING:
-                    try:
-                        unchanged = same(host, last)
-                    except Exception:  # a subclass's copy that lacks an op: not known equal
-                        unchanged = False
-                    if unchanged:
-                        if stats is not None:
-                            stats.unchanged += 1
-                        return
+                if last is not _MISSING and unchanged(host, last):
+                    if stats is not None:
+                        stats.unchanged += 1
+                    return
                 self._last[site] = host
         if nbytes is None:
             nbytes = self._timed_room(record, stats) if self._room else 0

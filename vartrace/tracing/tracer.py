@@ -623,7 +623,7 @@ class ModelTracer:
         elif type(value) is torch.Tensor and not self._hooks.pre_save and not is_transformed(value):
             # The common case, a plain tensor and no pre-save callback: what `_store` would
             # do with it after its checks (no DTensor, nothing to transform or call back).
-            self._stager.admit(site, value, iteration)
+            self._stager.admit_plain(site, value, iteration)
         elif isinstance(value, torch.Tensor):
             self._store(site, value, iteration)
         else:
