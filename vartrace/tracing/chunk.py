@@ -96,13 +96,17 @@ class Chunk:
                 self._last[site] = host
         if nbytes is None:
             nbytes = self._timed_room(record, stats) if self._room else 0
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # (half the instructions of a with statement)
+        try:
             self._order += 1
             self.bytes += nbytes
             trace = self.traces.get(site)
             if trace is None:
                 trace = self.traces[site] = Trace()
             trace.append(record, iteration, self.rank, self._order)
+        finally:
+            lock.release()
         if stats is not None:
             stats.kept += 1
 

@@ -608,7 +608,8 @@ class ModelTracer:
     # -- the record path, up to admission -----------------------------------------------------
 
     def _capture(self, site: str, value: Any, grad: bool) -> None:
-        self._silence.saw(site, value)
+        silence = self._silence  # SilenceWatch.saw, without its call
+        (silence.nones if value is None else silence.values).add(site)
         if _graph_task_id() != -1:  # _in_backward(), on the record path without its call
             # A forward recomputed during backward (activation checkpointing) records
             # nothing twice; a reentrant checkpoint's forward left @grad sites to it.
