@@ -99,12 +99,15 @@ class Chunk:
         lock = self._lock
         lock.acquire()  # (half the instructions of a with statement)
         try:
-            self._order += 1
+            order = self._order = self._order + 1
             self.bytes += nbytes
             trace = self.traces.get(site)
             if trace is None:
                 trace = self.traces[site] = Trace()
-            trace.append(record, iteration, self.rank, self._order)
+            trace.values.append(record)  # Trace.append, without its call
+            trace.iterations.append(iteration)
+            trace.ranks.append(self.rank)
+            trace.order.append(order)
         finally:
             lock.release()
         if stats is not None:
