@@ -38,6 +38,7 @@ from vartrace.engine.structures import children
 from vartrace.markers import Unstored
 
 __all__ = [
+    "NOT_BYTEWISE",
     "copy_leaf",
     "is_distributed",
     "is_transformed",
@@ -447,9 +448,9 @@ def _overexpanded(tensor: torch.Tensor) -> str:
     )
 
 
-# Dtypes whose equal values may differ in bytes, or equal bytes differ in value: a complex
-# tensor may carry a lazy conjugation, a quantized one its scale.
-_NOT_BYTEWISE = frozenset(
+#: Dtypes whose equal values may differ in bytes, or equal bytes differ in value: a complex
+#: tensor may carry a lazy conjugation, a quantized one its scale.
+NOT_BYTEWISE = frozenset(
     getattr(torch, name)
     for name in (
         "bcomplex32",
@@ -498,7 +499,7 @@ def same(a: Any, b: Any) -> bool:
             kind is _TENSOR
             and a.is_cpu
             and b.is_cpu
-            and dtype not in _NOT_BYTEWISE
+            and dtype not in NOT_BYTEWISE
             and a.layout is _STRIDED
             and b.layout is _STRIDED
             and a.is_contiguous()

@@ -213,13 +213,13 @@ def test_an_unchanged_record_is_compared_on_the_device_not_on_the_host(
     monkeypatch: pytest.MonkeyPatch, staging_ops: list[_Ops]
 ) -> None:
     compared_on_host = []
-    same = vartrace.tracing.chunk.same
+    unchanged = vartrace.tracing.chunk.unchanged  # every host comparison of the chunk
 
-    def counting_same(a: Any, b: Any) -> bool:
+    def counting_unchanged(a: Any, b: Any) -> bool:
         compared_on_host.append(1)
-        return same(a, b)
+        return unchanged(a, b)
 
-    monkeypatch.setattr(vartrace.tracing.chunk, "same", counting_same)
+    monkeypatch.setattr(vartrace.tracing.chunk, "unchanged", counting_unchanged)
     steps = 5
     with ModelTracer(_model(), ["blocks.*.frozen"], staging="async") as tracer:
         _train(tracer, _inputs(steps))

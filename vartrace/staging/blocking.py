@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from vartrace._support.memory import MAP_FROM
+from vartrace.staging.dense import keyed
 from vartrace.tensors import copy_leaf
 
 __all__ = ["BlockingStaging"]
@@ -26,6 +28,7 @@ __all__ = ["BlockingStaging"]
 _CPU = torch.device("cpu")
 _TENSOR = torch.Tensor
 _STRIDED = torch.strided
+_CONTIGUOUS = torch.contiguous_format
 
 BlockingDeliver = Callable[[str, Any, int, Any, int], None]
 """`deliver(site, record, iteration, host, nbytes)`: each record, at admission; `host` is
@@ -56,6 +59,7 @@ class BlockingStaging:
         self._device = device
         self._make_room = make_room
         self._on_cpu = device == _CPU
+        self._direct = self._on_cpu and make_room is None  # admit_plain's short path
         self._lock = threading.Lock()
 
     def admit(self, site: str, value: Any, iteration: int, *, fresh: bool = False) -> None:
@@ -79,6 +83,30 @@ class BlockingStaging:
         else:
             record = copy_leaf(value, self._device, site)
         self._deliver(site, record, iteration, record, nbytes)
+
+    def admit_plain(self, site: str, value: torch.Tensor, iteration: int) -> None:
+        """`admit` of a tensor of type `torch.Tensor` that is no `torch.func` wrapper.
+
+        The common record, a plain dense CPU tensor below `MAP_FROM` kept on the CPU
+        with no saver to wait for, is cloned here (`.data` detaches it for less than
+        `detach()`; the clone of a contiguous tensor is contiguous) and delivered with
+        its `DenseCopy`, so that change detection reads none of its attributes again.
+        """
+        if self._direct and value.is_cpu and value.layout is _STRIDED and not value.is_nested:
+            nbytes = value.nbytes
+            if nbytes < MAP_FROM:
+                plain = value.data
+                try:
+                    if plain.is_contiguous():
+                        record = plain.clone()
+                    else:
+                        record = plain.clone(memory_format=_CONTIGUOUS)
+                except Exception:  # a dtype torch cannot copy, no memory: admit's marker
+                    self.admit(site, value, iteration)
+                    return
+                self._deliver(site, record, iteration, keyed(record, nbytes), 0)
+                return
+        self.admit(site, value, iteration)
 
     def flush(self) -> None:
         """Nothing to start: every record was delivered at admission."""

@@ -31,6 +31,10 @@ class Staging(Protocol):
         """Take `value`'s record of `site` at `iteration`; `fresh`: `value` is a new tensor
         nothing else holds (a statistics row), that needs no defensive clone."""
 
+    def admit_plain(self, site: str, value: Any, iteration: int) -> None:
+        """`admit` of a tensor of type `torch.Tensor` (no subclass) that is no `torch.func`
+        wrapper: the tracer's common record, which a staging may take by a shorter path."""
+
     def flush(self) -> None:
         """Start the records admitted so far towards delivery (the end of an iteration)."""
 

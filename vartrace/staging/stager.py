@@ -271,6 +271,8 @@ class Stager:
             self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
 
+    admit_plain = admit  # (the protocol's short path: a plain tensor takes admit's own)
+
     def flush(self) -> None:
         """Hand the open batch to the staging thread: one event per producer stream."""
         self._hand_off(None)

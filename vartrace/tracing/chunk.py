@@ -16,7 +16,7 @@ from typing import Any
 
 from vartrace._support.memory import held_bytes
 from vartrace.staging import StagingStats
-from vartrace.tensors import same
+from vartrace.staging.dense import unchanged
 from vartrace.trace import Trace, unstacked
 
 __all__ = ["Chunk"]
@@ -76,9 +76,9 @@ class Chunk:
     def keep(
         self, site: str, record: Any, iteration: int, host: Any, nbytes: int | None = None
     ) -> None:
-        """Append `record` to `site`'s trace, unless `host` (its host copy) equals the
-        site's last one; `host` is `None` for a record a stager already compared on
-        the device.
+        """Append `record` to `site`'s trace, unless `host` (its host copy, or its
+        `DenseCopy`) equals the site's last one; `host` is `None` for a record a stager
+        already compared on the device.
 
         `nbytes`: the bytes room was made for at admission; `None` makes room for
         `record` now (the staging thread waits for the writer, not the step).
@@ -89,25 +89,27 @@ class Chunk:
                 self._last.pop(site, None)  # compared on the device from now on
             else:
                 last = self._last.get(site, _MISSING)
-                if last is not _MISSING:
-                    try:
-                        unchanged = same(host, last)
-                    except Exception:  # a subclass's copy that lacks an op: not known equal
-                        unchanged = False
-                    if unchanged:
-                        if stats is not None:
-                            stats.unchanged += 1
-                        return
+                if last is not _MISSING and unchanged(host, last):
+                    if stats is not None:
+                        stats.unchanged += 1
+                    return
                 self._last[site] = host
         if nbytes is None:
             nbytes = self._timed_room(record, stats) if self._room else 0
-        with self._lock:
-            self._order += 1
+        lock = self._lock
+        lock.acquire()  # (half the instructions of a with statement)
+        try:
+            order = self._order = self._order + 1
             self.bytes += nbytes
             trace = self.traces.get(site)
             if trace is None:
                 trace = self.traces[site] = Trace()
-            trace.append(record, iteration, self.rank, self._order)
+            trace.values.append(record)  # Trace.append, without its call
+            trace.iterations.append(iteration)
+            trace.ranks.append(self.rank)
+            trace.order.append(order)
+        finally:
+            lock.release()
         if stats is not None:
             stats.kept += 1
 

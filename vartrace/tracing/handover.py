@@ -26,7 +26,7 @@ from vartrace.distributed.collisions import in_pipeline_schedule, join_enabled, 
 from vartrace.distributed.groups import check_member, group_ranks
 from vartrace.distributed.nodes import node_of_this_rank
 from vartrace.distributed.spill import Spill
-from vartrace.errors import CallbackError
+from vartrace.errors import CallbackError, TraceLengthError
 from vartrace.markers import DROP, Unstored
 from vartrace.placements import Placements
 from vartrace.reduced import Reductions
@@ -116,7 +116,13 @@ def run_callbacks(stage: str, callbacks: Sequence[GatherCallback], name: str, tr
             callback(name, trace)
         except Exception as error:
             raise callback_error(stage, callback, name, error) from error
-        trace.check_lengths(callback_name(callback))
+        try:
+            trace.check_lengths()
+        except TraceLengthError:  # raised again below, naming the callback (named only then)
+            culprit = callback_name(callback)
+        else:
+            continue
+        trace.check_lengths(culprit)
 
 
 def _emptied(chunks: list[dict[str, Trace]]) -> Iterator[dict[str, Trace]]:

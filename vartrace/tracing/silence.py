@@ -51,15 +51,17 @@ class SilenceWatch:
         self._targets = list(targets)
         self._root = root
         self._mode = mode
-        self._values: set[str] = set()
-        self._nones: set[str] = set()
+        # The sites that captured a leaf other than None, and None: `saw` adds to them
+        # (the tracer's record path adds to them itself, without the call).
+        self.values: set[str] = set()
+        self.nones: set[str] = set()
         # What each traced module's __dict__ holds under the method's name before the
         # tracer patches it (usually nothing: the class's method).
         self._held = {id(t): vars(t.module).get(t.method.name, _ABSENT) for t in self._targets}
 
     def saw(self, site: str, value: Any) -> None:
         """Note a captured leaf (`None` counts apart)."""
-        (self._nones if value is None else self._values).add(site)
+        (self.nones if value is None else self.values).add(site)
 
     def _seen(self, sites: set[str], names: set[str], line: int | None) -> bool:
         """Whether one of `names` is a leaf of one of `sites`; for a pattern naming a
@@ -91,7 +93,7 @@ class SilenceWatch:
                 entry[1].append(target)
         if not patterns or not (in_mode or other_calls or called_ids):
             return  # the model never ran while the tracer was active
-        if not in_mode and other_calls and not (self._values or self._nones):
+        if not in_mode and other_calls and not (self.values or self.nones):
             other = "eval" if self._mode == "train" else "train"
             warn(
                 f"vartrace: recorded nothing: the model ran {other_calls} time(s), only in "
@@ -110,7 +112,7 @@ class SilenceWatch:
             missing = {site for t in targets for site in t.missing_keys()}
             pattern = parse(text)
             line = pattern.line
-            if self._seen(sites, self._values, line) or sites <= missing:
+            if self._seen(sites, self.values, line) or sites <= missing:
                 continue  # recorded, or said at the first return
             suffix = f"@{pattern.when}" if pattern.when else ""
             why = self._why(sites, targets, called_ids, replaced, line, suffix)
@@ -161,7 +163,7 @@ class SilenceWatch:
         line: int | None,
         suffix: str,
     ) -> str:
-        if self._seen(sites, self._nones, line):
+        if self._seen(sites, self.nones, line):
             if any(t.method.code.co_filename.startswith(_FX_FILE) for t in targets):
                 return (
                     "its value was None at every call: torch.fx's generated code frees each "

@@ -601,7 +601,8 @@ class ModelTracer:
     # -- the record path, up to admission -----------------------------------------------------
 
     def _capture(self, site: str, value: Any, grad: bool) -> None:
-        self._silence.saw(site, value)
+        silence = self._silence  # SilenceWatch.saw, without its call
+        (silence.nones if value is None else silence.values).add(site)
         if _graph_task_id() != -1:  # _in_backward(), on the record path without its call
             # A forward recomputed during backward (activation checkpointing) records
             # nothing twice; a reentrant checkpoint's forward left @grad sites to it.
@@ -616,7 +617,7 @@ class ModelTracer:
         elif type(value) is torch.Tensor and not self._hooks.pre_save and not is_transformed(value):
             # The common case, a plain tensor and no pre-save callback: what `_store` would
             # do with it after its checks (no DTensor, nothing to transform or call back).
-            self._stager.admit(site, value, iteration)
+            self._stager.admit_plain(site, value, iteration)
         elif type(value) is torch.Tensor and self._rows is not None and not is_transformed(value):
             if not self._rows.record(site, value, iteration):  # (statistics mode's own path)
                 self._store(site, value, iteration)
