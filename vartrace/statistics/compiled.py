@@ -74,19 +74,9 @@ def dense_row(x: Any, header: float, width: int) -> Any:
     tensor attribute reads (a statistics record's common case); `None` for any other
     value (a subclass, a nested, sparse or other non-strided tensor, a scalar), and
     before `row` first read a tensor (`_tensor` is set then, torch imported)."""
-    if type(x) is not _tensor:
-        return None
-    kind = _kinds.get(x.dtype)
-    if kind is None or not x.is_cpu or x.layout is not _strided or x.is_nested:
-        return None
-    count = x.numel()
-    if count == 1 or not x.is_contiguous():
-        return None
-    kernel = _kernel if _kernel is not None else _load()
-    if not kernel:
-        return None
     out = _empty(12)  # (torch.empty: an aten op)
-    kernel(x.data_ptr(), count, kind, width, out, header)
+    if dense_summary(x, header, width, out, None) is None:
+        return None
     return _from_numpy(out)
 
 
