@@ -40,6 +40,7 @@ from vartrace.markers import Unstored
 __all__ = [
     "NOT_BYTEWISE",
     "copy_leaf",
+    "dense_clone",
     "is_distributed",
     "is_transformed",
     "local_shard",
@@ -284,6 +285,16 @@ _FLOAT = struct.Struct("<d")
 _COMPLEX = struct.Struct("<dd")
 
 
+def dense_clone(value: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `value`, a plain dense CPU tensor that is no `torch.func`
+    wrapper: `.data` detaches it for less than `detach()` (torch.func refuses it), and the
+    clone of a contiguous tensor is contiguous without a memory format to parse."""
+    plain = value.data
+    if plain.is_contiguous():
+        return plain.clone()
+    return plain.clone(memory_format=torch.contiguous_format)
+
+
 def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     """A detached, independent copy of `value`; tensors land on `device`.
 
@@ -308,9 +319,7 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
     if isinstance(value, torch.Tensor):
         try:  # every operation on the value: a subclass may implement only a few ops
             if (
-                # The common case, a plain dense CPU tensor below MAP_FROM for the CPU: `.data`
-                # detaches it for less than `detach()` (torch.func refuses it: not for a
-                # transformed tensor), and the clone of a contiguous tensor is contiguous.
+                # The common case, a plain dense CPU tensor below MAP_FROM for the CPU.
                 type(value) is _TENSOR
                 and value.is_cpu
                 and device == _CPU
@@ -319,10 +328,7 @@ def copy_leaf(value: Any, device: torch.device, site: str = "") -> Any:
                 and value.nbytes < MAP_FROM
                 and not is_transformed(value)
             ):
-                plain = value.data
-                if plain.is_contiguous():
-                    return plain.clone()
-                return plain.clone(memory_format=torch.contiguous_format)
+                return dense_clone(value)
             detached = value.detach()
             if type(detached) is not torch.Tensor:
                 if is_distributed(detached):

@@ -21,14 +21,13 @@ import torch
 
 from vartrace._support.memory import MAP_FROM
 from vartrace.staging.dense import keyed
-from vartrace.tensors import copy_leaf
+from vartrace.tensors import copy_leaf, dense_clone
 
 __all__ = ["BlockingStaging"]
 
 _CPU = torch.device("cpu")
 _TENSOR = torch.Tensor
 _STRIDED = torch.strided
-_CONTIGUOUS = torch.contiguous_format
 
 BlockingDeliver = Callable[[str, Any, int, Any, int], None]
 """`deliver(site, record, iteration, host, nbytes)`: each record, at admission; `host` is
@@ -88,19 +87,14 @@ class BlockingStaging:
         """`admit` of a tensor of type `torch.Tensor` that is no `torch.func` wrapper.
 
         The common record, a plain dense CPU tensor below `MAP_FROM` kept on the CPU
-        with no saver to wait for, is cloned here (`.data` detaches it for less than
-        `detach()`; the clone of a contiguous tensor is contiguous) and delivered with
-        its `DenseCopy`, so that change detection reads none of its attributes again.
+        with no saver to wait for, is cloned here (`dense_clone`) and delivered with its
+        `DenseCopy`, so that change detection reads none of its attributes again.
         """
         if self._direct and value.is_cpu and value.layout is _STRIDED and not value.is_nested:
             nbytes = value.nbytes
             if nbytes < MAP_FROM:
-                plain = value.data
                 try:
-                    if plain.is_contiguous():
-                        record = plain.clone()
-                    else:
-                        record = plain.clone(memory_format=_CONTIGUOUS)
+                    record = dense_clone(value)
                 except Exception:  # a dtype torch cannot copy, no memory: admit's marker
                     self.admit(site, value, iteration)
                     return
