@@ -212,18 +212,23 @@ class HandOver:
         self._retag(chunk)
         pending = dict(chunk)  # the traces not yet in the results
         handed = False  # records went through the post-gather callbacks here
+        results = self._results
         try:
-            for name, trace in chunk.items():
-                run_callbacks("pre_gather", config.pre_gather_callbacks, name, trace)
+            if config.pre_gather_callbacks:
+                for name, trace in chunk.items():
+                    run_callbacks("pre_gather", config.pre_gather_callbacks, name, trace)
             for gathered, merged in self._gathers(chunk, final, facts):
                 self._declare(self._adopted(facts[known:]))
                 known = len(facts)
                 pending = dict(gathered)
                 handed = handed or merged
+                # (else this rank's own records that no gather took: kept as they are)
+                post_gather = config.post_gather_callbacks if merged else ()
                 for name, trace in gathered.items():
-                    if merged:  # else this rank's own records that no gather took: kept
-                        run_callbacks("post_gather", config.post_gather_callbacks, name, trace)
-                    self._results.add(name, self._kept(trace))
+                    if post_gather:
+                        run_callbacks("post_gather", post_gather, name, trace)
+                    if len(trace.iterations):  # (a saver's callback empties its traces)
+                        results.add(name, self._kept(trace))
                     del pending[name]
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C in a callback: the records stay
             self._chunk.put_back(pending)
