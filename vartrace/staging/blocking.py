@@ -43,6 +43,8 @@ class BlockingStaging:
         make_room: `make_room(value) -> nbytes`, called before each copy when given:
             waits until a saver writing on a thread of its own has room for it, so
             that the step waits before the copy exists.
+        compare: the chunk compares each record with its site's last one (change
+            detection): only then is a record delivered with its `DenseCopy`.
     """
 
     stats = None  # nothing runs apart from the caller: nothing to count
@@ -53,8 +55,10 @@ class BlockingStaging:
         *,
         device: torch.device,
         make_room: Callable[[Any], int] | None = None,
+        compare: bool = True,
     ) -> None:
         self._deliver = deliver
+        self._compare = compare
         self._device = device
         self._make_room = make_room
         self._on_cpu = device == _CPU
@@ -98,7 +102,8 @@ class BlockingStaging:
                 except Exception:  # a dtype torch cannot copy, no memory: admit's marker
                     self.admit(site, value, iteration)
                     return
-                self._deliver(site, record, iteration, keyed(record, nbytes), 0)
+                host = keyed(record, nbytes) if self._compare else record
+                self._deliver(site, record, iteration, host, 0)
                 return
         self.admit(site, value, iteration)
 

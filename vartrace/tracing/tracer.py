@@ -405,7 +405,9 @@ class ModelTracer:
         config, chunk = self._config, self._chunk
         if config.staging == "sync":
             room = chunk.make_room if chunk.waits else None
-            return BlockingStaging(chunk.keep, device=config.device, make_room=room)
+            return BlockingStaging(
+                chunk.keep, device=config.device, make_room=room, compare=config.change_detection
+            )
         stager = Stager(
             chunk.keep,
             max_inflight_bytes=config.max_inflight_bytes,
