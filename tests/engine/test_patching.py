@@ -343,12 +343,14 @@ def test_set_core_refused_while_patched(core: FrameCore) -> None:
     detach(calc, "loop", hook)
 
 
-def test_traced_calls_leave_no_reference_cycles(core: FrameCore) -> None:
-    """Garbage from each call must be freed by refcounting, not wait for a full gc pass."""
+@pytest.mark.parametrize("paths", [("acc:exit",), ("acc:exit", "i:every")], ids=["exit", "every"])
+def test_traced_calls_leave_no_reference_cycles(core: FrameCore, paths: tuple[str, ...]) -> None:
+    """Garbage from each call must be freed by refcounting, not wait for a full gc pass
+    (the settrace core's common path, and its path that reads every line)."""
     import gc
 
     calc = Calc()
-    hook, rec = _attach(calc, "loop", _probe("loop", "acc:exit", "i:every"))
+    hook, rec = _attach(calc, "loop", _probe("loop", *paths))
     calc.loop(3)
     while gc.collect():  # garbage left by earlier tests (finalizers can free more)
         pass
