@@ -26,7 +26,8 @@ import torch
 
 __all__ = ["dynamo_context", "eager"]
 
-_is_compiling = torch.compiler.is_compiling
+_compiler = torch.compiler
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 
 
@@ -36,30 +37,32 @@ def dynamo_context() -> type | None:
     return None if frames is None else frames._TorchDynamoContext
 
 
-class _Eager:
-    """`fn`, run under `torch._dynamo.disable` once `torch._dynamo` is imported."""
-
-    __slots__ = ("_disabled", "_fn")
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self._fn = fn
-        self._disabled: Callable[..., Any] | None = None
-        self._prepare()
-
-    def _prepare(self) -> Callable[..., Any] | None:
-        if self._disabled is None:
-            dynamo = sys.modules.get("torch._dynamo")
-            if dynamo is not None and hasattr(dynamo, "disable"):  # fully imported
-                self._disabled = dynamo.disable(self._fn)
-        return self._disabled
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        disabled = self._disabled or self._prepare()
-        if disabled is None or (not _is_compiling() and _frame_callback() is None):
-            return self._fn(*args, **kwargs)
-        return disabled(*args, **kwargs)
+def _disabled(fn: Callable[..., Any]) -> Callable[..., Any] | None:
+    """`torch._dynamo.disable(fn)`, once `torch._dynamo` is fully imported."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and hasattr(dynamo, "disable"):
+        return dynamo.disable(fn)  # type: ignore[no-any-return]
+    return None
 
 
 def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` kept out of `torch.compile` graphs, importing nothing (see the module)."""
-    return _Eager(fn)
+    disabled = _disabled(fn)
+
+    # A closure, not an object with __call__: a call of each traced method goes through it.
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal disabled
+        if disabled is None:
+            disabled = _disabled(fn)
+            if disabled is None:
+                return fn(*args, **kwargs)
+        # `torch.compiler.is_compiling()` without its `is_scripting()` call: dynamo reads
+        # `is_dynamo_compiling()` as true while it traces, and export sets the flag.
+        if (
+            not (_is_dynamo_compiling() or _compiler._is_compiling_flag)
+            and _frame_callback() is None
+        ):
+            return fn(*args, **kwargs)
+        return disabled(*args, **kwargs)
+
+    return call
