@@ -138,8 +138,20 @@ from vartrace.trace import Trace
 _ROUND_BYTES = 1 << 30
 
 
-def _active() -> bool:
-    return dist.is_available() and dist.is_initialized()
+_AVAILABLE = dist.is_available()  # (a fact of the build: read once)
+
+
+def active() -> bool:
+    """Whether the default process group is initialised (also when that happened after
+    the tracer started: a tracer around Lightning's `trainer.fit`).
+
+    Example:
+        ```python
+        if not vartrace.distributed.gathers.active():
+            print("one process: nothing to gather")
+        ```
+    """
+    return _AVAILABLE and dist.is_initialized()
 
 
 def rank(group: Any = None) -> int:
@@ -152,7 +164,7 @@ def rank(group: Any = None) -> int:
             print("writing the file")
         ```
     """
-    return dist.get_rank(group) if _active() else 0
+    return dist.get_rank(group) if active() else 0
 
 
 def world_size(group: Any = None) -> int:
@@ -164,7 +176,7 @@ def world_size(group: Any = None) -> int:
         shards = [f"run.rank{r}.h5" for r in range(vartrace.distributed.gathers.world_size())]
         ```
     """
-    return dist.get_world_size(group) if _active() else 1
+    return dist.get_world_size(group) if active() else 1
 
 
 def new_host_group(ranks: list[int] | None = None) -> Any:
@@ -251,7 +263,7 @@ def gather_chunk(
         RuntimeError: on every rank when some rank could not pack its chunk,
             or when the process group reports a failed or timed-out collective.
     """
-    if not _active() or dist.get_world_size(group) == 1:
+    if not active() or dist.get_world_size(group) == 1:
         return chunk
     return _gather(chunk, group, final=False, facts=facts)[0]
 
@@ -302,7 +314,7 @@ def final_gathers(
         RuntimeError: as `gather_chunk`, for a failure after the ranks met.
     """
     sending = chain(((own, False) for own in held), [(chunk, True)])
-    if not _active() or dist.get_world_size(group) == 1:
+    if not active() or dist.get_world_size(group) == 1:
         yield from ((own, True) for own, _ in sending)
         return
     me = dist.get_rank(group)

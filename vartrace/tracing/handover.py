@@ -195,7 +195,10 @@ class HandOver:
         still running (see `vartrace.distributed.gathers.final_gathers`).
         """
         config = self._config
-        if not final and self._colliding():
+        # One process, as most steps of most runs: no gather to pair, hold or tag for.
+        # (The final hand-over always gathers: it joins what earlier gathers held back.)
+        alone = not final and not distributed.active()
+        if not (final or alone) and self._colliding():
             self._hold()
             return
         chunk = self._chunk.take()
@@ -204,12 +207,13 @@ class HandOver:
             *(("reduced", name, origin) for name, origin in self._reductions.taken()),
             *(("placed", name, placed) for name, placed in self._placements.taken()),
         ]
-        if not chunk and not facts and distributed.world_size(self._group) == 1:
+        if not chunk and not facts and (alone or distributed.world_size(self._group) == 1):
             self._flush_sinks(final, handed=False)
             return  # nothing to hand on, and no other rank waits for this gather
         self._declare(facts)
         known = len(facts)  # the facts declared; a gather appends the other ranks'
-        self._retag(chunk)
+        if not alone:
+            self._retag(chunk)
         pending = dict(chunk)  # the traces not yet in the results
         handed = False  # records went through the post-gather callbacks here
         results = self._results
@@ -217,7 +221,8 @@ class HandOver:
             if config.pre_gather_callbacks:
                 for name, trace in chunk.items():
                     run_callbacks("pre_gather", config.pre_gather_callbacks, name, trace)
-            for gathered, merged in self._gathers(chunk, final, facts):
+            gathers = [(chunk, True)] if alone else self._gathers(chunk, final, facts)
+            for gathered, merged in gathers:
                 self._declare(self._adopted(facts[known:]))
                 known = len(facts)
                 pending = dict(gathered)
