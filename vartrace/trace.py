@@ -164,6 +164,12 @@ class RunContext:
     more than one rank, `node` is this rank's node number (else `None`),
     `nodes` the number of nodes and `node_ranks` the global ranks of this
     rank's node, whose first gathers the node's records and writes its shard.
+
+    `held_bytes`, where records wait in the tracer's own pool of host memory
+    (asynchronous staging: `max_host_bytes` of it), is what a saver writing on a
+    thread of its own may hold unwritten beside the records still to be gathered,
+    so that the pool never overflows while the saver falls behind (`make_room`
+    waits); `None` leaves the bound to the saver.
     """
 
     rank: int = 0
@@ -172,6 +178,7 @@ class RunContext:
     node: int | None = None
     nodes: int = 1
     node_ranks: tuple[int, ...] = ()
+    held_bytes: int | None = None
 
 
 class SaverCallback(Protocol):

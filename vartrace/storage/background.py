@@ -15,11 +15,11 @@ Example:
 The thread takes the items of a batch one piece at a time (`one_by_one`) and
 lets go of each as soon as it is written, counting its bytes out then: the
 records it holds and those the tracer gathers add up to at most the largest
-batch handed to it (or `_BACKGROUND_BYTES` if more), and a caller that would
-pass that waits.  At most one batch waits in the queue.  The first exception
-a job raises is kept; later jobs are skipped, and `submit`, `join` and `stop`
-raise it in the caller's thread as `vartrace.storage.WorkerError` (`settle` waits
-like `join` and leaves it to them).
+batch handed to it (or `_BACKGROUND_BYTES` if more; at most `limit`, when the
+saver sets one), and a caller that would pass that waits.  At most one batch
+waits in the queue.  The first exception a job raises is kept; later jobs are
+skipped, and `submit`, `join` and `stop` raise it in the caller's thread as
+`vartrace.storage.WorkerError` (`settle` waits like `join` and leaves it to them).
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ class BackgroundWriter:
         # as they go, and sets `_stopped` when a job raised (later jobs are skipped).
         self._handed = 0
         self._largest = 0  # bytes of the largest gather handed to the thread
+        self.limit: int | None = None  # at most this many bytes held (RunContext.held_bytes)
         self._written = threading.Condition(threading.Lock())
         self._stopped = False
 
@@ -146,6 +147,8 @@ class BackgroundWriter:
         """Wait until the thread holds no records, or `nbytes` more fit beside its
         records (see `make_room`), or a job failed; called holding `_written`."""
         bound = max(self._largest, _BACKGROUND_BYTES)
+        if self.limit is not None:
+            bound = min(bound, self.limit)
         while self._handed and self._handed + nbytes > bound and not self._stopped:
             self._written.wait(TICK)
 

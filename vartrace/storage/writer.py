@@ -216,6 +216,7 @@ class H5PYSaverCallback:
         if self._file is not None or self._closed:
             return
         self._context = context
+        self._thread.limit = context.held_bytes
         path = written_path(self.path, context)
         if path is None:
             self._idle = True  # another rank writes the records this rank gathers to it
@@ -319,7 +320,8 @@ class H5PYSaverCallback:
         with the bytes of its chunk and of the record).
 
         They fit when they add up to at most the largest gather handed to the thread
-        (or 64 MiB if more), or when the thread holds none: a tracer
+        (or 64 MiB if more; at most the tracer's `RunContext.held_bytes`, where it
+        gives one), or when the thread holds none: a tracer
         whose records are as large as a gather waits until the thread has written as
         many of the previous gather's.  It returns at once in the foreground, when
         the thread holds nothing or once a job of the thread failed (the next `flush`

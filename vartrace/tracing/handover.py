@@ -54,6 +54,7 @@ def gathers_at_start(config: TracerConfig) -> tuple[Any, RunContext]:
     group's file.
     """
     rank, world = distributed.rank(), distributed.world_size()
+    held = _held_bytes(config)
     if config.gather and world > 1 and join_live(config.joinable):
         raise ValueError(
             "ModelTracer(gather=...) started inside a torch.distributed.algorithms.Join of "
@@ -64,19 +65,36 @@ def gathers_at_start(config: TracerConfig) -> tuple[Any, RunContext]:
         )
     if config.gather == "node" and world > 1:
         node = node_of_this_rank()
-        context = RunContext(rank, world, node=node.index, nodes=node.count, node_ranks=node.ranks)
+        context = RunContext(
+            rank,
+            world,
+            node=node.index,
+            nodes=node.count,
+            node_ranks=node.ranks,
+            held_bytes=held,
+        )
         return node.group, context
     if config.group is not None and config.gather:
         check_member(config.group)
         ranks = group_ranks(config.group)
-        context = RunContext(distributed.rank(config.group), len(ranks))
+        context = RunContext(distributed.rank(config.group), len(ranks), held_bytes=held)
         if config.staging == "async" and len(ranks) > 1:
             return distributed.new_host_group(ranks), context
         return config.group, context
     group = None
     if config.staging == "async" and config.gather and world > 1:
         group = distributed.new_host_group()
-    return group, RunContext(rank, world, sharded=not config.gather and world > 1)
+    sharded = not config.gather and world > 1
+    return group, RunContext(rank, world, sharded=sharded, held_bytes=held)
+
+
+def _held_bytes(config: TracerConfig) -> int | None:
+    """`RunContext.held_bytes`: with asynchronous staging, the stager's host memory
+    (`max_host_bytes`) less the records in flight to it, which holds the chunk and what a
+    saver has not written yet; `None` where records are copied on the capturing thread."""
+    if config.staging != "async":
+        return None
+    return max(config.max_host_bytes - config.max_inflight_bytes, 0)
 
 
 def callback_error(stage: str, callback: object, site: str, error: Exception) -> CallbackError:
