@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -77,6 +78,7 @@ def test_a_saver_called_by_hand_writes_on_the_callers_thread(tmp_path: Path) -> 
 
 _STUCK = 4  # the gather the writer thread never finishes
 _KILLED = f"""
+import os
 import sys
 import threading
 import time
@@ -87,13 +89,17 @@ from torch import nn
 from vartrace import H5PYSaverCallback, ModelTracer
 
 
+def say(line):  # one write: lines of the two threads never interleave
+    os.write(1, (line + "\\n").encode())
+
+
 class Note:
     def __init__(self, step):
         self.step = step
 
     def __reduce__(self):  # the tracer's copy runs it too, on the training thread
         if self.step == {_STUCK} and threading.current_thread().name.startswith("vartrace-writer"):
-            print("writing", self.step, flush=True)
+            say(f"writing {{self.step}}")
             while True:  # the writer thread stays inside gather {_STUCK}'s write
                 time.sleep(0.05)
         return (Note, (self.step,))
@@ -109,7 +115,7 @@ saver = H5PYSaverCallback(sys.argv[1], metadata=False)
 with saver, ModelTracer(model, ["forward"], post_gather_callbacks=[saver]):
     for step in range(1, 13):
         model(torch.full((3,), float(step)), Note(step))
-        print("stepped", step, flush=True)
+        say(f"stepped {{step}}")
 """
 
 
@@ -128,7 +134,10 @@ def test_a_sigkill_loses_only_the_gather_being_written_and_one_queued(tmp_path: 
         assert process.stdout is not None
         descriptor = process.stdout.fileno()
         # the writer thread is stuck in gather 4, and the training thread ran on to step 5
+        deadline = time.monotonic() + 120  # (start-up included, on a loaded machine)
         while not {f"writing {_STUCK}", f"stepped {_STUCK + 1}"} <= set(out.decode().split("\n")):
+            left = deadline - time.monotonic()
+            assert left > 0 and select.select([descriptor], [], [], left)[0], f"no more: {out!r}"
             more = os.read(descriptor, 4096)
             assert more, f"the child ended: {out!r}"
             out += more
