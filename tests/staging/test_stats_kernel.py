@@ -90,6 +90,7 @@ def activations(dtype: torch.dtype, size: int = 300_001) -> torch.Tensor:
 def test_a_record_is_one_op_on_the_stand_in_device_and_no_kernel_on_the_cpu() -> None:
     """On a device the op, header written too; on the CPU its kernel called directly: views
     of the tensor for numpy (``detach``, ``lift_fresh``), no aten kernel touching data."""
+    simgpu.LOG.clear()  # (the log is the process's: earlier tests' syncs are theirs)
     for value in (simgpu.to_device(torch.randn(64, 33)), torch.randn(64, 33)):
         SUMMARY("site", value, 1)  # the op registered, constants on the device
         with Dispatched() as seen:
