@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from vartrace._support.memory import MAP_FROM, map_large_blocks, memcmp
+from vartrace._support import memory
+from vartrace._support.memory import MAP_FROM, map_large_blocks
 from vartrace._support.text import size_text
 from vartrace._support.warnings import warn
 from vartrace.engine.structures import children
@@ -510,10 +511,10 @@ def same(a: Any, b: Any) -> bool:
             and b.layout is _STRIDED
             and a.is_contiguous()
             and b.is_contiguous()
-            and memcmp is not None
+            and memory.memcmp is not None
         ):
             size = a.nbytes
-            return size == 0 or memcmp(a.data_ptr(), b.data_ptr(), size) == 0
+            return size == 0 or memory.memcmp(a.data_ptr(), b.data_ptr(), size) == 0
         device = a.device
         if device != b.device:
             return False

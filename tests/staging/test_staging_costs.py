@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 import vartrace
 from tests import simgpu
 from vartrace import H5PYSaverCallback, ModelTracer
+from vartrace._support import memory
 from vartrace.staging import stager as staging
 from vartrace.trace import Trace
 
@@ -213,13 +214,21 @@ def test_an_unchanged_record_is_compared_on_the_device_not_on_the_host(
     monkeypatch: pytest.MonkeyPatch, staging_ops: list[_Ops]
 ) -> None:
     compared_on_host = []
-    unchanged = vartrace.tracing.chunk.unchanged  # every host comparison of the chunk
+    # Every host comparison of the chunk: of any two records, and of two dense copies' bytes.
+    memory.build_memcmp()  # (as a tracer does first)
+    unchanged, memcmp = vartrace.staging.dense._unchanged, memory.memcmp
 
     def counting_unchanged(a: Any, b: Any) -> bool:
         compared_on_host.append(1)
         return unchanged(a, b)
 
-    monkeypatch.setattr(vartrace.tracing.chunk, "unchanged", counting_unchanged)
+    def counting_memcmp(a: int, b: int, size: int) -> int:
+        compared_on_host.append(1)
+        assert memcmp is not None
+        return memcmp(a, b, size)
+
+    monkeypatch.setattr(vartrace.staging.dense, "_unchanged", counting_unchanged)
+    monkeypatch.setattr(memory, "memcmp", counting_memcmp)
     steps = 5
     with ModelTracer(_model(), ["blocks.*.frozen"], staging="async") as tracer:
         _train(tracer, _inputs(steps))

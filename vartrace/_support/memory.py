@@ -33,11 +33,22 @@ import functools
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["MAP_FROM", "TRIM_ABOVE", "held_bytes", "map_large_blocks", "memcmp", "release"]
+from vartrace._support.native import load
+
+__all__ = [
+    "MAP_FROM",
+    "TRIM_ABOVE",
+    "build_memcmp",
+    "held_bytes",
+    "map_large_blocks",
+    "memcmp",
+    "release",
+]
 
 #: A gather that freed at least this many bytes gives the free pages back.
 TRIM_ABOVE = 64 << 20
@@ -72,9 +83,22 @@ def _libc_memcmp() -> Callable[[int, int, int], int] | None:
 
 
 #: `memcmp(address_a, address_b, nbytes)` of the C library (0: the bytes are equal), or
-#: `None` where there is none to call.  It stops at the first differing byte, and ctypes
-#: releases the GIL around it.
+#: `None` where there is none to call.  It stops at the first differing byte, and other
+#: threads run meanwhile.  Through ctypes until `build_memcmp`; read it as `memory.memcmp`.
 memcmp = _libc_memcmp()
+_memcmp_built = False
+
+
+def build_memcmp() -> None:
+    """Call `memcmp` through the compiled module `bytes.c` from now on (about a tenth of
+    ctypes' instructions a call; built first where no build is cached, see
+    `vartrace._support.native`), where it can be built: before any step compares."""
+    global memcmp, _memcmp_built
+    if not _memcmp_built:
+        _memcmp_built = True
+        module = load(Path(__file__).with_name("bytes.c"), "vartrace_bytes")
+        if module is not None:
+            memcmp = module.memcmp
 
 
 @functools.cache

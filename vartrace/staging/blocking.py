@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from vartrace._support.memory import MAP_FROM
-from vartrace.staging.dense import keyed
 from vartrace.tensors import copy_leaf, dense_clone
 
 __all__ = ["BlockingStaging"]
@@ -33,6 +32,10 @@ BlockingDeliver = Callable[[str, Any, int, Any, int], None]
 """`deliver(site, record, iteration, host, nbytes)`: each record, at admission; `host` is
 the record itself (on the host to compare), `nbytes` the bytes room was made for."""
 
+DeliverDense = Callable[[str, Any, int, int], None]
+"""`deliver_dense(site, record, iteration, nbytes)`: a record that is a contiguous clone of
+`nbytes` bytes of a plain dense CPU tensor, made where no room is to be made."""
+
 
 class BlockingStaging:
     """Copies each record to `device` where it is captured and delivers it at once.
@@ -43,8 +46,9 @@ class BlockingStaging:
         make_room: `make_room(value) -> nbytes`, called before each copy when given:
             waits until a saver writing on a thread of its own has room for it, so
             that the step waits before the copy exists.
-        compare: the chunk compares each record with its site's last one (change
-            detection): only then is a record delivered with its `DenseCopy`.
+        deliver_dense: `deliver_dense(site, record, iteration, nbytes)` (see
+            `DeliverDense`), for the common record: a plain dense CPU tensor below
+            `MAP_FROM` kept on the CPU with no saver to wait for; `deliver` where not given.
     """
 
     stats = None  # nothing runs apart from the caller: nothing to count
@@ -55,10 +59,12 @@ class BlockingStaging:
         *,
         device: torch.device,
         make_room: Callable[[Any], int] | None = None,
-        compare: bool = True,
+        deliver_dense: DeliverDense | None = None,
     ) -> None:
         self._deliver = deliver
-        self._compare = compare
+        self._deliver_dense = deliver_dense or (
+            lambda site, record, iteration, nbytes: deliver(site, record, iteration, record, 0)
+        )
         self._device = device
         self._make_room = make_room
         self._on_cpu = device == _CPU
@@ -91,8 +97,9 @@ class BlockingStaging:
         """`admit` of a tensor of type `torch.Tensor` that is no `torch.func` wrapper.
 
         The common record, a plain dense CPU tensor below `MAP_FROM` kept on the CPU
-        with no saver to wait for, is cloned here (`dense_clone`) and delivered with its
-        `DenseCopy`, so that change detection reads none of its attributes again.
+        with no saver to wait for, is cloned here (`dense_clone`) and handed to
+        `deliver_dense` with its size, so that change detection reads no more of its
+        attributes than it compares.
         """
         if self._direct and value.is_cpu and value.layout is _STRIDED and not value.is_nested:
             nbytes = value.nbytes
@@ -102,8 +109,7 @@ class BlockingStaging:
                 except Exception:  # a dtype torch cannot copy, no memory: admit's marker
                     self.admit(site, value, iteration)
                     return
-                host = keyed(record, nbytes) if self._compare else record
-                self._deliver(site, record, iteration, host, 0)
+                self._deliver_dense(site, record, iteration, nbytes)
                 return
         self.admit(site, value, iteration)
 

@@ -5,8 +5,7 @@ and zeros from the values as they are, read again masked only where they hold Na
 infinities (float32 and bfloat16: from the chunk of 512 where they appear), or where
 a block's plain sums would cancel (the numpy kernel's steps, `vartrace.statistics.kernels`).
 It is built once per machine and Python, as an
-extension module, by the C compiler Python was built with (`$CC` first), into
-`$XDG_CACHE_HOME/vartrace` (`~/.cache/vartrace`), when a tracer in statistics mode starts
+extension module (`vartrace._support.native`), when a tracer in statistics mode starts
 (`vartrace.statistics.rows.build_kernel`) or at first use; a call costs what a Python
 function's does.  The build targets any x86-64: the AVX2 loops are chosen at run time.
 Where it cannot be built (no compiler, no `Python.h`, no writable cache), `row` returns
@@ -20,32 +19,18 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import os
-import shlex
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
 from numpy import empty as _empty
 
+from vartrace._support.native import load
+
 __all__ = ["available", "dense_row", "dense_summary", "row"]
 
 _SOURCE = Path(__file__).with_name("summary.c")
-_MODULE = "vartrace_summary"  # the extension module's name (its PyInit_ function)
-_FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
-#: Symbols of Python's own are found when the module is loaded (macOS links none by default).
-_LINK = ("-undefined", "dynamic_lookup") if sys.platform == "darwin" else ()
-_COMPILE_SECONDS = 120
 
 _kernel: Any = None  # the C function once loaded; False where it cannot be built
-_building = threading.Lock()
 _kinds: dict[Any, int] = {}  # torch dtype -> the kernel's kind, once torch is imported
 
 
@@ -118,62 +103,9 @@ def _as_kinds() -> dict[Any, int]:
 def _load() -> Any:
     """The kernel's function, built first where no build of this source is cached."""
     global _kernel
-    with _building:
-        if _kernel is None:
-            try:
-                path = _built()
-                spec = importlib.util.spec_from_file_location(_MODULE, path)
-                assert spec is not None and spec.loader is not None
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                _kernel = module.summary
-                _kinds or _as_kinds()  # (dense_summary reads them: set before its first call)
-            except (OSError, ImportError, subprocess.SubprocessError, AttributeError):
-                _kernel = False
+    module = load(_SOURCE, "vartrace_summary")
+    kernel = False if module is None else module.summary
+    if kernel:
+        _kinds or _as_kinds()  # (dense_summary reads them: set before its first call)
+    _kernel = kernel
     return _kernel
-
-
-def _compiler() -> list[str]:
-    """The C compiler's command: `$CC`, else the one Python was built with, else `cc`."""
-    command = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
-    if not command or shutil.which(command[0]) is None:
-        raise OSError("no C compiler")
-    return command
-
-
-def _built() -> Path:
-    """The shared library of `summary.c`, compiled into the cache on first use: named by
-    a digest of the source, the compiler and its flags; written under a temporary name
-    and renamed, so that processes building it at once each load a whole file."""
-    include = sysconfig.get_paths()["include"]
-    if not os.path.exists(os.path.join(include, "Python.h")):
-        raise OSError("no Python.h")  # (a Python without its development headers)
-    command = [*_compiler(), *_FLAGS, f"-I{include}", *_LINK]
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), *map(str.encode, command)]))
-    folder = _cache()
-    library = folder / f"{_MODULE}-{key.hexdigest()[:16]}{suffix}"
-    if library.exists():
-        return library
-    handle, temporary = tempfile.mkstemp(suffix=suffix, dir=folder)
-    os.close(handle)
-    try:
-        subprocess.run(
-            [*command, "-o", temporary, str(_SOURCE)],
-            check=True,
-            capture_output=True,
-            timeout=_COMPILE_SECONDS,
-        )
-        os.replace(temporary, library)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-    return library
-
-
-def _cache() -> Path:
-    """`$XDG_CACHE_HOME/vartrace` (`~/.cache/vartrace`), made if missing."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folder = Path(root) / "vartrace"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder

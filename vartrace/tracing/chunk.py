@@ -1,7 +1,8 @@
 """`Chunk`: the records since the last gather, and the state that keeping them needs.
 
-Whichever staging a tracer chose delivers every record here (`Chunk.keep`), in
-capture order: change detection against the site's last record, room made with a
+Whichever staging a tracer chose delivers every record here (`Chunk.keep`, or
+`Chunk.keep_dense` for a plain dense CPU clone), in capture order: change detection
+against the site's last record (`vartrace.staging.dense.LastRecords`), room made with a
 saver writing on a thread of its own, then the record appended to its site's trace
 with its order number.  The hand-over takes the traces (`take`), and puts them back
 if a callback is interrupted (`put_back`).
@@ -16,12 +17,14 @@ from typing import Any
 
 from vartrace._support.memory import held_bytes
 from vartrace.staging import StagingStats
-from vartrace.staging.dense import unchanged
+from vartrace.staging.blocking import BlockingStaging
+from vartrace.staging.dense import LastRecords
+from vartrace.staging.protocol import Staging
+from vartrace.staging.stager import Stager
 from vartrace.trace import Trace, unstacked
+from vartrace.tracing.config import TracerConfig
 
-__all__ = ["Chunk"]
-
-_MISSING = object()
+__all__ = ["Chunk", "staging_for"]
 
 
 class Chunk:
@@ -45,7 +48,7 @@ class Chunk:
         self.rank = 0
         self.stats: StagingStats | None = None
         self._compare = compare
-        self._last: dict[str, Any] = {}  # site -> its last record kept (change detection)
+        self._last = LastRecords()
         self._order = 0
         self._room: Sequence[Callable[[int], None]] = ()
         self._lock = threading.Lock()
@@ -76,26 +79,33 @@ class Chunk:
     def keep(
         self, site: str, record: Any, iteration: int, host: Any, nbytes: int | None = None
     ) -> None:
-        """Append `record` to `site`'s trace, unless `host` (its host copy, or its
-        `DenseCopy`) equals the site's last one; `host` is `None` for a record a stager
-        already compared on the device.
+        """Append `record` to `site`'s trace, unless `host` (its host copy) equals the
+        site's last one; `host` is `None` for a record a stager already compared on the
+        device.
 
         `nbytes`: the bytes room was made for at admission; `None` makes room for
         `record` now (the staging thread waits for the writer, not the step).
         """
         stats = self.stats
-        if self._compare:
-            if host is None:
-                self._last.pop(site, None)  # compared on the device from now on
-            else:
-                last = self._last.get(site, _MISSING)
-                if last is not _MISSING and unchanged(host, last):
-                    if stats is not None:
-                        stats.unchanged += 1
-                    return
-                self._last[site] = host
+        if self._compare and not self._last.differs(site, host):
+            if stats is not None:
+                stats.unchanged += 1
+            return
         if nbytes is None:
             nbytes = self._timed_room(record, stats) if self._room else 0
+        self._append(site, record, iteration, nbytes)
+        if stats is not None:
+            stats.kept += 1
+
+    def keep_dense(self, site: str, record: Any, iteration: int, nbytes: int) -> None:
+        """`keep` of `record`, a contiguous clone of `nbytes` bytes of a plain dense CPU
+        tensor, that nothing else holds, made where no saver makes room (synchronous
+        staging's common record): compared by its bytes (`LastRecords.dense_differs`)."""
+        if not self._compare or self._last.dense_differs(site, record, nbytes):
+            self._append(site, record, iteration, 0)
+
+    def _append(self, site: str, record: Any, iteration: int, nbytes: int) -> None:
+        """Append `record` to `site`'s trace with the next order number."""
         lock = self._lock
         lock.acquire()  # (half the instructions of a with statement)
         try:
@@ -110,8 +120,6 @@ class Chunk:
             trace.order.append(order)
         finally:
             lock.release()
-        if stats is not None:
-            stats.kept += 1
 
     def _timed_room(self, record: Any, stats: StagingStats | None) -> int:
         """`make_room` for `record`, the time waited counted in `stats`."""
@@ -147,3 +155,25 @@ class Chunk:
         parent may have held at the fork."""
         self._lock = threading.Lock()
         self.traces = {}
+
+
+def staging_for(chunk: Chunk, device: Any, config: TracerConfig | None = None) -> Staging:
+    """The staging that copies records to `device` and delivers them to `chunk`: the one
+    `config.staging` names, or synchronous staging with nothing to wait for (`None`: a
+    tracer not started, or in a forked child)."""
+    if config is None or config.staging == "sync":
+        room = chunk.make_room if config is not None and chunk.waits else None
+        return BlockingStaging(
+            chunk.keep, device=device, make_room=room, deliver_dense=chunk.keep_dense
+        )
+    stager = Stager(
+        chunk.keep,
+        max_inflight_bytes=config.max_inflight_bytes,
+        on_full=config.on_full,
+        device=device,
+        compare=config.change_detection,
+        max_device_bytes=config.max_device_bytes,
+        host_bytes=config.max_host_bytes,  # the chunk waits in the slots until its gather
+    )
+    chunk.stats = stager.stats
+    return stager

@@ -39,7 +39,7 @@ from vartrace.errors import CallbackError
 from vartrace.markers import DROP
 from vartrace.placements import Placements
 from vartrace.reduced import Reductions
-from vartrace.staging import BlockingStaging, OnFull, Stager, Staging, StagingStats
+from vartrace.staging import OnFull, Staging, StagingStats
 from vartrace.statistics.rows import SiteRows, build_kernel
 from vartrace.tensors import (
     is_distributed,
@@ -53,7 +53,7 @@ from vartrace.tensors import (
 from vartrace.trace import report_during
 from vartrace.tracing import registry
 from vartrace.tracing.aliases import Aliases
-from vartrace.tracing.chunk import Chunk
+from vartrace.tracing.chunk import Chunk, staging_for
 from vartrace.tracing.config import (
     Gather,
     GatherCallback,
@@ -245,7 +245,7 @@ class ModelTracer:
         self._results = Results()
         self._chunk = Chunk(compare=config.change_detection)
         # Until start: a staging with nothing to count or wait for (results, staging_stats).
-        self._stager: Staging = BlockingStaging(self._chunk.keep, device=config.device)
+        self._stager: Staging = staging_for(self._chunk, config.device)
         self._hooks = SinkHooks()  # the callbacks' hooks, looked up at start
         self._rows: SiteRows | None = None  # statistics rows' own path, chosen at start
         self._hand_over: HandOver | None = None  # made at start
@@ -380,7 +380,7 @@ class ModelTracer:
         self._hand_over = HandOver(
             self._chunk, self._results, self._aliases, facts, config, hooks, group
         )
-        self._stager = self._staging()
+        self._stager = staging_for(self._chunk, config.device, config)
         build_kernel(hooks.pre_save)  # the statistics kernel, built before any step
         self._rows = SiteRows.of(hooks.pre_save, config, self._chunk, self._reductions)
         try:
@@ -399,26 +399,6 @@ class ModelTracer:
         registry.enter(self, [self.model, *(target.module for target in self._targets)])
         self._undo.callback(registry.leave, self)
         return self
-
-    def _staging(self) -> Staging:
-        """The staging `start` chose, delivering to the chunk."""
-        config, chunk = self._config, self._chunk
-        if config.staging == "sync":
-            room = chunk.make_room if chunk.waits else None
-            return BlockingStaging(
-                chunk.keep, device=config.device, make_room=room, compare=config.change_detection
-            )
-        stager = Stager(
-            chunk.keep,
-            max_inflight_bytes=config.max_inflight_bytes,
-            on_full=config.on_full,
-            device=config.device,
-            compare=config.change_detection,
-            max_device_bytes=config.max_device_bytes,
-            host_bytes=config.max_host_bytes,  # the chunk waits in the slots until its gather
-        )
-        chunk.stats = stager.stats
-        return stager
 
     def stop(self, *, flush: bool = True) -> None:
         """Restore the model, hand over the last chunk and run post-trace callbacks.
@@ -474,7 +454,7 @@ class ModelTracer:
         """
         self._chunk.forget()
         # The stager's thread stayed in the parent; the staging's lock may have been held.
-        self._stager = BlockingStaging(self._chunk.keep, device=self._config.device)
+        self._stager = staging_for(self._chunk, self._config.device)
         self._release()
 
     def _release(self) -> None:
