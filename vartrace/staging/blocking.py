@@ -27,6 +27,7 @@ __all__ = ["BlockingStaging"]
 _CPU = torch.device("cpu")
 _TENSOR = torch.Tensor
 _STRIDED = torch.strided
+_transforms_active = torch._C._are_functorch_transforms_active
 
 BlockingDeliver = Callable[[str, Any, int, Any, int], None]
 """`deliver(site, record, iteration, host, nbytes)`: each record, at admission; `host` is
@@ -120,8 +121,12 @@ class BlockingStaging:
         """Run `job` now, after any job another thread runs (threads that end iterations
         at once hand their chunks over one by one), outside any torch.func transform (a
         model called under `vmap` ends its iteration inside it; jobs see plain tensors)."""
-        with self._lock, torch._C._DisableFuncTorch():
-            job()
+        with self._lock:
+            if _transforms_active():  # (the guard costs ~7 k instructions: only under one)
+                with torch._C._DisableFuncTorch():
+                    job()
+            else:
+                job()
 
     def drain(self) -> None:
         """Nothing to wait for: every record was delivered at admission."""

@@ -220,11 +220,17 @@ class HandOver:
             self._hold()
             return
         chunk = self._chunk.take()
-        facts: list[distributed.Fact] = [
-            *(("alias", name, target) for name, target in self._aliases.taken()),
-            *(("reduced", name, origin) for name, origin in self._reductions.taken()),
-            *(("placed", name, placed) for name, placed in self._placements.taken()),
-        ]
+        aliases, reduced = self._aliases.taken(), self._reductions.taken()
+        placed = self._placements.taken()
+        facts: list[distributed.Fact] = (
+            [
+                *(("alias", name, target) for name, target in aliases),
+                *(("reduced", name, origin) for name, origin in reduced),
+                *(("placed", name, placement) for name, placement in placed),
+            ]
+            if aliases or reduced or placed
+            else []  # (most gathers: no new fact, and no generator made)
+        )
         if not chunk and not facts and (alone or distributed.world_size(self._group) == 1):
             self._flush_sinks(final, handed=False)
             return  # nothing to hand on, and no other rank waits for this gather
@@ -241,8 +247,9 @@ class HandOver:
                     run_callbacks("pre_gather", config.pre_gather_callbacks, name, trace)
             gathers = [(chunk, True)] if alone else self._gathers(chunk, final, facts)
             for gathered, merged in gathers:
-                self._declare(self._adopted(facts[known:]))
-                known = len(facts)
+                if len(facts) > known:  # other ranks' facts, come with the gather
+                    self._declare(self._adopted(facts[known:]))
+                    known = len(facts)
                 pending = dict(gathered)
                 handed = handed or merged
                 # (else this rank's own records that no gather took: kept as they are)
