@@ -139,7 +139,14 @@ def held_bytes(values: Any) -> int:
     torch = sys.modules.get("torch")
     if isinstance(values, np.ndarray) or (torch is not None and isinstance(values, torch.Tensor)):
         return _dense_bytes(values)
-    return sum(_dense_bytes(value) for value in values)
+    plain, strided = (torch.Tensor, torch.strided) if torch is not None else (None, None)
+    total = 0
+    for value in values:  # a loop, not sum() of a generator: a call less a record
+        if type(value) is plain and value.layout is strided and not value.is_nested:
+            total += value.nbytes  # the common record, a plain dense tensor
+        else:
+            total += _dense_bytes(value)
+    return total
 
 
 def _dense_bytes(value: Any) -> int:
