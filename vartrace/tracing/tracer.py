@@ -265,7 +265,7 @@ class ModelTracer:
             flush=self._flush,
             end=self._end_iteration,
         )
-        self._thread = self._iterations.state  # each thread's view, read on every record
+        self._per_thread = self._iterations.per_thread  # each thread's state, read every record
         self._split_warned: set[type] = set()
         self._transformed_warned: set[str] = set()  # sites recorded under torch.func.vmap
         self._started = False
@@ -571,7 +571,7 @@ class ModelTracer:
         return True
 
     def _enter_method(self, module: nn.Module | None = None) -> bool:
-        if module is None and self._thread.depth > 0:
+        if module is None and self._per_thread.state.depth > 0:
             return False  # a traced method inside a call this thread runs: nothing to count
         self._iterations.enter(root=False, replay=_in_backward(), module=module)
         return True
@@ -591,7 +591,7 @@ class ModelTracer:
             if grad:
                 self._gradients.recomputed(site, value)
             return
-        iteration = self._thread.records_as  # IterationCounter.capturing, without its call
+        iteration = self._per_thread.state.records_as  # IterationCounter.capturing, without a call
         if iteration is None:
             return  # another thread's iteration enabled the hooks
         if grad:
