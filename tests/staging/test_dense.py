@@ -8,17 +8,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+import vartrace.staging.dense
 from vartrace._support import memory, native
 from vartrace.staging.dense import DenseCopy, LastRecords
-from vartrace.tensors import same
+from vartrace.tensors import dense_clone, same
+
+
+def _differs(last: LastRecords, site: str, value: torch.Tensor) -> bool:
+    """Whether `site` keeps `value` (a copy of it) as a new record."""
+    record = last.dense_copy(site, value, value.nbytes)
+    if record is not None:
+        assert same(record, value.resolve_neg()) and record.is_contiguous()
+        assert not value.nbytes or record.data_ptr() != value.data_ptr()
+    return record is not None
 
 
 def test_a_plain_record_is_kept_as_its_bytes_and_a_complex_one_as_it_is() -> None:
     last = LastRecords()
-    assert last.dense_differs("real", torch.arange(6.0).reshape(2, 3), 24)
-    assert last.dense_differs("complex", torch.ones(3, dtype=torch.complex64), 24)
+    assert _differs(last, "real", torch.arange(6.0).reshape(2, 3))
+    assert _differs(last, "complex", torch.ones(3, dtype=torch.complex64))
     assert type(last._last["real"]) is DenseCopy
     assert type(last._last["complex"]) is torch.Tensor
 
@@ -42,7 +53,7 @@ def test_records_differ_as_same_says_bit_for_bit_on_either_path() -> None:
             last = LastRecords()
             for path, record in ((first, a), (second, b)):
                 differs = (
-                    last.dense_differs("site", record, record.nbytes)
+                    _differs(last, "site", record)
                     if path == "dense"
                     else last.differs("site", record)
                 )
@@ -64,24 +75,66 @@ def test_the_compiled_comparison_replaces_ctypes_where_it_can_be_built() -> None
 
 def test_a_last_record_resized_in_place_is_compared_as_it_is_now() -> None:
     last = LastRecords()
-    record = torch.ones(4)
-    assert last.dense_differs("site", record, 16)
+    record = last.dense_copy("site", torch.ones(4), 16)
+    assert record is not None
     record.resize_(1 << 16)  # a callback's resize_: the bytes move
     record.fill_(1.0)
-    assert last.dense_differs("site", torch.ones(4), 16)  # its shape now differs
-    assert not last.dense_differs("site", torch.ones(4), 16)
+    assert _differs(last, "site", torch.ones(4))  # its shape now differs
+    assert not _differs(last, "site", torch.ones(4))
     kept = last._last["site"].tensor
     kept.resize_(1 << 16)
     kept.resize_(4)  # back to the shape of the key, in a new storage
     kept.fill_(1.0)
-    assert not last.dense_differs("site", torch.ones(4), 16)
+    assert not _differs(last, "site", torch.ones(4))
+    assert not _differs(last, "site", torch.ones(4))  # (repeated: compared before a copy)
+    kept.resize_(1 << 16)
+    kept.fill_(2.0)
+    kept.resize_(4)
+    assert _differs(last, "site", torch.ones(4))
 
 
 def test_a_record_compared_on_the_device_forgets_the_host_s_last_one() -> None:
     last = LastRecords()
-    assert last.dense_differs("site", torch.ones(4), 16)
+    assert _differs(last, "site", torch.ones(4))
     assert last.differs("site", None)
-    assert last.dense_differs("site", torch.ones(4), 16)  # nothing to compare it with
+    assert _differs(last, "site", torch.ones(4))  # nothing to compare it with
+
+
+def test_a_value_that_repeated_is_compared_before_it_is_copied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    copies: list[torch.Tensor] = []
+
+    def counted(value: torch.Tensor) -> torch.Tensor:
+        copies.append(value)
+        return dense_clone(value)
+
+    monkeypatch.setattr(vartrace.staging.dense, "dense_clone", counted)
+    last = LastRecords()
+    ones, zeros = torch.ones(2, 3), torch.zeros(2, 3)
+    verdicts = [_differs(last, "site", value) for value in [ones, ones, ones, ones]]
+    assert verdicts == [True, False, False, False]
+    assert len(copies) == 2  # the first record, and the first repeat, compared by its copy
+    assert _differs(last, "site", zeros)  # compared as it lies: it differs, then copied
+    assert len(copies) == 3
+    assert [_differs(last, "site", zeros) for _ in range(3)] == [False, False, False]
+    assert len(copies) == 4  # a new record: compared by its copy until it repeats
+    # A value not contiguous, or whose bytes are not its values, is compared by its copy.
+    assert not _differs(last, "site", torch.zeros(3, 2).t())
+    assert not _differs(last, "site", torch._efficientzerotensor(2, 3))  # no bytes at all
+    negated = torch._neg_view(torch.zeros(2, 3))  # the bytes of +0.0, the values -0.0
+    assert negated.is_contiguous() and negated.data_ptr()
+    assert _differs(last, "site", negated)
+    assert len(copies) == 7
+    minus = torch.full((2, 3), -0.0)
+    assert not _differs(last, "site", minus)
+    assert not _differs(last, "site", minus)
+    assert len(copies) == 8
+    # The bytes of +0.0 as they lie, in a view whose values are -0.0 as the last record's.
+    assert not _differs(last, "site", torch._neg_view(torch.zeros(2, 3)))
+    assert len(copies) == 9
+    assert not _differs(last, "site", minus)
+    assert len(copies) == 9
 
 
 WITHOUT_A_COMPILER = """

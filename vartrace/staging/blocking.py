@@ -34,8 +34,9 @@ BlockingDeliver = Callable[[str, Any, int, Any, int], None]
 the record itself (on the host to compare), `nbytes` the bytes room was made for."""
 
 DeliverDense = Callable[[str, Any, int, int], None]
-"""`deliver_dense(site, record, iteration, nbytes)`: a record that is a contiguous clone of
-`nbytes` bytes of a plain dense CPU tensor, made where no room is to be made."""
+"""`deliver_dense(site, value, iteration, nbytes)`: a plain dense CPU tensor of `nbytes`
+bytes, captured where no room is to be made, to be compared and copied (unless unchanged);
+what its copy raises reaches `admit_plain`."""
 
 
 class BlockingStaging:
@@ -47,9 +48,10 @@ class BlockingStaging:
         make_room: `make_room(value) -> nbytes`, called before each copy when given:
             waits until a saver writing on a thread of its own has room for it, so
             that the step waits before the copy exists.
-        deliver_dense: `deliver_dense(site, record, iteration, nbytes)` (see
+        deliver_dense: `deliver_dense(site, value, iteration, nbytes)` (see
             `DeliverDense`), for the common record: a plain dense CPU tensor below
-            `MAP_FROM` kept on the CPU with no saver to wait for; `deliver` where not given.
+            `MAP_FROM` kept on the CPU with no saver to wait for, copied by the callee
+            (unless unchanged); a clone delivered where not given.
     """
 
     stats = None  # nothing runs apart from the caller: nothing to count
@@ -64,7 +66,7 @@ class BlockingStaging:
     ) -> None:
         self._deliver = deliver
         self._deliver_dense = deliver_dense or (
-            lambda site, record, iteration, nbytes: deliver(site, record, iteration, record, 0)
+            lambda site, value, iteration, nbytes: self._clone(site, value, iteration)
         )
         self._device = device
         self._make_room = make_room
@@ -98,21 +100,23 @@ class BlockingStaging:
         """`admit` of a tensor of type `torch.Tensor` that is no `torch.func` wrapper.
 
         The common record, a plain dense CPU tensor below `MAP_FROM` kept on the CPU
-        with no saver to wait for, is cloned here (`dense_clone`) and handed to
-        `deliver_dense` with its size, so that change detection reads no more of its
-        attributes than it compares.
+        with no saver to wait for, goes to `deliver_dense` as it is, with its size: the
+        callee compares it with the site's last record before copying it.  One whose copy
+        fails (a dtype torch cannot copy, no memory) gets `admit`'s marker.
         """
         if self._direct and value.is_cpu and value.layout is _STRIDED and not value.is_nested:
             nbytes = value.nbytes
             if nbytes < MAP_FROM:
                 try:
-                    record = dense_clone(value)
+                    self._deliver_dense(site, value, iteration, nbytes)
                 except Exception:  # a dtype torch cannot copy, no memory: admit's marker
                     self.admit(site, value, iteration)
-                    return
-                self._deliver_dense(site, record, iteration, nbytes)
                 return
         self.admit(site, value, iteration)
+
+    def _clone(self, site: str, value: torch.Tensor, iteration: int) -> None:
+        record = dense_clone(value)
+        self._deliver(site, record, iteration, record, 0)
 
     def flush(self) -> None:
         """Nothing to start: every record was delivered at admission."""

@@ -1,7 +1,7 @@
 """`Chunk`: the records since the last gather, and the state that keeping them needs.
 
 Whichever staging a tracer chose delivers every record here (`Chunk.keep`, or
-`Chunk.keep_dense` for a plain dense CPU clone), in capture order: change detection
+`Chunk.keep_dense` for a plain dense CPU tensor, copied here), in capture order: change detection
 against the site's last record (`vartrace.staging.dense.LastRecords`), room made with a
 saver writing on a thread of its own, then the record appended to its site's trace
 with its order number.  The hand-over takes the traces (`take`), and puts them back
@@ -21,6 +21,7 @@ from vartrace.staging.blocking import BlockingStaging
 from vartrace.staging.dense import LastRecords
 from vartrace.staging.protocol import Staging
 from vartrace.staging.stager import Stager
+from vartrace.tensors import dense_clone
 from vartrace.trace import Trace, unstacked
 from vartrace.tracing.config import TracerConfig
 
@@ -97,12 +98,16 @@ class Chunk:
         if stats is not None:
             stats.kept += 1
 
-    def keep_dense(self, site: str, record: Any, iteration: int, nbytes: int) -> None:
-        """`keep` of `record`, a contiguous clone of `nbytes` bytes of a plain dense CPU
-        tensor, that nothing else holds, made where no saver makes room (synchronous
-        staging's common record): compared by its bytes (`LastRecords.dense_differs`)."""
-        if not self._compare or self._last.dense_differs(site, record, nbytes):
-            self._append(site, record, iteration, 0)
+    def keep_dense(self, site: str, value: Any, iteration: int, nbytes: int) -> None:
+        """`keep` of a copy of `value`, a plain dense CPU tensor of `nbytes` bytes, made
+        where no saver makes room (synchronous staging's common record): compared by its
+        bytes before it is copied, and not copied when unchanged (`LastRecords.dense_copy`).
+        What the copy raises (a dtype torch cannot copy) reaches the caller."""
+        if not self._compare:
+            record = dense_clone(value)
+        elif (record := self._last.dense_copy(site, value, nbytes)) is None:
+            return
+        self._append(site, record, iteration, 0)
 
     def _append(self, site: str, record: Any, iteration: int, nbytes: int) -> None:
         """Append `record` to `site`'s trace with the next order number."""
