@@ -103,11 +103,9 @@ class Chunk:
         where no saver makes room (synchronous staging's common record): compared by its
         bytes before it is copied, and not copied when unchanged (`LastRecords.dense_copy`).
         What the copy raises (a dtype torch cannot copy) reaches the caller."""
-        if not self._compare:
-            record = dense_clone(value)
-        elif (record := self._last.dense_copy(site, value, nbytes)) is None:
-            return
-        self._append(site, record, iteration, 0)
+        record = self._last.dense_copy(site, value, nbytes) if self._compare else dense_clone(value)
+        if record is not None:
+            self._append(site, record, iteration, 0)
 
     def _append(self, site: str, record: Any, iteration: int, nbytes: int) -> None:
         """Append `record` to `site`'s trace with the next order number."""
