@@ -115,12 +115,13 @@ class Chunk:
             order = self._order = self._order + 1
             self.bytes += nbytes
             trace = self.traces.get(site)
-            if trace is None:
-                trace = self.traces[site] = Trace()
-            trace.values.append(record)  # Trace.append, without its call
-            trace.iterations.append(iteration)
-            trace.ranks.append(self.rank)
-            trace.order.append(order)
+            if trace is None:  # the site's first record since the last gather
+                self.traces[site] = Trace([record], [iteration], [self.rank], [order])
+            else:
+                trace.values.append(record)  # Trace.append, without its call
+                trace.iterations.append(iteration)
+                trace.ranks.append(self.rank)
+                trace.order.append(order)
         finally:
             lock.release()
 
