@@ -322,9 +322,9 @@ class FrameCore:
     (`callee`: as a function a traced method calls);
     `run` calls `function` and returns `(result, snapshot)`, where
     `snapshot` maps each name in `names` still bound at return to its
-    value (`None` if the call was not observed, which cannot happen for a
-    plain Python method).  `callees` maps the code of each function to
-    watch inside the call to its `Callee`.
+    value, and may map the frame's other locals too (`None` if the call was
+    not observed, which cannot happen for a plain Python method).  `callees`
+    maps the code of each function to watch inside the call to its `Callee`.
     """
 
     name = "abstract"
@@ -398,7 +398,7 @@ class SettraceCore(FrameCore):
             if sys.gettrace() is find:  # the frame was never found: this is still installed
                 sys.settrace(None)
             caller = None  # no cycle through the closure to this frame
-        return result, _variables(found.pop(), names) if found else None
+        return result, found.pop().f_locals if found else None  # (names among them)
 
 
 def _run_chained(code, names, every, on_line, function, args, kwargs, callees):  # type: ignore[no-untyped-def]

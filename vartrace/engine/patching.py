@@ -486,7 +486,13 @@ class _Patch:
                 if snapshot:
                     for selector in hook.probe.exit:
                         value = snapshot.get(selector.variable, _MISSING)  # type: ignore[arg-type]
-                        if value is not _MISSING:
+                        if value is _MISSING:
+                            continue
+                        # Selector.emit's common case (its subclasses emit otherwise).
+                        plain = type(selector) is Selector and selector.whole
+                        if plain and type(value) in leaf_types:
+                            hook.sink(selector.key, value, selector.grad)
+                        else:
                             selector.emit(value, hook.sink, None)
                 return result
             one: list[tuple[Hook, set[str] | None]] = (
