@@ -8,7 +8,8 @@ Python, with or without torch installed:
 * `structures` splits captured values into leaves;
 * `frames` reads a running method's locals
   (`sys.monitoring` on Python >= 3.12, `sys.settrace` before);
-* `patching` patches methods of single objects.
+* `patching` patches methods of single objects;
+* `arguments` binds a patched call's arguments to parameter names.
 """
 
 from vartrace.engine.code import MethodInfo, methods_of

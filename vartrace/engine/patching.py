@@ -36,7 +36,7 @@ from typing import Any
 
 import wrapt
 
-from vartrace._support.warnings import warn
+from vartrace.engine.arguments import ArgumentBinder
 from vartrace.engine.frames import Callee, FrameCore, default_core
 from vartrace.engine.paths import Pattern, States
 from vartrace.engine.structures import is_leaf, leaf_types, select
@@ -201,79 +201,6 @@ class Hook:
         self.calls = 0
 
 
-class _Binder:
-    """Maps a call's arguments to the names of the traced function's parameters.
-
-    Those are the names sites use (`forward.x`), read from the function behind
-    decorators.  A decorator whose own signature differs (a `functools.wraps`
-    wrapper that takes a keyword of its own) is checked with its signature, the
-    one the call is made with; the arguments the traced function's signature
-    cannot bind are left out, once with a warning, never with an error: a call
-    that neither signature accepts raises its own `TypeError` when it runs.
-    """
-
-    __slots__ = ("_called", "_positional", "_signature", "_warned", "name")
-
-    def __init__(self, bound_method: Callable[..., Any], name: str) -> None:
-        self.name = name
-        self._signature = inspect.signature(bound_method)
-        called = inspect.signature(bound_method, follow_wrapped=False)
-        self._called = None if called == self._signature else called
-        params = list(self._signature.parameters.values())
-        simple = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
-        self._positional = tuple(p.name for p in params) if simple else None
-        self._warned = False
-
-    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        names = self._positional
-        if names is not None and not kwargs and len(args) == len(names):
-            return dict(zip(names, args, strict=True))
-        try:
-            bound = self._signature.bind(*args, **kwargs)
-        except TypeError:
-            return self._partial(args, kwargs)
-        bound.apply_defaults()
-        return dict(bound.arguments)
-
-    def _partial(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The arguments of a call that the traced function's signature does not accept
-        but a decorator's does: positional ones in order, keywords by name."""
-        if self._called is None:
-            return {}  # the call fails as it runs
-        try:
-            self._called.bind(*args, **kwargs)
-        except TypeError:
-            return {}
-        params = list(self._signature.parameters.values())
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        arguments: dict[str, Any] = {p.name: a for p, a in zip(positional, args, strict=False)}
-        by_name = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        arguments.update((k, v) for k, v in kwargs.items() if k in by_name and k not in arguments)
-        for p in params:
-            if p.name not in arguments and p.default is not p.empty:
-                arguments[p.name] = p.default
-        if not self._warned:
-            self._warned = True
-            left = sorted(k for k in kwargs if k not in by_name)
-            if len(args) > len(positional):
-                left.append(f"{len(args) - len(positional)} more positional")
-            plain = self._called.replace(return_annotation=inspect.Signature.empty)
-            own = self._signature.replace(return_annotation=inspect.Signature.empty)
-            warn(
-                f"vartrace: {self.name} is called through a decorator whose signature "
-                f"{plain} differs from the traced function's {own}: its arguments are read "
-                "by position and name"
-                + (
-                    f"; those the function does not take ({', '.join(left)}) are not recorded"
-                    if left
-                    else ""
-                ),
-                UserWarning,
-                stacklevel=5,
-            )
-        return arguments
-
-
 class _Wrapper(wrapt.FunctionWrapper):
     """A patched method; a copy or pickle of it is of the untraced method (of the copy).
 
@@ -386,7 +313,7 @@ class _Patch:
         self.at_return: Hook | None = None  # the one hook, when it reads locals at return only
         self.original = vars(instance).get(name, _MISSING)
         bound = getattr(instance, name)
-        self.binder = _Binder(bound, f"{type(instance).__name__}.{name}")
+        self.binder = ArgumentBinder(bound, f"{type(instance).__name__}.{name}")
         self.frame_names: tuple[str, ...] = ()
         self.every_names: tuple[str, ...] = ()
         self.callees: dict[CodeType, tuple[tuple[str, ...], tuple[str, ...]]] = {}
