@@ -64,6 +64,9 @@ Snapshot = Callable[[Any], Any]
 Unchanged = Callable[[Any, Any], bool]
 _MISSING = object()
 _MAX_DECORATOR_FRAMES = 8
+# Whether a frame's `f_locals` is a dict of its own: from 3.13 (PEP 667) it is a proxy
+# that holds the frame, whose `f_back` (the patch's frame) holds the proxy: a cycle a call.
+_LOCALS_DICT = sys.version_info < (3, 13)
 _binding = threading.local()
 
 
@@ -398,7 +401,11 @@ class SettraceCore(FrameCore):
             if sys.gettrace() is find:  # the frame was never found: this is still installed
                 sys.settrace(None)
             caller = None  # no cycle through the closure to this frame
-        return result, found.pop().f_locals if found else None  # (names among them)
+        if not found:
+            return result, None
+        if _LOCALS_DICT:  # the finished frame's own dict of its locals (names among them)
+            return result, found.pop().f_locals
+        return result, _variables(found.pop(), names)
 
 
 def _run_chained(code, names, every, on_line, function, args, kwargs, callees):  # type: ignore[no-untyped-def]
