@@ -40,6 +40,9 @@ class ArgumentBinder:
         self._warned = False
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Parameter name -> argument of one call, defaults filled in:
+        `binder.bind((x,), {})` of `forward(self, x, mask=None)` bound to a module gives
+        `{"x": x, "mask": None}`."""
         names = self._positional
         if names is not None and not kwargs and len(args) == len(names):
             return dict(zip(names, args, strict=True))
