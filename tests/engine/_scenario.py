@@ -2,7 +2,7 @@
 
 ``python tests/engine/_scenario.py CORE [debug] [every]`` traces
 ``Worker.step`` (``y`` at return, and ``acc`` on every line with ``every``)
-under the frame core ``CORE`` (``settrace`` or ``monitoring``), calls it
+under the frame core ``CORE`` (``settrace``, ``settrace-python`` or ``monitoring``), calls it
 twice, and prints one JSON line ``RECORDS {...}``: what was captured, and
 the trace function and ``sys.monitoring`` tools in place at the end.  With
 ``debug`` the method calls ``breakpoint()`` on its first call;
@@ -45,7 +45,10 @@ def _selector(variable: str) -> Selector:
 
 
 def main(core: str, debug: bool, every: bool) -> None:
-    set_core(SettraceCore() if core == "settrace" else MonitoringCore())
+    if core == "monitoring":
+        set_core(MonitoringCore())
+    else:  # "settrace", or "settrace-python": its common case in Python, not in C
+        set_core(SettraceCore(compiled=core == "settrace"))
     records: dict[str, list[Any]] = {}
 
     def sink(site: str, value: Any, grad: bool) -> None:

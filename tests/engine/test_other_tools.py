@@ -17,7 +17,8 @@ import pytest
 from tests._env import ROOT, child_env
 
 SCENARIO = Path(__file__).with_name("_scenario.py")
-FRAME_CORES = ["settrace"] + (["monitoring"] if hasattr(sys, "monitoring") else [])
+FRAME_CORES = ["settrace", "settrace-python"]
+FRAME_CORES += ["monitoring"] if hasattr(sys, "monitoring") else []
 COVERAGE_CORES = ["ctrace", "pytrace"] + (["sysmon"] if hasattr(sys, "monitoring") else [])
 EXPECTED = {"step.y": [60, 30]}
 EXPECTED_EVERY = {"step.acc": [0, 1, 3, 6, 0, 1, 3], "step.y": [60, 30]}

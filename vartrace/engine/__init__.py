@@ -7,7 +7,8 @@ Python, with or without torch installed:
 * `code` reads methods, arguments and locals from classes;
 * `structures` splits captured values into leaves;
 * `frames` reads a running method's locals
-  (`sys.monitoring` on Python >= 3.12, `sys.settrace` before);
+  (`sys.monitoring` on Python >= 3.12, `sys.settrace` before, its common
+  case in C: `settrace.c`);
 * `patching` patches methods of single objects;
 * `arguments` binds a patched call's arguments to parameter names.
 """

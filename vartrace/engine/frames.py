@@ -44,9 +44,11 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from types import CodeType, FrameType, FunctionType
 from typing import Any
 
+from vartrace._support.native import load
 from vartrace._support.warnings import warn
 
 __all__ = [
@@ -363,9 +365,23 @@ class SettraceCore(FrameCore):
     was installed (a debugger, coverage.py), which also stays in charge of what
     the method's own code does: a debugger started inside it (`breakpoint()`)
     keeps running after the method returns.
+
+    The common case (no other tool traces, only the returned frame is read) runs
+    through a C trace function (`settrace.c`) where it can be built on this machine
+    (`compiled=True`, from the first `arm`); the same in Python otherwise.
     """
 
     name = "settrace"
+
+    def __init__(self, *, compiled: bool = True) -> None:
+        self._compiled = compiled
+        self._find: Callable[..., tuple[Any, dict[str, Any] | None]] | None = None
+
+    def arm(self, code: CodeType, lines: bool, callee: bool = False) -> None:
+        if self._compiled and self._find is None:  # built before the first traced call
+            module = load(Path(__file__).with_name("settrace.c"), "vartrace_settrace")
+            self._compiled = module is not None
+            self._find = None if module is None else module.find
 
     def run(
         self,
@@ -378,11 +394,17 @@ class SettraceCore(FrameCore):
         kwargs: dict[str, Any],
         callees: Mapping[CodeType, Callee] | None = None,
     ) -> tuple[Any, dict[str, Any] | None]:
+        if self._find is not None and not (every or callees):
+            # The common case in C: no other tool traces (else None), only the returned
+            # frame's locals are read.
+            answer = self._find(code, names, function, args, kwargs)
+            if answer is not None:
+                return answer
         if every or callees or sys.gettrace() is not None:
             return _run_chained(code, names, every, on_line, function, args, kwargs, callees)
-        # The common case, written out: no other tool traces, and only the returned frame's
-        # locals are read.  A closure finds the frame and uninstalls itself (a closure
-        # costs about a third less a call than _ChainedTracer's bound __call__).
+        # The same in Python, written out.
+        # A closure finds the frame and uninstalls itself (a closure costs about a third
+        # less a call than _ChainedTracer's bound __call__).
         caller: FrameType | None = sys._getframe()
         found: list[FrameType] = []
 

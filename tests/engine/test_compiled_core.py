@@ -1,0 +1,87 @@
+"""The settrace core's common case in C (`vartrace/engine/settrace.c`), and its fallback.
+
+Every core test runs under the compiled core (`settrace`) and the Python one
+(`settrace-python`, see conftest.py); these check that the compiled one is the one a
+tracer gets wherever it can be built, and the Python one where it cannot.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+from vartrace.engine.frames import SettraceCore
+
+
+def _body(x: int) -> int:
+    doubled = x * 2
+    return doubled + 1
+
+
+def _can_build() -> bool:
+    """Whether this machine has what `vartrace._support.native` builds C modules with."""
+    command = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    headers = Path(sysconfig.get_paths()["include"], "Python.h")
+    return bool(command) and shutil.which(command[0]) is not None and headers.exists()
+
+
+def test_the_settrace_core_finds_frames_in_c_where_it_can_be_built() -> None:
+    core = SettraceCore()
+    core.arm(_body.__code__, False)
+    assert (core._find is not None) is _can_build()
+    result, snapshot = core.run(_body.__code__, ("doubled",), (), None, _body, (4,), {})
+    assert result == 9
+    assert snapshot is not None and snapshot["doubled"] == 8
+    assert sys.gettrace() is None
+
+
+def test_under_another_trace_function_the_compiled_core_chains_to_it() -> None:
+    events: list[str] = []
+
+    def other(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is _body.__code__:
+            events.append(event)
+        return other
+
+    core = SettraceCore()
+    core.arm(_body.__code__, False)
+    sys.settrace(other)
+    try:
+        result, snapshot = core.run(_body.__code__, ("doubled",), (), None, _body, (1,), {})
+    finally:
+        installed = sys.gettrace()
+        sys.settrace(None)
+    assert installed is other  # still the other tool's, which saw the whole call
+    assert (result, snapshot and snapshot["doubled"]) == (3, 2)
+    assert events[0] == "call" and events[-1] == "return" and "line" in events
+
+
+WITHOUT_A_COMPILER = """
+from vartrace.engine.frames import SettraceCore
+def body(x):
+    doubled = x * 2
+    return doubled
+core = SettraceCore()
+core.arm(body.__code__, False)
+print(core._find, core.run(body.__code__, ("doubled",), (), None, body, (5,), {})[1]["doubled"])
+"""
+
+
+def test_without_a_compiler_the_settrace_core_finds_frames_in_python(tmp_path: Path) -> None:
+    env = {**os.environ, "CC": str(tmp_path / "no-cc"), "XDG_CACHE_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_A_COMPILER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "10"]
+    assert not list(tmp_path.rglob("*.so"))
