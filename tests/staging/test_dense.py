@@ -7,13 +7,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import vartrace.staging.dense
 from vartrace._support import memory, native
-from vartrace.staging.dense import DenseCopy, LastRecords
+from vartrace.staging.dense import COPIED_AS_BYTES, DenseCopy, LastRecords
 from vartrace.tensors import dense_clone, same
 
 
@@ -73,6 +74,34 @@ def test_the_compiled_comparison_replaces_ctypes_where_it_can_be_built() -> None
     assert memory.memcmp(a.data_ptr(), b.data_ptr(), 999 * 4) == 0
 
 
+@pytest.mark.parametrize("nbytes", [0, 1, 127, 128, 129, 4096 + 37, 3 << 20])
+def test_the_compiled_copy_copies_exactly_the_bytes_asked_for(nbytes: int) -> None:
+    memory.build_memcmp()
+    if memory.memcpy is None:
+        pytest.skip("no compiler here: records are copied by torch")
+    source = torch.randint(0, 256, (nbytes + 64,), dtype=torch.uint8)
+    destination = torch.zeros(nbytes + 64, dtype=torch.uint8)
+    memory.memcpy(destination.data_ptr() + 32, source.data_ptr() + 32, nbytes)
+    assert torch.equal(destination[32 : 32 + nbytes], source[32 : 32 + nbytes])
+    assert not destination[:32].any() and not destination[32 + nbytes :].any()
+
+
+@pytest.mark.parametrize("dtype", sorted(COPIED_AS_BYTES, key=str))
+def test_a_record_copied_as_its_bytes_is_an_independent_plain_copy(dtype: torch.dtype) -> None:
+    last = LastRecords()
+    weight = torch.ones(5, 7, requires_grad=dtype.is_floating_point and dtype.itemsize > 1)
+    value = (weight * 3).to(dtype)[1:]  # a view past its storage's start, maybe in autograd
+    record = last.dense_copy("site", value, value.nbytes)
+    assert record is not None and type(record) is torch.Tensor
+    assert record.dtype == dtype and record.shape == value.shape and record.is_contiguous()
+    assert not record.requires_grad and record.grad_fn is None
+    assert torch.equal(record.view(torch.uint8), value.detach().view(torch.uint8))
+    with torch.no_grad():
+        value.zero_()  # the step writes on: the record keeps what was captured
+    assert record.view(torch.uint8).any()
+    assert last.dense_copy("site", value, value.nbytes) is not None
+
+
 def test_a_last_record_resized_in_place_is_compared_as_it_is_now() -> None:
     last = LastRecords()
     record = last.dense_copy("site", torch.ones(4), 16)
@@ -105,11 +134,16 @@ def test_a_value_that_repeated_is_compared_before_it_is_copied(
 ) -> None:
     copies: list[torch.Tensor] = []
 
-    def counted(value: torch.Tensor) -> torch.Tensor:
-        copies.append(value)
-        return dense_clone(value)
+    def counted(copy: Any) -> Any:
+        def counted_copy(value: torch.Tensor) -> torch.Tensor:
+            copies.append(value)
+            return copy(value)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(vartrace.staging.dense, "dense_clone", counted)
+        return counted_copy
+
+    # Copied by torch, or into a tensor made for the copy of its bytes.
+    monkeypatch.setattr(vartrace.staging.dense, "dense_clone", counted(dense_clone))
+    monkeypatch.setattr(vartrace.staging.dense, "_empty_like", counted(torch.empty_like))
     last = LastRecords()
     ones, zeros = torch.ones(2, 3), torch.zeros(2, 3)
     verdicts = [_differs(last, "site", value) for value in [ones, ones, ones, ones]]

@@ -86,19 +86,23 @@ def _libc_memcmp() -> Callable[[int, int, int], int] | None:
 #: `None` where there is none to call.  It stops at the first differing byte, and other
 #: threads run meanwhile.  Through ctypes until `build_memcmp`; read it as `memory.memcmp`.
 memcmp = _libc_memcmp()
+#: `memcpy(destination, source, nbytes)` of the C library through the compiled module, or
+#: `None` where it cannot be built (then torch copies); read it as `memory.memcpy`.
+memcpy: Callable[[int, int, int], None] | None = None
 _memcmp_built = False
 
 
 def build_memcmp() -> None:
     """Call `memcmp` through the compiled module `bytes.c` from now on (about a tenth of
     ctypes' instructions a call; built first where no build is cached, see
-    `vartrace._support.native`), where it can be built: before any step compares."""
-    global memcmp, _memcmp_built
+    `vartrace._support.native`), and `memcpy` with it, where it can be built: before
+    any step compares."""
+    global memcmp, memcpy, _memcmp_built
     if not _memcmp_built:
         _memcmp_built = True
         module = load(Path(__file__).with_name("bytes.c"), "vartrace_bytes")
         if module is not None:
-            memcmp = module.memcmp
+            memcmp, memcpy = module.memcmp, module.memcpy
 
 
 @functools.cache
