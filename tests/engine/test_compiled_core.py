@@ -34,7 +34,7 @@ def _can_build() -> bool:
 def test_the_settrace_core_finds_frames_in_c_where_it_can_be_built() -> None:
     core = SettraceCore()
     core.arm(_body.__code__, False)
-    assert (core._find is not None) is _can_build()
+    assert (core.run_plain is not None) is _can_build()
     result, snapshot = core.run(_body.__code__, ("doubled",), (), None, _body, (4,), {})
     assert result == 9
     assert snapshot is not None and snapshot["doubled"] == 8
@@ -69,7 +69,7 @@ def body(x):
     return doubled
 core = SettraceCore()
 core.arm(body.__code__, False)
-print(core._find, core.run(body.__code__, ("doubled",), (), None, body, (5,), {})[1]["doubled"])
+print(core.run_plain, core.run(body.__code__, ("doubled",), (), None, body, (5,), {})[1]["doubled"])
 """
 
 

@@ -333,6 +333,10 @@ class FrameCore:
     """
 
     name = "abstract"
+    #: `run` without `every`, `on_line` or `callees`, where the core has a shortcut for
+    #: that common case: `run_plain(code, names, function, args, kwargs)`, which returns
+    #: `None`, calling nothing, where it cannot observe the call (then `run` does).
+    run_plain: Callable[..., tuple[Any, dict[str, Any] | None] | None] | None = None
 
     def arm(self, code: CodeType, lines: bool, callee: bool = False) -> None:
         """Start observing `code` (with line events if `lines`)."""
@@ -375,13 +379,12 @@ class SettraceCore(FrameCore):
 
     def __init__(self, *, compiled: bool = True) -> None:
         self._compiled = compiled
-        self._find: Callable[..., tuple[Any, dict[str, Any] | None]] | None = None
 
     def arm(self, code: CodeType, lines: bool, callee: bool = False) -> None:
-        if self._compiled and self._find is None:  # built before the first traced call
+        if self._compiled and self.run_plain is None:  # built before the first traced call
             module = load(Path(__file__).with_name("settrace.c"), "vartrace_settrace")
             self._compiled = module is not None
-            self._find = None if module is None else module.find
+            self.run_plain = None if module is None else module.find
 
     def run(
         self,
@@ -394,10 +397,10 @@ class SettraceCore(FrameCore):
         kwargs: dict[str, Any],
         callees: Mapping[CodeType, Callee] | None = None,
     ) -> tuple[Any, dict[str, Any] | None]:
-        if self._find is not None and not (every or callees):
+        if self.run_plain is not None and not (every or callees):
             # The common case in C: no other tool traces (else None), only the returned
             # frame's locals are read.
-            answer = self._find(code, names, function, args, kwargs)
+            answer = self.run_plain(code, names, function, args, kwargs)
             if answer is not None:
                 return answer
         if every or callees or sys.gettrace() is not None:

@@ -46,23 +46,25 @@ def _disabled(fn: Callable[..., Any]) -> Callable[..., Any] | None:
 
 
 def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` kept out of `torch.compile` graphs, importing nothing (see the module)."""
+    """`fn` kept out of `torch.compile` graphs, importing nothing (see the module); called
+    with positional arguments only."""
     disabled = _disabled(fn)
 
     # A closure, not an object with __call__: a call of each traced method goes through it.
-    def call(*args: Any, **kwargs: Any) -> Any:
+    # Positional arguments only (what wrapt and torch's module hooks pass): no dict a call.
+    def call(*args: Any) -> Any:
         nonlocal disabled
         if disabled is None:
             disabled = _disabled(fn)
             if disabled is None:
-                return fn(*args, **kwargs)
+                return fn(*args)
         # `torch.compiler.is_compiling()` without its `is_scripting()` call: dynamo reads
         # `is_dynamo_compiling()` as true while it traces, and export sets the flag.
         if (
             not (_is_dynamo_compiling() or _compiler._is_compiling_flag)
             and _frame_callback() is None
         ):
-            return fn(*args, **kwargs)
-        return disabled(*args, **kwargs)
+            return fn(*args)
+        return disabled(*args)
 
     return call
