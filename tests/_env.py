@@ -32,3 +32,16 @@ def run_script(
     )
     assert done.returncode == 0, f"exit status {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done
+
+
+def run_without_a_compiler(code: str, cache: Path) -> str:
+    """Run `code` in a fresh Python whose `$CC` names no compiler, its build cache
+    (`$XDG_CACHE_HOME`) in `cache`: it must exit with status 0 and build nothing.  Its
+    standard output."""
+    env = child_env(CC=str(cache / "no-cc"), XDG_CACHE_HOME=str(cache))
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert not list(cache.rglob("*.so"))
+    return done.stdout

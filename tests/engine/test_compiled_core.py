@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
 
+from tests._env import run_without_a_compiler
 from vartrace.engine.frames import SettraceCore
 
 
@@ -74,14 +74,4 @@ print(core.run_plain, core.run(body.__code__, ("doubled",), (), None, body, (5,)
 
 
 def test_without_a_compiler_the_settrace_core_finds_frames_in_python(tmp_path: Path) -> None:
-    env = {**os.environ, "CC": str(tmp_path / "no-cc"), "XDG_CACHE_HOME": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, "-c", WITHOUT_A_COMPILER],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["None", "10"]
-    assert not list(tmp_path.rglob("*.so"))
+    assert run_without_a_compiler(WITHOUT_A_COMPILER, tmp_path).split() == ["None", "10"]

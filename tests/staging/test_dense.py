@@ -3,9 +3,6 @@ for bit by their bytes."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +10,7 @@ import pytest
 import torch
 
 import vartrace.staging.dense
+from tests._env import run_without_a_compiler
 from vartrace._support import memory, native
 from vartrace.staging.dense import COPIED_AS_BYTES, DenseCopy, LastRecords
 from vartrace.tensors import dense_clone, same
@@ -193,14 +191,5 @@ print(type(memory.memcmp).__module__, tracer.results["forward.y"].iterations)
 def test_without_a_compiler_change_detection_calls_the_c_library_through_ctypes(
     tmp_path: Path,
 ) -> None:
-    env = {**os.environ, "CC": str(tmp_path / "no-cc"), "XDG_CACHE_HOME": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, "-c", WITHOUT_A_COMPILER],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split(maxsplit=1) == ["ctypes", "[1, 3, 5]\n"]
-    assert not list(tmp_path.rglob("*.so"))
+    output = run_without_a_compiler(WITHOUT_A_COMPILER, tmp_path)
+    assert output.split(maxsplit=1) == ["ctypes", "[1, 3, 5]\n"]

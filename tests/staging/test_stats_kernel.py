@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import vartrace
 import vartrace.statistics.kernels as kernels
 from tests import simgpu
+from tests._env import run_without_a_compiler
 from tests.tracing.test_stats import SPECIAL, assert_matches, reference, tensors
 from vartrace.statistics import compiled
 from vartrace.statistics.named import SUMMARY_FIELDS
@@ -230,13 +231,8 @@ print(compiled.available(), record[3].item())
 
 def test_without_a_compiler_statistics_come_from_the_numpy_kernel(tmp_path: Path) -> None:
     """`$CC` names no compiler: the same record, from numpy, without a warning."""
-    env = {**os.environ, "CC": str(tmp_path / "no-cc"), "XDG_CACHE_HOME": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", str(np.std(np.arange(10.0)))]
-    assert not list(tmp_path.rglob("*.so"))
+    output = run_without_a_compiler(FALLBACK, tmp_path)
+    assert output.split() == ["False", str(np.std(np.arange(10.0)))]
 
 
 @needs_compiled

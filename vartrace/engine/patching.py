@@ -407,8 +407,8 @@ class _Patch:
             if hook.on_enter is None or not hook.on_enter():
                 if not (hook.enabled and hook.captures):
                     return wrapped(*args, **kwargs)
-                plain = _core.run_plain
-                answer = plain and plain(self.code, self.frame_names, wrapped, args, kwargs)
+                run = _core.run_plain
+                answer = run and run(self.code, self.frame_names, wrapped, args, kwargs)
                 result, snapshot = answer or _core.run(
                     self.code, self.frame_names, (), None, wrapped, args, kwargs
                 )

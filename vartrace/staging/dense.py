@@ -68,24 +68,9 @@ _empty_like = torch.empty_like
 COPIED_AS_BYTES = frozenset(
     getattr(torch, name)
     for name in (
-        "bool",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "float8_e4m3fn",
-        "float8_e4m3fnuz",
-        "float8_e5m2",
-        "float8_e5m2fnuz",
-    )
+        "bool uint8 int8 int16 int32 int64 uint16 uint32 uint64 float16 bfloat16 float32 "
+        "float64 float8_e4m3fn float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz"
+    ).split()
     if hasattr(torch, name)
 )
 
