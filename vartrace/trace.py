@@ -44,6 +44,9 @@ __all__ = [
 _Tags: TypeAlias = "Sequence[int] | torch.Tensor | np.ndarray"
 
 
+_new = object.__new__
+
+
 class Trace:
     """The records of one site.
 
@@ -82,6 +85,18 @@ class Trace:
         self.order: Any = [] if order is None else order
         self.shapes: Any = shapes
         self.placement: Placement | None = None
+
+    @classmethod
+    def _first(cls, value: Any, iteration: int, rank: int, order: int) -> Trace:
+        """`Trace([value], [iteration], [rank], [order])` for about half the instructions
+        (a site's first record of each gather makes one)."""
+        trace: Trace = _new(cls)
+        trace.values = [value]
+        trace.iterations = [iteration]
+        trace.ranks = [rank]
+        trace.order = [order]
+        trace.shapes = trace.placement = None
+        return trace
 
     def __len__(self) -> int:
         return len(self.iterations)

@@ -12,7 +12,7 @@ import torch
 import vartrace.staging.dense
 from tests._env import run_without_a_compiler
 from vartrace._support import memory, native
-from vartrace.staging.dense import COPIED_AS_BYTES, DenseCopy, LastRecords
+from vartrace.staging.dense import COPIED_AS_BYTES, DenseCopy, LastRecords, plain_copy
 from vartrace.tensors import dense_clone, same
 
 
@@ -84,11 +84,20 @@ def test_the_compiled_copy_copies_exactly_the_bytes_asked_for(nbytes: int) -> No
     assert not destination[:32].any() and not destination[32 + nbytes :].any()
 
 
+@pytest.mark.parametrize("compared", [True, False], ids=["compared", "not-compared"])
 @pytest.mark.parametrize("dtype", sorted(COPIED_AS_BYTES, key=str))
-def test_a_record_copied_as_its_bytes_is_an_independent_plain_copy(dtype: torch.dtype) -> None:
+def test_a_record_copied_as_its_bytes_is_an_independent_plain_copy(
+    dtype: torch.dtype, compared: bool
+) -> None:
     last = LastRecords()
     weight = torch.ones(5, 7, requires_grad=dtype.is_floating_point and dtype.itemsize > 1)
     value = (weight * 3).to(dtype)[1:]  # a view past its storage's start, maybe in autograd
+    if not compared:  # change_detection=False
+        value = torch._neg_view(value) if dtype == torch.float32 else value  # not its bytes
+        record = plain_copy(value, value.nbytes)
+        assert torch.equal(record, value.detach()) and not record.is_neg()
+        assert not record.requires_grad and record.data_ptr() != value.data_ptr()
+        return
     record = last.dense_copy("site", value, value.nbytes)
     assert record is not None and type(record) is torch.Tensor
     assert record.dtype == dtype and record.shape == value.shape and record.is_contiguous()

@@ -40,7 +40,7 @@ import torch
 from vartrace._support import memory
 from vartrace.tensors import NOT_BYTEWISE, dense_clone, same
 
-__all__ = ["COPIED_AS_BYTES", "DenseCopy", "LastRecords"]
+__all__ = ["COPIED_AS_BYTES", "DenseCopy", "LastRecords", "plain_copy"]
 
 _MISSING = object()
 
@@ -67,12 +67,30 @@ _empty_like = torch.empty_like
 #: their marker from torch's copy.)
 COPIED_AS_BYTES = frozenset(
     getattr(torch, name)
-    for name in (
+    for name in (  # noqa: SIM905 (the names on two lines, not seventeen)
         "bool uint8 int8 int16 int32 int64 uint16 uint32 uint64 float16 bfloat16 float32 "
         "float64 float8_e4m3fn float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz"
     ).split()
     if hasattr(torch, name)
 )
+
+
+def plain_copy(value: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """A contiguous copy of `value`, a plain dense CPU tensor of `nbytes` bytes: its bytes
+    copied into a tensor made for them where they are its values, else torch's clone (a
+    record kept without change detection)."""
+    memcpy = memory.memcpy
+    if (
+        memcpy is None
+        or value.dtype not in COPIED_AS_BYTES
+        or not value.is_contiguous()
+        or value.is_neg()
+        or not (source := value.data_ptr())
+    ):
+        return dense_clone(value)
+    record = _empty_like(value)
+    memcpy(record.data_ptr(), source, nbytes)
+    return record
 
 
 class LastRecords:

@@ -18,10 +18,9 @@ from typing import Any
 from vartrace._support.memory import held_bytes
 from vartrace.staging import StagingStats
 from vartrace.staging.blocking import BlockingStaging
-from vartrace.staging.dense import LastRecords
+from vartrace.staging.dense import LastRecords, plain_copy
 from vartrace.staging.protocol import Staging
 from vartrace.staging.stager import Stager
-from vartrace.tensors import dense_clone
 from vartrace.trace import Trace, unstacked
 from vartrace.tracing.config import TracerConfig
 
@@ -103,7 +102,10 @@ class Chunk:
         where no saver makes room (synchronous staging's common record): compared by its
         bytes before it is copied, and not copied when unchanged (`LastRecords.dense_copy`).
         What the copy raises (a dtype torch cannot copy) reaches the caller."""
-        record = self._last.dense_copy(site, value, nbytes) if self._compare else dense_clone(value)
+        last = self._last
+        record = (
+            last.dense_copy(site, value, nbytes) if self._compare else plain_copy(value, nbytes)
+        )
         if record is not None:
             self._append(site, record, iteration, 0)
 
@@ -116,7 +118,7 @@ class Chunk:
             self.bytes += nbytes
             trace = self.traces.get(site)
             if trace is None:  # the site's first record since the last gather
-                self.traces[site] = Trace([record], [iteration], [self.rank], [order])
+                self.traces[site] = Trace._first(record, iteration, self.rank, order)
             else:
                 trace.values.append(record)  # Trace.append, without its call
                 trace.iterations.append(iteration)
