@@ -405,9 +405,8 @@ class SettraceCore(FrameCore):
                 return answer
         if every or callees or sys.gettrace() is not None:
             return _run_chained(code, names, every, on_line, function, args, kwargs, callees)
-        # The same in Python, written out.
-        # A closure finds the frame and uninstalls itself (a closure costs about a third
-        # less a call than _ChainedTracer's bound __call__).
+        # The same in Python, written out: a closure finds the frame and uninstalls itself
+        # (a closure costs about a third less a call than _ChainedTracer's bound __call__).
         caller: FrameType | None = sys._getframe()
         found: list[FrameType] = []
 

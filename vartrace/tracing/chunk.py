@@ -100,12 +100,13 @@ class Chunk:
     def keep_dense(self, site: str, value: Any, iteration: int, nbytes: int) -> None:
         """`keep` of a copy of `value`, a plain dense CPU tensor of `nbytes` bytes, made
         where no saver makes room (synchronous staging's common record): compared by its
-        bytes before it is copied, and not copied when unchanged (`LastRecords.dense_copy`).
-        What the copy raises (a dtype torch cannot copy) reaches the caller."""
-        last = self._last
-        record = (
-            last.dense_copy(site, value, nbytes) if self._compare else plain_copy(value, nbytes)
-        )
+        bytes before it is copied, and not copied when unchanged (`LastRecords.dense_copy`;
+        `plain_copy` without change detection).  What the copy raises (a dtype torch cannot
+        copy) reaches the caller."""
+        if self._compare:
+            record = self._last.dense_copy(site, value, nbytes)
+        else:
+            record = plain_copy(value, nbytes)
         if record is not None:
             self._append(site, record, iteration, 0)
 
