@@ -16,20 +16,32 @@
 
 #define RELEASE_FROM (1 << 20)
 
+/* The arguments `(a, b, n)` of both functions, named `call` in errors: two addresses
+   (not null where n > 0) and a size; 0 on success, -1 with an error set. */
+static int addresses(const char *call, PyObject *const *args, Py_ssize_t nargs, void **a,
+                     void **b, Py_ssize_t *n) {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "%s takes 3 arguments", call);
+        return -1;
+    }
+    *a = PyLong_AsVoidPtr(args[0]);
+    *b = PyLong_AsVoidPtr(args[1]);
+    *n = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    if (*n < 0 || (*n > 0 && (*a == NULL || *b == NULL))) {
+        PyErr_Format(PyExc_ValueError, "%s: a negative size or a null address", call);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_memcmp(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "memcmp(a, b, n) takes 3 arguments");
-        return NULL;
-    }
-    void *a = PyLong_AsVoidPtr(args[0]);
-    void *b = PyLong_AsVoidPtr(args[1]);
-    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
-    if (PyErr_Occurred()) {
-        return NULL;
-    }
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "memcmp: a negative size");
+    void *a, *b;
+    Py_ssize_t n;
+    if (addresses("memcmp(a, b, n)", args, nargs, &a, &b, &n) < 0) {
         return NULL;
     }
     int order;
@@ -86,18 +98,9 @@ static void copy(char *destination, const char *source, size_t n) {
 
 static PyObject *py_memcpy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "memcpy(destination, source, n) takes 3 arguments");
-        return NULL;
-    }
-    void *destination = PyLong_AsVoidPtr(args[0]);
-    void *source = PyLong_AsVoidPtr(args[1]);
-    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
-    if (PyErr_Occurred()) {
-        return NULL;
-    }
-    if (n < 0 || (n > 0 && (destination == NULL || source == NULL))) {
-        PyErr_SetString(PyExc_ValueError, "memcpy: a negative size or a null address");
+    void *destination, *source;
+    Py_ssize_t n;
+    if (addresses("memcpy(destination, source, n)", args, nargs, &destination, &source, &n) < 0) {
         return NULL;
     }
     if (n < RELEASE_FROM) {
