@@ -2,7 +2,7 @@
 
 ``python tests/engine/_scenario.py CORE [debug] [every]`` traces
 ``Worker.step`` (``y`` at return, and ``acc`` on every line with ``every``)
-under the frame core ``CORE`` (``settrace``, ``settrace-python`` or ``monitoring``), calls it
+under the frame core ``CORE`` (a name of ``tests/engine/_cores.py``), calls it
 twice, and prints one JSON line ``RECORDS {...}``: what was captured, and
 the trace function and ``sys.monitoring`` tools in place at the end.  With
 ``debug`` the method calls ``breakpoint()`` on its first call;
@@ -16,8 +16,8 @@ import json
 import sys
 from typing import Any
 
+from tests.engine._cores import CORES
 from vartrace.engine import Hook, Probe, Selector, attach, detach, methods_of, parse, set_core
-from vartrace.engine.frames import MonitoringCore, SettraceCore
 
 AFTER_CALL = 'outcome = "after"'
 
@@ -45,10 +45,7 @@ def _selector(variable: str) -> Selector:
 
 
 def main(core: str, debug: bool, every: bool) -> None:
-    if core == "monitoring":
-        set_core(MonitoringCore())
-    else:  # "settrace", or "settrace-python": its common case in Python, not in C
-        set_core(SettraceCore(compiled=core == "settrace"))
+    set_core(CORES[core]())
     records: dict[str, list[Any]] = {}
 
     def sink(site: str, value: Any, grad: bool) -> None:

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
+from tests.engine._cores import CORES
 from vartrace.engine import patching
-from vartrace.engine.frames import FrameCore, MonitoringCore, SettraceCore
-
-#: Each frame core by name; the settrace core's common case in C (where it builds) and in Python.
-CORES: dict[str, Callable[[], FrameCore]] = {
-    "settrace": SettraceCore,
-    "settrace-python": functools.partial(SettraceCore, compiled=False),
-    **({"monitoring": MonitoringCore} if hasattr(sys, "monitoring") else {}),
-}
+from vartrace.engine.frames import FrameCore
 
 
 @pytest.fixture(params=list(CORES))

@@ -1,8 +1,9 @@
-"""The settrace core's common case in C (`vartrace/engine/settrace.c`), and its fallback.
+"""The frame cores' common case in C (`vartrace/engine/frames/cores.c`), and its fallback.
 
-Every core test runs under the compiled core (`settrace`) and the Python one
-(`settrace-python`, see conftest.py); these check that the compiled one is the one a
-tracer gets wherever it can be built, and the Python one where it cannot.
+Every core test runs under each core's compiled common case (`settrace`, `monitoring`)
+and its Python one (`settrace-python`, `monitoring-python`, see `_cores.py`); these
+check that the compiled one is the one a tracer gets wherever it can be built, and the
+Python one where it cannot.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests._env import run_without_a_compiler
-from vartrace.engine.frames import SettraceCore
+from vartrace.engine.frames import FrameCore, MonitoringCore, SettraceCore
+
+COMPILED = [SettraceCore] + ([MonitoringCore] if hasattr(sys, "monitoring") else [])
 
 
 def _body(x: int) -> int:
@@ -31,11 +36,15 @@ def _can_build() -> bool:
     return bool(command) and shutil.which(command[0]) is not None and headers.exists()
 
 
-def test_the_settrace_core_finds_frames_in_c_where_it_can_be_built() -> None:
-    core = SettraceCore()
+@pytest.mark.parametrize("make", COMPILED, ids=lambda make: make.name)
+def test_a_core_finds_frames_in_c_where_it_can_be_built(make: type[FrameCore]) -> None:
+    core = make()
     core.arm(_body.__code__, False)
-    assert (core.run_plain is not None) is _can_build()
-    result, snapshot = core.run(_body.__code__, ("doubled",), (), None, _body, (4,), {})
+    try:
+        assert (core.run_plain is not None) is _can_build()
+        result, snapshot = core.run(_body.__code__, ("doubled",), (), None, _body, (4,), {})
+    finally:
+        core.disarm(_body.__code__, False)
     assert result == 9
     assert snapshot is not None and snapshot["doubled"] == 8
     assert sys.gettrace() is None
@@ -63,15 +72,20 @@ def test_under_another_trace_function_the_compiled_core_chains_to_it() -> None:
 
 
 WITHOUT_A_COMPILER = """
-from vartrace.engine.frames import SettraceCore
+from vartrace.engine.frames import {core}
 def body(x):
     doubled = x * 2
     return doubled
-core = SettraceCore()
+core = {core}()
 core.arm(body.__code__, False)
-print(core.run_plain, core.run(body.__code__, ("doubled",), (), None, body, (5,), {})[1]["doubled"])
+result, snapshot = core.run(body.__code__, ("doubled",), (), None, body, (5,), {{}})
+print(core.run_plain, snapshot["doubled"])
 """
 
 
-def test_without_a_compiler_the_settrace_core_finds_frames_in_python(tmp_path: Path) -> None:
-    assert run_without_a_compiler(WITHOUT_A_COMPILER, tmp_path).split() == ["None", "10"]
+@pytest.mark.parametrize("make", COMPILED, ids=lambda make: make.name)
+def test_without_a_compiler_a_core_finds_frames_in_python(
+    make: type[FrameCore], tmp_path: Path
+) -> None:
+    script = WITHOUT_A_COMPILER.format(core=make.__name__)
+    assert run_without_a_compiler(script, tmp_path).split() == ["None", "10"]

@@ -57,8 +57,7 @@ class Recorder:
 @pytest.fixture
 def content_change_test() -> Iterator[None]:
     """``@every`` compares contents (as the torch edge sets it), restored afterwards."""
-    previous = frames._change_test
-    frames.set_change_test(copy.deepcopy, lambda old, new: old == new)
+    previous = frames.set_change_test(copy.deepcopy, lambda old, new: old == new)
     yield
     frames.set_change_test(*previous)
 

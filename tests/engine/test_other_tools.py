@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from tests._env import ROOT, child_env
+from tests.engine._cores import CORES
 
 SCENARIO = Path(__file__).with_name("_scenario.py")
-FRAME_CORES = ["settrace", "settrace-python"]
-FRAME_CORES += ["monitoring"] if hasattr(sys, "monitoring") else []
+FRAME_CORES = list(CORES)
 COVERAGE_CORES = ["ctrace", "pytrace"] + (["sysmon"] if hasattr(sys, "monitoring") else [])
 EXPECTED = {"step.y": [60, 30]}
 EXPECTED_EVERY = {"step.acc": [0, 1, 3, 6, 0, 1, 3], "step.y": [60, 30]}

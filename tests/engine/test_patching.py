@@ -149,8 +149,9 @@ def test_every_records_each_new_value(core: FrameCore) -> None:
 @pytest.fixture
 def content_change_test() -> Iterator[None]:
     """``@every`` compares contents (as the torch edge sets it), restored afterwards."""
-    previous = frames._change_test
-    frames.set_change_test(copy.deepcopy, lambda old, new: type(old) is type(new) and old == new)
+    previous = frames.set_change_test(
+        copy.deepcopy, lambda old, new: type(old) is type(new) and old == new
+    )
     yield
     frames.set_change_test(*previous)
 

@@ -7,8 +7,8 @@ Python, with or without torch installed:
 * `code` reads methods, arguments and locals from classes;
 * `structures` splits captured values into leaves;
 * `frames` reads a running method's locals
-  (`sys.monitoring` on Python >= 3.12, `sys.settrace` before, its common
-  case in C: `settrace.c`);
+  (`sys.monitoring` on Python >= 3.12, `sys.settrace` before; each core's
+  common case in C: `frames/cores.c`);
 * `patching` patches methods of single objects;
 * `arguments` binds a patched call's arguments to parameter names.
 """
