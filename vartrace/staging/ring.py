@@ -36,20 +36,18 @@ __all__ = ["HostRing"]
 
 _ALIGN = 256  # bytes: every slot starts at a multiple of this
 _SEGMENT = 256 << 20  # bytes of one segment, unless the capacity is smaller
+_BOOKKEEPING = 64 << 10  # bytes of the segment of the stager's own small tensors
 
 
 class _Segment:
     """One host buffer, and its free byte ranges (sorted, disjoint, coalesced)."""
 
-    __slots__ = ("array", "base", "end", "free_ends", "free_starts", "tensor")
+    __slots__ = ("array", "free_ends", "free_starts")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.array: np.ndarray = tensor.numpy()
-        self.base = tensor.data_ptr()
-        self.end = self.base + tensor.nbytes
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array  # bytes of a host tensor (a numpy view holds the tensor)
         self.free_starts = [0]
-        self.free_ends = [tensor.nbytes]
+        self.free_ends = [array.nbytes]
 
     def take(self, size: int) -> int | None:
         """The offset of `size` free bytes (first fit), now taken; `None` when none."""
@@ -89,6 +87,10 @@ class HostRing:
         pinned: whether the segments are pinned (`None` before the first one).
         used: bytes of slots in use now; `peak`: the most at once.
         overflows: records that found no room and got memory of their own.
+
+    The stager's own small tensors (a batch's change flags) take slots of a segment of
+    their own (`bookkeeping`), beside `capacity`: where they took a record's room, a ring
+    holding exactly the records its capacity was sized for would overflow.
     """
 
     def __init__(self, capacity: int, *, pin: bool = True) -> None:
@@ -99,6 +101,7 @@ class HostRing:
         self.overflows = 0
         self._segment_bytes = max(_ALIGN, min(_SEGMENT, capacity))
         self._segments: list[_Segment] = []
+        self._bookkeeping: _Segment | None = None
         self._allocated = 0
         self._lock = threading.Lock()  # slots return on whatever thread drops the last view
 
@@ -119,10 +122,39 @@ class HostRing:
         if place is None:
             return torch.empty(shape, dtype=dtype)
         segment, start = place
+        return self._slot(segment, start, size, nbytes, shape, dtype, counted=True)
+
+    def bookkeeping(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised small host tensor of the stager's own (a batch's change flags):
+        a slot of a segment of `_BOOKKEEPING` bytes beside the records' capacity, so that
+        it never takes a record's room; from the records' segments (`tensor`) when that
+        one has no room for it."""
+        nbytes = _numel(shape) * dtype.itemsize
+        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        with self._lock:
+            segment = self._bookkeeping or self._with_bookkeeping(0)[1]
+            start = segment.take(size) if nbytes else None
+        if start is None:
+            return self.tensor(shape, dtype)
+        return self._slot(segment, start, size, nbytes, shape, dtype, counted=False)
+
+    def _slot(
+        self,
+        segment: _Segment,
+        start: int,
+        size: int,
+        nbytes: int,
+        shape: Any,
+        dtype: torch.dtype,
+        *,
+        counted: bool,
+    ) -> torch.Tensor:
+        """The tensor viewing the slot `[start, start + size)` of `segment`, taken; it
+        returns when the tensor's last view dies (`counted`: out of `used`)."""
         # A numpy view of its own per slot: when the last tensor built on it dies, so does
         # it, and its finalizer returns the slot.
         window = segment.array[start : start + nbytes]
-        weakref.finalize(window, self._give, segment, start, size)
+        weakref.finalize(window, self._give, segment, start, size, size if counted else 0)
         return torch.from_numpy(window).view(dtype).view(shape)
 
     def _take(self, size: int) -> tuple[_Segment, int] | None:
@@ -133,12 +165,21 @@ class HostRing:
         grow = max(self._segment_bytes, size)
         if self._allocated + grow > self.capacity:
             return None
-        segment = _Segment(self._allocate(grow))
+        segment = _Segment(self._with_bookkeeping(grow)[0])
         self._segments.append(segment)
         self._allocated += grow
         start = segment.take(size)
         assert start == 0
         return segment, start
+
+    def _with_bookkeeping(self, nbytes: int) -> tuple[np.ndarray, _Segment]:
+        """`nbytes` of new host memory, and the bookkeeping segment: the first call
+        allocates it in the same buffer, after the `nbytes` (one allocation)."""
+        if self._bookkeeping is not None:
+            return self._allocate(nbytes).numpy(), self._bookkeeping
+        buffer = self._allocate(nbytes + _BOOKKEEPING).numpy()
+        self._bookkeeping = _Segment(buffer[nbytes:])
+        return buffer[:nbytes], self._bookkeeping
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if self.pinned is not False:
@@ -151,10 +192,10 @@ class HostRing:
                 return buffer
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def _give(self, segment: _Segment, start: int, size: int) -> None:
+    def _give(self, segment: _Segment, start: int, size: int, used: int) -> None:
         with self._lock:
             segment.give(start, size)
-            self.used -= size
+            self.used -= used
 
 
 def _numel(shape: Any) -> int:

@@ -535,7 +535,7 @@ class Stager:
         batch.module = module
         with module.stream(side):
             if flags:
-                batch.slot = self.ring.tensor((len(flags),), torch.bool)
+                batch.slot = self.ring.bookkeeping((len(flags),), torch.bool)
                 batch.slot.copy_(torch.stack(flags), non_blocking=True)
             batch.done = module.Event(blocking=True)
             batch.done.record(side)
