@@ -108,10 +108,9 @@ class HostRing:
     def tensor(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised host tensor of `shape` and `dtype`: a slot's view, or, when
         the ring is full, a tensor of its own (an overflow)."""
-        nbytes = _numel(shape) * dtype.itemsize
+        nbytes, size = _sizes(shape, dtype)
         if not nbytes:
             return torch.empty(shape, dtype=dtype)  # no bytes to hold
-        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
         with self._lock:
             place = self._take(size)
             if place is None:
@@ -129,8 +128,7 @@ class HostRing:
         a slot of a segment of `_BOOKKEEPING` bytes beside the records' capacity, so that
         it never takes a record's room; from the records' segments (`tensor`) when that
         one has no room for it."""
-        nbytes = _numel(shape) * dtype.itemsize
-        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        nbytes, size = _sizes(shape, dtype)
         with self._lock:
             segment = self._bookkeeping or self._with_bookkeeping(0)[1]
             start = segment.take(size) if nbytes else None
@@ -196,6 +194,12 @@ class HostRing:
         with self._lock:
             segment.give(start, size)
             self.used -= used
+
+
+def _sizes(shape: Any, dtype: torch.dtype) -> tuple[int, int]:
+    """The bytes of a tensor of `shape` and `dtype`, and of its slot (whole `_ALIGN`s)."""
+    nbytes = _numel(shape) * dtype.itemsize
+    return nbytes, max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
 
 
 def _numel(shape: Any) -> int:
